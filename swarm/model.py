@@ -1,0 +1,203 @@
+"""LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, causal SDPA), defined once as a plain nn.Module.
+
+How the model is cut into pipeline stages lives in `swarm/stages.py`; this module knows nothing
+of stages, peers or the network.
+
+Optional subspace-constrained residual stream (Protocol Models): with ``subspace_rank=k`` the
+embedding and the output projections of attention and MLP write only into span(U), where U (d×k)
+is a seeded orthonormal basis, and the embedding adds a seeded fixed token table T. The hidden
+state between any two blocks is then exactly ``h = z @ U.T + T[tok]`` with z of width k, so a
+stage boundary can ship k numbers per token plus the token id.
+
+    >>> cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=32, subspace_rank=16)
+    >>> model = Transformer(cfg)
+    >>> logits = model(torch.randint(0, 256, (2, 32)))  # (B, T, vocab)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    vocab_size: int = 256  # byte-level tokenizer
+    d_model: int = 128
+    n_layers: int = 8
+    n_heads: int = 4
+    ffn_mult: float = 8 / 3  # SwiGLU hidden = round_up(ffn_mult * d_model, 16)
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    subspace_rank: int = 0  # k; 0 = unconstrained residual stream
+    subspace_seed: int = 1234  # seeds U and T; part of the swarm identity
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}", f"must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError("n_heads", f"must divide d_model={self.d_model}, got {self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError("n_heads", "head dimension must be even for RoPE")
+        if not 0 <= self.subspace_rank <= self.d_model:
+            raise ConfigError("subspace_rank", f"must be in [0, d_model={self.d_model}], got {self.subspace_rank}")
+        if self.ffn_mult <= 0:
+            raise ConfigError("ffn_mult", f"must be positive, got {self.ffn_mult}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return 16 * math.ceil(self.ffn_mult * self.d_model / 16)
+
+
+def subspace_basis(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded orthonormal basis U (d×k) and fixed token table T (vocab×d)."""
+    g = torch.Generator().manual_seed(cfg.subspace_seed)
+    q, _ = torch.linalg.qr(torch.randn(cfg.d_model, cfg.subspace_rank, generator=g, dtype=torch.float64))
+    table = torch.randn(cfg.vocab_size, cfg.d_model, generator=g, dtype=torch.float64) * 0.02
+    return q.float().contiguous(), table.float().contiguous()
+
+
+class SubspaceLinear(nn.Module):
+    """y = (x @ W.T) @ U.T with W of shape (k, in): the output lies in span(U) after any update."""
+
+    def __init__(self, in_features: int, basis: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("basis", basis, persistent=False)  # (d, k), shared, never trained
+        self.weight = nn.Parameter(torch.empty(basis.shape[1], in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.weight), self.basis)
+
+
+def rope_cache(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, hd); rotate interleaved pairs (x0, x1) by the position's angle
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    t = x.shape[-2]
+    c, s = cos[:t], sin[:t]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False) if basis is None else SubspaceLinear(cfg.d_model, basis)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3×(B, H, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False) if basis is None else SubspaceLinear(cfg.ffn_hidden, basis)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, basis)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, basis)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Embedding(nn.Module):
+    """Token embedding; in subspace mode T[tok] + U·e[tok] with only e (vocab×k) trained."""
+
+    def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None, table: torch.Tensor | None) -> None:
+        super().__init__()
+        width = cfg.d_model if basis is None else cfg.subspace_rank
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, width))
+        self.register_buffer("basis", basis, persistent=False)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(tokens, self.weight)  # (B, T, d) or (B, T, k)
+        if self.basis is None:
+            return e
+        return F.linear(e, self.basis) + F.embedding(tokens, self.table)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: embed → blocks → norm → lm_head. Stages reuse these submodules by name."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        basis, table = subspace_basis(cfg) if cfg.subspace_rank else (None, None)
+        self.embed = Embedding(cfg, basis, table)
+        self.blocks = nn.ModuleList(Block(cfg, basis) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_cache(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        g = torch.Generator().manual_seed(self.cfg.init_seed)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)  # GPT-2 style scaled residual init
+        for name, p in self.named_parameters():
+            if p.ndim == 1:  # norm gains
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def run_blocks(self, h: torch.Tensor, layers: range | None = None) -> torch.Tensor:
+        for i in layers if layers is not None else range(len(self.blocks)):
+            h = self.blocks[i](h, self.rope_cos, self.rope_sin)
+        return h
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: (B, T) int64 → logits (B, T, vocab)
+        return self.lm_head(self.norm(self.run_blocks(self.embed(tokens))))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def hidden_to_subspace(h: torch.Tensor, tokens: torch.Tensor, basis: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """z = (h − T[tok]) @ U: exact for the constrained model since U is orthonormal. (B,T,d) → (B,T,k)"""
+    return (h - F.embedding(tokens, table)) @ basis
+
+
+def subspace_to_hidden(z: torch.Tensor, tokens: torch.Tensor, basis: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """h = z @ U.T + T[tok]. (B,T,k) → (B,T,d)"""
+    return z @ basis.T + F.embedding(tokens, table)

@@ -1,0 +1,125 @@
+"""How the model is cut into pipeline stages.
+
+Stage 0 is the *edge* stage (token embedding, final norm, LM head) and lives on every trainer.
+Stages 1..S are contiguous, balanced groups of transformer blocks served by stage servers. Every
+peer builds the same seeded full model and keeps only its stage, so replicas start identical.
+
+    >>> cfg = ModelConfig(n_layers=8)
+    >>> edge, mids = EdgeStage(Transformer(cfg)), [MiddleStage(Transformer(cfg), r) for r in split_layers(8, 4)]
+    >>> h = edge.embed(tokens)                      # (B, T, d)
+    >>> for stage in mids: h = stage(h)             # any subset / order: skip and swap paths
+    >>> logits = edge.head(h)                       # (B, T, vocab)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swarm.errors import ConfigError
+from swarm.model import ModelConfig, Transformer
+
+EDGE_STAGE = 0
+
+
+@dataclass(kw_only=True)
+class StagesConfig:
+    num_stages: int = 4  # middle stages S; stage 0 (the edge) is extra
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ConfigError("num_stages", f"must be at least 1, got {self.num_stages}")
+
+
+def split_layers(n_layers: int, num_stages: int) -> list[range]:
+    """Balanced contiguous block ranges for stages 1..S (earlier stages take the remainder)."""
+    if not 1 <= num_stages <= n_layers:
+        raise ConfigError("stages.num_stages", f"must be in [1, n_layers={n_layers}], got {num_stages}")
+    base, extra = divmod(n_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        size = base + (s < extra)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+class EdgeStage(nn.Module):
+    """Stage 0: embedding in front of the pipeline, final norm + LM head behind it."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # alias so nn.Module tooling works
+        return self.embed(tokens)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))  # (B, T, d) → (B, T, vocab)
+
+
+class MiddleStage(nn.Module):
+    """Stage i ≥ 1: blocks ``layers`` of the model. Its state dict uses local block indices."""
+
+    def __init__(self, model: Transformer, layers: range) -> None:
+        super().__init__()
+        self.cfg, self.layers = model.cfg, layers
+        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:  # h: (B, T, d) → (B, T, d)
+            h = block(h, self.rope_cos, self.rope_sin)
+        return h
+
+
+def build_stage(cfg: ModelConfig, num_stages: int, stage: int) -> EdgeStage | MiddleStage:
+    """The seeded initial weights of one stage (identical on every peer)."""
+    model = Transformer(cfg)
+    if stage == EDGE_STAGE:
+        return EdgeStage(model)
+    if not 1 <= stage <= num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}], got {stage}")
+    return MiddleStage(model, split_layers(cfg.n_layers, num_stages)[stage - 1])
+
+
+def split_model(model: Transformer, num_stages: int) -> list[EdgeStage | MiddleStage]:
+    """All stages of one model, sharing its parameters: [edge, stage 1, ..., stage S]."""
+    return [EdgeStage(model)] + [MiddleStage(model, r) for r in split_layers(model.cfg.n_layers, num_stages)]
+
+
+def run_path(edge: EdgeStage, middles: dict[int, MiddleStage], path: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """Logits for ``tokens`` through the middle stages in ``path`` order (a skip/swap path)."""
+    h = edge.embed(tokens)
+    for stage in path:
+        h = middles[stage](h)
+    return edge.head(h)
+
+
+def to_model_state(cfg: ModelConfig, num_stages: int, stage: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a stage's state-dict keys to the full model's (``blocks.j`` → ``blocks.{first+j}``)."""
+    if stage == EDGE_STAGE:
+        return dict(state)
+    first = split_layers(cfg.n_layers, num_stages)[stage - 1].start
+    out = {}
+    for key, value in state.items():
+        _, j, rest = key.split(".", 2)  # "blocks.{j}.{rest}"
+        out[f"blocks.{first + int(j)}.{rest}"] = value
+    return out
+
+
+def assemble_model(cfg: ModelConfig, num_stages: int, stage_states: dict[int, dict[str, torch.Tensor]]) -> Transformer:
+    """A full model from the state dicts of stages 0..S (e.g. downloaded from a swarm)."""
+    missing = set(range(num_stages + 1)) - set(stage_states)
+    if missing:
+        raise ValueError(f"cannot assemble the model: no state for stages {sorted(missing)}")
+    full: dict[str, torch.Tensor] = {}
+    for stage, state in stage_states.items():
+        full.update(to_model_state(cfg, num_stages, stage, state))
+    model = Transformer(cfg)
+    model.load_state_dict(full, strict=True)
+    return model
