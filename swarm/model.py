@@ -201,3 +201,17 @@ def hidden_to_subspace(h: torch.Tensor, tokens: torch.Tensor, basis: torch.Tenso
 def subspace_to_hidden(z: torch.Tensor, tokens: torch.Tensor, basis: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """h = z @ U.T + T[tok]. (B,T,k) → (B,T,d)"""
     return z @ basis.T + F.embedding(tokens, table)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> torch.Tensor:
+    """Sample ``new_tokens`` after ``prompt`` (T,) int64; returns the prompt plus the sample."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = prompt.clone()
+    for _ in range(new_tokens):
+        logits = model(tokens[-model.cfg.max_seq_len :][None])[0, -1] / max(temperature, 1e-5)  # (vocab,)
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        tokens = torch.cat([tokens, torch.multinomial(logits.softmax(-1), 1, generator=g)])
+    return tokens

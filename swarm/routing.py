@@ -1,19 +1,256 @@
-"""Routing: which middle stages a microbatch visits, and which replica serves each hop (pure code)."""
+"""Routing: which middle stages a microbatch visits, and which replica serves each hop (pure code).
+
+Paths follow SkipPipe: ``sample_path`` visits a uniform subset of the middle stages 1..S in
+increasing order, with a few disjoint adjacent pairs swapped. Replicas follow SWARM: one
+``StageBalancer`` per stage runs an interleaved weighted round-robin, so every replica gets work
+in proportion to its measured throughput (network included). Time and randomness are injected,
+so all of it is unit-tested without sockets or sleeps.
+
+    >>> router = Router(num_stages=4, rng=random.Random(0))
+    >>> for stage in range(1, 5): router.update(stage, [f"s{stage}a", f"s{stage}b"])
+    >>> path = router.draw_path(PathConfig(skip_ratio=0.25, max_swaps=1))   # e.g. [1, 3, 2]
+    >>> peer = router.choose(path[0], task_size=16)                          # e.g. "s1b"
+    >>> router.report_success(path[0], peer, samples=16, seconds=0.8)
+"""
 
 from __future__ import annotations
 
+import heapq
+import random
+import statistics
+import time
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+
+from swarm.errors import ConfigError
+
+Peer = Hashable  # a libp2p PeerID in the swarm; any hashable, orderable id in tests
+
+EMA_ALPHA = 0.1  # weight of the newest throughput measurement
+BAN_S = 15.0  # first ban after a failure; doubles on each further failure until a success
+DEFAULT_SAMPLES_PER_SEC = 1.0  # prior while no replica of the stage is measured; only ratios matter
 
 
 @dataclass(kw_only=True)
 class PathConfig:
-    """SkipPipe-style paths: visit round((1 − skip_ratio)·S) stages, with up to ``max_swaps`` adjacent swaps."""
+    """SkipPipe-style paths: visit round((1 − skip_ratio)·S) stages, with up to ``max_swaps`` adjacent swaps.
+
+    Each of the ``max_swaps`` swap slots is used with probability ``swap_prob`` and then swaps a
+    uniformly chosen free adjacent pair. With no skips that makes the swaps (1,2) and (S−1,S) that
+    CheckFree+ relies on happen in a fraction ≈ max_swaps·swap_prob/(S−1) of microbatches each.
+    """
 
     skip_ratio: float = 0.0
     max_swaps: int = 0
+    swap_prob: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.skip_ratio < 1.0:
-            raise ValueError(f"config field 'skip_ratio': must be in [0, 1), got {self.skip_ratio}")
+            raise ConfigError("skip_ratio", f"must be in [0, 1), got {self.skip_ratio}")
         if self.max_swaps < 0:
-            raise ValueError(f"config field 'max_swaps': must be non-negative, got {self.max_swaps}")
+            raise ConfigError("max_swaps", f"must be non-negative, got {self.max_swaps}")
+        if not 0.0 <= self.swap_prob <= 1.0:
+            raise ConfigError("swap_prob", f"must be in [0, 1], got {self.swap_prob}")
+
+
+def path_length(num_stages: int, cfg: PathConfig) -> int:
+    """Number of middle stages a sampled path visits: round((1 − r)·S), at least 1 (Python's round)."""
+    if num_stages < 1:
+        raise ValueError(f"need at least one middle stage, got num_stages={num_stages}")
+    return max(1, round((1.0 - cfg.skip_ratio) * num_stages))
+
+
+def sample_path(num_stages: int, cfg: PathConfig, rng: random.Random) -> list[int]:
+    """A fresh order of middle stages: a uniform subset of 1..S, sorted, then disjoint adjacent swaps.
+
+        >>> sample_path(4, PathConfig(), random.Random(0))
+        [1, 2, 3, 4]
+    """
+    path = sorted(rng.sample(range(1, num_stages + 1), path_length(num_stages, cfg)))
+    free = list(range(len(path) - 1))  # positions i whose pair (path[i], path[i+1]) may still swap
+    for _ in range(cfg.max_swaps):
+        if free and rng.random() < cfg.swap_prob:
+            i = rng.choice(free)
+            path[i], path[i + 1] = path[i + 1], path[i]
+            free = [j for j in free if abs(j - i) > 1]  # disjoint: each stage moves at most one place
+    return path
+
+
+def is_valid_path(path: Sequence[int], num_stages: int, cfg: PathConfig) -> bool:
+    """Whether ``path`` is a sampled path with possibly some stages dropped.
+
+    Trainers drop stages that have no live replica, so shorter paths are valid: distinct stages in
+    1..S, at most ``path_length`` of them, in increasing order except for at most ``max_swaps``
+    disjoint adjacent transpositions.
+    """
+    path = list(path)
+    if len(set(path)) != len(path) or len(path) > path_length(num_stages, cfg):
+        return False
+    if not all(1 <= stage <= num_stages for stage in path):
+        return False
+    order, i, swaps = sorted(path), 0, 0
+    while i < len(path):
+        if path[i] == order[i]:
+            i += 1
+        elif path[i : i + 2] == order[i : i + 2][::-1]:
+            swaps, i = swaps + 1, i + 2
+        else:
+            return False
+    return swaps <= cfg.max_swaps
+
+
+class NoLiveReplica(RuntimeError):
+    """Every known replica of a stage is banned or excluded, or none is known."""
+
+
+@dataclass
+class _Replica:
+    ema: float = 0.0  # EMA of samples/s, biased towards 0 until corrected by the update count
+    updates: int = 0
+    failures: int = 0  # consecutive failures; the next ban lasts BAN_S · 2^(failures − 1)
+    banned_until: float | None = None
+
+    @property
+    def samples_per_sec(self) -> float | None:
+        if not self.updates:
+            return None
+        return self.ema / (1.0 - (1.0 - EMA_ALPHA) ** self.updates)  # Adam-style bias correction
+
+
+class StageBalancer:
+    """SWARM's interleaved weighted round-robin over the replicas of one stage.
+
+    The heap holds (accumulated expected seconds, random tie-break, peer) for every replica not
+    banned. ``choose`` takes the minimum and charges it ``task_size / samples_per_sec``, so over
+    many picks each replica gets work in proportion to its throughput. A replica that is new or
+    back from a ban enters at the heap's minimum, so it is tried (and measured) soon. Reports about
+    peers no longer known are ignored: the DHT may drop a peer while its RPC is in flight.
+
+        >>> balancer = StageBalancer(random.Random(0))
+        >>> balancer.update_peers(["a", "b"])
+        >>> peer = balancer.choose(task_size=16)
+        >>> balancer.report_success(peer, samples=16, seconds=0.5)
+    """
+
+    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rng, self._clock = rng, clock
+        self._replicas: dict[Peer, _Replica] = {}
+        self._heap: list[tuple[float, float, Peer]] = []  # exactly the replicas not banned
+
+    def update_peers(self, peers: Iterable[Peer]) -> None:
+        """Sync with the peers the DHT lists for this stage: forget the missing, add the new."""
+        listed = dict.fromkeys(peers)  # ordered, so runs are reproducible under a seeded rng
+        for gone in [peer for peer in self._replicas if peer not in listed]:
+            del self._replicas[gone]
+        self._heap = [entry for entry in self._heap if entry[2] in listed]
+        heapq.heapify(self._heap)
+        for peer in listed:
+            if peer not in self._replicas:
+                self._replicas[peer] = _Replica()
+                self._enter(peer)
+
+    def choose(self, task_size: float = 1.0, exclude: Container[Peer] = ()) -> Peer:
+        """The replica to serve the next ``task_size`` samples; raises ``NoLiveReplica`` if none can."""
+        self._readmit_expired()
+        skipped = []  # excluded entries keep their place: they are pushed back unchanged
+        while self._heap and self._heap[0][2] in exclude:
+            skipped.append(heapq.heappop(self._heap))
+        try:
+            if not self._heap:
+                raise NoLiveReplica(f"no live replica among {len(self._replicas)} known ({len(skipped)} excluded)")
+            load, _, peer = self._heap[0]
+            heapq.heapreplace(self._heap, (load + task_size / self.samples_per_sec(peer), self._rng.random(), peer))
+            return peer
+        finally:
+            for entry in skipped:
+                heapq.heappush(self._heap, entry)
+
+    def samples_per_sec(self, peer: Peer) -> float:
+        """Measured throughput, or the median of the measured replicas (a default if none is)."""
+        measured = self._replicas[peer].samples_per_sec
+        if measured is not None:
+            return measured
+        known = [rate for replica in self._replicas.values() if (rate := replica.samples_per_sec) is not None]
+        return statistics.median(known) if known else DEFAULT_SAMPLES_PER_SEC
+
+    def live_peers(self) -> list[Peer]:
+        """Known replicas that are not banned now."""
+        self._readmit_expired()
+        return [entry[2] for entry in self._heap]
+
+    def report_success(self, peer: Peer, samples: float, seconds: float) -> None:
+        """``samples`` were served in ``seconds``, timed over the whole RPC so the network counts."""
+        if (replica := self._replicas.get(peer)) is None:
+            return
+        replica.ema = EMA_ALPHA * samples / max(seconds, 1e-9) + (1.0 - EMA_ALPHA) * replica.ema
+        replica.updates += 1
+        replica.failures = 0
+
+    def report_timeout(self, peer: Peer, seconds: float) -> None:
+        """The peer did not answer within ``seconds``: charge it that time, as if it had been busy."""
+        for i, (load, tie, listed) in enumerate(self._heap):
+            if listed == peer:
+                self._heap[i] = (load + seconds, tie, peer)
+                heapq.heapify(self._heap)
+                return
+
+    def report_failure(self, peer: Peer) -> None:
+        """Ban the peer for 15 s, doubling per consecutive failure (a success resets the count)."""
+        self._readmit_expired()
+        replica = self._replicas.get(peer)
+        if replica is None or replica.banned_until is not None:
+            return  # already banned: this failure comes from an RPC sent before the ban
+        replica.failures += 1
+        replica.banned_until = self._clock() + BAN_S * 2 ** (replica.failures - 1)
+        self._heap = [entry for entry in self._heap if entry[2] != peer]
+        heapq.heapify(self._heap)
+
+    def _enter(self, peer: Peer) -> None:
+        load = self._heap[0][0] if self._heap else 0.0
+        heapq.heappush(self._heap, (load, self._rng.random(), peer))
+
+    def _readmit_expired(self) -> None:
+        now = self._clock()
+        for peer, replica in self._replicas.items():
+            if replica.banned_until is not None and replica.banned_until <= now:
+                replica.banned_until = None
+                self._enter(peer)
+
+
+class Router:
+    """The trainer's routing state: one ``StageBalancer`` per middle stage 1..S.
+
+        >>> router = Router(num_stages=2, rng=random.Random(0))
+        >>> router.update(1, ["a"]); router.update(2, ["b"])
+        >>> [router.choose(stage) for stage in router.draw_path(PathConfig())]
+        ['a', 'b']
+    """
+
+    def __init__(self, num_stages: int, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rng = rng
+        self.balancers = {stage: StageBalancer(rng, clock) for stage in range(1, num_stages + 1)}
+
+    def update(self, stage: int, peers: Iterable[Peer]) -> None:
+        self.balancers[stage].update_peers(peers)
+
+    def choose(self, stage: int, task_size: float = 1.0, exclude: Container[Peer] = ()) -> Peer:
+        """A replica of ``stage``; ``exclude`` holds the replicas already tried for this hop."""
+        return self.balancers[stage].choose(task_size, exclude)
+
+    def report_success(self, stage: int, peer: Peer, samples: float, seconds: float) -> None:
+        self.balancers[stage].report_success(peer, samples, seconds)
+
+    def report_timeout(self, stage: int, peer: Peer, seconds: float) -> None:
+        self.balancers[stage].report_timeout(peer, seconds)
+
+    def report_failure(self, stage: int, peer: Peer) -> None:
+        self.balancers[stage].report_failure(peer)
+
+    def live_stages(self) -> list[int]:
+        """Middle stages with at least one replica that is not banned."""
+        return [stage for stage, balancer in self.balancers.items() if balancer.live_peers()]
+
+    def draw_path(self, cfg: PathConfig) -> list[int]:
+        """A fresh path without the stages that have no live replica (skipped while recovery runs)."""
+        live = set(self.live_stages())
+        return [stage for stage in sample_path(len(self.balancers), cfg, self._rng) if stage in live]

@@ -1,0 +1,73 @@
+"""End to end through the CLI in subprocesses: train-local, eval, sample, and clear errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.config import SwarmConfig, TrainConfig, save_config
+from swarm.model import ModelConfig
+from swarm.stages import StagesConfig
+from optim.config import InnerOptimConfig
+
+
+def swarmloco(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = SwarmConfig(
+        model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
+        stages=StagesConfig(num_stages=2),
+        train=TrainConfig(seq_len=64, microbatch_size=8, inner_batch=8),
+        inner=InnerOptimConfig(lr=1e-2, warmup_steps=5),
+    )
+    path = tmp_path_factory.mktemp("cfg") / "tiny.toml"
+    save_config(cfg, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    result = swarmloco("train-local", "--config", str(tiny_config), "--steps", "60", "--log-every", "20", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "step 60/60" in result.stdout
+    return out
+
+
+def test_train_local_writes_metrics_with_falling_validation_loss(trained: Path) -> None:
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [20, 40, 60]
+    assert {"step", "tokens", "train_loss", "val_loss", "elapsed_s"} <= set(records[0])
+    assert records[-1]["tokens"] == 60 * 8 * 64
+    assert records[-1]["val_loss"] < records[0]["val_loss"] < 5.55  # ln(256): uniform over bytes
+
+
+def test_eval_and_sample_load_the_checkpoint(trained: Path) -> None:
+    result = swarmloco("eval", "--checkpoint", str(trained / "model.pt"), "--json")
+    assert result.returncode == 0, result.stderr
+    last = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])
+    assert json.loads(result.stdout)["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    result = swarmloco("sample", "--checkpoint", str(trained / "model.pt"), "--prompt", "import ", "--tokens", "40")
+    assert result.returncode == 0 and result.stdout.startswith("import ") and len(result.stdout) > len("import ") + 10
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--checkpoint", "/no/such/model.pt"], "does not exist"),
+    (["train-local", "--data", "/no/such/dir", "--steps", "1"], "/no/such/dir"),
+    (["train-local", "--config", "/no/such.toml", "--steps", "1"], "does not exist"),
+])
+def test_user_errors_are_one_clear_line(args: list[str], message: str) -> None:
+    result = swarmloco(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_lists_the_commands() -> None:
+    result = swarmloco("--help")
+    assert result.returncode == 0
+    assert all(cmd in result.stdout for cmd in ("train-local", "eval", "sample"))
