@@ -141,6 +141,86 @@ def sample(
     typer.echo(decode(out))
 
 
+OUTER_CHOICES = ("ddp", "diloco", "sparseloco", "none")
+
+
+def simulation_config(
+    cfg: SwarmConfig, *, outer: str, inner_steps: int | None, act_codec: str | None, grad_codec: str | None,
+    pg_codec: str, skip: float | None, swaps: int | None, subspace_rank: int | None,
+) -> SwarmConfig:
+    """The swarm config with the simulate options applied (validated again as a whole)."""
+    if outer not in OUTER_CHOICES:
+        raise ConfigError("outer", f"must be one of {', '.join(OUTER_CHOICES)}, got {outer!r}")
+    act = act_codec or cfg.codecs.activations
+    model = cfg.model
+    if subspace_rank is not None or (act.startswith("subspace") and not model.subspace_rank):
+        rank = subspace_rank if subspace_rank is not None else model.d_model // 8
+        typer.echo(f"model: subspace-constrained residual stream, k={rank} (d/k={model.d_model / max(rank, 1):g})")
+        model = dataclasses.replace(model, subspace_rank=rank)
+    method = "none" if outer == "ddp" else outer
+    pseudo = "sparseloco" if method == "sparseloco" else pg_codec
+    return dataclasses.replace(
+        cfg,
+        model=model,
+        codecs=dataclasses.replace(cfg.codecs, activations=act, gradients=grad_codec or act_codec or cfg.codecs.gradients, pseudo_gradients=pseudo),
+        outer=dataclasses.replace(cfg.outer, method=method, inner_steps=inner_steps or cfg.outer.inner_steps),
+        paths=dataclasses.replace(cfg.paths, skip_ratio=cfg.paths.skip_ratio if skip is None else skip,
+                                  max_swaps=cfg.paths.max_swaps if swaps is None else swaps),
+    )
+
+
+@app.command("simulate")
+@user_errors
+def simulate_cmd(
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    replicas: Annotated[int, typer.Option("--replicas", "-k", min=1, help="Replicas per stage (and trainers).")] = 2,
+    outer: Annotated[str, typer.Option(help="ddp (fp32 gradient all-reduce every step), diloco, sparseloco, or none (replicas never sync).")] = "sparseloco",
+    inner_steps: Annotated[int | None, typer.Option("--inner-steps", "-H", min=1, help="H: inner steps between outer steps (default: config).")] = None,
+    act_codec: Annotated[str | None, typer.Option(help="Activation codec: fp32 fp16 bf16 int8 int4 subspace subspace+int8 subspace+int4 (default: config).")] = None,
+    grad_codec: Annotated[str | None, typer.Option(help="Activation-gradient codec (default: the activation codec).")] = None,
+    pg_codec: Annotated[str, typer.Option(help="DiLoCo pseudo-gradient codec: fp32 fp16 bf16.")] = "fp32",
+    skip: Annotated[float | None, typer.Option(min=0.0, max=0.99, help="Skip ratio r: paths visit round((1-r)·S) stages.")] = None,
+    swaps: Annotated[int | None, typer.Option(min=0, help="Max adjacent stage swaps per path.")] = None,
+    subspace_rank: Annotated[int | None, typer.Option(min=0, help="k of the subspace-constrained model (default d/8 when a subspace codec is chosen).")] = None,
+    tokens: Annotated[int, typer.Option(min=1, help="Training tokens over all trainers.")] = 400_000,
+    seed: int = 0,
+    log_every: Annotated[int, typer.Option(min=1, help="Log every N ticks (one microbatch per trainer).")] = 25,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+) -> None:
+    """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
+    from swarm.simulate import SimulationConfig, simulate
+
+    cfg = simulation_config(config_or_default(config), outer=outer, inner_steps=inner_steps, act_codec=act_codec,
+                            grad_codec=grad_codec, pg_codec=pg_codec, skip=skip, swaps=swaps, subspace_rank=subspace_rank)
+    sim = SimulationConfig(replicas=replicas, mode="ddp" if outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=log_every)
+    corpus = load_corpus(data)
+    streams = [corpus.sample_batches("train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed + 1000 * k)
+               for k in range(replicas)]
+    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
+    typer.echo(f"simulate: {replicas} replicas × {cfg.stages.num_stages + 1} stages, outer={outer} H={cfg.outer.inner_steps}, "
+               f"codecs {cfg.codecs.activations}/{cfg.codecs.gradients}/{cfg.codecs.pseudo_gradients}, "
+               f"skip={cfg.paths.skip_ratio} swaps={cfg.paths.max_swaps}, {tokens} tokens")
+
+    def on_log(record: dict[str, float]) -> None:
+        typer.echo(f"tick {int(record['tick'])}  tokens {int(record['tokens'])}  train {record['train_loss']:.3f}  "
+                   f"val {record['val_loss']:.3f}  {record['bytes_per_token']:.1f} B/token  {record['elapsed_s']:.0f}s")
+
+    result = simulate(cfg, sim, streams, val, on_log=on_log)
+    summary = {"val_loss": result.val_loss, "tokens": result.tokens, "ticks": result.ticks, "outer_rounds": result.outer_rounds,
+               "wall_s": result.wall_s, "bytes_per_token": result.bytes_per_token, "bytes": result.bytes_by_kind,
+               "skipped_stage_visits": result.skipped_stage_visits, "outer": outer, "replicas": replicas,
+               "inner_steps": cfg.outer.inner_steps, "act_codec": cfg.codecs.activations, "skip": cfg.paths.skip_ratio,
+               "swaps": cfg.paths.max_swaps, "config_hash": cfg.hash(), "log": result.log}
+    per = result.bytes_per_token
+    typer.echo(f"val_loss {result.val_loss:.4f}  bytes/token: total {per['total']:.1f} = activations {per['activations']:.1f} "
+               f"+ act-grads {per['activation_gradients']:.1f} + pseudo-grads {per['pseudo_gradients']:.3f} + ddp grads {per['gradients']:.1f}")
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(summary, indent=1))
+        typer.echo(f"wrote {json_out}")
+
+
 def main() -> None:
     app(prog_name="swarmloco")
 

@@ -1,0 +1,312 @@
+"""Codecs for activations and activation-gradients, and their registry by name.
+
+A codec turns a tensor into one wire frame (``compress/wire.py``) and back. Codecs are
+stateless; the stateful pseudo-gradient codec lives in ``compress/sparseloco.py``.
+
+- ``fp32``, ``fp16``, ``bf16``: the values as they are, cast.
+- ``int8``, ``int4``: symmetric per-token absmax quantisation (int4 packs two values per byte).
+  A token's scale costs one byte: its absmax as a log-step below the tensor's largest absmax
+  (2**(-s/16), s in 0..255), so scales stay 1/(d+1) of the payload even when d is small.
+- ``subspace[+inner]``: for the subspace-constrained model, ``h = z @ U.T + T[tok]`` exactly,
+  so a frame holds the token ids and the k values z per token, themselves coded by ``inner``
+  (fp32 by default, or any codec above; ratios multiply). ``kind="gradient"`` sends only
+  ``g @ U``: the boundary gradient g is not in span(U), but every upstream parameter sees g only
+  through ``U.T @ g`` (the model writes to the residual stream through U, and T is fixed), so
+  the receiver's ``(g @ U) @ U.T`` gives exact parameter gradients.
+
+    >>> codec = get_codec("int8")
+    >>> x = torch.randn(4, 128, 64)  # (B, T, d)
+    >>> y = codec.decode(codec.encode(x))  # float32, shape (4, 128, 64), ~0.5% relative error
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from compress.errors import MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
+from compress.wire import DEFAULT_LIMITS, CodecId, Frame, WireLimits, decode_frame, encode_frame, header_bytes
+
+Kind = Literal["activation", "gradient"]
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def from_bytes(buf: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
+    """``count`` values of ``dtype`` from exactly ``buf``, as a tensor that owns its memory."""
+    if len(buf) != count * dtype.itemsize:
+        raise ShapeMismatch(f"{what}: {len(buf)} bytes, expected {count} × {dtype.itemsize}")
+    return torch.frombuffer(bytearray(buf), dtype=dtype) if count else torch.empty(0, dtype=dtype)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or ±inf in ``x`` (aminmax is ~10× faster than isfinite().all() on CPU)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x.float() if x.dtype not in (torch.float32, torch.float64) else x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+class Codec(ABC):
+    """encode(tensor) → frame bytes; decode(frame bytes) → float32 tensor of the same shape."""
+
+    name: str
+    codec_id: CodecId
+
+    def encode(self, x: torch.Tensor, *, tokens: torch.Tensor | None = None) -> bytes:
+        meta, body = self.pack(x.detach(), tokens)
+        return encode_frame(self.codec_id, body, dtype=x.dtype, shape=tuple(x.shape), meta=meta)
+
+    def decode(self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False) -> torch.Tensor:
+        return self.decode_with_tokens(data, limits=limits, allow_nonfinite=allow_nonfinite)[0]
+
+    def decode_with_tokens(self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor and, for subspace activations, the token ids the frame carries (else None)."""
+        return self.from_frame(decode_frame(data, limits=limits), allow_nonfinite=allow_nonfinite)
+
+    def from_frame(self, frame: Frame, *, allow_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.matches(frame):
+            raise UnknownCodec(f"frame has codec id {frame.codec_id}, expected {self.name!r} (id {int(self.codec_id)})")
+        x, tokens = self.unpack(frame)
+        if not allow_nonfinite and not all_finite(x):
+            raise NonFiniteValues(f"{self.name} frame of shape {frame.shape} decodes to NaN or inf values")
+        return x, tokens
+
+    def matches(self, frame: Frame) -> bool:
+        return frame.codec_id == self.codec_id
+
+    def estimated_ratio(self, x_shape: tuple[int, ...]) -> float:
+        """fp32 bytes of the tensor / bytes of its frame (before zstd, which only helps)."""
+        return 4 * math.prod(x_shape) / (header_bytes(len(x_shape)) + self.payload_bytes(x_shape))
+
+    @abstractmethod
+    def pack(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[bytes, bytes]:
+        """(meta, body) for ``x``."""
+
+    @abstractmethod
+    def unpack(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(float32 tensor of ``frame.shape``, tokens or None); raises WireError on a bad body."""
+
+    @abstractmethod
+    def payload_bytes(self, x_shape: tuple[int, ...]) -> int:
+        """Bytes of meta + body for a tensor of this shape."""
+
+
+class FloatCodec(Codec):
+    """The values cast to a float dtype. fp16 refuses values beyond its range (use bf16)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.name, self.codec_id = {torch.float32: ("fp32", CodecId.FP32), torch.float16: ("fp16", CodecId.FP16), torch.bfloat16: ("bf16", CodecId.BF16)}[dtype]
+
+    def pack(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[bytes, bytes]:
+        y = x.to(self.dtype)
+        if self.dtype == torch.float16 and all_finite(x) and not all_finite(y):
+            raise ValueError("values beyond fp16's range (±65504); use bf16")
+        return b"", to_bytes(y)
+
+    def unpack(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return from_bytes(frame.body, self.dtype, frame.numel, self.name).float().reshape(frame.shape), None
+
+    def payload_bytes(self, x_shape: tuple[int, ...]) -> int:
+        return math.prod(x_shape) * self.dtype.itemsize
+
+
+_SCALE_STEPS = 16.0  # token scale = top · 2**(-s / 16): steps of 4.4%, range 2**-16 below the largest
+
+
+class IntCodec(Codec):
+    """Symmetric per-token (last dim) absmax quantisation to int8, or int4 packed two per byte."""
+
+    def __init__(self, bits: Literal[8, 4]) -> None:
+        self.bits, self.levels = bits, 2 ** (bits - 1) - 1  # ±127 or ±7
+        self.name, self.codec_id = {8: ("int8", CodecId.INT8), 4: ("int4", CodecId.INT4)}[bits]
+
+    def row_bytes(self, d: int) -> int:
+        return d if self.bits == 8 else (d + 1) // 2
+
+    def pack(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[bytes, bytes]:
+        if x.ndim == 0:
+            raise ValueError(f"{self.name} quantises per token (last dim); got a 0-dim tensor")
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).float()  # (N, d)
+        amax = x2.abs().amax(1) if x2.shape[1] else x2.new_zeros(len(x2))  # (N,)
+        top = amax.max() if len(amax) else amax.new_zeros(())
+        if not torch.isfinite(top):
+            raise ValueError(f"{self.name} cannot encode NaN or inf values")
+        top = torch.where(top > 0, top, 1.0)  # an all-zero tensor still gets a usable scale
+        # largest s with top·2^(-s/16) ≥ amax, so no value clips; the clamp absorbs rounding
+        steps = (-_SCALE_STEPS * torch.log2(amax / top)).floor_().clamp_(0, 255).to(torch.uint8)
+        q = (x2 / self.scales(steps, top)[:, None]).round_().clamp_(-self.levels, self.levels).to(torch.int8)
+        if self.bits == 4:
+            q = F.pad(q + 8, (0, q.shape[1] % 2), value=8).view(torch.uint8)  # nibbles 1..15, 8 is zero
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        return struct.pack("<f", top.item()), to_bytes(steps) + to_bytes(q)
+
+    def scales(self, steps: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        return top * torch.exp2(steps.float() / -_SCALE_STEPS) / self.levels
+
+    def unpack(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not frame.shape or len(frame.meta) != 4:
+            raise ShapeMismatch(f"{self.name} frame needs ≥ 1 dim and 4 meta bytes, got shape {frame.shape}, {len(frame.meta)} meta bytes")
+        d = frame.shape[-1]
+        n = math.prod(frame.shape[:-1])
+        top = torch.tensor(struct.unpack("<f", frame.meta)[0])
+        steps = from_bytes(frame.body[:n], torch.uint8, n, f"{self.name} scales")
+        q = from_bytes(frame.body[n:], torch.uint8, n * self.row_bytes(d), f"{self.name} values").view(n, self.row_bytes(d))
+        if self.bits == 8:
+            q = q.view(torch.int8)
+        else:
+            q = torch.stack((q & 15, q >> 4), dim=-1).view(n, 2 * q.shape[1])[:, :d].to(torch.int8) - 8
+        return (q * self.scales(steps, top)[:, None]).reshape(frame.shape), None
+
+    def payload_bytes(self, x_shape: tuple[int, ...]) -> int:
+        return 4 + math.prod(x_shape[:-1]) * (1 + self.row_bytes(x_shape[-1]))
+
+
+_SUBSPACE_META = struct.Struct("<BHI")  # inner codec id, rank k, fingerprint of U (and T)
+
+
+class SubspaceCodec(Codec):
+    """k values per token in span(U) (+ token ids for activations), coded by ``inner``.
+
+    Activations must lie in ``span(U) + T[tok]``: encode checks the reconstruction and raises a
+    clear error for an unconstrained model, another k or another seed. Frames carry a crc32 of
+    U and T, so a receiver with a different basis gets ``ShapeMismatch`` instead of garbage.
+    """
+
+    def __init__(self, basis: torch.Tensor, table: torch.Tensor | None, *, inner: Codec, kind: Kind = "activation", tol: float = 1e-3) -> None:
+        if basis.ndim != 2 or basis.shape[1] > basis.shape[0]:
+            raise ValueError(f"subspace basis must be U of shape (d, k) with k ≤ d, got {tuple(basis.shape)}")
+        if kind == "activation" and (table is None or table.ndim != 2 or table.shape[1] != basis.shape[0]):
+            raise ValueError(f"subspace activations need the token table T of shape (vocab, d={basis.shape[0]}), got {None if table is None else tuple(table.shape)}")
+        if isinstance(inner, SubspaceCodec):
+            raise ValueError("subspace cannot be nested in subspace")
+        self.basis = basis.float().contiguous()  # (d, k)
+        self.table = table.float().contiguous() if kind == "activation" else None  # (vocab, d)
+        self.inner, self.kind, self.tol = inner, kind, tol
+        self.d, self.k = self.basis.shape
+        self.codec_id = CodecId.SUBSPACE if kind == "activation" else CodecId.SUBSPACE_GRAD
+        self.name = "subspace" if inner.codec_id == CodecId.FP32 else f"subspace+{inner.name}"
+        self.fingerprint = zlib.crc32(to_bytes(self.table), zlib.crc32(to_bytes(self.basis))) if self.table is not None else zlib.crc32(to_bytes(self.basis))
+        vocab = 0 if self.table is None else len(self.table)
+        self.token_dtype = torch.uint8 if vocab <= 256 else torch.int16 if vocab <= 2**15 else torch.int32
+
+    def pack(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[bytes, bytes]:
+        if x.ndim == 0 or x.shape[-1] != self.d:
+            raise ValueError(f"subspace codec expects (..., d={self.d}) tensors, got {tuple(x.shape)}")
+        x = x.float()
+        if self.table is None:
+            z = x @ self.basis  # (..., k): the only part of a boundary gradient any parameter sees
+            tok_bytes = b""
+        else:
+            if tokens is None or tokens.shape != x.shape[:-1] or tokens.dtype.is_floating_point:
+                raise ValueError(f"subspace activations need integer token ids of shape {tuple(x.shape[:-1])}, got {None if tokens is None else (tuple(tokens.shape), tokens.dtype)}")
+            if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < len(self.table):
+                raise ValueError(f"token ids must be in [0, {len(self.table)})")
+            base = F.embedding(tokens, self.table)  # (..., d)
+            z = (x - base) @ self.basis  # (..., k)
+            residual = float(torch.linalg.vector_norm(x - base - z @ self.basis.T)) / max(float(torch.linalg.vector_norm(x)), 1e-30)
+            if not residual <= self.tol:
+                raise ValueError(
+                    f"activations are not in the subspace (relative residual {residual:.3g} > {self.tol:g}): the model is not "
+                    f"subspace-constrained, or its rank/seed differs from this codec's basis (d={self.d}, k={self.k})"
+                )
+            tok_bytes = to_bytes(tokens.to(self.token_dtype))
+        inner_meta, inner_body = self.inner.pack(z, None)
+        return _SUBSPACE_META.pack(self.inner.codec_id, self.k, self.fingerprint) + inner_meta, tok_bytes + inner_body
+
+    def matches(self, frame: Frame) -> bool:
+        return frame.codec_id == self.codec_id and frame.meta[:1] == bytes([self.inner.codec_id])
+
+    def unpack(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if len(frame.meta) < _SUBSPACE_META.size or not frame.shape:
+            raise ShapeMismatch(f"{self.name} frame needs ≥ 1 dim and a {_SUBSPACE_META.size}-byte meta header")
+        _, k, fingerprint = _SUBSPACE_META.unpack_from(frame.meta)
+        if k != self.k or frame.shape[-1] != self.d:
+            raise ShapeMismatch(f"frame was coded with d={frame.shape[-1]}, k={k}; this codec's basis has d={self.d}, k={self.k}")
+        if fingerprint != self.fingerprint:
+            raise ShapeMismatch("frame was coded with a different subspace basis or token table (another subspace_seed?)")
+        n = math.prod(frame.shape[:-1])
+        n_tok = 0 if self.table is None else n * self.token_dtype.itemsize
+        tokens = None
+        if self.table is not None:
+            tokens = from_bytes(frame.body[:n_tok], self.token_dtype, n, "token ids").long()
+            if n and not 0 <= int(tokens.min()) <= int(tokens.max()) < len(self.table):
+                raise MalformedFrame(f"token ids outside [0, {len(self.table)})")
+        inner = replace(frame, codec_id=self.inner.codec_id, shape=(*frame.shape[:-1], self.k), meta=frame.meta[_SUBSPACE_META.size :], body=frame.body[n_tok:])
+        z, _ = self.inner.unpack(inner)  # (..., k)
+        h = z @ self.basis.T
+        if tokens is None:
+            return h, None
+        tokens = tokens.reshape(frame.shape[:-1])
+        return h + F.embedding(tokens, self.table), tokens
+
+    def payload_bytes(self, x_shape: tuple[int, ...]) -> int:
+        n_tok = 0 if self.table is None else math.prod(x_shape[:-1]) * self.token_dtype.itemsize
+        return _SUBSPACE_META.size + n_tok + self.inner.payload_bytes((*x_shape[:-1], self.k))
+
+
+_FLAT: dict[str, Codec] = {c.name: c for c in (FloatCodec(torch.float32), FloatCodec(torch.float16), FloatCodec(torch.bfloat16), IntCodec(8), IntCodec(4))}
+CODEC_NAMES = (*_FLAT, *(f"subspace+{n}" if n != "fp32" else "subspace" for n in _FLAT))
+
+
+def get_codec(name: str, *, basis: torch.Tensor | None = None, table: torch.Tensor | None = None, kind: Kind = "activation") -> Codec:
+    """A codec by name: fp32, fp16, bf16, int8, int4, subspace, subspace+{fp16,bf16,int8,int4}.
+
+    Subspace codecs need the model's basis U (d×k) and, for ``kind="activation"``, its token
+    table T (vocab×d), as ``swarm.model.subspace_basis(cfg)`` returns them. ``kind`` only
+    matters for subspace codecs; the others code activations and gradients alike.
+    """
+    if kind not in ("activation", "gradient"):
+        raise ValueError(f"kind must be 'activation' or 'gradient', got {kind!r}")
+    if name in _FLAT:
+        return _FLAT[name]
+    head, _, inner = name.partition("+")
+    if head != "subspace" or name not in CODEC_NAMES:
+        raise ValueError(f"unknown codec {name!r}; choose from {', '.join(CODEC_NAMES)}")
+    if basis is None:
+        raise ValueError(f"codec {name!r} needs the model's subspace basis (swarm.model.subspace_basis(cfg)); is model.subspace_rank set?")
+    return SubspaceCodec(basis, table, inner=_FLAT[inner or "fp32"], kind=kind)
+
+
+def decode_any(
+    data: bytes,
+    *,
+    accept: Sequence[Codec] | None = None,
+    basis: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    limits: WireLimits = DEFAULT_LIMITS,
+    allow_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Decode a frame by the codec named inside it.
+
+    ``accept`` restricts which codecs a receiver takes (anything else raises ``UnknownCodec``);
+    without it every registered codec is accepted, subspace ones when ``basis`` (and ``table``) are given.
+    """
+    frame = decode_frame(data, limits=limits)
+    candidates = accept if accept is not None else _codecs_for(frame, basis, table)
+    for codec in candidates:
+        if codec.matches(frame):
+            return codec.from_frame(frame, allow_nonfinite=allow_nonfinite)[0]
+    raise UnknownCodec(f"codec id {frame.codec_id} is not accepted here (accepted: {', '.join(c.name for c in candidates) or 'none'})")
+
+
+def _codecs_for(frame: Frame, basis: torch.Tensor | None, table: torch.Tensor | None) -> list[Codec]:
+    flat = [c for c in _FLAT.values() if c.matches(frame)]
+    if frame.codec_id not in (CodecId.SUBSPACE, CodecId.SUBSPACE_GRAD) or basis is None:
+        return flat
+    inner = [c for c in _FLAT.values() if frame.meta[:1] == bytes([c.codec_id])]
+    kind: Kind = "activation" if frame.codec_id == CodecId.SUBSPACE else "gradient"
+    if not inner or (kind == "activation" and table is None):
+        return []
+    return [SubspaceCodec(basis, table, inner=inner[0], kind=kind)]

@@ -1,0 +1,51 @@
+"""Errors raised while decoding a wire frame. Every decode failure is a ``WireError``.
+
+A peer decodes bytes sent by strangers, so decoding never raises anything else: callers catch
+``WireError`` once, drop the message and may ban the sender. Encode-side misuse (wrong basis,
+non-finite input) raises plain ``ValueError``: that is a local bug, not hostile input.
+
+    >>> try: decode_any(b"junk")
+    ... except WireError as e: print(type(e).__name__, e)  # BadMagic …
+"""
+
+from __future__ import annotations
+
+
+class WireError(ValueError):
+    """Base class: the bytes are not a valid frame for this receiver."""
+
+
+class TruncatedFrame(WireError):
+    """The data ends before the header or the lengths it declares."""
+
+
+class BadMagic(WireError):
+    """The data does not start with the swarmloco frame magic."""
+
+
+class UnsupportedVersion(WireError):
+    """The frame's format version is not one this build reads."""
+
+
+class UnknownCodec(WireError):
+    """The codec id is unknown, not the one expected, or not accepted by this receiver."""
+
+
+class ShapeMismatch(WireError):
+    """Declared shape or lengths disagree with the data (or with the receiver's codec setup)."""
+
+
+class ChecksumMismatch(WireError):
+    """The crc32 over the frame does not match: corrupted in transit or tampered with."""
+
+
+class LimitExceeded(WireError):
+    """A declared size (frame, body, metadata, elements, dimensions) is over the receiver's limits."""
+
+
+class NonFiniteValues(WireError):
+    """The decoded tensor holds NaN or ±inf and the caller forbids them."""
+
+
+class MalformedFrame(WireError):
+    """A field holds an impossible value: unknown dtype or flag, corrupt zstd body, index out of range."""

@@ -1,0 +1,170 @@
+"""The one framed message format for every tensor payload on the wire.
+
+Layout (little-endian)::
+
+    magic "SWLC" | version u8 | codec u8 | dtype u8 | flags u8 | ndim u8
+    | meta_len u32 | body_len u32 | payload_len u32 | crc32 u32
+    | shape: ndim × u32 | meta: meta_len bytes | payload: payload_len bytes
+
+``meta`` holds a codec's small parameters (scales, ranks), stored as is. ``payload`` is the
+codec's body, zstd-compressed when flag bit 0 is set (``body_len`` is its decompressed size),
+stored raw otherwise (when zstd does not make it smaller). The crc32 covers every byte of the
+frame except its own field.
+
+Decoding checks the cheap things first and bounds every declared size against ``WireLimits``
+before anything is allocated or decompressed: the zstd frame must declare exactly ``body_len``
+bytes, and one-shot decompression writes into a buffer of that size, so a decompression bomb
+fails with ``MalformedFrame`` instead of growing memory.
+
+    >>> frame = decode_frame(encode_frame(CodecId.FP32, b"\\0" * 8, dtype=torch.float32, shape=(2,)))
+    >>> frame.shape, frame.body  # ((2,), b'\\x00…')
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+import zstandard
+
+from compress.errors import BadMagic, ChecksumMismatch, LimitExceeded, MalformedFrame, ShapeMismatch, TruncatedFrame, UnsupportedVersion
+
+MAGIC = b"SWLC"
+VERSION = 1
+_HEADER = struct.Struct("<4sBBBBBIIII")
+_CRC_OFFSET = _HEADER.size - 4
+_FLAG_ZSTD = 1
+_ZSTD_LEVEL = 1  # bodies are mostly quantised values; level 1 keeps encode cheap, higher levels gain ~1%
+
+# wire code of a tensor dtype = its position here (never reorder: old frames depend on it)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+class CodecId(IntEnum):
+    """Codec ids on the wire, for every codec in the package (one table so ids never collide)."""
+
+    FP32 = 1
+    FP16 = 2
+    BF16 = 3
+    INT8 = 4
+    INT4 = 5
+    SUBSPACE = 6  # activations: k values per token + token ids; meta names the inner codec
+    SUBSPACE_GRAD = 7  # activation-gradients: the k-dim projection Uᵀg only
+    SPARSELOCO = 8
+
+
+@dataclass(kw_only=True)
+class WireLimits:
+    """What a receiver is willing to allocate for one frame."""
+
+    max_frame_bytes: int = 256 << 20  # the encoded frame as received
+    max_body_bytes: int = 256 << 20  # the body after decompression
+    max_meta_bytes: int = 64 << 10
+    max_elements: int = 64 << 20  # elements of the declared tensor shape
+    max_ndim: int = 8
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"WireLimits.{name} must be positive, got {value}")
+        if self.max_ndim > 255:
+            raise ValueError(f"WireLimits.max_ndim is at most 255 (one header byte), got {self.max_ndim}")
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Frame:
+    codec_id: int
+    dtype: torch.dtype  # dtype of the tensor the sender encoded
+    shape: tuple[int, ...]
+    meta: bytes
+    body: bytes  # decompressed
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def header_bytes(ndim: int) -> int:
+    """Frame bytes around the meta and payload of an ``ndim``-dim tensor."""
+    return _HEADER.size + 4 * ndim
+
+
+def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple[int, ...], meta: bytes = b"") -> bytes:
+    """Wrap a codec body into a checksummed frame; zstd-compress the body when that helps."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be sent; supported: {', '.join(map(str, DTYPES))}")
+    if len(shape) > 255 or any(not 0 <= n < 2**32 for n in shape):
+        raise ValueError(f"shape {shape} cannot be framed: at most 255 dims, each in [0, 2**32)")
+    if not 0 <= codec_id < 256 or max(len(meta), len(body)) >= 2**32:
+        raise ValueError(f"codec id {codec_id} or sizes (meta {len(meta)}, body {len(body)}) out of range")
+    payload, flags = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(body), _FLAG_ZSTD
+    if len(payload) >= len(body):
+        payload, flags = body, 0
+    tail = struct.pack(f"<{len(shape)}I", *shape) + meta
+    header = _HEADER.pack(MAGIC, VERSION, codec_id, DTYPES.index(dtype), flags, len(shape), len(meta), len(body), len(payload), 0)
+    crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(header[:_CRC_OFFSET])))
+    return b"".join((header[:_CRC_OFFSET], struct.pack("<I", crc), tail, payload))
+
+
+def decode_frame(data: bytes, *, limits: WireLimits = DEFAULT_LIMITS) -> Frame:
+    """Parse and validate a frame. Raises only ``WireError`` subclasses, whatever ``data`` holds."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedFrame(f"a frame is bytes, got {type(data).__name__}")
+    data = memoryview(data).cast("B")
+    if len(data) > limits.max_frame_bytes:
+        raise LimitExceeded(f"frame of {len(data)} bytes is over the limit of {limits.max_frame_bytes}")
+    if len(data) < len(MAGIC):
+        raise TruncatedFrame(f"frame of {len(data)} bytes is shorter than its magic")
+    if bytes(data[:4]) != MAGIC:
+        raise BadMagic(f"not a swarmloco frame: starts with {bytes(data[:4])!r}, expected {MAGIC!r}")
+    if len(data) < _HEADER.size:
+        raise TruncatedFrame(f"frame of {len(data)} bytes is shorter than the {_HEADER.size}-byte header")
+    _, version, codec_id, dtype_code, flags, ndim, meta_len, body_len, payload_len, crc = _HEADER.unpack_from(data)
+    if version != VERSION:
+        raise UnsupportedVersion(f"frame format version {version}; this build reads version {VERSION}")
+    if dtype_code >= len(DTYPES):
+        raise MalformedFrame(f"unknown dtype code {dtype_code}")
+    if flags & ~_FLAG_ZSTD:
+        raise MalformedFrame(f"unknown flag bits {flags:#04x}")
+    if ndim > limits.max_ndim:
+        raise LimitExceeded(f"tensor of {ndim} dims is over the limit of {limits.max_ndim}")
+    shape_end = header_bytes(ndim)
+    if len(data) < shape_end:
+        raise TruncatedFrame(f"frame of {len(data)} bytes ends inside its shape field")
+    shape = struct.unpack_from(f"<{ndim}I", data, _HEADER.size)
+    if math.prod(shape) > limits.max_elements:
+        raise LimitExceeded(f"shape {shape} has {math.prod(shape)} elements, over the limit of {limits.max_elements}")
+    if meta_len > limits.max_meta_bytes:
+        raise LimitExceeded(f"metadata of {meta_len} bytes is over the limit of {limits.max_meta_bytes}")
+    if body_len > limits.max_body_bytes:
+        raise LimitExceeded(f"body of {body_len} bytes is over the limit of {limits.max_body_bytes}")
+    total = shape_end + meta_len + payload_len
+    if len(data) < total:
+        raise TruncatedFrame(f"frame of {len(data)} bytes is shorter than the {total} its header declares")
+    if len(data) > total:
+        raise ShapeMismatch(f"frame of {len(data)} bytes is longer than the {total} its header declares")
+    if zlib.crc32(data[_CRC_OFFSET + 4 :], zlib.crc32(data[:_CRC_OFFSET])) != crc:
+        raise ChecksumMismatch("frame checksum does not match its contents")
+    payload = bytes(data[shape_end + meta_len :])
+    body = _decompress(payload, body_len) if flags & _FLAG_ZSTD else payload
+    if len(body) != body_len:
+        raise ShapeMismatch(f"body holds {len(body)} bytes, header declares {body_len}")
+    return Frame(codec_id=codec_id, dtype=DTYPES[dtype_code], shape=shape, meta=bytes(data[shape_end : shape_end + meta_len]), body=body)
+
+
+def _decompress(payload: bytes, body_len: int) -> bytes:
+    # The zstd frame must declare its size; one-shot decompression then allocates exactly that
+    # (already bounded) size and fails if the content would be larger.
+    try:
+        if zstandard.frame_content_size(payload) != body_len:
+            raise ShapeMismatch(f"zstd body declares a size other than the header's {body_len} bytes")
+        return zstandard.ZstdDecompressor().decompress(payload, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise MalformedFrame(f"body does not decompress: {e}") from None

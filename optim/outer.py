@@ -1,0 +1,247 @@
+"""Outer optimizers: the replicas of a stage agree every H inner steps (DiLoCo, SparseLoCo).
+
+The contract is torchft's: each replica computes the pseudo-gradient Δ = θ_global − θ_local,
+the group's Δs are combined and written into ``.grad`` of the global copy, and a stock
+``torch.optim`` step moves it. Afterwards the local (inner) parameters are reset to the new
+global ones; the inner optimizer's state stays local and untouched.
+
+The group exchange is a callable (send my payload, get every member's payload), so the math is
+tested without a network. A step is two phases, so an in-process simulator can drive many
+replicas from one thread::
+
+    payload = opt.make_payload(local)        # encode my Δ
+    opt.apply(all_gather(payload), local)    # combine everyone's Δ, step, local ← global
+
+Usage::
+
+    opt = DiLoCo(dict(model.named_parameters()), lr=0.7, momentum=0.9, codec=get_codec("fp16"))
+    opt.step(dict(model.named_parameters()), all_gather)   # every H inner steps
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from compress.codecs import Codec, get_codec
+from compress.config import CodecConfig
+from compress.errors import WireError
+from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
+from optim.config import OuterOptimConfig
+
+logger = logging.getLogger(__name__)
+
+AllGather = Callable[[bytes], list[bytes]]  # send my payload, get every member's (mine included)
+NamedTensors = Mapping[str, torch.Tensor]  # e.g. dict(module.named_parameters())
+
+Part = TypeVar("Part")  # one member's decoded Δ for one parameter
+
+# payload = header, then per parameter: entry header, name (utf-8), codec frame
+_HEADER = struct.Struct("<4sQI")  # magic, round, number of parameters
+_ENTRY = struct.Struct("<HI")  # name length, frame length
+_MAGIC = b"SLOX"
+
+
+def _pack(round_: int, frames: Mapping[str, bytes]) -> bytes:
+    out = [_HEADER.pack(_MAGIC, round_, len(frames))]
+    for name, frame in frames.items():
+        encoded = name.encode()
+        out += [_ENTRY.pack(len(encoded), len(frame)), encoded, frame]
+    return b"".join(out)
+
+
+def _unpack(payload: bytes) -> tuple[int, dict[str, bytes]]:
+    """Split a payload into (round, {name: frame}); every length is checked against the buffer."""
+    if len(payload) < _HEADER.size:
+        raise WireError(f"outer payload of {len(payload)} bytes is shorter than its header")
+    magic, round_, count = _HEADER.unpack_from(payload)
+    if magic != _MAGIC:
+        raise WireError(f"outer payload has bad magic {magic!r}")
+    frames: dict[str, bytes] = {}
+    offset = _HEADER.size
+    for _ in range(count):
+        if offset + _ENTRY.size > len(payload):
+            raise WireError("outer payload truncated inside an entry header")
+        name_len, frame_len = _ENTRY.unpack_from(payload, offset)
+        offset += _ENTRY.size
+        end = offset + name_len + frame_len
+        if end > len(payload):
+            raise WireError("outer payload truncated inside an entry")
+        name = payload[offset : offset + name_len].decode(errors="replace")
+        frames[name] = payload[offset + name_len : end]
+        offset = end
+    if offset != len(payload):
+        raise WireError(f"outer payload has {len(payload) - offset} trailing bytes")
+    if len(frames) != count:
+        raise WireError("outer payload names a parameter twice")
+    return round_, frames
+
+
+class OuterOptimizer(ABC, Generic[Part]):
+    """Global copy of a stage's parameters, moved by a stock ``torch.optim`` step on the group's Δ.
+
+    Subclasses say how one parameter's Δ is encoded, decoded (and validated) and combined.
+    """
+
+    def __init__(self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+        if not params:
+            raise ValueError("outer optimizer needs at least one parameter")
+        self._global = {name: p.detach().clone() for name, p in params.items()}
+        self.optimizer = make_optimizer(list(self._global.values()))
+        self.round = 0  # completed outer steps; part of the group's DHT key
+
+    @property
+    def global_params(self) -> NamedTensors:
+        return self._global
+
+    @abstractmethod
+    def _encode(self, name: str, delta: torch.Tensor) -> bytes: ...
+
+    @abstractmethod
+    def _decode(self, name: str, frame: bytes) -> Part:
+        """Decode one member's frame; raise WireError or ValueError if it is unusable."""
+
+    @abstractmethod
+    def _combine(self, parts: list[Part]) -> torch.Tensor:
+        """The group's Δ for one parameter (dense, the parameter's shape)."""
+
+    def make_payload(self, local: NamedTensors) -> bytes:
+        """Encode my pseudo-gradient Δ = θ_global − θ_local, every parameter in one payload."""
+        self._check_names(local)
+        # Codecs (and SparseLoCo's error buffers) live on the CPU, next to the network.
+        frames = {name: self._encode(name, (g - local[name].detach()).cpu()) for name, g in self._global.items()}
+        return _pack(self.round, frames)
+
+    def apply(self, payloads: list[bytes], local: NamedTensors) -> int:
+        """Combine the group's payloads, step the global copy, reset ``local`` to it.
+
+        A member whose payload is unusable is dropped with a warning. Returns how many members
+        were used; with none, nothing moves (the local parameters keep their progress).
+        """
+        self._check_names(local)
+        # A canonical order makes the floating-point sums identical on every replica,
+        # whatever order the exchange delivered the payloads in.
+        members = []
+        for payload in sorted(payloads):
+            try:
+                members.append(self._decode_member(payload))
+            except (WireError, ValueError) as e:
+                logger.warning("outer round %d: dropped a pseudo-gradient: %s", self.round, e)
+        round_, self.round = self.round, self.round + 1
+        if not members:
+            logger.warning("outer round %d: no usable pseudo-gradient; parameters unchanged", round_)
+            return 0
+        for name, g in self._global.items():
+            g.grad = self._combine([m[name] for m in members]).to(g)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.copy_global_to(local)
+        return len(members)
+
+    def step(self, local: NamedTensors, all_gather: AllGather) -> int:
+        """One outer step: exchange Δ with the group, step, reset ``local``; returns members used."""
+        return self.apply(all_gather(self.make_payload(local)), local)
+
+    @torch.no_grad()
+    def copy_global_to(self, local: NamedTensors) -> None:
+        """Overwrite ``local`` with the global parameters (after a step, or after joining)."""
+        self._check_names(local)
+        for name, g in self._global.items():
+            local[name].copy_(g)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a joining replica adopts: global parameters, outer optimizer state, round."""
+        return {"round": self.round, "params": dict(self._global), "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        params = state["params"]
+        self._check_names(params)
+        for name, g in self._global.items():
+            g.copy_(params[name])
+        # The optimizer keys its state by position; the names check above fixes the positions.
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.round = int(state["round"])
+
+    def _decode_member(self, payload: bytes) -> dict[str, Part]:
+        round_, frames = _unpack(payload)
+        if round_ != self.round:
+            raise ValueError(f"payload is for round {round_}, not {self.round}")
+        if list(frames) != list(self._global):
+            raise ValueError("payload's parameter names do not match this stage")
+        return {name: self._decode(name, frame) for name, frame in frames.items()}
+
+    def _check_shape(self, name: str, shape: torch.Size) -> None:
+        if shape != self._global[name].shape:
+            raise ValueError(f"{name}: shape {tuple(shape)}, expected {tuple(self._global[name].shape)}")
+
+    def _check_names(self, tensors: NamedTensors) -> None:
+        if list(tensors) != list(self._global):
+            missing, extra = set(self._global) - set(tensors), set(tensors) - set(self._global)
+            raise KeyError(f"parameter names differ from the outer optimizer's (missing {sorted(missing)}, extra {sorted(extra)})")
+        for name, t in tensors.items():
+            self._check_shape(name, t.shape)
+
+
+class DiLoCo(OuterOptimizer[torch.Tensor]):
+    """Dense Δ through ``codec``, mean over the group, Nesterov SGD (DiLoCo: lr 0.7, momentum 0.9)."""
+
+    def __init__(self, params: NamedTensors, *, lr: float = 0.7, momentum: float = 0.9, codec: Codec) -> None:
+        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0))
+        self.codec = codec
+
+    def _encode(self, name: str, delta: torch.Tensor) -> bytes:
+        return self.codec.encode(delta)
+
+    def _decode(self, name: str, frame: bytes) -> torch.Tensor:
+        delta = self.codec.decode(frame)  # rejects NaN and inf
+        self._check_shape(name, delta.shape)
+        return delta
+
+    def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(parts).mean(dim=0)
+
+
+class SparseLoCo(OuterOptimizer[SparseTensor]):
+    """Error feedback + top-k 2-bit Δ, per-index mean over the senders, plain SGD (α = 1).
+
+    The error buffers are this replica's own residual; they are not part of ``state_dict`` and
+    start at zero after ``load_state_dict``, as for a newcomer.
+    """
+
+    def __init__(self, params: NamedTensors, *, lr: float = 1.0, codec: SparseLoCoCodec) -> None:
+        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr))
+        self.codec = codec
+        self._error = codec.new_state()
+
+    def _encode(self, name: str, delta: torch.Tensor) -> bytes:
+        return self.codec.encode(name, delta, self._error)
+
+    def _decode(self, name: str, frame: bytes) -> SparseTensor:
+        part = self.codec.decode(frame)  # rejects NaN and inf, indices out of range or repeated
+        self._check_shape(name, torch.Size(part.shape))
+        return part
+
+    def _combine(self, parts: list[SparseTensor]) -> torch.Tensor:
+        return aggregate_mean(parts)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._error = self.codec.new_state()
+
+
+def build_outer_optimizer(params: NamedTensors, cfg: OuterOptimConfig, codecs: CodecConfig) -> OuterOptimizer | None:
+    """The stage's outer optimizer from the swarm config; None when ``cfg.method == "none"``."""
+    if cfg.method == "none":
+        return None
+    if (codecs.pseudo_gradients == "sparseloco") != (cfg.method == "sparseloco"):
+        raise ValueError(f"pseudo-gradient codec {codecs.pseudo_gradients!r} does not fit outer method {cfg.method!r}")
+    if cfg.method == "diloco":
+        return DiLoCo(params, lr=cfg.diloco_lr, momentum=cfg.diloco_momentum, codec=get_codec(codecs.pseudo_gradients))
+    codec = SparseLoCoCodec(topk=codecs.topk, chunk_size=codecs.chunk_size, error_decay=codecs.error_decay)
+    return SparseLoCo(params, lr=cfg.sparseloco_lr, codec=codec)

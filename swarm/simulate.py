@@ -1,0 +1,234 @@
+"""An in-process, deterministic swarm: the algorithms without the network.
+
+K replicas of every stage (stage 0 = K trainers, each with its own data stream). Every tick,
+each trainer pushes one microbatch along a freshly drawn path, through a random replica per
+stage, with the activation codec applied at every boundary in both directions. Replicas take
+an inner step per ``train.inner_batch`` samples served; every H ticks the replicas of each stage
+run the outer step (or, with ``mode="ddp"``, average fp32 gradients every tick). Bytes that would
+cross the network are counted by kind.
+
+    >>> result = simulate(cfg, SimulationConfig(replicas=2, tokens=200_000), streams, val_batches)
+    >>> result.val_loss, result.bytes_per_token["total"]
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from compress.codecs import Codec
+from optim.inner import clip_and_step, make_inner_optimizer
+from optim.outer import OuterOptimizer, build_outer_optimizer
+from swarm.centralized import Batch, evaluate
+from swarm.codecs import boundary_codecs
+from swarm.config import SwarmConfig
+from swarm.errors import ConfigError
+from swarm.model import loss_fn
+from swarm.routing import sample_path
+from swarm.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
+
+MODES = ("ddp", "outer")
+BYTE_KINDS = ("activations", "activation_gradients", "pseudo_gradients", "gradients")
+
+
+@dataclass(kw_only=True)
+class SimulationConfig:
+    replicas: int = 2  # K, per stage (and K trainers)
+    mode: str = "outer"  # outer: DiLoCo/SparseLoCo per the swarm config; ddp: fp32 gradient all-reduce every tick
+    tokens: int = 500_000  # training tokens over all trainers
+    seed: int = 0
+    log_every: int = 25  # ticks
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError("replicas", f"must be at least 1, got {self.replicas}")
+        if self.mode not in MODES:
+            raise ConfigError("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.tokens <= 0 or self.log_every <= 0:
+            raise ConfigError("tokens", "tokens and log_every must be positive")
+
+
+@dataclass
+class Replica:
+    """One copy of one stage with its own inner optimizer (and outer optimizer, if any)."""
+
+    module: EdgeStage | MiddleStage
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    outer: OuterOptimizer | None
+    pending_samples: int = 0  # served since the last inner step
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return dict(self.module.named_parameters())
+
+
+@dataclass
+class SimulationResult:
+    val_loss: float
+    tokens: int
+    ticks: int
+    outer_rounds: int
+    wall_s: float
+    bytes_by_kind: dict[str, int]
+    messages_by_kind: dict[str, int]  # activation frames sent, by kind
+    skipped_stage_visits: int  # hops left out by skip paths, summed over microbatches
+    log: list[dict[str, float]] = field(default_factory=list)
+    replicas: dict[int, list[Replica]] = field(default_factory=dict, repr=False)  # final state, by stage
+
+    @property
+    def bytes_per_token(self) -> dict[str, float]:
+        per = {kind: self.bytes_by_kind.get(kind, 0) / self.tokens for kind in BYTE_KINDS}
+        return per | {"total": sum(per.values())}
+
+
+class Link:
+    """Encodes and decodes a tensor exactly as a peer would, counting the wire bytes by kind."""
+
+    def __init__(self, forward: Codec, backward: Codec) -> None:
+        self.codecs = {"activations": forward, "activation_gradients": backward}
+        self.bytes: Counter[str] = Counter()
+        self.messages: Counter[str] = Counter()
+
+    def send(self, kind: str, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        frame = self.codecs[kind].encode(x.detach(), tokens=tokens)
+        self.bytes[kind] += len(frame)
+        self.messages[kind] += 1
+        return self.codecs[kind].decode(frame)
+
+
+def make_replica(cfg: SwarmConfig, stage: int, total_steps: int, with_outer: bool) -> Replica:
+    module = build_stage(cfg.model, cfg.stages.num_stages, stage)
+    opt, sched = make_inner_optimizer(module.parameters(), replace(cfg.inner, total_steps=total_steps))
+    outer = build_outer_optimizer(dict(module.named_parameters()), cfg.outer, cfg.codecs) if with_outer else None
+    return Replica(module, opt, sched, outer)
+
+
+def train_microbatch(trainer: Replica, hops: list[Replica], batch: Batch, link: Link) -> float:
+    """Forward along ``hops`` and back, through the link's codecs; gradients accumulate in place."""
+    inputs, targets = batch
+    edge: EdgeStage = trainer.module  # type: ignore[assignment]
+    h0 = edge.embed(inputs)  # (B, T, d)
+    h = link.send("activations", h0, inputs)
+    graph = []
+    for replica in hops:
+        h_in = h.requires_grad_()
+        h_out = replica.module(h_in)
+        graph.append((replica, h_in, h_out))
+        h = link.send("activations", h_out, inputs)
+    h_last = h.requires_grad_()
+    loss = loss_fn(edge.head(h_last), targets)
+    loss.backward()
+    grad = link.send("activation_gradients", h_last.grad, inputs)
+    for replica, h_in, h_out in reversed(graph):
+        h_out.backward(grad)
+        replica.pending_samples += inputs.shape[0]
+        grad = link.send("activation_gradients", h_in.grad, inputs)
+    h0.backward(grad)
+    trainer.pending_samples += inputs.shape[0]
+    return loss.item()
+
+
+def inner_step(replica: Replica, microbatch_size: int, grad_clip: float) -> None:
+    """Average the accumulated microbatch gradients and step."""
+    scale = microbatch_size / replica.pending_samples
+    for p in replica.module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    clip_and_step(replica.optimizer, replica.scheduler, grad_clip)
+    replica.pending_samples = 0
+
+
+def ddp_step(group: list[Replica], microbatch_size: int, grad_clip: float) -> int:
+    """Average gradients over the whole group (weighted by samples), everyone steps; returns fp32 bytes moved."""
+    served = sum(r.pending_samples for r in group)
+    if served == 0:
+        return 0
+    params = [list(r.module.parameters()) for r in group]
+    for column in zip(*params):
+        total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in column) * (microbatch_size / served)
+        for p in column:
+            p.grad = total.clone()
+    for r in group:
+        clip_and_step(r.optimizer, r.scheduler, grad_clip)
+        r.pending_samples = 0
+    k, size = len(group), sum(p.numel() * 4 for p in params[0])
+    return int(k * size * 2 * (k - 1) / k)  # ring all-reduce: each member sends 2(K−1)/K of the buffer
+
+
+def outer_round(group: list[Replica]) -> int:
+    """One outer step of a stage's replicas via an in-process all-gather; returns bytes moved."""
+    payloads = [r.outer.make_payload(r.params) for r in group]  # type: ignore[union-attr]
+    for r in group:
+        r.outer.apply(payloads, r.params)  # type: ignore[union-attr]
+    return sum(len(p) for p in payloads) * (len(group) - 1)  # all-gather: each payload reaches K−1 members
+
+
+def simulate(
+    cfg: SwarmConfig,
+    sim: SimulationConfig,
+    streams: list[Iterator[Batch]],
+    val_batches: list[Batch],
+    on_log: Callable[[dict[str, float]], None] = lambda record: None,
+) -> SimulationResult:
+    """Run the swarm for ``sim.tokens`` training tokens; ``streams`` holds one batch iterator per trainer."""
+    if len(streams) != sim.replicas:
+        raise ValueError(f"need one data stream per trainer: {sim.replicas}, got {len(streams)}")
+    torch.manual_seed(sim.seed)
+    rng = random.Random(sim.seed)
+    S, K, B = cfg.stages.num_stages, sim.replicas, cfg.train.microbatch_size
+    tokens_per_tick = K * B * cfg.train.seq_len
+    ticks = max(1, sim.tokens // tokens_per_tick)
+    with_outer = sim.mode == "outer" and cfg.outer.method != "none"
+    replicas = {s: [make_replica(cfg, s, ticks, with_outer) for _ in range(K)] for s in range(S + 1)}
+    link = Link(*boundary_codecs(cfg))
+    skipped = outer_rounds = 0
+    log: list[dict[str, float]] = []
+    started = time.perf_counter()
+    for tick in range(1, ticks + 1):
+        losses = []
+        for trainer, stream in zip(replicas[EDGE_STAGE], streams):
+            path = sample_path(S, cfg.paths, rng)
+            skipped += S - len(path)
+            hops = [rng.choice(replicas[s]) for s in path]
+            losses.append(train_microbatch(trainer, hops, next(stream), link))
+            if sim.mode == "outer":
+                for replica in [trainer, *hops]:
+                    if replica.pending_samples >= cfg.train.inner_batch:
+                        inner_step(replica, B, cfg.inner.grad_clip)
+        if sim.mode == "ddp":
+            for group in replicas.values():
+                link.bytes["gradients"] += ddp_step(group, B, cfg.inner.grad_clip)
+        elif with_outer and (tick % cfg.outer.inner_steps == 0 or tick == ticks):
+            for group in replicas.values():
+                link.bytes["pseudo_gradients"] += outer_round(group)
+            outer_rounds += 1
+        if tick % sim.log_every == 0 or tick == ticks:
+            record = {"tick": tick, "tokens": tick * tokens_per_tick, "train_loss": sum(losses) / len(losses),
+                      "val_loss": full_pipeline_loss(replicas, S, val_batches), "elapsed_s": time.perf_counter() - started,
+                      "bytes_per_token": sum(link.bytes.values()) / (tick * tokens_per_tick)}
+            log.append(record)
+            on_log(record)
+    return SimulationResult(val_loss=log[-1]["val_loss"], tokens=ticks * tokens_per_tick, ticks=ticks, outer_rounds=outer_rounds,
+                            wall_s=time.perf_counter() - started, bytes_by_kind=dict(link.bytes), messages_by_kind=dict(link.messages),
+                            skipped_stage_visits=skipped, log=log,
+                            replicas=replicas)
+
+
+def full_pipeline_loss(replicas: dict[int, list[Replica]], num_stages: int, val_batches: list[Batch]) -> float:
+    """Validation loss of replica 0 of every stage through the full path 1..S, no codec, no skips."""
+    edge: EdgeStage = replicas[EDGE_STAGE][0].module  # type: ignore[assignment]
+    middles: dict[int, MiddleStage] = {s: replicas[s][0].module for s in range(1, num_stages + 1)}  # type: ignore[misc]
+    modules = [edge, *middles.values()]
+    for m in modules:
+        m.eval()
+    loss = evaluate(lambda x: run_path(edge, middles, list(range(1, num_stages + 1)), x), val_batches)
+    for m in modules:
+        m.train()
+    return loss

@@ -1,0 +1,295 @@
+"""Outer optimizers: golden numbers for the outer-step math, group agreement, joins, bad payloads."""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compress.codecs import get_codec
+from compress.config import CodecConfig
+from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor
+from compress.wire import decode_frame, encode_frame
+from optim.config import OuterOptimConfig
+from optim.outer import DiLoCo, NamedTensors, OuterOptimizer, SparseLoCo, build_outer_optimizer
+
+
+def params(**values: list[float]) -> dict[str, torch.Tensor]:
+    return {name: torch.tensor(v, dtype=torch.float32) for name, v in values.items()}
+
+
+def minus(a: NamedTensors, b: NamedTensors) -> dict[str, torch.Tensor]:
+    return {name: a[name] - b[name] for name in a}
+
+
+def run_round(opts: list[OuterOptimizer], locals_: list[NamedTensors], shuffle: random.Random | None = None) -> list[int]:
+    """One outer step of the whole group; optionally each member receives the payloads in its own order."""
+    payloads = [opt.make_payload(local) for opt, local in zip(opts, locals_)]
+    used = []
+    for opt, local in zip(opts, locals_):
+        received = list(payloads)
+        if shuffle is not None:
+            shuffle.shuffle(received)
+        used.append(opt.apply(received, local))
+    return used
+
+
+class RegistryCodec:
+    """Stands in for SparseLoCoCodec: sends Δ's non-zeros exactly, so the test sees only the outer math."""
+
+    def __init__(self) -> None:
+        self.sent: list[SparseTensor] = []
+
+    def new_state(self) -> dict:
+        return {}
+
+    def encode(self, name: str, delta: torch.Tensor, state: dict) -> bytes:
+        indices = delta.flatten().nonzero().flatten()
+        self.sent.append(SparseTensor(indices=indices, values=delta.flatten()[indices].float(), shape=tuple(delta.shape)))
+        return str(len(self.sent) - 1).encode()
+
+    def decode(self, data: bytes) -> SparseTensor:
+        return self.sent[int(data)]
+
+
+# --- DiLoCo ---------------------------------------------------------------------------------
+
+
+def test_diloco_golden_two_replicas_two_rounds() -> None:
+    start = params(w=[1.0, 2.0])
+    opts = [DiLoCo(start, lr=0.7, momentum=0.9, codec=get_codec("fp32")) for _ in range(2)]
+
+    # Round 1: Δ_A = [1, 0], Δ_B = [0, -1] → mean g = [0.5, -0.5]; buf = g;
+    # Nesterov update g + 0.9·buf = [0.95, -0.95]; θ = [1, 2] − 0.7·update = [0.335, 2.665].
+    locals_ = [minus(start, params(w=[1.0, 0.0])), minus(start, params(w=[0.0, -1.0]))]
+    assert run_round(opts, locals_) == [2, 2]
+    for opt, local in zip(opts, locals_):
+        torch.testing.assert_close(opt.global_params["w"], torch.tensor([0.335, 2.665]))
+        assert torch.equal(local["w"], opt.global_params["w"])
+
+    # Round 2: Δ_A = [0.2, 0.4], Δ_B = [0.2, 0] → g = [0.2, 0.2]; buf = 0.9·[0.5, -0.5] + g = [0.65, -0.25];
+    # update = g + 0.9·buf = [0.785, -0.025]; θ = [0.335, 2.665] − 0.7·update = [-0.2145, 2.6825].
+    locals_ = [minus(locals_[0], params(w=[0.2, 0.4])), minus(locals_[1], params(w=[0.2, 0.0]))]
+    run_round(opts, locals_)
+    for opt in opts:
+        torch.testing.assert_close(opt.global_params["w"], torch.tensor([-0.2145, 2.6825]))
+        assert opt.round == 2
+
+
+def test_group_of_one_without_momentum_adopts_local_params() -> None:
+    torch.manual_seed(0)
+    local = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    opt = DiLoCo(local, lr=1.0, momentum=0.0, codec=get_codec("fp32"))
+    trained = {name: t + torch.randn_like(t) for name, t in local.items()}
+    local = {name: t.clone() for name, t in trained.items()}
+    assert opt.step(local, lambda payload: [payload]) == 1
+    for name in trained:
+        torch.testing.assert_close(opt.global_params[name], trained[name])
+        torch.testing.assert_close(local[name], trained[name])
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "bf16"])
+def test_replicas_agree_whatever_the_delivery_order(codec: str) -> None:
+    torch.manual_seed(1)
+    start = {"w": torch.randn(8, 5), "b": torch.randn(5)}
+    opts = [DiLoCo(start, codec=get_codec(codec)) for _ in range(3)]
+    locals_ = [{name: t.clone() for name, t in start.items()} for _ in range(3)]
+    shuffle = random.Random(0)
+    for _ in range(3):
+        for local in locals_:  # the inner steps, different on every replica
+            for t in local.values():
+                t.add_(0.1 * torch.randn_like(t))
+        run_round(opts, locals_, shuffle)
+        for opt, local in zip(opts[1:], locals_[1:]):
+            for name in start:
+                assert torch.equal(opt.global_params[name], opts[0].global_params[name])
+                assert torch.equal(local[name], opts[0].global_params[name])
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    deltas=st.lists(st.lists(st.floats(-1e3, 1e3, width=32), min_size=3, max_size=3), min_size=1, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_diloco_aggregate_ignores_payload_order(deltas: list[list[float]], seed: int) -> None:
+    start = params(w=[0.5, -1.0, 2.0])
+    payloads = [DiLoCo(start, codec=get_codec("fp32")).make_payload(minus(start, params(w=d))) for d in deltas]
+    shuffled = list(payloads)
+    random.Random(seed).shuffle(shuffled)
+    results = []
+    for order in (payloads, shuffled):
+        opt, local = DiLoCo(start, codec=get_codec("fp32")), params(w=[0.0, 0.0, 0.0])
+        opt.apply(order, local)
+        results.append(local["w"])
+    assert torch.equal(results[0], results[1])
+
+
+def test_inner_state_stays_local_and_params_are_updated_in_place() -> None:
+    torch.manual_seed(2)
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = DiLoCo(dict(model.named_parameters()), codec=get_codec("fp32"))
+    model(torch.randn(3, 4)).sum().backward()
+    inner.step()
+    moments = {k: v.clone() for k, v in inner.state[model.weight].items()}
+    opt.step(dict(model.named_parameters()), lambda payload: [payload])
+    assert torch.equal(model.weight, opt.global_params["weight"])  # the inner optimizer's own tensor moved
+    for k, v in moments.items():
+        assert torch.equal(inner.state[model.weight][k], v)
+
+
+# --- SparseLoCo -----------------------------------------------------------------------------
+
+
+def test_sparseloco_golden_per_index_mean() -> None:
+    start = params(w=[1.0, 1.0, 1.0, 1.0])
+    codec = RegistryCodec()
+    opts = [SparseLoCo(start, lr=1.0, codec=codec) for _ in range(2)]
+    # Index 0 sent by both (mean 2), index 1 by B only (4), index 2 by A only (2), index 3 by nobody.
+    locals_ = [minus(start, params(w=[1.0, 0.0, 2.0, 0.0])), minus(start, params(w=[3.0, 4.0, 0.0, 0.0]))]
+    assert run_round(opts, locals_) == [2, 2]
+    for opt in opts:
+        torch.testing.assert_close(opt.global_params["w"], torch.tensor([-1.0, -3.0, -1.0, 1.0]))
+
+
+def test_sparseloco_real_codec_matches_manual_mean() -> None:
+    torch.manual_seed(3)
+    start = {"w": torch.randn(64, 64), "b": torch.randn(100)}
+    codec = SparseLoCoCodec(topk=16)
+    opts = [SparseLoCo(start, codec=codec) for _ in range(2)]
+    deltas = [{name: torch.randn_like(t) for name, t in start.items()} for _ in range(2)]
+    locals_ = [minus(start, d) for d in deltas]
+    run_round(opts, locals_)
+    for name, t in start.items():
+        # What each replica sent in its first round: its Δ through a fresh error buffer.
+        sent = [codec.decode(codec.encode(name, d[name], codec.new_state())) for d in deltas]
+        total, count = torch.zeros(t.numel()), torch.zeros(t.numel())
+        for part in sent:
+            for i, v in zip(part.indices.tolist(), part.values.tolist()):
+                total[i] += v
+                count[i] += 1
+        expected = t - (total / count.clamp(min=1)).view_as(t)
+        for opt in opts:
+            torch.testing.assert_close(opt.global_params[name], expected)
+
+
+def test_sparseloco_error_feedback_sends_the_residual_later() -> None:
+    torch.manual_seed(4)
+    start = {"w": torch.randn(64, 64)}
+    opt = SparseLoCo(start, codec=SparseLoCoCodec(topk=8))
+    local = minus(start, {"w": torch.randn(64, 64)})
+    opt.step(local, lambda payload: [payload])
+    before = opt.global_params["w"].clone()
+    opt.step(local, lambda payload: [payload])  # Δ = 0 now, but the error buffer still holds most of round 1
+    assert not torch.equal(opt.global_params["w"], before)
+
+    opt.load_state_dict(opt.state_dict())  # adopting a state starts the error buffer at zero
+    before = opt.global_params["w"].clone()
+    opt.step(local, lambda payload: [payload])
+    assert torch.equal(opt.global_params["w"], before)
+
+
+# --- joining, bad payloads, config ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_late_joiner_adopts_the_global_state(method: str) -> None:
+    torch.manual_seed(5)
+    cfg, codecs = OuterOptimConfig(method=method), CodecConfig(pseudo_gradients="fp16" if method == "diloco" else "sparseloco")
+    start = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    opts = [build_outer_optimizer(start, cfg, codecs) for _ in range(2)]
+    locals_ = [{name: t.clone() for name, t in start.items()} for _ in range(2)]
+    for _ in range(2):
+        for local in locals_:
+            local["w"].add_(0.1 * torch.randn(64, 64))
+        run_round(opts, locals_)
+
+    newcomer_local = {name: torch.randn_like(t) for name, t in start.items()}
+    newcomer = build_outer_optimizer(newcomer_local, cfg, codecs)
+    buffer = io.BytesIO()  # the state travels as bytes, as in a download
+    torch.save(opts[0].state_dict(), buffer)
+    newcomer.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    newcomer.copy_global_to(newcomer_local)
+    assert newcomer.round == 2
+
+    opts, locals_ = opts + [newcomer], locals_ + [newcomer_local]
+    for local in locals_:
+        local["w"].add_(0.1 * torch.randn(64, 64))
+    assert run_round(opts, locals_) == [3, 3, 3]
+    for opt in opts[1:]:
+        for name in start:
+            assert torch.equal(opt.global_params[name], opts[0].global_params[name])
+        if method == "diloco":
+            buf, ref = opt.optimizer.state_dict()["state"], opts[0].optimizer.state_dict()["state"]
+            assert all(torch.equal(buf[i]["momentum_buffer"], ref[i]["momentum_buffer"]) for i in ref)
+
+
+class NaNSparseLoCoCodec(SparseLoCoCodec):
+    """Sends well-formed frames (valid checksum) whose last value scale is NaN."""
+
+    def encode(self, name: str, delta: torch.Tensor, state: SparseLoCoState) -> bytes:
+        frame = decode_frame(super().encode(name, delta, state))
+        return encode_frame(frame.codec_id, frame.body[:-2] + b"\xc0\x7f", dtype=frame.dtype, shape=frame.shape, meta=frame.meta)
+
+
+def _bad_payload(bad: str, method: str, start: dict[str, torch.Tensor]) -> bytes:
+    codec = get_codec("fp32") if method == "diloco" else SparseLoCoCodec()
+    make = (lambda ps: DiLoCo(ps, codec=codec)) if method == "diloco" else (lambda ps: SparseLoCo(ps, codec=codec))
+    step = {name: t - 1.0 for name, t in start.items()}
+    if bad in ("garbage", "truncated"):
+        return b"\x00" * 40 if bad == "garbage" else make(start).make_payload(step)[:-3]
+    if bad == "wrong_round":
+        late = make(start)
+        late.round = 7
+        return late.make_payload(step)
+    if bad == "non_finite" and method == "diloco":
+        return make(start).make_payload({name: torch.full_like(t, float("nan")) for name, t in start.items()})
+    if bad == "non_finite":
+        return SparseLoCo(start, codec=NaNSparseLoCoCodec()).make_payload(step)
+    other = {name: torch.zeros(t.numel() + 1) for name, t in start.items()} if bad == "wrong_shape" else {"other": start["w"]}
+    return make(other).make_payload(other)
+
+
+@pytest.mark.parametrize("bad", ["garbage", "truncated", "wrong_shape", "wrong_names", "non_finite", "wrong_round"])
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_bad_payload_is_dropped_with_a_warning(method: str, bad: str, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(6)
+    cfg, codecs = OuterOptimConfig(method=method), CodecConfig(pseudo_gradients="fp32" if method == "diloco" else "sparseloco")
+    start = {"w": torch.randn(64, 64)}
+    clean, dirty = build_outer_optimizer(start, cfg, codecs), build_outer_optimizer(start, cfg, codecs)
+    payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
+    clean.apply(payloads, {"w": start["w"].clone()})
+    with caplog.at_level(logging.WARNING, logger="optim.outer"):
+        assert dirty.apply(payloads + [_bad_payload(bad, method, start)], {"w": start["w"].clone()}) == 2
+    assert "dropped" in caplog.text
+    assert torch.equal(dirty.global_params["w"], clean.global_params["w"])
+
+
+def test_no_usable_payload_leaves_everything_in_place(caplog: pytest.LogCaptureFixture) -> None:
+    start = params(w=[1.0, 2.0])
+    opt, local = DiLoCo(start, codec=get_codec("fp32")), params(w=[3.0, 4.0])
+    with caplog.at_level(logging.WARNING, logger="optim.outer"):
+        assert opt.apply([b"junk"], local) == 0
+    assert torch.equal(opt.global_params["w"], start["w"]) and torch.equal(local["w"], torch.tensor([3.0, 4.0]))
+    assert opt.round == 1
+
+
+def test_local_params_must_match_by_name() -> None:
+    opt = DiLoCo(params(w=[1.0]), codec=get_codec("fp32"))
+    with pytest.raises(KeyError, match="missing"):
+        opt.make_payload(params(v=[1.0]))
+
+
+def test_build_outer_optimizer_follows_the_config() -> None:
+    start = params(w=[1.0])
+    assert build_outer_optimizer(start, OuterOptimConfig(method="none"), CodecConfig()) is None
+    diloco = build_outer_optimizer(start, OuterOptimConfig(method="diloco", diloco_lr=0.5), CodecConfig(pseudo_gradients="bf16"))
+    assert isinstance(diloco, DiLoCo) and diloco.optimizer.param_groups[0]["lr"] == 0.5
+    assert isinstance(build_outer_optimizer(start, OuterOptimConfig(method="sparseloco"), CodecConfig()), SparseLoCo)
+    with pytest.raises(ValueError, match="does not fit"):
+        build_outer_optimizer(start, OuterOptimConfig(method="diloco"), CodecConfig(pseudo_gradients="sparseloco"))
