@@ -221,6 +221,150 @@ def simulate_cmd(
         typer.echo(f"wrote {json_out}")
 
 
+@app.command("run")
+@user_errors
+def run_cmd(
+    role: Annotated[str, typer.Option(help="trainer (stage 0: data, embedding, loss) or stage (a server of one middle stage).")],
+    stage: Annotated[int | None, typer.Option(min=1, help="Stage servers: the stage to serve (default: the one with fewest replicas).")] = None,
+    initial_peers: Annotated[list[str] | None, typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable. None: create a new swarm.")] = None,
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    steps: Annotated[int, typer.Option(min=1, help="Trainers: inner steps of stage 0 to run.")] = 100,
+    host_maddrs: Annotated[list[str] | None, typer.Option("--host-maddrs", help="Multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0).")] = None,
+    announce_maddrs: Annotated[list[str] | None, typer.Option("--announce-maddrs", help="Public multiaddrs to announce (behind NAT).")] = None,
+    identity: Annotated[Path | None, typer.Option(help="libp2p key file for a stable peer id (created if missing).")] = None,
+    swarm: Annotated[str, typer.Option(help="Name of the swarm whose config to fetch when --config is not given.")] = SwarmConfig().name,
+    out: Annotated[Path | None, typer.Option(help="Append metrics to OUT/<name>.jsonl.")] = None,
+    name: Annotated[str | None, typer.Option(help="This peer's name in logs and metrics.")] = None,
+    seed: Annotated[int, typer.Option(help="Trainers: data stream offset (give each trainer its own).")] = 0,
+    threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default).")] = 0,
+) -> None:
+    """Start one peer of a swarm over the network; SIGINT/SIGTERM retire its DHT records and exit."""
+    from peer.launch import run_peer
+    from swarm.membership import MembershipError
+    from swarm.node import NodeOptions
+
+    try:
+        options = NodeOptions(role=role, stage=stage, initial_peers=initial_peers or [], host_maddrs=host_maddrs or ["/ip4/0.0.0.0/tcp/0"],
+                              announce_maddrs=announce_maddrs or [], identity_path=str(identity) if identity else None, swarm_name=swarm, steps=steps)
+        run_peer(options, config=config, data=data, out=out, name=name, seed=seed, threads=threads, echo=typer.echo)
+    except (ValueError, MembershipError) as e:
+        fail(str(e))
+
+
+@app.command("local")
+@user_errors
+def local_cmd(
+    peers: Annotated[int, typer.Option(min=2, help="Peer processes in all (trainers + stage servers).")] = 3,
+    stages: Annotated[int, typer.Option(min=1, help="Middle stages S.")] = 2,
+    trainers: Annotated[int, typer.Option(min=1, help="How many of the peers are trainers.")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="Inner steps per trainer.")] = 100,
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    out: Annotated[Path, typer.Option(help="Logs, metrics (<peer>.jsonl) and swarm.toml go here.")] = Path("runs/local"),
+) -> None:
+    """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers finish."""
+    from peer.launch import LocalSwarm, launch_local
+
+    try:
+        layout = LocalSwarm(peers=peers, stages=stages, trainers=trainers, steps=steps)
+    except ValueError as e:
+        fail(str(e))
+    raise typer.Exit(launch_local(layout, out=out, config=config_or_default(config), data=data, echo=typer.echo))
+
+
+swarm_app = typer.Typer(help="Private swarms: an authority key admits peers by signed certificate.", no_args_is_help=True)
+app.add_typer(swarm_app, name="swarm")
+
+AuthorityOpt = Annotated[Path, typer.Option("--authority", help="The swarm's authority.key (written by `swarm create --private`).")]
+SwarmTomlOpt = Annotated[Path, typer.Option("--config", help="The swarm's swarm.toml: names the swarm the certificate is for.")]
+PeerIdOpt = Annotated[str, typer.Option("--peer-id", help="The peer's libp2p id, as `swarmloco swarm identity` prints it.")]
+
+
+def credential_errors(fn: F) -> F:
+    """user_errors for swarm.auth's errors, imported late: it loads hivemind, which other commands need not wait for."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from swarm.auth import AccessDenied, CredentialError
+
+        try:
+            return fn(*args, **kwargs)
+        except (CredentialError, AccessDenied) as e:
+            fail(str(e))
+
+    return wrapper  # type: ignore[return-value]
+
+
+@swarm_app.command("create")
+@user_errors
+@credential_errors
+def swarm_create(
+    name: Annotated[str, typer.Option(help="Swarm name: letters, digits, '-' and '_'.")],
+    out: Annotated[Path, typer.Option(help="Directory for swarm.toml and, if private, the authority keys.")],
+    private: Annotated[bool, typer.Option("--private/--public", help="Private: only peers with a certificate from this swarm's authority may join.")] = False,
+) -> None:
+    """Create a swarm: its config and, for a private swarm, the authority key that admits peers."""
+    from peer.credentials import AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, create_swarm
+
+    cfg = create_swarm(name, out, private=private)
+    typer.echo(f"swarm {cfg.swarm_id}: wrote {out / CONFIG_FILE}")
+    if private:
+        typer.echo(f"authority: {out / AUTHORITY_KEY} (secret: keep it offline and backed up), {out / AUTHORITY_PUB}\n"
+                   f"admit a peer: swarmloco swarm invite --authority {out / AUTHORITY_KEY} --config {out / CONFIG_FILE} "
+                   f"--peer-id <its `swarmloco swarm identity`> -o peer.cert")
+
+
+@swarm_app.command("identity")
+@credential_errors
+def swarm_identity(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Identity file (libp2p private key): created if missing, else read.")],
+) -> None:
+    """Print the peer id of an identity file, creating it first if needed; the swarm's authority invites this id."""
+    from peer.credentials import new_identity, peer_id_of_identity
+
+    if out.exists():
+        typer.echo(peer_id_of_identity(out))
+    else:
+        typer.echo(new_identity(out))
+        typer.echo(f"created {out}; run the peer with --identity {out}", err=True)
+
+
+@swarm_app.command("invite")
+@user_errors
+@credential_errors
+def swarm_invite(
+    authority: AuthorityOpt,
+    config: SwarmTomlOpt,
+    peer_id: PeerIdOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Certificate file to write (the peer's --credentials).")],
+    days: Annotated[float, typer.Option(help="Validity in days.")] = 30.0,
+) -> None:
+    """Admit a peer to a private swarm: sign a certificate for its peer id."""
+    from peer.credentials import invite
+    from swarm.auth import format_time
+
+    cert = invite(authority, load_config(config).swarm_id, peer_id, days=days, out=out)
+    typer.echo(f"wrote {out}: peer {cert.peer_id} may join {cert.swarm_id} until {format_time(cert.expires_at)}")
+
+
+@swarm_app.command("revoke")
+@user_errors
+@credential_errors
+def swarm_revoke(
+    authority: AuthorityOpt,
+    config: SwarmTomlOpt,
+    peer_id: PeerIdOpt,
+    revocations: Annotated[Path | None, typer.Option("--list", help="Signed revocation list to extend (default: revocations.json beside the authority key).")] = None,
+) -> None:
+    """Void a peer's certificates issued until now, in the swarm's signed revocation list."""
+    from peer.credentials import REVOCATIONS, revoke
+
+    path = revocations or authority.parent / REVOCATIONS
+    updated = revoke(authority, load_config(config).swarm_id, peer_id, revocations=path)
+    typer.echo(f"revoked {peer_id}: wrote {path} (list #{updated.sequence}, {len(updated.revoked)} peers); hand it to every peer")
+
+
 def main() -> None:
     app(prog_name="swarmloco")
 
