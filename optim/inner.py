@@ -23,16 +23,21 @@ def lr_factor(step: int, cfg: InnerOptimConfig) -> float:
 
 
 def make_inner_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: InnerOptimConfig, *, lr_scale: float = 1.0
+    params: Iterable[torch.nn.Parameter], cfg: InnerOptimConfig, *, lr_scale: float = 1.0, start_step: int = 0
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (no weight decay on 1-D gains) and its schedule. ``lr_scale`` multiplies the peak lr."""
+    """AdamW (no weight decay on 1-D gains) and its schedule.
+
+    ``lr_scale`` multiplies the peak lr (CheckFree's ×1.1 on a rebuilt stage); ``start_step``
+    places a late joiner or rebuilt stage at the swarm's point of the schedule instead of
+    warming up from scratch.
+    """
     params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr * lr_scale, betas=(cfg.beta1, cfg.beta2))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(start_step + step, cfg))
     return opt, sched
 
 
