@@ -1,0 +1,402 @@
+"""WAN lab: peers in network namespaces on a private bridge, each behind its own bandwidth cap.
+
+Every host gets a namespace with loopback up and one veth into a bridge that lives in a hub
+namespace of its own, so nothing is added to the root namespace and no route leads outside the
+lab's private subnet (10.77.0.0/24: no default route, no NAT). A host's cap is a ``tc tbf`` on
+both ends of its veth: its own end shapes what it sends, the bridge end what it receives, so a
+transfer between two hosts runs at the smaller of the sender's and the receiver's caps.
+
+Everything is named ``slab<owner pid>-…``. Closing the lab (normal exit, an exception, Ctrl+C,
+SIGTERM) stops every process in its namespaces and deletes them, which deletes their links. A
+crashed owner leaves namespaces whose pid is dead; the next lab, or ``wanlab.py cleanup``,
+removes them. Needs root and iproute2 (``ip``, ``tc``).
+
+    with WanLab(caps_mbit=[20, 20, 100]) as lab:
+        server = lab.spawn(2, ["python", "-m", "http.server", "--bind", lab.hosts[2].address])
+        lab.run(0, ["python", "-c", "..."])  # reaches http://10.77.0.3:8000 at up to 20 Mbit/s
+        lab.set_cap(0, 50)
+
+    sudo python scripts/wanlab.py check
+    sudo python scripts/wanlab.py selftest --caps 20,100     # measured TCP throughput against each cap
+    sudo python scripts/wanlab.py up --peers 3 --caps 20     # prints the hosts, holds the lab until Ctrl+C
+    sudo python scripts/wanlab.py run --caps 20,100 -- python my_peer.py --host {addr} --index {i} --all {addrs}
+    sudo python scripts/wanlab.py cleanup
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+SUBNET = ipaddress.ip_network("10.77.0.0/24")
+NAME_ROOT = "slab"
+OWNED_NAME = re.compile(rf"^{NAME_ROOT}(\d+)-")  # slab<owner pid>-…, the default prefix
+PROBE_PORT = 5201
+# tbf: the bucket must hold a few ms at the rate (and a full-size packet), or the rate sags below
+# the cap; the queue in front of it holds 50 ms at the rate, like a modest home router.
+BURST_S, MIN_BURST_BYTES, QUEUE_MS = 0.004, 16 * 1024, 50
+
+
+class WanLabError(RuntimeError):
+    """A command the lab needs failed, or the machine cannot host a lab."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Host:
+    """One lab host: its namespace, its address on the lab bridge, its cap (None: uncapped)."""
+
+    index: int
+    netns: str
+    address: str
+    cap_mbit: float | None
+
+
+def sh(*argv: str) -> str:
+    """Run one iproute2 command; its stdout, or WanLabError with its stderr."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise WanLabError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or f'exit status {done.returncode}'}")
+    return done.stdout
+
+
+def unsupported_reason() -> str | None:
+    """Why this machine cannot host a lab (not root, no iproute2, no netns/veth/bridge/tbf), or None."""
+    if os.geteuid() != 0:
+        return "the WAN lab needs root (network namespaces and tc): run it with sudo"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "the WAN lab needs iproute2 (`ip`, `tc`): apt-get install -y iproute2"
+    probe = f"{NAME_ROOT}{os.getpid()}-probe"  # named like a lab, so a crash here is cleaned up too
+    try:
+        sh("ip", "netns", "add", probe)
+        sh("ip", "-n", probe, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        sh("tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", *tbf(20))
+    except WanLabError as e:
+        return f"this machine cannot host a WAN lab (network namespaces, veth, bridge and tc tbf are needed): {e}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def tbf(mbit: float) -> list[str]:
+    """The ``tc`` arguments of a token bucket at ``mbit`` Mbit/s."""
+    burst = max(MIN_BURST_BYTES, int(mbit * 1e6 / 8 * BURST_S))
+    return ["tbf", "rate", f"{round(mbit * 1000)}kbit", "burst", str(burst), "latency", f"{QUEUE_MS}ms"]
+
+
+def lab_namespaces(prefix: str) -> list[str]:
+    """Every namespace whose name starts with ``prefix``."""
+    listing = sh("ip", "-j", "netns", "list").strip()
+    return [ns["name"] for ns in json.loads(listing or "[]") if ns["name"].startswith(prefix)]
+
+
+def remove_namespaces(names: Sequence[str], grace_s: float = 5.0) -> None:
+    """SIGTERM every process inside ``names``, SIGKILL what outlives ``grace_s``, then delete the namespaces (and their links)."""
+    def pids() -> list[int]:
+        return [int(p) for ns in names for p in sh("ip", "netns", "pids", ns).split()]
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pid in pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for ns in names:
+        sh("ip", "netns", "del", ns)
+
+
+def cleanup(prefix: str | None = None) -> list[str]:
+    """Remove the namespaces starting with ``prefix``; with none, those of labs whose owner process is gone. Returns their names."""
+    if prefix is None:
+        names = [ns for ns in lab_namespaces(NAME_ROOT) if (m := OWNED_NAME.match(ns)) and not pid_alive(int(m.group(1)))]
+    else:
+        names = lab_namespaces(prefix)
+    remove_namespaces(names)
+    return names
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class WanLab:
+    """A bridge and one namespace per cap; a context manager that always takes it all down.
+
+    ``caps_mbit[i]`` caps host i in each direction (None: uncapped). ``prefix`` names the
+    namespaces (``{prefix}hub``, ``{prefix}p{i}``); leftovers with the same prefix are removed
+    first, so give each concurrent lab its own. Host i has address ``SUBNET[i + 1]``.
+    """
+
+    def __init__(self, *, caps_mbit: Sequence[float | None], prefix: str | None = None, grace_s: float = 5.0) -> None:
+        if not 1 <= len(caps_mbit) <= SUBNET.num_addresses - 3:
+            raise ValueError(f"a lab has 1 to {SUBNET.num_addresses - 3} hosts, got {len(caps_mbit)}")
+        for cap in caps_mbit:
+            check_cap(cap)
+        self.prefix = prefix or f"{NAME_ROOT}{os.getpid()}-"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
+            raise ValueError(f"prefix {self.prefix!r}: use up to 64 letters, digits, '_', '.', '-'")
+        self.hub = f"{self.prefix}hub"
+        self.hosts = [Host(index=i, netns=f"{self.prefix}p{i}", address=str(SUBNET[i + 1]), cap_mbit=cap)
+                      for i, cap in enumerate(caps_mbit)]
+        self.grace_s = grace_s
+        self._procs: list[subprocess.Popen] = []
+        self._sigterm: Any = None
+        self._open = False
+
+    def __enter__(self) -> WanLab:
+        reason = unsupported_reason()
+        if reason is not None:
+            raise WanLabError(reason)
+        cleanup()  # leftovers of crashed labs
+        cleanup(self.prefix)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so SIGTERM unwinds through __exit__
+        self._open = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        sh("ip", "netns", "add", self.hub)
+        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for host in self.hosts:
+            sh("ip", "netns", "add", host.netns)
+            sh("ip", "-n", host.netns, "link", "set", "lo", "up")  # hivemind's daemon listens on loopback
+            port = f"p{host.index}"  # the bridge end; the host's end is eth0 in its namespace
+            sh("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
+            sh("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+            sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/{SUBNET.prefixlen}", "dev", "eth0")
+            sh("ip", "-n", host.netns, "link", "set", "eth0", "up")
+            self._shape(host.index, host.cap_mbit)
+
+    def _shape(self, i: int, mbit: float | None) -> None:
+        for ns, dev in ((self.hosts[i].netns, "eth0"), (self.hub, f"p{i}")):  # what host i sends, what it receives
+            if mbit is None:
+                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)  # fails if uncapped already
+            else:
+                sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf(mbit))
+
+    def set_cap(self, i: int, mbit: float | None) -> None:
+        """Change host i's cap (both directions) while the lab runs; None removes it."""
+        check_cap(mbit)
+        self._shape(i, mbit)
+        self.hosts[i] = dataclasses.replace(self.hosts[i], cap_mbit=mbit)
+
+    def command(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside host i's namespace, for callers that start processes themselves."""
+        return ["ip", "netns", "exec", self.hosts[i].netns, *argv]
+
+    def spawn(self, i: int, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` in host i (its own session, so a terminal's Ctrl+C reaches only the lab, which stops it)."""
+        popen_kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(self.command(i, argv), **popen_kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, i: int, argv: Sequence[str], **run_kwargs: Any) -> subprocess.CompletedProcess:
+        """Run ``argv`` in host i to completion (``subprocess.run`` keywords)."""
+        return subprocess.run(self.command(i, argv), **run_kwargs)
+
+    def close(self) -> None:
+        """Stop every process in the lab and delete its namespaces; idempotent. Ctrl+C waits until it is done."""
+        if not self._open:
+            return
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            remove_namespaces(lab_namespaces(self.prefix), self.grace_s)
+            for proc in self._procs:
+                proc.kill()  # a no-op: every process in the namespaces is gone by now, and this reaps it
+                proc.wait()
+            self._open = False
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def check_cap(mbit: float | None) -> None:
+    if mbit is not None and not 0.01 <= mbit <= 100_000:
+        raise ValueError(f"a cap is between 0.01 and 100000 Mbit/s (or None), got {mbit}")
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+# --- bandwidth probe: a TCP sink in one host, a timed source in another ---
+
+def measure_mbit(lab: WanLab, src: int, dst: int, *, seconds: float = 1.5) -> float:
+    """TCP goodput from host ``src`` to host ``dst`` over ``seconds`` of sending, in Mbit/s."""
+    me = os.path.abspath(__file__)
+    sink = lab.spawn(dst, [sys.executable, me, "sink", "--port", str(PROBE_PORT)], stdout=subprocess.PIPE, text=True)
+    try:
+        lab.run(src, [sys.executable, me, "source", lab.hosts[dst].address, "--port", str(PROBE_PORT), "--seconds", str(seconds)],
+                check=True, timeout=seconds + 30)
+        out, _ = sink.communicate(timeout=30)
+    finally:
+        sink.kill()
+    return json.loads(out)["mbit"]
+
+
+def sink(port: int, timeout_s: float = 15.0) -> dict[str, float]:
+    """Accept one connection, read it to EOF; bytes, and goodput from its first byte to EOF."""
+    with socket.create_server(("0.0.0.0", port)) as server:
+        server.settimeout(timeout_s)
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(timeout_s)
+            buf = bytearray(1 << 20)
+            n = conn.recv_into(buf)
+            start, total = time.monotonic(), 0
+            while n:
+                total += n
+                n = conn.recv_into(buf)
+            seconds = time.monotonic() - start
+    return {"bytes": total, "seconds": seconds, "mbit": total * 8 / seconds / 1e6}
+
+
+def source(address: str, port: int, seconds: float) -> None:
+    """Send zeros to a sink for ``seconds``, then wait until it has read them all."""
+    deadline = time.monotonic() + 10.0
+    while True:  # the sink may not be listening yet
+        try:
+            conn = socket.socket()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)  # bounds the drain after `seconds`
+            conn.connect((address, port))
+            break
+        except ConnectionRefusedError:
+            conn.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with conn:
+        chunk, end = bytes(64 * 1024), time.monotonic() + seconds
+        while time.monotonic() < end:
+            conn.sendall(chunk)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)  # EOF once the sink has everything
+
+
+def selftest(caps_mbit: Sequence[float], *, seconds: float = 1.5, tolerance: float = 0.15) -> bool:
+    """Measure every capped host's upload and download against an extra uncapped host; print a table."""
+    with WanLab(caps_mbit=[*caps_mbit, None]) as lab:
+        ref = len(caps_mbit)
+        print(f"{'host':<6}{'address':<12}{'cap':>8}{'up':>9}{'down':>9}  (Mbit/s, TCP goodput, {seconds:g} s each)")
+        ok = True
+        for host in lab.hosts[:ref]:
+            up, down = measure_mbit(lab, host.index, ref, seconds=seconds), measure_mbit(lab, ref, host.index, seconds=seconds)
+            good = all(abs(m / host.cap_mbit - 1) <= tolerance for m in (up, down))
+            ok &= good
+            print(f"{host.index:<6}{host.address:<12}{host.cap_mbit:>8g}{up:>9.1f}{down:>9.1f}  {'ok' if good else 'OFF CAP'}")
+    return ok
+
+
+# --- CLI ---
+
+def parse_caps(text: str, peers: int | None) -> list[float | None]:
+    """``"20,none,100"`` as caps; one cap is repeated ``peers`` times."""
+    caps = [None if c.strip().lower() == "none" else float(c) for c in text.split(",")]
+    if peers is not None and len(caps) == 1:
+        caps *= peers
+    if peers is not None and len(caps) != peers:
+        raise ValueError(f"--caps lists {len(caps)} caps for --peers {peers}")
+    for cap in caps:
+        check_cap(cap)
+    return caps
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{check,up,run,selftest,cleanup}")
+    sub.add_parser("check", help="say whether this machine can host a lab")
+    for name, help in (("up", "build a lab, print its hosts, hold it until Ctrl+C"),
+                       ("run", "run a command in every host ({i}, {addr}, {addrs} are filled in) until all exit"),
+                       ("selftest", "measure each cap with TCP against an uncapped host")):
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--caps", default="20,100", help="Mbit/s per host, comma-separated ('none': uncapped); one value is repeated --peers times")
+        p.add_argument("--peers", type=int)
+        if name == "run":
+            p.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    p = sub.add_parser("cleanup", help="remove leftovers of crashed labs (or every namespace starting with --prefix)")
+    p.add_argument("--prefix")
+    p = sub.add_parser("sink")  # internal: the probe's two ends
+    p.add_argument("--port", type=int, default=PROBE_PORT)
+    p = sub.add_parser("source")
+    p.add_argument("address")
+    p.add_argument("--port", type=int, default=PROBE_PORT)
+    p.add_argument("--seconds", type=float, default=1.5)
+    args = parser.parse_args(argv)
+
+    if args.cmd == "sink":
+        print(json.dumps(sink(args.port)))
+        return 0
+    if args.cmd == "source":
+        source(args.address, args.port, args.seconds)
+        return 0
+    reason = unsupported_reason()
+    if args.cmd == "check":
+        print(reason or "ok: this machine can host a WAN lab (root, network namespaces, veth, bridge, tc tbf)")
+        return int(reason is not None)
+    if reason is not None:
+        raise SystemExit(reason)
+    if args.cmd == "cleanup":
+        removed = cleanup(args.prefix)
+        print(f"removed {len(removed)} namespace(s)" + "".join(f"\n  {ns}" for ns in removed))
+        return 0
+    try:
+        caps = parse_caps(args.caps, args.peers)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.cmd == "selftest" and None in caps:
+        parser.error("selftest measures caps: give a number for every host")
+    try:
+        if args.cmd == "selftest":
+            return int(not selftest(caps))
+        with WanLab(caps_mbit=caps) as lab:
+            for host in lab.hosts:
+                cap = "uncapped" if host.cap_mbit is None else f"{host.cap_mbit:g} Mbit/s"
+                print(f"host {host.index}  {host.address:<11} {cap:<14} ip netns exec {host.netns} CMD", flush=True)
+            if args.cmd == "up":
+                print("lab is up; Ctrl+C takes it down", flush=True)
+                while True:
+                    signal.pause()
+            command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+            if not command:
+                raise SystemExit("run: give the command after --")
+            addrs = ",".join(h.address for h in lab.hosts)
+            procs = [lab.spawn(h.index, [a.format(i=h.index, addr=h.address, addrs=addrs) for a in command]) for h in lab.hosts]
+            return max((proc.wait() for proc in procs), key=abs)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

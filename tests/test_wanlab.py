@@ -1,0 +1,95 @@
+"""The WAN lab: hosts reach each other only inside the lab, caps hold, and nothing outlives it.
+
+Needs root and network namespaces; skipped (with the reason) elsewhere.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, unsupported_reason
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
+REASON = unsupported_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def within(measured: float, cap: float, tolerance: float = 0.2) -> bool:
+    return abs(measured / cap - 1) <= tolerance
+
+
+def test_caps_hold_in_both_directions_and_change_mid_run() -> None:
+    with WanLab(caps_mbit=[20, 50, None], prefix="slabtest-caps-") as lab:
+        assert [h.address for h in lab.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+        assert within(measure_mbit(lab, 0, 2, seconds=1.0), 20)  # host 0's upload cap
+        assert within(measure_mbit(lab, 2, 1, seconds=1.0), 50)  # host 1's download cap
+        assert within(measure_mbit(lab, 1, 0, seconds=1.0), 20)  # the slower end wins
+        lab.set_cap(0, 40)
+        assert within(measure_mbit(lab, 0, 2, seconds=1.0), 40)
+
+
+def test_hosts_are_isolated_with_loopback_up() -> None:
+    with WanLab(caps_mbit=[20, 20], prefix="slabtest-iso-") as lab:
+        routes = lab.run(0, ["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
+        assert routes.split()[0] == "10.77.0.0/24" and "default" not in routes
+        assert len(routes.strip().splitlines()) == 1
+        lo = lab.run(1, ["ip", "-o", "link", "show", "lo"], capture_output=True, text=True, check=True).stdout
+        assert "UP" in lo.split("<")[1].split(">")[0].split(",")
+        code = f"import socket; socket.create_connection(('{lab.hosts[1].address}', 1), timeout=2)"
+        refused = lab.run(0, [sys.executable, "-c", code], capture_output=True, text=True)
+        assert "ConnectionRefusedError" in refused.stderr  # host 1 answered: the link works (nothing listens on port 1)
+
+
+def test_exception_inside_with_removes_everything() -> None:
+    prefix = "slabtest-exc-"
+    with pytest.raises(RuntimeError, match="boom"):
+        with WanLab(caps_mbit=[10, 10], prefix=prefix) as lab:
+            sleeper = lab.spawn(0, ["sleep", "60"])
+            assert len(lab_namespaces(prefix)) == 3  # hub and two hosts
+            raise RuntimeError("boom")
+    assert lab_namespaces(prefix) == []
+    assert sleeper.poll() is not None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_up_takes_the_lab_down_on_signal(sig: signal.Signals) -> None:
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "up", "--peers", "2", "--caps", "20"], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[2].startswith("lab is up"), lines
+        prefix = lines[0].split()[-2].removesuffix("p0")  # "... ip netns exec slab<pid>-p0 CMD"
+        assert len(lab_namespaces(prefix)) == 3
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) in (130, 128 + signal.SIGTERM)
+    finally:
+        proc.kill()
+    assert lab_namespaces(prefix) == []
+
+
+def test_cleanup_removes_a_crashed_labs_leftovers() -> None:
+    crash = ("import os, signal, subprocess\nfrom scripts.wanlab import WanLab\n"
+             "lab = WanLab(caps_mbit=[10, 10]).__enter__()\n"
+             "print(lab.prefix, lab.spawn(1, ['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True)\n"
+             "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=30,
+                          cwd=SCRIPT.parents[1], start_new_session=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    prefix, sleeper = done.stdout.split()
+    assert len(lab_namespaces(prefix)) == 3 and running(int(sleeper))  # the crash left its lab behind
+    listed = subprocess.run([sys.executable, str(SCRIPT), "cleanup"], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert f"{prefix}p1" in listed
+    assert lab_namespaces(prefix) == [] and not running(int(sleeper))
+    assert cleanup() == []  # nothing stale is left to find
