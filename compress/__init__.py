@@ -1,11 +1,12 @@
 """Codecs and the wire format for everything a peer sends: activations, their gradients, pseudo-gradients."""
 
+from compress.adaptive import choose_codec
 from compress.codecs import Codec, decode_any, get_codec
 from compress.errors import WireError
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor, aggregate_mean
 from compress.wire import DEFAULT_LIMITS, WireLimits, decode_frame, encode_frame
 
 __all__ = [
-    "Codec", "decode_any", "get_codec", "WireError", "SparseLoCoCodec", "SparseLoCoState", "SparseTensor",
+    "choose_codec", "Codec", "decode_any", "get_codec", "WireError", "SparseLoCoCodec", "SparseLoCoState", "SparseTensor",
     "aggregate_mean", "DEFAULT_LIMITS", "WireLimits", "decode_frame", "encode_frame",
 ]

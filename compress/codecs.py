@@ -64,7 +64,7 @@ class Codec(ABC):
     codec_id: CodecId
 
     def encode(self, x: torch.Tensor, *, tokens: torch.Tensor | None = None) -> bytes:
-        meta, body = self.pack(x.detach(), tokens)
+        meta, body = self.pack(x.detach().cpu(), tokens)
         return encode_frame(self.codec_id, body, dtype=x.dtype, shape=tuple(x.shape), meta=meta)
 
     def decode(self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False) -> torch.Tensor:
@@ -103,7 +103,8 @@ class Codec(ABC):
 
 
 class FloatCodec(Codec):
-    """The values cast to a float dtype. fp16 refuses values beyond its range (use bf16)."""
+    """The values cast to a float dtype. fp16 refuses values beyond ±65504 and loses gradients
+    below ~1e-5 to its subnormals: bf16 suits gradients better."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

@@ -4,8 +4,9 @@ A peer decodes bytes sent by strangers, so decoding never raises anything else: 
 ``WireError`` once, drop the message and may ban the sender. Encode-side misuse (wrong basis,
 non-finite input) raises plain ``ValueError``: that is a local bug, not hostile input.
 
-    >>> try: decode_any(b"junk")
-    ... except WireError as e: print(type(e).__name__, e)  # BadMagic …
+    >>> from compress.wire import decode_frame
+    >>> try: decode_frame(b"junk that is no frame")
+    ... except WireError as e: print(type(e).__name__, e)  # BadMagic: not a swarmloco frame …
 """
 
 from __future__ import annotations

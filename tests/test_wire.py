@@ -104,7 +104,7 @@ def test_declared_sizes_are_checked_before_allocating() -> None:
 
 
 def test_decompression_bomb_is_refused_without_expanding() -> None:
-    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (256 << 20))  # ~8 KiB that inflate to 256 MiB
+    bomb = zstandard.compress(b"\0" * (64 << 20))  # ~2 KiB that inflate to 64 MiB
     no_size = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (64 << 20))
     lying = bytearray(zstandard.compress(b"\0" * (1 << 20)))
     lying[5:9] = struct.pack("<I", 1000)  # zstd header now claims 1000 bytes; the content is 1 MiB
