@@ -1,0 +1,208 @@
+"""Start peers: one in this process (``swarmloco run``), or a whole swarm of processes on loopback (``swarmloco local``).
+
+``run_peer`` wires the pieces swarm/ leaves to its caller: the corpus, a JSONL metrics file,
+signals. ``launch_local`` starts every peer as a separate ``swarmloco run`` process in its own
+process group (so its DHT and libp2p daemon go down with it): the first stage server creates the
+swarm, the others join through it and fetch the config. It prints the trainers' progress and,
+once they finish, stops the servers.
+
+    $ swarmloco run --role stage --stage 1 --config swarm.toml          # prints the address to join through
+    $ swarmloco run --role trainer --initial-peers /ip4/…/p2p/12D3…
+    $ swarmloco local --peers 3 --stages 2 --steps 100 --out runs/local
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from peer.data import load_corpus
+from swarm.config import SwarmConfig, load_config, save_config
+from swarm.node import NodeOptions, run_node
+from swarm.stages import StagesConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+READY_PREFIX = "swarmloco: join with --initial-peers "
+VAL_BATCHES = 16
+
+
+def run_peer(options: NodeOptions, *, config: Path | None = None, data: Sequence[str] | None = None, out: Path | None = None,
+             name: str | None = None, seed: int = 0, threads: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run one peer until it is done (trainer) or gets SIGINT/SIGTERM; returns its last record."""
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = load_config(config) if config else (None if options.initial_peers else SwarmConfig())
+    name = name or (f"trainer-{os.getpid()}" if options.role == "trainer" else f"stage{options.stage or ''}-{os.getpid()}")
+    corpus = load_corpus(data) if options.role == "trainer" else None  # fail on bad --data before joining
+
+    def batches(cfg: SwarmConfig) -> tuple[Any, list[Any]]:
+        kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
+        return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * seed, **kw), corpus.val_batches(num_batches=VAL_BATCHES, **kw)
+
+    def on_ready(maddrs: list[str]) -> None:
+        loopback_last = sorted(maddrs, key=lambda m: "/127.0.0.1/" in m)  # a routable address first
+        echo(f"{name}: {options.role} of swarm ready")
+        echo(READY_PREFIX + " ".join(loopback_last))
+
+    metrics: TextIO | None = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = (out / f"{name}.jsonl").open("a")
+
+    def on_log(record: dict[str, Any]) -> None:
+        record = {"time": time.time(), "peer": name, **record}
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        if options.role == "trainer":
+            echo(progress_line(record, options.steps))
+
+    async def main() -> dict[str, Any]:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        return await run_node(cfg, options, data=batches, on_log=on_log, on_ready=on_ready, stop=stop)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def progress_line(record: dict[str, Any], steps: int) -> str:
+    loss = "-" if record.get("train_loss") is None else f"{record['train_loss']:.3f}"
+    val = f"  val {record['val_loss']:.3f}" if "val_loss" in record else ""
+    return (f"[{record['peer']}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
+            f"done {record.get('completed', 0)} failed {record.get('failed', 0)} skipped hops {record.get('skipped_hops', 0)}  "
+            f"{record['elapsed_s']:.0f}s")
+
+
+@dataclasses.dataclass(kw_only=True)
+class LocalSwarm:
+    """The process layout of a loopback swarm: ``peers`` processes, ``trainers`` of them trainers."""
+
+    peers: int = 3
+    stages: int = 2
+    trainers: int = 1
+    steps: int = 100
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.trainers < 1 or self.steps < 1:
+            raise ValueError("stages, trainers and steps must be positive")
+        if self.peers - self.trainers < self.stages:
+            raise ValueError(f"{self.peers} peers with {self.trainers} trainer(s) leave {self.peers - self.trainers} servers "
+                             f"for {self.stages} stages; use --peers {self.trainers + self.stages} or more")
+
+    def servers(self) -> list[tuple[str, int]]:
+        """(name, stage) of every stage server, replicas spread round-robin."""
+        return [(f"stage{k % self.stages + 1}-{k // self.stages}", k % self.stages + 1) for k in range(self.peers - self.trainers)]
+
+
+def local_config(base: SwarmConfig, layout: LocalSwarm) -> SwarmConfig:
+    return dataclasses.replace(base, stages=StagesConfig(num_stages=layout.stages),
+                               inner=dataclasses.replace(base.inner, total_steps=layout.steps))
+
+
+def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = None, data: Sequence[str] | None = None,
+                 extra_args: Sequence[str] = (), echo: Callable[[str], None] = print, ready_timeout_s: float = 120.0) -> int:
+    """Run a whole swarm on loopback until its trainers finish; 0 if every trainer succeeded."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = local_config(config or SwarmConfig(), layout)
+    save_config(cfg, out / "swarm.toml")
+    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(out), "--threads", "1", *extra_args]
+    for spec in data or ():
+        common += ["--data", spec]
+    echo(f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "
+         f"{layout.stages} stages, {layout.steps} steps; logs and metrics in {out}")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        (first, first_stage), *others = layout.servers()
+        procs[first] = spawn_peer(first, ["--role", "stage", "--stage", str(first_stage), "--config", str(out / "swarm.toml"), *common], out)
+        join = ["--initial-peers", wait_for_address(procs[first], out / f"{first}.log", ready_timeout_s)]
+        for name, stage in others:
+            procs[name] = spawn_peer(name, ["--role", "stage", "--stage", str(stage), *join, *common], out)
+        trainers = [f"trainer-{i}" for i in range(layout.trainers)]
+        for i, name in enumerate(trainers):
+            procs[name] = spawn_peer(name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *join, *common], out)
+        codes = follow_trainers({name: procs[name] for name in trainers}, out, echo)
+    finally:
+        stop_processes(procs.values())
+    for name, code in codes.items():
+        if code != 0:
+            echo(f"{name} exited with status {code}; see {out / f'{name}.log'}")
+        elif (metrics := out / f"{name}.jsonl").exists():
+            last = json.loads(metrics.read_text().splitlines()[-1])
+            echo(f"{name}: val_loss {last.get('val_loss', float('nan')):.4f} after {last['tokens']} tokens; "
+                 f"{last['failed']} failed microbatches, {last['skipped_hops']} skipped hops")
+    echo(f"swarm stopped; per-peer metrics in {out}/<peer>.jsonl, logs in {out}/<peer>.log")
+    return max(codes.values(), key=abs)
+
+
+def spawn_peer(name: str, args: list[str], out: Path) -> subprocess.Popen:
+    """A ``swarmloco run`` process in its own process group, output to ``out/<name>.log``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    with (out / f"{name}.log").open("w") as log:
+        return subprocess.Popen([sys.executable, "-m", "peer", "run", "--name", name, *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=out, start_new_session=True)
+
+
+def wait_for_address(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """The first multiaddr a starting peer prints."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith(READY_PREFIX):
+                return line[len(READY_PREFIX):].split()[0]
+        if proc.poll() is not None:
+            raise RuntimeError(f"the first peer exited with status {proc.returncode} before it was ready:\n{log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise TimeoutError(f"the first peer printed no address within {timeout_s:.0f}s; see {log}")
+
+
+def follow_trainers(trainers: dict[str, subprocess.Popen], out: Path, echo: Callable[[str], None]) -> dict[str, int]:
+    """Echo the trainers' progress lines until they all exit; their exit statuses."""
+    offsets = dict.fromkeys(trainers, 0)
+    while True:
+        finished = all(proc.poll() is not None for proc in trainers.values())
+        for name in trainers:
+            log = out / f"{name}.log"
+            if log.exists():
+                with log.open() as f:
+                    f.seek(offsets[name])
+                    for line in f:
+                        if line.startswith(f"[{name}]"):
+                            echo(line.rstrip())
+                    offsets[name] = f.tell()
+        if finished:
+            return {name: proc.returncode for name, proc in trainers.items()}
+        time.sleep(0.5)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 15.0) -> None:
+    """SIGTERM each peer (it retires its records and stops its DHT), then SIGKILL its process group."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()  # the peer's main process only: its DHT must outlive it to retire records
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left: a stuck peer, its DHT process, its libp2p daemon
+        proc.wait()

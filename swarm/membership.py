@@ -1,0 +1,214 @@
+"""Swarm membership in the hivemind DHT: signed, schema-checked stage records and the swarm config.
+
+Every peer announces ``{swarm_id}/stage/{i}`` (trainers as stage 0) under the subkey
+``{peer id}[owner:<rsa key>]`` every ``announce_period_s`` with a ``record_ttl_s`` lifetime, so a
+silent peer vanishes on its own. The owner marker makes hivemind's ``RSASignatureValidator``
+require the owner's signature, and a ``SchemaValidator`` rejects records that do not match the
+pydantic models below, on every DHT node that stores or returns them.
+
+The swarm config is published under ``{name}/config`` by every peer (so it outlives the creator);
+a joining peer without a config fetches it, one with a different config gets an error naming
+both hashes.
+
+    >>> membership = Membership(dht)                                    # a running hivemind DHT
+    >>> cfg = await membership.join(SwarmConfig(), create=True)         # or join(None, name=...)
+    >>> await membership.announce(2, StageStatus(samples_per_s=40.0))
+    >>> await membership.replicas(2)                                    # {PeerID: StageStatus}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tomllib
+from typing import Dict, Optional
+
+import pydantic.v1 as pydantic
+from hivemind.dht import DHT
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.config import SwarmConfig, config_from_dict, dumps_config
+from swarm.errors import ConfigError
+
+PROTOCOL_VERSION = 1  # bumped on any incompatible change of records or RPC messages
+MAX_CONFIG_CHARS = 1 << 16
+OWNER_MARKER = b"[owner:"
+
+
+class MembershipError(RuntimeError):
+    """This peer cannot join the swarm (no config published, or a different one)."""
+
+
+class StageStatus(pydantic.BaseModel):
+    """What a peer tells the swarm about itself; strict types, as hivemind's SchemaValidator requires."""
+
+    samples_per_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # throughput EMA
+    queue: pydantic.conint(ge=0, strict=True) = 0  # requests waiting or running
+    inner_steps: pydantic.conint(ge=0, strict=True) = 0  # hook for the outer step: H inner steps per round
+    outer_round: pydantic.conint(ge=0, strict=True) = 0
+    grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
+    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
+class ConfigRecord(pydantic.BaseModel):
+    hash: pydantic.constr(regex=r"^[0-9a-f]{16}$", strict=True)
+    toml: pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)
+
+
+def stage_key(swarm_id: str, stage: int) -> str:
+    return f"{swarm_id}/stage/{stage}"
+
+
+def config_key(name: str) -> str:
+    return f"{name}/config"
+
+
+RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {"stage": StageStatus, "config": ConfigRecord}
+
+
+class SwarmSchemaValidator(SchemaValidator):
+    """hivemind's SchemaValidator for keys known only at run time (they hold the swarm id).
+
+    Built from ``{raw DHT key: record type name}``; each key holds a dict of signed subkey →
+    record. It pickles as that dict, since the DHT process cannot import a class made at run time.
+    """
+
+    def __init__(self, keys: dict[str, str]) -> None:
+        self.keys = dict(keys)
+        fields = {key: (Dict[BytesWithPublicKey, Optional[RECORD_TYPES[kind]]], None) for key, kind in self.keys.items()}
+        super().__init__(pydantic.create_model("SwarmRecords", **fields), allow_extra_keys=True)
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, str]]]:
+        return type(self), (self.keys,)
+
+
+def config_validator(name: str) -> SwarmSchemaValidator:
+    return SwarmSchemaValidator({config_key(name): "config"})
+
+
+def stage_validator(cfg: SwarmConfig) -> SwarmSchemaValidator:
+    return SwarmSchemaValidator({stage_key(cfg.swarm_id, i): "stage" for i in range(cfg.stages.num_stages + 1)})
+
+
+def peer_from_subkey(subkey: bytes) -> PeerID | None:
+    """The peer id in front of the owner marker, or None for a malformed subkey."""
+    head, marker, _ = subkey.partition(OWNER_MARKER)
+    try:
+        return PeerID.from_base58(head.decode("ascii")) if marker and head else None
+    except ValueError:
+        return None
+
+
+def parse_config_record(value: object) -> SwarmConfig | None:
+    """A published config whose TOML really hashes to the hash it claims, else None."""
+    try:
+        record = ConfigRecord.parse_obj(value)
+        cfg = config_from_dict(tomllib.loads(record.toml))
+    except (pydantic.ValidationError, tomllib.TOMLDecodeError, ConfigError, TypeError):
+        return None
+    return cfg if cfg.hash() == record.hash else None
+
+
+def reconcile_config(name: str, local: SwarmConfig | None, published: list[SwarmConfig]) -> SwarmConfig:
+    """The config this peer runs: the published one, checked against the local one if any."""
+    hashes = sorted({cfg.hash() for cfg in published})
+    if local is not None:
+        if published and local.hash() not in hashes:
+            raise MembershipError(
+                f"swarm {name!r} runs config {', '.join(hashes)} but this peer's config hashes to {local.hash()}; "
+                "join without --config to fetch the swarm's config, or use another swarm name")
+        return local
+    if not hashes:
+        raise MembershipError(f"no swarm config is published under the name {name!r}; pass --config, or check --initial-peers")
+    if len(hashes) > 1:
+        raise MembershipError(f"swarm {name!r} has several configs published ({', '.join(hashes)}); pass --config to pick one")
+    return next(cfg for cfg in published if cfg.hash() == hashes[0])
+
+
+class Membership:
+    """One peer's view of the swarm in the DHT: its own records and everyone else's."""
+
+    def __init__(self, dht: DHT, private_key: RSAPrivateKey | None = None) -> None:
+        self.dht = dht
+        self.peer_id: PeerID = dht.peer_id
+        self._signer = RSASignatureValidator(private_key)
+        self.subkey = self.peer_id.to_base58().encode() + self._signer.local_public_key
+        self.cfg: SwarmConfig | None = None
+
+    async def join(self, cfg: SwarmConfig | None, *, create: bool, name: str = SwarmConfig().name, fetch_timeout_s: float = 15.0) -> SwarmConfig:
+        """Publish (``create``) or fetch-and-check the swarm config; from then on, check this swarm's stage records too."""
+        name = cfg.name if cfg is not None else name
+        self.dht.add_validators([config_validator(name), self._signer])
+        if create:
+            if cfg is None:
+                raise MembershipError("the peer that creates a swarm needs a config")
+            published = []
+        else:
+            published = await self._fetch_configs(name, fetch_timeout_s)
+        self.cfg = reconcile_config(name, cfg, published)
+        self.dht.add_validators([stage_validator(self.cfg)])
+        await self.publish_config()
+        return self.cfg
+
+    async def _fetch_configs(self, name: str, timeout_s: float) -> list[SwarmConfig]:
+        """Published configs, polling until ``timeout_s``: a fresh DHT may not see the records yet."""
+        deadline = get_dht_time() + timeout_s
+        while True:
+            found = await self.dht.get(config_key(name), latest=True, return_future=True)
+            records = found.value if found is not None and isinstance(found.value, dict) else {}
+            configs = [cfg for item in records.values() if (cfg := parse_config_record(item.value)) is not None]
+            if configs or get_dht_time() >= deadline:
+                return configs
+            await asyncio.sleep(0.5)
+
+    async def publish_config(self) -> None:
+        assert self.cfg is not None, "join() first"
+        value = ConfigRecord(hash=self.cfg.hash(), toml=dumps_config(self.cfg)).dict()
+        await self._store(config_key(self.cfg.name), value)
+
+    async def announce(self, stage: int, status: StageStatus) -> None:
+        assert self.cfg is not None, "join() first"
+        await self._store(stage_key(self.cfg.swarm_id, stage), status.dict())
+
+    async def retire(self, stage: int) -> None:
+        """Replace this peer's record with a tombstone, so readers drop it before its TTL runs out."""
+        assert self.cfg is not None, "join() first"
+        await self._store(stage_key(self.cfg.swarm_id, stage), None)
+
+    async def replicas(self, stage: int) -> dict[PeerID, StageStatus]:
+        """Live peers announcing ``stage`` (this one included) with this protocol version, and their status."""
+        assert self.cfg is not None, "join() first"
+        found = await self.dht.get(stage_key(self.cfg.swarm_id, stage), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        out = {}
+        for subkey, item in found.value.items():
+            peer = peer_from_subkey(subkey)
+            if peer is None or item.value is None:
+                continue
+            try:
+                status = StageStatus.parse_obj(item.value)
+            except pydantic.ValidationError:
+                continue  # a node without our validators may relay anything
+            if status.version == PROTOCOL_VERSION:
+                out[peer] = status
+        return out
+
+    async def all_replicas(self) -> dict[int, dict[PeerID, StageStatus]]:
+        """Replicas of every stage 0..S (0 = trainers)."""
+        assert self.cfg is not None, "join() first"
+        stages = range(self.cfg.stages.num_stages + 1)
+        return dict(zip(stages, await asyncio.gather(*(self.replicas(i) for i in stages))))
+
+    async def _store(self, key: str, value: object) -> None:
+        assert self.cfg is not None
+        expiration = get_dht_time() + self.cfg.timeouts.record_ttl_s
+        await self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True)
+
+
+def pick_stage(replicas: dict[int, dict[PeerID, StageStatus]]) -> int:
+    """The middle stage a new server should join: fewest replicas, then least throughput (the bottleneck)."""
+    middle = {stage: peers for stage, peers in replicas.items() if stage > 0}
+    return min(middle, key=lambda s: (len(middle[s]), sum(p.samples_per_s for p in middle[s].values()), s))

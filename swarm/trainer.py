@@ -1,0 +1,313 @@
+"""The trainer loop: data → stage 0 → a sampled path of stage servers → loss → backward along the same hops.
+
+A trainer holds the edge stage (embedding, final norm, LM head), so labels never leave it. Each
+microbatch draws a fresh path (skips and swaps, ``swarm/routing.py``) and a replica per hop
+(SWARM's weighted round-robin); several microbatches are in flight at once to hide latency. A
+hop that fails is retried on another replica; a stage with no live replica is skipped on the way
+forward. On the way back a lost forward input is resent (stateless recompute). Every microbatch
+ends as completed or failed, and every failure is counted, so none is lost silently.
+
+The network is a ``StageCalls`` object: the real ``StageClient`` or, in tests, direct calls.
+
+    >>> trainer = Trainer(cfg, StageClient(p2p, namespace=cfg.swarm_id), router)
+    >>> await trainer.train(batches, steps=100, on_log=print)
+    >>> await trainer.evaluate(val_batches)  # mean loss over the full plain path
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from compress.errors import ShapeMismatch, WireError
+from optim.inner import clip_and_step, make_inner_optimizer
+from swarm.config import SwarmConfig
+from swarm.membership import StageStatus
+from swarm.model import loss_fn
+from swarm.protocol import Backward, Forward, RemoteError, RequestError
+from swarm.routing import NoLiveReplica, Peer, Router, path_length
+from swarm.server import stage_codecs
+from swarm.stages import EDGE_STAGE, build_stage
+
+logger = logging.getLogger(__name__)
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
+T = TypeVar("T")
+# microbatches: started = completed + failed + cancelled (on shutdown) + in flight; hops: failed
+# attempts (retried elsewhere), timeouts, stages skipped on the way forward, inputs resent for a backward
+COUNTERS = ("started", "completed", "failed", "cancelled", "hop_failures", "hop_timeouts", "skipped_hops", "resent_inputs")
+
+
+class StageCalls(Protocol):
+    async def forward(self, peer: Peer, request: Forward, *, timeout: float) -> bytes: ...
+
+    async def backward(self, peer: Peer, request: Backward, *, timeout: float) -> bytes: ...
+
+
+@dataclass(kw_only=True)
+class TrainerOptions:
+    in_flight: int = 2  # microbatches in the pipeline at once
+    max_attempts: int = 3  # replicas tried per hop before the stage is skipped (forward) or the microbatch fails (backward)
+    max_failures_in_a_row: int = 50  # then the swarm is unusable: stop with an error instead of spinning
+    log_every: int = 10  # inner steps between progress records
+    eval_every: int = 0  # inner steps between validation passes; 0 = only at the end
+
+    def __post_init__(self) -> None:
+        if min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every) < 1 or self.eval_every < 0:
+            raise ValueError(f"trainer options must be positive (eval_every non-negative), got {self}")
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    id: str
+    shape: tuple[int, ...]  # (B, T, d): every activation and gradient frame it sends has this shape
+    train: bool
+
+
+@dataclass(frozen=True)
+class Hop:
+    stage: int
+    peer: Peer
+    x: bytes  # the frame this hop received: resent if its server loses it
+
+
+class HopFailed(Exception):
+    """Every replica tried for a hop failed, or none is live."""
+
+
+class CacheMiss(Exception):
+    """The server no longer holds the microbatch's forward input."""
+
+
+class Trainer:
+    def __init__(self, cfg: SwarmConfig, calls: StageCalls, router: Router, *, options: TrainerOptions | None = None) -> None:
+        self.cfg, self.calls, self.router = cfg, calls, router
+        self.options = options or TrainerOptions()
+        self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE)
+        self.opt, self.sched = make_inner_optimizer(self.edge.parameters(), cfg.inner)
+        self.act_codec, self.grad_codec = stage_codecs(cfg)
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
+        self.wire_bytes: Counter[str] = Counter()  # frame bytes sent + received: activations, gradients, eval
+        self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
+        self.samples_accumulated, self.inner_steps, self.grad_norm = 0, 0, 0.0
+        self.tokens = 0  # tokens of completed training microbatches
+        self._ids = itertools.count()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge")
+
+    async def train(self, batches: Iterator[Batch], *, steps: int, val_batches: Sequence[Batch] = (),
+                    on_log: Callable[[dict[str, Any]], None] = lambda record: None) -> dict[str, Any]:
+        """Run until ``steps`` inner steps of stage 0; returns the last progress record."""
+        mbs, ib = self.cfg.train.microbatch_size, self.cfg.train.inner_batch
+        started, losses, logged, failures_in_a_row = time.perf_counter(), [], self.inner_steps, 0
+        record = self.progress(started, losses)
+        tasks: set[asyncio.Task[float | None]] = set()
+        try:
+            while self.inner_steps < steps:
+                # start microbatches of the current inner step only: none computes on weights that
+                # change before its backward (recompute would then differ from the forward)
+                planned = self.inner_steps * ib + self.samples_accumulated + len(tasks) * mbs
+                while len(tasks) < self.options.in_flight and planned < (self.inner_steps + 1) * ib:
+                    tasks.add(asyncio.create_task(self.train_microbatch(*next(batches))))
+                    planned += mbs
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if (loss := task.result()) is None:
+                        failures_in_a_row += 1
+                    else:
+                        failures_in_a_row = 0
+                        losses.append(loss)
+                if failures_in_a_row >= self.options.max_failures_in_a_row:
+                    raise RuntimeError(f"{failures_in_a_row} microbatches failed in a row (see the warnings above); stopping")
+                if self.inner_steps >= min(logged + self.options.log_every, steps):
+                    logged = self.inner_steps
+                    record = self.progress(started, losses)
+                    every = self.options.eval_every
+                    if val_batches and (self.inner_steps >= steps or (every and self.inner_steps % every == 0)):
+                        record["val_loss"] = await self.evaluate(val_batches)
+                    on_log(record)
+                    losses = []
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return record
+
+    def progress(self, started: float, losses: list[float]) -> dict[str, Any]:
+        elapsed = time.perf_counter() - started
+        return {"role": "trainer", "step": self.inner_steps, "tokens": self.tokens, "elapsed_s": elapsed,
+                "train_loss": sum(losses) / len(losses) if losses else None, "tokens_per_s": self.tokens / max(elapsed, 1e-9),
+                "lr": self.sched.get_last_lr()[0], "grad_norm": self.grad_norm, **self.counters,
+                "wire_bytes": dict(self.wire_bytes), "fp32_bytes": dict(self.fp32_bytes)}
+
+    def status(self) -> StageStatus:
+        in_flight = self.counters["started"] - sum(self.counters[k] for k in ("completed", "failed", "cancelled"))
+        return StageStatus(queue=in_flight, inner_steps=self.inner_steps, grad_norm=float(self.grad_norm))
+
+    async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """One microbatch through the swarm and back; its loss, or None if it failed (counted)."""
+        mb = Microbatch(f"mb{next(self._ids)}", (*inputs.shape, self.cfg.model.d_model), train=True)
+        self.counters["started"] += 1
+        try:
+            path = self.router.draw_path(self.cfg.paths)
+            self.counters["skipped_hops"] += path_length(self.cfg.stages.num_stages, self.cfg.paths) - len(path)
+            h0 = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
+            hops, h = await self._forward_path(mb, path, h0.detach(), inputs)
+            loss, grad = await self._run(self._head_backward, h, targets)
+            if hops:
+                grad_frame = self.grad_codec.encode(grad)
+                for hop in reversed(hops):
+                    grad_frame, grad = await self._backward_hop(mb, hop, grad_frame)
+            await self._run(self._embed_backward, h0, grad)
+        except asyncio.CancelledError:
+            self.counters["cancelled"] += 1
+            raise
+        except Exception as e:  # HopFailed, or a bug: either way counted and said, never silent
+            self.counters["failed"] += 1
+            logger.warning(f"microbatch {mb.id} failed: {e}", exc_info=not isinstance(e, HopFailed))
+            return None
+        self.counters["completed"] += 1
+        self.tokens += inputs.numel()
+        return loss
+
+    async def evaluate(self, batches: Sequence[Batch]) -> float:
+        """Mean validation loss over the full plain path 1..S (stages with no live replica skipped)."""
+        total, count = 0.0, 0
+        size = self.cfg.train.microbatch_size  # the most a server accepts
+        for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(t.split(size) for t in batch))):
+            mb = Microbatch(f"eval{next(self._ids)}", (*inputs.shape, self.cfg.model.d_model), train=False)
+            h0 = await self._run(self._embed_eval, inputs)
+            _, h = await self._forward_path(mb, sorted(self.router.live_stages()), h0, inputs)
+            total += await self._run(self._head_eval, h, targets) * inputs.shape[0]
+            count += inputs.shape[0]
+        return total / count
+
+    async def _forward_path(self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor) -> tuple[list[Hop], torch.Tensor]:
+        """The hops taken and the decoded output of the last one (``h0`` itself if none was)."""
+        hops, prev, frame, h = [], EDGE_STAGE, self.act_codec.encode(h0, tokens=tokens), h0
+        for stage in path:
+            try:
+                peer, out, h_out = await self._forward_hop(mb, Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train))
+            except HopFailed as e:
+                self.counters["skipped_hops"] += 1  # go on without this stage, as SkipPipe paths do
+                logger.warning(f"{mb.id}: skipping stage {stage}: {e}")
+                continue
+            hops.append(Hop(stage, peer, frame))
+            frame, h, prev = out, h_out, stage
+        return hops, h
+
+    async def _forward_hop(self, mb: Microbatch, request: Forward) -> tuple[Peer, bytes, torch.Tensor]:
+        tried: list[Peer] = []
+        for _ in range(self.options.max_attempts):
+            peer = self._choose(request.stage, tried)
+            tried.append(peer)
+            if (reply := await self._call(mb, peer, request)) is not None:
+                return peer, *reply
+        raise HopFailed(f"stage {request.stage}: {len(tried)} replicas failed")
+
+    async def _backward_hop(self, mb: Microbatch, hop: Hop, grad: bytes) -> tuple[bytes, torch.Tensor]:
+        """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again."""
+        peer, tried, resend = hop.peer, [hop.peer], False
+        for _ in range(self.options.max_attempts):
+            self.counters["resent_inputs"] += resend
+            try:
+                reply = await self._call(mb, peer, Backward(mb=mb.id, stage=hop.stage, grad=grad, x=hop.x if resend else None))
+            except CacheMiss:  # the server dropped the input: resend it, to the same server
+                resend = True
+                continue
+            if reply is not None:
+                return reply
+            resend = True  # another replica never saw this microbatch
+            peer = self._choose(hop.stage, tried)
+            tried.append(peer)
+        raise HopFailed(f"backward of stage {hop.stage}: {len(tried)} attempts failed")
+
+    def _choose(self, stage: int, tried: list[Peer]) -> Peer:
+        try:
+            return self.router.choose(stage, task_size=self.cfg.train.microbatch_size, exclude=tried)
+        except NoLiveReplica as e:
+            raise HopFailed(f"stage {stage}: {e}") from None
+
+    async def _call(self, mb: Microbatch, peer: Peer, request: Forward | Backward) -> tuple[bytes, torch.Tensor] | None:
+        """One RPC, with the router told how it went: the reply (frame, decoded), or None to move on."""
+        stage, timeout, started = request.stage, self.cfg.timeouts.rpc_s, time.perf_counter()
+        forward = isinstance(request, Forward)
+        kind, codec, call = ("activations", self.act_codec, self.calls.forward) if forward else ("gradients", self.grad_codec, self.calls.backward)
+        self._count(mb, kind, request.x if forward else request.grad)
+        if not forward and request.x is not None:
+            self._count(mb, "activations", request.x)
+        try:
+            out = await call(peer, request, timeout=timeout)
+            value = codec.decode(out)  # a bad reply is this server's fault, not the next hop's
+            if value.shape != mb.shape:
+                raise ShapeMismatch(f"reply of shape {tuple(value.shape)}, expected {mb.shape}")
+        except asyncio.TimeoutError:
+            self.counters["hop_timeouts"] += 1
+            self.router.report_timeout(stage, peer, timeout)
+            return None
+        except RemoteError as e:
+            if e.code == RequestError.CACHE_MISS:
+                raise CacheMiss(str(e)) from None
+            self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
+            if e.code == RequestError.BUSY:  # alive but loaded: charge it the time, do not ban it
+                self.router.report_timeout(stage, peer, time.perf_counter() - started)
+            else:
+                self.router.report_failure(stage, peer)
+            logger.info(f"stage {stage} peer {peer}: {e}")
+            return None
+        except WireError as e:  # the reply does not decode
+            self.counters["hop_failures"] += 1
+            self.router.report_failure(stage, peer)
+            logger.info(f"stage {stage} peer {peer}: call failed: {type(e).__name__}: {e}")
+            return None
+        self.router.report_success(stage, peer, samples=mb.shape[0], seconds=time.perf_counter() - started)
+        self._count(mb, kind, out)
+        return out, value
+
+    def _count(self, mb: Microbatch, kind: str, frame: bytes) -> None:
+        kind = kind if mb.train else "eval"  # validation traffic apart: per-token costs are of training
+        self.wire_bytes[kind] += len(frame)
+        self.fp32_bytes[kind] += 4 * math.prod(mb.shape)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # torch work, on the single edge thread (serialised with the inner step)
+
+    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return self.edge.embed(inputs)
+
+    @torch.no_grad()
+    def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.edge.embed(inputs)
+
+    def _head_backward(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+        h = h.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = loss_fn(self.edge.head(h), targets)
+            # scaled so the gradients summed over an inner batch are those of its mean loss
+            (loss * targets.shape[0] / self.cfg.train.inner_batch).backward()
+        return loss.item(), h.grad
+
+    @torch.no_grad()
+    def _head_eval(self, h: torch.Tensor, targets: torch.Tensor) -> float:
+        return loss_fn(self.edge.head(h), targets).item()
+
+    def _embed_backward(self, h0: torch.Tensor, grad: torch.Tensor) -> None:
+        h0.backward(grad)
+        self.samples_accumulated += h0.shape[0]
+        if self.samples_accumulated >= self.cfg.train.inner_batch:
+            self.grad_norm = clip_and_step(self.opt, self.sched, self.cfg.inner.grad_clip)
+            self.samples_accumulated, self.inner_steps = 0, self.inner_steps + 1
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,308 @@
+"""Stage RPC without sockets: message checks, the servicer's refusals and limits, the stage server's
+gradients, and the trainer driving servers through the same envelope (including failover)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+import swarm.protocol as protocol
+from compress.codecs import get_codec
+from compress.config import CodecConfig
+from compress.errors import BadMagic, LimitExceeded
+from optim.config import InnerOptimConfig
+from swarm.centralized import evaluate, train_centralized
+from swarm.config import SwarmConfig, TrainConfig
+from swarm.model import ModelConfig
+from swarm.protocol import Backward, Forward, RemoteError, RequestError, StageServicer, pack, parse_reply, unpack
+from swarm.routing import PathConfig, Router
+from swarm.server import ActivationCache, CacheEntry, StageServer
+from swarm.stages import StagesConfig, build_stage
+from swarm.trainer import Trainer, TrainerOptions
+
+B, T, D = 4, 16, 32
+CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")
+FP32 = CodecConfig(activations="fp32", gradients="fp32")
+
+
+def tiny(*, stages: int = 2, steps: int = 8, codecs: CodecConfig = FP32, clip: float = 1.0, paths: PathConfig | None = None) -> SwarmConfig:
+    return SwarmConfig(model=ModelConfig(d_model=D, n_layers=2 * stages, n_heads=2, max_seq_len=T), stages=StagesConfig(num_stages=stages),
+                       train=TrainConfig(seq_len=T, microbatch_size=B, inner_batch=2 * B), codecs=codecs,
+                       inner=InnerOptimConfig(total_steps=steps, warmup_steps=2, grad_clip=clip), paths=paths or PathConfig())
+
+
+def batches(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randint(0, 256, (B, T + 1), generator=g)
+        yield x[:, :-1], (x[:, 1:] + x[:, :-1]) % 256  # learnable: target = f(current, next)
+
+
+def request(payload: bytes) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=payload)
+
+
+def reply_of(response: runtime_pb2.ExpertResponse) -> dict:
+    return msgpack.unpackb(response.metadata)
+
+
+# messages
+
+
+@settings(deadline=None, max_examples=50)
+@given(mb=st.from_regex(protocol.MICROBATCH_ID, fullmatch=True), stage=st.integers(0, 2**31), x=st.binary(max_size=64), resend=st.booleans())
+def test_requests_round_trip(mb: str, stage: int, x: bytes, resend: bool) -> None:
+    fwd = Forward(mb=mb, stage=stage, prev_stage=0, x=x, train=resend)
+    bwd = Backward(mb=mb, stage=stage, grad=x, x=x if resend else None)
+    assert unpack(pack(fwd), Forward, max_bytes=1024) == fwd
+    assert unpack(pack(bwd), Backward, max_bytes=1024) == bwd
+
+
+@pytest.mark.parametrize("fields", [
+    {"mb": "a", "stage": 1, "prev_stage": 0, "x": b"", "extra": 1},  # unknown field
+    {"mb": "a", "stage": 1, "x": b""},  # missing field
+    {"mb": "a", "stage": True, "prev_stage": 0, "x": b""},  # bool is not an int here
+    {"mb": "a", "stage": 1.0, "prev_stage": 0, "x": b""},
+    {"mb": "a", "stage": 1, "prev_stage": 0, "x": "text"},
+    {"mb": "a b", "stage": 1, "prev_stage": 0, "x": b""},  # microbatch id outside [\w.:/-]
+    {"mb": "a" * 129, "stage": 1, "prev_stage": 0, "x": b""},
+    [1, 2, 3],
+])
+def test_malformed_requests_are_invalid(fields: object) -> None:
+    with pytest.raises(RequestError) as e:
+        unpack(msgpack.packb(fields), Forward, max_bytes=1024)
+    assert e.value.code == RequestError.INVALID
+
+
+@settings(deadline=None, max_examples=100)
+@given(data=st.binary(max_size=200))
+def test_arbitrary_bytes_never_raise_anything_but_request_error(data: bytes) -> None:
+    try:
+        unpack(data, Backward, max_bytes=100)
+    except RequestError as e:
+        assert e.code == RequestError.INVALID
+
+
+# servicer
+
+
+class EchoBackend:
+    """Replies with the request's frame; raises what it is told to; can hold requests open."""
+
+    def __init__(self) -> None:
+        self.raise_next: Exception | None = None
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def forward(self, peer: object, req: Forward) -> bytes:
+        await self.gate.wait()
+        if self.raise_next is not None:
+            error, self.raise_next = self.raise_next, None
+            raise error
+        return req.x
+
+    async def backward(self, peer: object, req: Backward) -> bytes:
+        return req.grad
+
+    def info(self) -> dict:
+        return {"calls": 1}
+
+
+def test_servicer_replies_with_errors_and_keeps_serving() -> None:
+    async def scenario() -> None:
+        backend = EchoBackend()
+        servicer = StageServicer(backend, stage=1, max_request_bytes=4096)
+        good = pack(Forward(mb="m", stage=1, prev_stage=0, x=b"frame"))
+        for error, code in [(RequestError(RequestError.CACHE_MISS, "gone"), RequestError.CACHE_MISS), (BadMagic("junk"), RequestError.INVALID),
+                            (ZeroDivisionError("bug"), RequestError.INTERNAL)]:
+            backend.raise_next = error
+            assert reply_of(await servicer.rpc_forward(request(good), CONTEXT))["error"] == code
+        assert reply_of(await servicer.rpc_forward(request(pack(Forward(mb="m", stage=2, prev_stage=0, x=b""))), CONTEXT))["error"] == RequestError.INVALID
+        assert reply_of(await servicer.rpc_forward(request(b"\x00" * 5000), CONTEXT))["error"] == RequestError.INVALID  # over the size limit
+        assert parse_reply((await servicer.rpc_forward(request(good), CONTEXT)).metadata) == b"frame"
+        info = msgpack.unpackb((await servicer.rpc_info(runtime_pb2.ExpertUID(uid=""), CONTEXT)).serialized_info)
+        assert info == {"calls": 1, "stage": 1, "pending": 0, "refused": 5}
+
+    asyncio.run(scenario())
+
+
+def test_servicer_refuses_requests_beyond_max_pending() -> None:
+    async def scenario() -> None:
+        backend = EchoBackend()
+        servicer = StageServicer(backend, stage=1, max_request_bytes=4096, max_pending=2)
+        good = request(pack(Forward(mb="m", stage=1, prev_stage=0, x=b"y")))
+        backend.gate.clear()
+        held = [asyncio.create_task(servicer.rpc_forward(good, CONTEXT)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert servicer.pending == 2
+        assert reply_of(await servicer.rpc_forward(good, CONTEXT))["error"] == RequestError.BUSY
+        backend.gate.set()
+        assert [parse_reply(r.metadata) for r in await asyncio.gather(*held)] == [b"y", b"y"]
+        assert servicer.pending == 0
+
+    asyncio.run(scenario())
+
+
+def test_stream_handlers_are_registered_as_streams() -> None:
+    StageServicer._collect_rpc_handlers()  # hivemind reads streaming from typing.AsyncIterator hints only
+    handlers = {h.method_name: (h.stream_input, h.stream_output) for h in StageServicer._rpc_handlers}
+    assert handlers == {"rpc_forward": (False, False), "rpc_backward": (False, False), "rpc_info": (False, False),
+                        "rpc_forward_stream": (True, True), "rpc_backward_stream": (True, True)}
+
+
+def test_streamed_requests_are_reassembled_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "MAX_UNARY_PAYLOAD_SIZE", 7)  # chunks of 7 bytes, both ways
+
+    async def stream(payload: bytes) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        for chunk in protocol._chunks(payload):
+            yield request(chunk)
+
+    async def scenario() -> None:
+        servicer = StageServicer(EchoBackend(), stage=1, max_request_bytes=200)
+        frame = bytes(range(50))
+        replies = [r.metadata async for r in servicer.rpc_forward_stream(stream(pack(Forward(mb="m", stage=1, prev_stage=0, x=frame))), CONTEXT)]
+        assert len(replies) > 1 and parse_reply(b"".join(replies)) == frame
+        replies = [r.metadata async for r in servicer.rpc_backward_stream(stream(b"\x00" * 1000), CONTEXT)]
+        assert msgpack.unpackb(b"".join(replies))["error"] == RequestError.INVALID
+
+    asyncio.run(scenario())
+
+
+# stage server
+
+
+def test_activation_cache_is_bounded_by_count_and_bytes() -> None:
+    entry = lambda n: CacheEntry(x=torch.zeros(n), tokens=None, forward_s=0.0)  # n float32 = 4n bytes
+    cache = ActivationCache(max_items=3, max_bytes=400)
+    for key in "abcd":
+        cache.put(key, entry(10))
+    assert len(cache) == 3 and cache.pop("a") is None and cache.evicted == 1
+    cache.put("big", entry(90))  # 360 bytes: the oldest go until 400 bytes fit
+    assert [key for key in "bcd" if cache.pop(key) is not None] == ["d"] and cache.nbytes == 360
+    assert cache.pop("big") is not None and cache.nbytes == 0
+
+
+def test_stage_server_gradients_are_autograd_gradients_and_survive_a_lost_input() -> None:
+    async def scenario() -> None:
+        cfg = tiny()
+        server, reference = StageServer(cfg, 1), build_stage(cfg.model, 2, 1)
+        codec = get_codec("fp32")
+        x, g = torch.randn(B, T, D), torch.randn(B, T, D)
+        y = codec.decode(await server.forward("p", Forward(mb="m", stage=1, prev_stage=0, x=codec.encode(x))))
+        x_ref = x.clone().requires_grad_()
+        y_ref = reference(x_ref)
+        y_ref.backward(g)
+        torch.testing.assert_close(y, y_ref.detach())
+        grad_x = codec.decode(await server.backward("p", Backward(mb="m", stage=1, grad=codec.encode(g))))
+        torch.testing.assert_close(grad_x, x_ref.grad)
+
+        with pytest.raises(RequestError) as miss:  # served once already: the input is gone
+            await server.backward("p", Backward(mb="m", stage=1, grad=codec.encode(g)))
+        assert miss.value.code == RequestError.CACHE_MISS
+        resent = await server.backward("p", Backward(mb="m", stage=1, grad=codec.encode(g), x=codec.encode(x)))
+        assert server.inner_steps == 1  # 2 microbatches of B = inner_batch samples
+        assert server.counters["recompute_from_resent"] == 1 and codec.decode(resent).shape == x.shape
+        with pytest.raises(LimitExceeded):  # a batch larger than the swarm's microbatch: refused before decoding
+            await server.forward("p", Forward(mb="n", stage=1, prev_stage=0, x=codec.encode(torch.randn(2 * B, T, D))))
+        with pytest.raises(RequestError):  # the input cannot come from the stage itself
+            await server.forward("p", Forward(mb="n", stage=1, prev_stage=1, x=codec.encode(x)))
+        server.shutdown()
+
+    asyncio.run(scenario())
+
+
+# trainer over an in-process network
+
+
+class InProcessNetwork:
+    """``StageCalls`` straight into servicers, through the same envelope as over P2P. Peers in ``dead`` are unreachable."""
+
+    def __init__(self, cfg: SwarmConfig, replicas: dict[str, int]) -> None:
+        self.servers = {peer: StageServer(cfg, stage) for peer, stage in replicas.items()}
+        self.servicers = {peer: StageServicer(s, stage=s.stage, max_request_bytes=s.max_request_bytes) for peer, s in self.servers.items()}
+        self.dead: set[str] = set()
+        self.router = Router(cfg.stages.num_stages, random.Random(0))
+        for stage in range(1, cfg.stages.num_stages + 1):
+            self.router.update(stage, [peer for peer, s in replicas.items() if s == stage])
+
+    async def forward(self, peer: str, req: Forward, *, timeout: float) -> bytes:
+        return await self._call(peer, "rpc_forward", req)
+
+    async def backward(self, peer: str, req: Backward, *, timeout: float) -> bytes:
+        return await self._call(peer, "rpc_backward", req)
+
+    async def _call(self, peer: str, method: str, req: Forward | Backward) -> bytes:
+        if peer in self.dead:
+            raise RemoteError(RequestError.UNREACHABLE, f"{peer} is gone")
+        return parse_reply((await getattr(self.servicers[peer], method)(request(pack(req)), CONTEXT)).metadata)
+
+    def served(self, peer: str) -> int:
+        return self.servers[peer].counters["backward"]
+
+
+def train(cfg: SwarmConfig, net: InProcessNetwork, steps: int, **kw) -> tuple[Trainer, dict]:
+    trainer = Trainer(cfg, net, net.router, options=TrainerOptions(**kw))
+    record = asyncio.run(trainer.train(batches(), steps=steps, val_batches=[next(batches(seed=99)) for _ in range(2)]))
+    return trainer, record
+
+
+def test_swarm_with_fp32_wire_and_no_clipping_equals_centralized_training() -> None:
+    cfg = tiny(steps=6, clip=0.0)  # per-stage clipping is the one intended difference; off here
+    _, record = train(cfg, InProcessNetwork(cfg, {"a": 1, "b": 2}), steps=6, in_flight=2)
+    val = [next(batches(seed=99)) for _ in range(2)]
+    model = train_centralized(cfg, batches(), val, steps=6)
+    assert record["val_loss"] == pytest.approx(evaluate(model, val), abs=1e-5)
+    assert record["completed"] == record["started"] == 12 and record["wire_bytes"]["activations"] > 0
+
+
+def test_failed_replicas_are_retried_elsewhere_and_nothing_is_lost() -> None:
+    cfg = tiny(codecs=CodecConfig())  # int8 on the wire
+    net = InProcessNetwork(cfg, {"1a": 1, "1b": 1, "2a": 2})
+    net.dead.add("1a")
+    trainer, record = train(cfg, net, steps=3)
+    assert record["failed"] == 0 and record["completed"] == record["started"] == 6
+    assert record["hop_failures"] >= 1 and net.served("1b") == 6  # banned after its first failure
+
+    real_backward = net.backward
+
+    async def stage2_dies_after_forward(peer: str, req: Backward, *, timeout: float) -> bytes:
+        net.dead.add("2a") if req.stage == 2 and req.x is None else None
+        return await real_backward(peer, req, timeout=timeout)
+
+    net.servers["2b"] = StageServer(cfg, 2)
+    net.servicers["2b"] = StageServicer(net.servers["2b"], stage=2, max_request_bytes=net.servers["2b"].max_request_bytes)
+    net.router.update(2, ["2a", "2b"])
+    net.dead.clear()
+    net.router.update(1, ["1b"])
+    net.backward = stage2_dies_after_forward  # type: ignore[method-assign]
+    asyncio.run(trainer.train(batches(), steps=4))
+    counters = trainer.counters
+    assert counters["failed"] == 0 and counters["resent_inputs"] >= 1 and net.servers["2b"].counters["recompute_from_resent"] >= 1
+
+
+def test_a_stage_without_live_replicas_is_skipped_and_counted() -> None:
+    cfg = tiny(stages=2, codecs=CodecConfig())
+    net = InProcessNetwork(cfg, {"1a": 1})  # nobody serves stage 2
+    _, record = train(cfg, net, steps=2)
+    assert record["skipped_hops"] == record["started"] == record["completed"] == 4
+    assert net.served("1a") == 4
+
+
+def test_persistent_failures_stop_the_trainer_instead_of_spinning() -> None:
+    cfg = tiny()
+    net = InProcessNetwork(cfg, {"1a": 1, "2a": 2})
+    trainer = Trainer(cfg, net, net.router, options=TrainerOptions(max_failures_in_a_row=5))
+    bad_tokens = iter(lambda: (torch.full((B, T), 999), torch.zeros(B, T, dtype=torch.long)), None)  # outside the vocabulary
+    with pytest.raises(RuntimeError, match="microbatches failed in a row"):
+        asyncio.run(trainer.train(bad_tokens, steps=2))
+    counters = trainer.counters
+    assert counters["failed"] >= 5 and counters["started"] == counters["failed"] + counters["cancelled"] and counters["completed"] == 0

@@ -1,0 +1,208 @@
+"""Real swarms on loopback: every peer a separate ``swarmloco run`` process with its own DHT node.
+
+A tiny model keeps each test well under two minutes on two cores; the ``child_processes``
+fixture stops every peer (and its DHT process and libp2p daemon) whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sysconfig
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from compress.codecs import get_codec
+from compress.config import CodecConfig
+from optim.config import InnerOptimConfig
+from peer.data import load_corpus
+from peer.launch import LocalSwarm, launch_local, spawn_peer, stop_processes, wait_for_address
+from swarm.centralized import evaluate
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
+from swarm.membership import Membership
+from swarm.model import ModelConfig, Transformer
+import swarm.protocol as protocol
+from swarm.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
+from swarm.routing import PathConfig
+from swarm.stages import StagesConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # ~30 files: loads in a blink
+BATCH, SEQ = 8, 64
+
+
+def tiny_config(*, stages: int = 2, steps: int = 30, paths: PathConfig | None = None, codecs: CodecConfig | None = None) -> SwarmConfig:
+    return SwarmConfig(
+        model=ModelConfig(d_model=64, n_layers=4, n_heads=4, max_seq_len=SEQ),
+        stages=StagesConfig(num_stages=stages),
+        train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
+        inner=InnerOptimConfig(warmup_steps=5, total_steps=steps),
+        codecs=codecs or CodecConfig(),
+        paths=paths or PathConfig(),
+        timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0),
+    )
+
+
+def records(out: Path, name: str) -> list[dict]:
+    path = out / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def start_peers(out: Path, cfg: SwarmConfig, servers: list[tuple[str, int]], trainers: dict[str, int], children: list) -> dict[str, subprocess.Popen]:
+    """Stage servers (the first creates the swarm from ``cfg``), then trainers {name: steps} joining through it."""
+    save_config(cfg, out / "swarm.toml")
+    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(out), "--threads", "1"]
+    procs = {}
+    (first, stage), *others = servers
+    procs[first] = spawn_peer(first, ["--role", "stage", "--stage", str(stage), "--config", str(out / "swarm.toml"), *common], out)
+    children.append(procs[first])
+    join = ["--initial-peers", wait_for_address(procs[first], out / f"{first}.log", 90)]
+    for name, stage in others:
+        procs[name] = spawn_peer(name, ["--role", "stage", "--stage", str(stage), *join, *common], out)
+        children.append(procs[name])
+    for i, (name, steps) in enumerate(trainers.items()):
+        procs[name] = spawn_peer(name, ["--role", "trainer", "--steps", str(steps), "--seed", str(i), "--data", DATA, *join, *common], out)
+        children.append(procs[name])
+    return procs
+
+
+def wait_exit(proc: subprocess.Popen, out: Path, name: str, timeout: float = 180) -> None:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} still running after {timeout}s:\n{(out / f'{name}.log').read_text()[-3000:]}")
+    assert code == 0, f"{name} exited with {code}:\n{(out / f'{name}.log').read_text()[-3000:]}"
+
+
+def assert_accounted(record: dict) -> None:
+    """Every microbatch a trainer started ended as completed or failed."""
+    assert record["started"] == record["completed"] + record["failed"] + record["cancelled"], record
+
+
+def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path) -> None:
+    cfg = tiny_config(stages=2, steps=30)
+    val = load_corpus([DATA]).val_batches(batch_size=BATCH, seq_len=SEQ, num_batches=16)
+    initial = evaluate(Transformer(cfg.model), val)  # every peer starts from these seeded weights
+
+    code = launch_local(LocalSwarm(peers=6, stages=2, trainers=2, steps=30), out=tmp_path, config=cfg, data=[DATA], echo=lambda line: None)
+
+    assert code == 0, (tmp_path / "trainer-0.log").read_text()[-3000:]
+    for trainer in ("trainer-0", "trainer-1"):
+        last = records(tmp_path, trainer)[-1]
+        assert last["step"] == 30
+        assert last["val_loss"] < initial - 1.0, (initial, last)
+        assert last["failed"] == 0 and last["skipped_hops"] == 0, last
+        assert_accounted(last)
+    served = {name: records(tmp_path, name)[-1]["backward"] for name in ("stage1-0", "stage1-1", "stage2-0", "stage2-1")}
+    assert all(count > 0 for count in served.values()), served  # routing used every replica
+    assert served["stage1-0"] + served["stage1-1"] == 2 * 30  # one backward per microbatch per stage
+
+
+def test_killed_stage_server_does_not_stop_training(tmp_path: Path, child_processes: list) -> None:
+    steps = 150  # the kill comes at step 10-30: most of the run is after it
+    procs = start_peers(tmp_path, tiny_config(stages=2, steps=steps), [("stage1-0", 1), ("stage2-0", 2), ("stage1-1", 1)],
+                        {"trainer-0": steps}, child_processes)
+    deadline = time.monotonic() + 150
+    while not any(r["step"] >= 10 for r in records(tmp_path, "trainer-0")):
+        assert time.monotonic() < deadline and procs["trainer-0"].poll() is None, (tmp_path / "trainer-0.log").read_text()[-3000:]
+        time.sleep(0.2)
+    os.killpg(procs["stage1-1"].pid, signal.SIGKILL)  # the whole peer: process, DHT node and libp2p daemon
+    killed_at = time.time()
+
+    wait_exit(procs["trainer-0"], tmp_path, "trainer-0")
+    last = records(tmp_path, "trainer-0")[-1]
+    assert last["step"] == steps and last["failed"] == 0, last
+    assert_accounted(last)
+    stop_processes([procs["stage1-0"], procs["stage2-0"]])
+    survivor = records(tmp_path, "stage1-0")
+    before = max((r["backward"] for r in survivor if r["time"] <= killed_at and "backward" in r), default=0)
+    assert survivor[-1]["backward"] - before >= steps - 60, (before, survivor[-1])  # the traffic after the kill went to it
+
+
+def test_skip_and_swap_paths_reach_servers_in_sampled_orders(tmp_path: Path, child_processes: list) -> None:
+    steps = 30  # one microbatch per step; each path visits round((1 - 1/3) · 3) = 2 of the 3 stages
+    cfg = tiny_config(stages=3, steps=steps, paths=PathConfig(skip_ratio=1 / 3, max_swaps=1, swap_prob=0.5))
+    procs = start_peers(tmp_path, cfg, [("stage1-0", 1), ("stage2-0", 2), ("stage3-0", 3)], {"trainer-0": steps}, child_processes)
+    wait_exit(procs["trainer-0"], tmp_path, "trainer-0")
+    stop_processes([procs[f"stage{i}-0"] for i in (1, 2, 3)])
+
+    edges = {(int(prev), stage): count for stage in (1, 2, 3) for prev, count in records(tmp_path, f"stage{stage}-0")[-1]["from_stage"].items()}
+    assert sum(count for (prev, _), count in edges.items() if prev == 0) == steps  # every path starts at the trainer
+    assert sum(edges.values()) == 2 * steps  # two hops per path
+    skips = {edge for edge in edges if edge[0] < edge[1] - 1}  # e.g. 0→2 (stage 1 skipped) or 1→3
+    swaps = {edge for edge in edges if edge[0] > edge[1]}  # e.g. 2→1: stage 2 visited before stage 1
+    assert skips and swaps, edges
+    assert all(prev != stage for prev, stage in edges)
+
+
+def test_server_refuses_malformed_requests_keeps_serving_and_retires_on_sigterm(tmp_path: Path, child_processes: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = dataclasses.replace(tiny_config(stages=2, codecs=CodecConfig(activations="fp32", gradients="fp32")),
+                              timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=120.0))  # records outlive the test
+    procs = start_peers(tmp_path, cfg, [("stage1-0", 1)], {}, child_processes)
+    maddr = wait_for_address(procs["stage1-0"], tmp_path / "stage1-0.log", 60)
+    server = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    dht = DHT(initial_peers=[maddr], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        asyncio.run(_probe_server(cfg, dht, server, monkeypatch))
+        membership = Membership(dht)
+        assert asyncio.run(membership.join(None, create=False, name=cfg.name)) == cfg  # fetched from the swarm
+        assert set(asyncio.run(membership.replicas(1))) == {server}
+        procs["stage1-0"].send_signal(signal.SIGTERM)
+        assert procs["stage1-0"].wait(timeout=30) == 0
+        assert asyncio.run(membership.replicas(1)) == {}  # retired, long before its TTL
+    finally:
+        dht.shutdown()
+
+
+async def _probe_server(cfg: SwarmConfig, dht: DHT, server: PeerID, monkeypatch: pytest.MonkeyPatch) -> None:
+    p2p = await dht.replicate_p2p()
+    client = StageClient(p2p, namespace=cfg.swarm_id)
+    stub = StageServicer.get_stub(p2p, server, namespace=cfg.swarm_id)
+    fp32 = get_codec("fp32")
+    x = torch.randn(BATCH, SEQ, cfg.model.d_model)
+    bad_requests = {
+        "not msgpack": (stub.rpc_forward, b"\xc1junk"),
+        "unknown field": (stub.rpc_forward, msgpack.packb({"mb": "a", "stage": 1, "prev_stage": 0, "x": b"", "evil": 1})),
+        "stage as a bool": (stub.rpc_forward, msgpack.packb({"mb": "a", "stage": True, "prev_stage": 0, "x": fp32.encode(x)})),
+        "bad microbatch id": (stub.rpc_forward, pack(Forward(mb="a b\n", stage=1, prev_stage=0, x=fp32.encode(x)))),
+        "another stage": (stub.rpc_forward, pack(Forward(mb="a", stage=2, prev_stage=0, x=fp32.encode(x)))),
+        "NaN activations": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(torch.full_like(x, math.nan))))),
+        "wrong width": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(x[..., :32])))),
+        "batch too large": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(torch.randn(4 * BATCH, SEQ, cfg.model.d_model))))),
+        "int8 frame": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=get_codec("int8").encode(x)))),
+        "truncated frame": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(x)[:-7]))),
+        "junk gradient": (stub.rpc_backward, pack(Backward(mb="a", stage=1, grad=b"SWLC" + bytes(60), x=fp32.encode(x)))),
+    }
+    for what, (method, payload) in bad_requests.items():
+        reply = msgpack.unpackb((await method(runtime_pb2.ExpertRequest(metadata=payload), timeout=10)).metadata)
+        assert reply.get("error") == RequestError.INVALID, (what, reply)
+
+    with pytest.raises(RemoteError) as refused:  # a backward the server has no input for
+        await client.backward(server, Backward(mb="never-sent", stage=1, grad=fp32.encode(x)), timeout=10)
+    assert refused.value.code == RequestError.CACHE_MISS
+
+    y = fp32.decode(await client.forward(server, Forward(mb="ok", stage=1, prev_stage=0, x=fp32.encode(x)), timeout=10))
+    grad_x = fp32.decode(await client.backward(server, Backward(mb="ok", stage=1, grad=fp32.encode(torch.ones_like(y))), timeout=10))
+    assert y.shape == grad_x.shape == x.shape and torch.isfinite(y).all() and torch.isfinite(grad_x).all()
+
+    monkeypatch.setattr(protocol, "MAX_UNARY_PAYLOAD_SIZE", 4096)  # this client now streams its requests in 4 KiB chunks
+    streamed = fp32.decode(await client.forward(server, Forward(mb="streamed", stage=1, prev_stage=0, x=fp32.encode(x)), timeout=10))
+    assert streamed.shape == x.shape
+    with pytest.raises(RemoteError):  # the server replies "invalid" and stops reading: the client may see a broken pipe first
+        await client.forward(server, Forward(mb="huge", stage=1, prev_stage=0, x=bytes(8 << 20)), timeout=10)
+
+    info = await client.info(server, timeout=10)
+    assert info["refused"] == len(bad_requests) + 2 and info["forward"] == 2 and info["backward"] == 1, info
