@@ -26,12 +26,11 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from compress.codecs import Codec, get_codec
 from compress.wire import WireLimits
 from optim.inner import clip_and_step, make_inner_optimizer
+from swarm.codecs import boundary_codecs
 from swarm.config import SwarmConfig
 from swarm.membership import StageStatus
-from swarm.model import subspace_basis
 from swarm.protocol import Backward, Forward, RequestError
 from swarm.stages import build_stage
 
@@ -79,13 +78,6 @@ class ActivationCache:
         return entry.x.nbytes + tokens
 
 
-def stage_codecs(cfg: SwarmConfig) -> tuple[Codec, Codec]:
-    """The swarm's (activation, gradient) codecs; subspace ones get the model's basis."""
-    basis, table = subspace_basis(cfg.model) if cfg.model.subspace_rank else (None, None)
-    return (get_codec(cfg.codecs.activations, basis=basis, table=table, kind="activation"),
-            get_codec(cfg.codecs.gradients, basis=basis, kind="gradient"))
-
-
 class StageServer:
     """The ``StageBackend`` of one middle stage (see ``swarm/protocol.py``)."""
 
@@ -95,7 +87,7 @@ class StageServer:
         self.cfg, self.stage, self.clock = cfg, stage, clock
         self.module = build_stage(cfg.model, cfg.stages.num_stages, stage)
         self.opt, self.sched = make_inner_optimizer(self.module.parameters(), cfg.inner)
-        self.act_codec, self.grad_codec = stage_codecs(cfg)
+        self.act_codec, self.grad_codec = boundary_codecs(cfg)
         self.max_batch = cfg.train.microbatch_size
         max_values = self.max_batch * cfg.model.max_seq_len * cfg.model.d_model
         max_frame = 4 * max_values + FRAME_SLACK_BYTES

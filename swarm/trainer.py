@@ -36,7 +36,7 @@ from swarm.membership import StageStatus
 from swarm.model import loss_fn
 from swarm.protocol import Backward, Forward, RemoteError, RequestError
 from swarm.routing import NoLiveReplica, Peer, Router, path_length
-from swarm.server import stage_codecs
+from swarm.codecs import boundary_codecs
 from swarm.stages import EDGE_STAGE, build_stage
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Trainer:
         self.options = options or TrainerOptions()
         self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE)
         self.opt, self.sched = make_inner_optimizer(self.edge.parameters(), cfg.inner)
-        self.act_codec, self.grad_codec = stage_codecs(cfg)
+        self.act_codec, self.grad_codec = boundary_codecs(cfg)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.wire_bytes: Counter[str] = Counter()  # frame bytes sent + received: activations, gradients, eval
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
