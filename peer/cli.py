@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import torch
 import typer
@@ -21,6 +21,9 @@ from peer.data import DataError, decode, encode, load_corpus
 from swarm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from swarm.config import SwarmConfig, load_config
 from swarm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from peer.credentials import PeerCredentials  # loads hivemind: imported where used
 
 app = typer.Typer(
     help="swarmloco: train a language model together over ordinary internet links.",
@@ -52,8 +55,23 @@ def user_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except USER_ERRORS as e:
             fail(str(e))
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as e:
+            if not isinstance(e, swarm_user_errors()):
+                raise
+            fail(str(e))
 
     return wrapper  # type: ignore[return-value]
+
+
+def swarm_user_errors() -> tuple[type[Exception], ...]:
+    """User errors of modules that load hivemind: looked up once something failed, so other commands start fast."""
+    from swarm.admission import JoinError
+    from swarm.auth import AccessDenied, CredentialError
+    from swarm.membership import MembershipError
+
+    return JoinError, AccessDenied, CredentialError, MembershipError
 
 
 def progress_line(step: int, total: int, record: dict[str, float]) -> str:
@@ -184,6 +202,7 @@ def simulate_cmd(
     swaps: Annotated[int | None, typer.Option(min=0, help="Max adjacent stage swaps per path.")] = None,
     subspace_rank: Annotated[int | None, typer.Option(min=0, help="k of the subspace-constrained model (default d/8 when a subspace codec is chosen).")] = None,
     tokens: Annotated[int, typer.Option(min=1, help="Training tokens over all trainers.")] = 400_000,
+    routing: Annotated[str, typer.Option(help="random: any replica per hop (SWARM); sticky: trainer k always uses replica k.")] = "random",
     seed: int = 0,
     log_every: Annotated[int, typer.Option(min=1, help="Log every N ticks (one microbatch per trainer).")] = 25,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
@@ -193,7 +212,7 @@ def simulate_cmd(
 
     cfg = simulation_config(config_or_default(config), outer=outer, inner_steps=inner_steps, act_codec=act_codec,
                             grad_codec=grad_codec, pg_codec=pg_codec, skip=skip, swaps=swaps, subspace_rank=subspace_rank)
-    sim = SimulationConfig(replicas=replicas, mode="ddp" if outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=log_every)
+    sim = SimulationConfig(replicas=replicas, mode="ddp" if outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=log_every, routing=routing)
     corpus = load_corpus(data)
     streams = [corpus.sample_batches("train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed + 1000 * k)
                for k in range(replicas)]
@@ -221,10 +240,39 @@ def simulate_cmd(
         typer.echo(f"wrote {json_out}")
 
 
+CredentialsOpt = Annotated[Path | None, typer.Option("--credentials", help="Private swarms: this peer's certificate (`swarmloco swarm invite`); needs --identity.")]
+RevocationsOpt = Annotated[Path | None, typer.Option("--revocations", help="Private swarms: the authority's signed revocation list (`swarmloco swarm revoke`).")]
+
+
+def swarm_credentials(certificate: Path | None, identity: Path | None, revocations: Path | None, config: Path | None) -> "PeerCredentials | None":
+    """A private-swarm peer's PeerCredentials, its own certificate checked before joining; None in a public swarm."""
+    if certificate is None:
+        if revocations is not None:
+            fail("--revocations is for private swarms: pass --credentials too")
+        return None
+    if identity is None:
+        fail("--credentials needs --identity: the identity file whose peer id the certificate names")
+    if not certificate.is_file():
+        fail(f"--credentials {certificate} does not exist: send your peer id (`swarmloco swarm identity --out {identity}`) "
+             f"to the swarm's authority and run with the certificate it returns")
+    from peer.credentials import load_credentials
+    from swarm.auth import Certificate
+
+    # the certificate names its swarm: a peer joining without --config fetches that swarm's config
+    swarm_id = load_config(config).swarm_id if config else Certificate.decode(certificate.read_bytes()).swarm_id
+    return load_credentials(identity, certificate, swarm_id, revocations=revocations)
+
+
+def swarm_name(credentials: "PeerCredentials | None", default: str) -> str:
+    """The name of the swarm the credentials admit to (its id is ``<name>-<config hash>``), else ``default``."""
+    return default if credentials is None else credentials.verifier.swarm_id.rsplit("-", 1)[0]
+
+
 @app.command("run")
 @user_errors
 def run_cmd(
-    role: Annotated[str, typer.Option(help="trainer (stage 0: data, embedding, loss) or stage (a server of one middle stage).")],
+    role: Annotated[str, typer.Option(help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
+                                           "else a server of the bottleneck stage), trainer (stage 0: data, embedding, loss) or stage (a server of one middle stage).")] = "auto",
     stage: Annotated[int | None, typer.Option(min=1, help="Stage servers: the stage to serve (default: the one with fewest replicas).")] = None,
     initial_peers: Annotated[list[str] | None, typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable. None: create a new swarm.")] = None,
     config: ConfigOpt = None,
@@ -233,23 +281,51 @@ def run_cmd(
     host_maddrs: Annotated[list[str] | None, typer.Option("--host-maddrs", help="Multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0).")] = None,
     announce_maddrs: Annotated[list[str] | None, typer.Option("--announce-maddrs", help="Public multiaddrs to announce (behind NAT).")] = None,
     identity: Annotated[Path | None, typer.Option(help="libp2p key file for a stable peer id (created if missing).")] = None,
+    credentials: CredentialsOpt = None,
+    revocations: RevocationsOpt = None,
     swarm: Annotated[str, typer.Option(help="Name of the swarm whose config to fetch when --config is not given.")] = SwarmConfig().name,
     out: Annotated[Path | None, typer.Option(help="Append metrics to OUT/<name>.jsonl.")] = None,
     name: Annotated[str | None, typer.Option(help="This peer's name in logs and metrics.")] = None,
     seed: Annotated[int, typer.Option(help="Trainers: data stream offset (give each trainer its own).")] = 0,
     threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default).")] = 0,
+    rebalance_period: Annotated[float | None, typer.Option(min=0.0, help="Stage servers: seconds between rebalancing checks (± 20%); 0 never moves. Default: 30, or never for a server pinned with --stage.")] = None,
 ) -> None:
     """Start one peer of a swarm over the network; SIGINT/SIGTERM retire its DHT records and exit."""
     from peer.launch import run_peer
     from swarm.membership import MembershipError
     from swarm.node import NodeOptions
 
+    creds = swarm_credentials(credentials, identity, revocations, config)
     try:
         options = NodeOptions(role=role, stage=stage, initial_peers=initial_peers or [], host_maddrs=host_maddrs or ["/ip4/0.0.0.0/tcp/0"],
-                              announce_maddrs=announce_maddrs or [], identity_path=str(identity) if identity else None, swarm_name=swarm, steps=steps)
+                              announce_maddrs=announce_maddrs or [], identity_path=str(identity) if identity else None,
+                              swarm_name=swarm_name(creds, swarm), steps=steps, credentials=creds, rebalance_period_s=rebalance_period)
         run_peer(options, config=config, data=data, out=out, name=name, seed=seed, threads=threads, echo=typer.echo)
     except (ValueError, MembershipError) as e:
         fail(str(e))
+
+
+@app.command("status")
+@user_errors
+def status_cmd(
+    initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")],
+    name: Annotated[str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")] = None,
+    credentials: CredentialsOpt = None,
+    identity: Annotated[Path | None, typer.Option(help="Private swarms: the identity file the certificate names.")] = None,
+    revocations: RevocationsOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
+) -> None:
+    """Peers per stage, their throughput, queues and outer rounds, read from the swarm's DHT."""
+    import asyncio
+
+    from peer.status import format_status, read_status
+
+    cfg = load_config(config) if config else None
+    creds = swarm_credentials(credentials, identity, revocations, config)
+    name = name or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    status = asyncio.run(read_status(initial_peers, cfg, name=name, identity_path=str(identity) if identity else None, credentials=creds))
+    typer.echo(json.dumps(status) if as_json else format_status(status))
 
 
 @app.command("local")
@@ -281,24 +357,8 @@ SwarmTomlOpt = Annotated[Path, typer.Option("--config", help="The swarm's swarm.
 PeerIdOpt = Annotated[str, typer.Option("--peer-id", help="The peer's libp2p id, as `swarmloco swarm identity` prints it.")]
 
 
-def credential_errors(fn: F) -> F:
-    """user_errors for swarm.auth's errors, imported late: it loads hivemind, which other commands need not wait for."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from swarm.auth import AccessDenied, CredentialError
-
-        try:
-            return fn(*args, **kwargs)
-        except (CredentialError, AccessDenied) as e:
-            fail(str(e))
-
-    return wrapper  # type: ignore[return-value]
-
-
 @swarm_app.command("create")
 @user_errors
-@credential_errors
 def swarm_create(
     name: Annotated[str, typer.Option(help="Swarm name: letters, digits, '-' and '_'.")],
     out: Annotated[Path, typer.Option(help="Directory for swarm.toml and, if private, the authority keys.")],
@@ -316,7 +376,7 @@ def swarm_create(
 
 
 @swarm_app.command("identity")
-@credential_errors
+@user_errors
 def swarm_identity(
     out: Annotated[Path, typer.Option("--out", "-o", help="Identity file (libp2p private key): created if missing, else read.")],
 ) -> None:
@@ -332,7 +392,6 @@ def swarm_identity(
 
 @swarm_app.command("invite")
 @user_errors
-@credential_errors
 def swarm_invite(
     authority: AuthorityOpt,
     config: SwarmTomlOpt,
@@ -350,7 +409,6 @@ def swarm_invite(
 
 @swarm_app.command("revoke")
 @user_errors
-@credential_errors
 def swarm_revoke(
     authority: AuthorityOpt,
     config: SwarmTomlOpt,

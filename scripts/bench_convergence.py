@@ -38,6 +38,7 @@ class Run:
     inner_steps: int = 0
     skip: float = 0.0
     swaps: int = 0
+    routing: str = "random"
 
 
 def plan(h1: int, h2: int) -> list[Run]:
@@ -48,6 +49,7 @@ def plan(h1: int, h2: int) -> list[Run]:
             for h in ((h1, h2) if codec == "int8" else (h1,)):
                 runs.append(Run(f"{outer}/H{h}/{codec}", outer, codec, h))
     runs.append(Run(f"sparseloco/H{h1}/int8/skip0.25+swaps", "sparseloco", "int8", h1, skip=0.25, swaps=1))
+    runs.append(Run(f"diloco/H{h1}/int8/sticky", "diloco", "int8", h1, routing="sticky"))  # isolates replica mixing
     return runs
 
 
@@ -82,11 +84,11 @@ def measure(run: Run, base: SwarmConfig, corpus: Corpus, replicas: int, tokens: 
         return {"name": run.name, "val_loss": log[-1]["val_loss"], "tokens": log[-1]["tokens"], "wall_s": time.perf_counter() - started,
                 "bytes_per_token": {"total": 0.0}, "seed": seed}
     streams = [corpus.sample_batches("train", batch_size=t.microbatch_size, seq_len=t.seq_len, seed=seed + 1000 * k) for k in range(replicas)]
-    sim = SimulationConfig(replicas=replicas, mode="ddp" if run.outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=10**9)
+    sim = SimulationConfig(replicas=replicas, mode="ddp" if run.outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=10**9, routing=run.routing)
     result = simulate(cfg, sim, streams, val)
     return {"name": run.name, "val_loss": result.val_loss, "tokens": result.tokens, "wall_s": result.wall_s,
             "bytes_per_token": result.bytes_per_token, "outer_rounds": result.outer_rounds, "seed": seed,
-            "act_codec": run.act_codec, "inner_steps": run.inner_steps, "skip": run.skip, "swaps": run.swaps}
+            "act_codec": run.act_codec, "inner_steps": run.inner_steps, "skip": run.skip, "swaps": run.swaps, "routing": run.routing}
 
 
 def median_record(records: list[dict]) -> dict:

@@ -34,6 +34,7 @@ from swarm.routing import sample_path
 from swarm.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
 
 MODES = ("ddp", "outer")
+ROUTINGS = ("random", "sticky")
 BYTE_KINDS = ("activations", "activation_gradients", "pseudo_gradients", "gradients")
 
 
@@ -41,6 +42,7 @@ BYTE_KINDS = ("activations", "activation_gradients", "pseudo_gradients", "gradie
 class SimulationConfig:
     replicas: int = 2  # K, per stage (and K trainers)
     mode: str = "outer"  # outer: DiLoCo/SparseLoCo per the swarm config; ddp: fp32 gradient all-reduce every tick
+    routing: str = "random"  # random: SWARM, any replica per hop; sticky: trainer k always uses replica k (DiLoCo's own pipelines)
     tokens: int = 500_000  # training tokens over all trainers
     seed: int = 0
     log_every: int = 25  # ticks
@@ -50,6 +52,8 @@ class SimulationConfig:
             raise ConfigError("replicas", f"must be at least 1, got {self.replicas}")
         if self.mode not in MODES:
             raise ConfigError("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.tokens <= 0 or self.log_every <= 0:
             raise ConfigError("tokens", "tokens and log_every must be positive")
 
@@ -193,10 +197,10 @@ def simulate(
     started = time.perf_counter()
     for tick in range(1, ticks + 1):
         losses = []
-        for trainer, stream in zip(replicas[EDGE_STAGE], streams):
+        for k, (trainer, stream) in enumerate(zip(replicas[EDGE_STAGE], streams)):
             path = sample_path(S, cfg.paths, rng)
             skipped += S - len(path)
-            hops = [rng.choice(replicas[s]) for s in path]
+            hops = [replicas[s][k] if sim.routing == "sticky" else rng.choice(replicas[s]) for s in path]
             losses.append(train_microbatch(trainer, hops, next(stream), link))
             if sim.mode == "outer":
                 for replica in [trainer, *hops]:

@@ -66,6 +66,17 @@ def test_independent_replicas_drift_apart(corpus) -> None:
     assert not all_replicas_agree(run(tiny(outer=OuterOptimConfig(method="none")), corpus).replicas)
 
 
+def test_sticky_routing_keeps_each_trainer_on_its_own_replicas(corpus) -> None:
+    """Without outer steps, sticky pipelines never share replicas: replica k only learns from trainer k's data."""
+    cfg = tiny(outer=OuterOptimConfig(method="none"))
+    streams = lambda n: [corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=k) for k in range(n)]
+    val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_batches=2)
+    alone = simulate(cfg, SimulationConfig(replicas=1, tokens=4 * MICRO * SEQ, log_every=4, routing="sticky"), streams(1), val)
+    sticky = simulate(cfg, SimulationConfig(replicas=2, tokens=4 * 2 * MICRO * SEQ, log_every=4, routing="sticky"), streams(2), val)
+    for s, group in sticky.replicas.items():
+        assert all(torch.equal(p, q) for p, q in zip(group[0].module.parameters(), alone.replicas[s][0].module.parameters()))
+
+
 def test_ddp_keeps_replicas_identical_and_moves_fp32_gradients(corpus) -> None:
     cfg = tiny(outer=OuterOptimConfig(method="none"))
     result = run(cfg, corpus, ticks=4, mode="ddp")
