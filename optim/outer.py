@@ -20,7 +20,10 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import statistics
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -40,6 +43,7 @@ AllGather = Callable[[bytes], list[bytes]]  # send my payload, get every member'
 NamedTensors = Mapping[str, torch.Tensor]  # e.g. dict(module.named_parameters())
 
 Part = TypeVar("Part")  # one member's decoded Δ for one parameter
+MAX_NORM_RATIO = 10.0  # a member's ‖Δ‖ may exceed the group median ‖Δ‖ (or, in a pair, the other's) by this factor
 
 # payload = header, then per parameter: entry header, name (utf-8), codec frame
 _HEADER = struct.Struct("<4sQI")  # magic, round, number of parameters
@@ -110,6 +114,13 @@ class OuterOptimizer(ABC, Generic[Part]):
     def _combine(self, parts: list[Part]) -> torch.Tensor:
         """The group's Δ for one parameter (dense, the parameter's shape)."""
 
+    @abstractmethod
+    def _squared_norm(self, part: Part) -> float:
+        """‖part‖², summed in float64 (finite for any finite float32 values)."""
+
+    @abstractmethod
+    def _scale(self, part: Part, factor: float) -> Part: ...
+
     def make_payload(self, local: NamedTensors) -> bytes:
         """Encode my pseudo-gradient Δ = θ_global − θ_local, every parameter in one payload."""
         self._check_names(local)
@@ -120,8 +131,9 @@ class OuterOptimizer(ABC, Generic[Part]):
     def apply(self, payloads: list[bytes], local: NamedTensors) -> int:
         """Combine the group's payloads, step the global copy, reset ``local`` to it.
 
-        A member whose payload is unusable is dropped with a warning. Returns how many members
-        were used; with none, nothing moves (the local parameters keep their progress).
+        A member whose payload is unusable, or whose Δ is far larger than the others'
+        (``_screen``), is dropped with a warning. Returns how many members were used; with none,
+        nothing moves (the local parameters keep their progress).
         """
         self._check_names(local)
         # A canonical order makes the floating-point sums identical on every replica,
@@ -133,6 +145,7 @@ class OuterOptimizer(ABC, Generic[Part]):
             except (WireError, ValueError) as e:
                 logger.warning("outer round %d: dropped a pseudo-gradient: %s", self.round, e)
         round_, self.round = self.round, self.round + 1
+        members = self._screen(members, round_)
         if not members:
             logger.warning("outer round %d: no usable pseudo-gradient; parameters unchanged", round_)
             return 0
@@ -167,6 +180,34 @@ class OuterOptimizer(ABC, Generic[Part]):
         # The optimizer keys its state by position; the names check above fixes the positions.
         self.optimizer.load_state_dict(state["optimizer"])
         self.round = int(state["round"])
+
+    def _screen(self, members: list[dict[str, Part]], round_: int) -> list[dict[str, Part]]:
+        """Defend the group against a member sending a huge (scaled, diverged or hostile) Δ.
+
+        With 3 or more members, drop each whose ‖Δ‖ (over all parameters) exceeds
+        MAX_NORM_RATIO × the group's median ‖Δ‖: a majority of honest members fixes the median.
+        With 2 there is no majority to say which one is wrong, so the larger is clipped to
+        MAX_NORM_RATIO × the smaller, bounding the harm either way. Every member runs this on the
+        same payloads in the same (sorted) order, so all replicas make the same choice.
+        """
+        norms = [math.sqrt(sum(self._squared_norm(part) for part in member.values())) for member in members]
+        finite = [(member, norm) for member, norm in zip(members, norms) if math.isfinite(norm)]
+        norm_of = [norm for _, norm in finite]
+        reference = statistics.median(norm_of) if len(finite) >= 3 else min(norm_of, default=0.0)
+        limit = MAX_NORM_RATIO * reference if len(finite) >= 2 and reference > 0 else math.inf  # else nothing to compare with
+        if len(finite) == 2:
+            screened = [self._scale_member(member, limit / norm) if norm > limit else member for member, norm in finite]
+        else:
+            screened = [member for member, norm in finite if norm <= limit]
+        if len(screened) < len(members):
+            logger.warning("outer round %d: dropped %d of %d pseudo-gradients (‖Δ‖ over %.3g or not finite; norms %s)", round_,
+                           len(members) - len(screened), len(members), limit, ", ".join(f"{norm:.3g}" for norm in norms))
+        elif any(norm > limit for norm in norms):
+            logger.warning("outer round %d: clipped a pseudo-gradient from ‖Δ‖ %.3g to %.3g", round_, max(norms), limit)
+        return screened
+
+    def _scale_member(self, member: dict[str, Part], factor: float) -> dict[str, Part]:
+        return {name: self._scale(part, factor) for name, part in member.items()}
 
     def _decode_member(self, payload: bytes) -> dict[str, Part]:
         round_, frames = _unpack(payload)
@@ -206,6 +247,12 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
     def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(parts).mean(dim=0)
 
+    def _squared_norm(self, part: torch.Tensor) -> float:
+        return float(part.double().square().sum())
+
+    def _scale(self, part: torch.Tensor, factor: float) -> torch.Tensor:
+        return part * factor
+
 
 class SparseLoCo(OuterOptimizer[SparseTensor]):
     """Error feedback + top-k 2-bit Δ, per-index mean over the senders, plain SGD (α = 1).
@@ -229,6 +276,12 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
 
     def _combine(self, parts: list[SparseTensor]) -> torch.Tensor:
         return aggregate_mean(parts)
+
+    def _squared_norm(self, part: SparseTensor) -> float:
+        return float(part.values.double().square().sum())
+
+    def _scale(self, part: SparseTensor, factor: float) -> SparseTensor:
+        return dataclasses.replace(part, values=part.values * factor)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)

@@ -5,6 +5,7 @@
     $ swarmloco sample --checkpoint runs/baseline/model.pt --prompt "def " --tokens 200
 """
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -273,7 +274,7 @@ def swarm_name(credentials: "PeerCredentials | None", default: str) -> str:
 def run_cmd(
     role: Annotated[str, typer.Option(help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
                                            "else a server of the bottleneck stage), trainer (stage 0: data, embedding, loss) or stage (a server of one middle stage).")] = "auto",
-    stage: Annotated[int | None, typer.Option(min=1, help="Stage servers: the stage to serve (default: the one with fewest replicas).")] = None,
+    stage: Annotated[int | None, typer.Option(min=1, help="Stage servers: the stage to serve, pinned there unless --rebalance-period is given (default: the one with fewest replicas).")] = None,
     initial_peers: Annotated[list[str] | None, typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable. None: create a new swarm.")] = None,
     config: ConfigOpt = None,
     data: DataOpt = None,
@@ -312,13 +313,11 @@ def status_cmd(
     name: Annotated[str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")] = None,
     credentials: CredentialsOpt = None,
-    identity: Annotated[Path | None, typer.Option(help="Private swarms: the identity file the certificate names.")] = None,
+    identity: Annotated[Path | None, typer.Option(help="Private swarms: the identity the certificate names; not one a running peer uses (invite one for monitoring).")] = None,
     revocations: RevocationsOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Peers per stage, their throughput, queues and outer rounds, read from the swarm's DHT."""
-    import asyncio
-
     from peer.status import format_status, read_status
 
     cfg = load_config(config) if config else None
@@ -338,12 +337,14 @@ def local_cmd(
     config: ConfigOpt = None,
     data: DataOpt = None,
     out: Annotated[Path, typer.Option(help="Logs, metrics (<peer>.jsonl) and swarm.toml go here.")] = Path("runs/local"),
+    joiners: Annotated[int, typer.Option(min=0, help="Extra peers that join mid-run with --role auto (downloading their stage's state).")] = 0,
+    join_after: Annotated[float, typer.Option(min=0.0, help="Seconds after the trainers start training that the joiners start.")] = 30.0,
 ) -> None:
     """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers finish."""
     from peer.launch import LocalSwarm, launch_local
 
     try:
-        layout = LocalSwarm(peers=peers, stages=stages, trainers=trainers, steps=steps)
+        layout = LocalSwarm(peers=peers, stages=stages, trainers=trainers, steps=steps, joiners=joiners, join_after_s=join_after)
     except ValueError as e:
         fail(str(e))
     raise typer.Exit(launch_local(layout, out=out, config=config_or_default(config), data=data, echo=typer.echo))

@@ -44,10 +44,12 @@ def run_peer(options: NodeOptions, *, config: Path | None = None, data: Sequence
     if threads:
         torch.set_num_threads(threads)
     cfg = load_config(config) if config else (None if options.initial_peers else SwarmConfig())
-    name = name or (f"trainer-{os.getpid()}" if options.role == "trainer" else f"stage{options.stage or ''}-{os.getpid()}")
+    name = name or {"trainer": "trainer", "stage": f"stage{options.stage or ''}"}.get(options.role, "peer") + f"-{os.getpid()}"
     corpus = load_corpus(data) if options.role == "trainer" else None  # fail on bad --data before joining
 
     def batches(cfg: SwarmConfig) -> tuple[Any, list[Any]]:
+        nonlocal corpus
+        corpus = corpus or load_corpus(data)  # --role auto: only once the peer turns out to be a trainer
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
         return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * seed, **kw), corpus.val_batches(num_batches=VAL_BATCHES, **kw)
 
@@ -66,7 +68,7 @@ def run_peer(options: NodeOptions, *, config: Path | None = None, data: Sequence
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-        if options.role == "trainer":
+        if record.get("role") == "trainer":  # progress, not outer-step events
             echo(progress_line(record, options.steps))
 
     async def main() -> dict[str, Any]:
@@ -92,16 +94,24 @@ def progress_line(record: dict[str, Any], steps: int) -> str:
 
 @dataclasses.dataclass(kw_only=True)
 class LocalSwarm:
-    """The process layout of a loopback swarm: ``peers`` processes, ``trainers`` of them trainers."""
+    """The process layout of a loopback swarm: ``peers`` processes, ``trainers`` of them trainers.
+
+    ``joiners`` more peers start with ``--role auto`` ``join_after_s`` seconds after the trainers start training:
+    they join the running swarm, take the role it needs most and download their stage's state.
+    """
 
     peers: int = 3
     stages: int = 2
     trainers: int = 1
     steps: int = 100
+    joiners: int = 0
+    join_after_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.stages < 1 or self.trainers < 1 or self.steps < 1:
             raise ValueError("stages, trainers and steps must be positive")
+        if self.joiners < 0 or self.join_after_s < 0:
+            raise ValueError("joiners and join_after_s must be non-negative")
         if self.peers - self.trainers < self.stages:
             raise ValueError(f"{self.peers} peers with {self.trainers} trainer(s) leave {self.peers - self.trainers} servers "
                              f"for {self.stages} stages; use --peers {self.trainers + self.stages} or more")
@@ -126,7 +136,7 @@ def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = 
     for spec in data or ():
         common += ["--data", spec]
     echo(f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "
-         f"{layout.stages} stages, {layout.steps} steps; logs and metrics in {out}")
+         f"{layout.stages} stages, {layout.steps} steps, {layout.joiners} late joiner(s); logs and metrics in {out}")
     procs: dict[str, subprocess.Popen] = {}
     try:
         (first, first_stage), *others = layout.servers()
@@ -137,7 +147,17 @@ def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = 
         trainers = [f"trainer-{i}" for i in range(layout.trainers)]
         for i, name in enumerate(trainers):
             procs[name] = spawn_peer(name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *join, *common], out)
-        codes = follow_trainers({name: procs[name] for name in trainers}, out, echo)
+        joiners, join_at = [f"joiner-{i}" for i in range(layout.joiners)], []
+
+        def start_joiners() -> None:  # join_after_s once every trainer has logged progress: the swarm is running
+            if joiners and not join_at and all(has_trained(out / f"{name}.jsonl") for name in trainers):
+                join_at.append(time.monotonic() + layout.join_after_s)
+            while joiners and join_at and time.monotonic() >= join_at[0]:
+                name = joiners.pop(0)
+                procs[name] = spawn_peer(name, ["--role", "auto", "--steps", str(layout.steps), *join, *common], out)
+                echo(f"{name} joins the running swarm")
+
+        codes = follow_trainers({name: procs[name] for name in trainers}, out, echo, tick=start_joiners)
     finally:
         stop_processes(procs.values())
     for name, code in codes.items():
@@ -151,9 +171,21 @@ def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = 
     return max(codes.values(), key=abs)
 
 
+def has_trained(metrics: Path) -> bool:
+    """Whether a trainer's metrics file holds a progress record yet."""
+    complete = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # the last line may be half written
+    return any(json.loads(line).get("role") == "trainer" for line in complete)
+
+
 def spawn_peer(name: str, args: list[str], out: Path) -> subprocess.Popen:
-    """A ``swarmloco run`` process in its own process group, output to ``out/<name>.log``."""
+    """A ``swarmloco run`` process in its own process group, output to ``out/<name>.log``.
+
+    Its metrics file ``out/<name>.jsonl`` starts with a ``spawned`` event: the time the process was
+    started, from which e.g. the time to join is measured.
+    """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    with (out / f"{name}.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"time": time.time(), "peer": name, "event": "spawned"}) + "\n")
     with (out / f"{name}.log").open("w") as log:
         return subprocess.Popen([sys.executable, "-m", "peer", "run", "--name", name, *args], stdout=log, stderr=subprocess.STDOUT,
                                 env=env, cwd=out, start_new_session=True)
@@ -172,10 +204,12 @@ def wait_for_address(proc: subprocess.Popen, log: Path, timeout_s: float) -> str
     raise TimeoutError(f"the first peer printed no address within {timeout_s:.0f}s; see {log}")
 
 
-def follow_trainers(trainers: dict[str, subprocess.Popen], out: Path, echo: Callable[[str], None]) -> dict[str, int]:
-    """Echo the trainers' progress lines until they all exit; their exit statuses."""
+def follow_trainers(trainers: dict[str, subprocess.Popen], out: Path, echo: Callable[[str], None],
+                    tick: Callable[[], None] = lambda: None) -> dict[str, int]:
+    """Echo the trainers' progress lines until they all exit, calling ``tick`` every half second; their exit statuses."""
     offsets = dict.fromkeys(trainers, 0)
     while True:
+        tick()
         finished = all(proc.poll() is not None for proc in trainers.values())
         for name in trainers:
             log = out / f"{name}.log"

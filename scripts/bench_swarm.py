@@ -1,14 +1,21 @@
 """A real local swarm against the centralized baseline at the same tokens, run back to back.
 
-The swarm is ``swarmloco local``: one trainer and one stage server per middle stage, each a
-separate process with its own DHT node, talking over loopback through libp2p with the swarm's
-codecs. The baseline trains the same seeded model in this process on the same data stream (the
-trainer's) for the same number of inner steps, and both are evaluated on the same held-out
-batches. Bytes are the trainer's wire-frame counters; ``fp32_bytes_per_token`` is what the same
-tensors would have cost as raw fp32, from the same run.
+The swarm is ``swarmloco local``: trainers and stage servers (``--replicas`` per middle stage),
+each a separate process with its own DHT node, talking over loopback through libp2p with the
+swarm's codecs; the replicas of each stage meet every H inner steps for an outer step
+(``--outer``). With ``--join`` one more peer starts mid-run with ``--role auto``: it takes the
+role the swarm needs, downloads its stage's state and starts serving. The baseline trains the
+same seeded model in this process on trainer-0's data stream for as many tokens as all trainers
+together, and both are evaluated on the same held-out batches.
 
-    python scripts/bench_swarm.py --json bench-swarm.json            # ~4 min on 2 cores
-    python scripts/bench_swarm.py --steps 30 --codec fp32             # quick look, fp32 on the wire
+Bytes are the peers' own counters. ``fp32_bytes_per_token`` is what the same activation tensors
+would have cost as raw fp32; ``fp32_pseudo_grad_bytes_per_token`` what the same outer-step
+transfers would have cost as dense fp32 pseudo-gradients (DiLoCo with fp32 exchange), both from
+the same run.
+
+    python scripts/bench_swarm.py --json bench-swarm.json                                   # ~4 min on 2 cores
+    python scripts/bench_swarm.py --outer sparseloco --trainers 2 --replicas 2 --stages 1 --join --json bench-outer.json
+    python scripts/bench_swarm.py --steps 30 --codec fp32                                   # quick look, fp32 on the wire
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +37,42 @@ from swarm.centralized import train_centralized
 from swarm.config import SwarmConfig, load_config
 
 TARGET_LOSS_GAP = 0.05  # swarm val loss within 5% of the baseline's
-TARGET_COMPRESSION = 4.0  # wire bytes per token at least 4× below fp32
+TARGET_COMPRESSION = 4.0  # activation bytes per token at least 4× below fp32
+TARGET_PSEUDO_GRAD_COMPRESSION = 100.0  # pseudo-gradient bytes at least 100× below dense fp32 (SparseLoCo)
+TARGET_JOIN_S = 30.0  # a late peer serves its first request within 30 s of its start
+
+
+def read_peers(out: Path) -> dict[str, list[dict[str, Any]]]:
+    return {path.stem: [json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("*.jsonl"))}
+
+
+def outer_summary(peers: dict[str, list[dict[str, Any]]], tokens: int) -> dict[str, Any]:
+    """Outer rounds, their duration and the pseudo-gradient traffic, over every peer."""
+    done = [r for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"]
+    last = [next((r for r in reversed(records) if "outer_round" in r and "event" not in r), {}) for records in peers.values()]  # final counters
+    sent, fp32 = sum(r.get("pseudo_grad_bytes", 0) for r in last), sum(r.get("pseudo_grad_fp32_bytes", 0) for r in last)
+    rounds: dict[str, int] = {}
+    for r in done:
+        rounds[str(r["stage"])] = max(rounds.get(str(r["stage"]), 0), r["outer_round"])
+    return {
+        "outer_rounds": rounds,  # per stage: rounds completed
+        "round_s": statistics.median(r["round_s"] for r in done) if done else None,  # declaration to install
+        "round_members": statistics.mean(r["contributors"] for r in done) if done else None,
+        "outer_failed_or_late": sum(1 for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] != "done"),
+        "state_downloads": sum(1 for records in peers.values() for r in records if r.get("event") == "state_download"),
+        "pseudo_grad_bytes_per_token": sent / tokens,
+        "fp32_pseudo_grad_bytes_per_token": fp32 / tokens,
+        "pseudo_grad_compression_vs_fp32": fp32 / sent if sent else None,
+    }
+
+
+def join_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """How a late joiner got in: its role, the round it started from, and the time from its start to its first served request."""
+    spawned = next(r["time"] for r in records if r.get("event") == "spawned")
+    serving = next((r for r in records if r.get("event") == "serving"), None)
+    served = next((r["first_served_at"] for r in records if r.get("first_served_at")), None)
+    return {"join_role": "stage" if serving else "trainer", "join_stage": serving and serving["stage"], "join_round": serving and serving["outer_round"],
+            "join_ready_s": serving and serving["time"] - spawned, "join_s": served and served - spawned}
 
 
 def run_swarm(cfg: SwarmConfig, layout: LocalSwarm, data: list[str] | None, out: Path) -> dict[str, Any]:
@@ -37,23 +80,29 @@ def run_swarm(cfg: SwarmConfig, layout: LocalSwarm, data: list[str] | None, out:
     code = launch_local(layout, out=out, config=cfg, data=data)
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")
-    last = json.loads((out / "trainer-0.jsonl").read_text().splitlines()[-1])
-    tokens = last["tokens"]
+    peers = read_peers(out)
+    trainers = [next(r for r in reversed(peers[f"trainer-{i}"]) if r.get("role") == "trainer") for i in range(layout.trainers)]
+    last = trainers[0]
+    tokens = sum(t["tokens"] for t in trainers)
     training = ("activations", "gradients")  # validation traffic is counted apart ("eval"), not per training token
-    wire, fp32 = last["wire_bytes"], last["fp32_bytes"]
-    return {
-        "val_loss": last["val_loss"],
+    wire = {kind: sum(t["wire_bytes"][kind] for t in trainers) for kind in training}
+    fp32 = {kind: sum(t["fp32_bytes"][kind] for t in trainers) for kind in training}
+    result = {
+        "val_loss": last["val_loss"],  # trainer-0's, through the swarm's current replicas
         "tokens": tokens,
-        "tokens_per_s": last["tokens_per_s"],  # while training, startup excluded
+        "tokens_per_s": sum(t["tokens_per_s"] for t in trainers),  # while training, startup excluded
         "wall_s": time.perf_counter() - started,  # startup and shutdown of every process included
-        "bytes_per_token": {kind: wire[kind] / tokens for kind in training} | {"total": sum(wire[k] for k in training) / tokens},
-        "fp32_bytes_per_token": {kind: fp32[kind] / tokens for kind in training} | {"total": sum(fp32[k] for k in training) / tokens},
-        "failed_hops": last["hop_failures"] + last["hop_timeouts"] + sum(v for k, v in last.items() if k.startswith("hop_refused_")),
-        "skipped_hops": last["skipped_hops"],
-        "resent_inputs": last["resent_inputs"],
-        "microbatches": {k: last[k] for k in ("started", "completed", "failed", "cancelled")},
-        "unaccounted_microbatches": last["started"] - last["completed"] - last["failed"] - last["cancelled"],
+        "bytes_per_token": {kind: wire[kind] / tokens for kind in training} | {"total": sum(wire.values()) / tokens},
+        "fp32_bytes_per_token": {kind: fp32[kind] / tokens for kind in training} | {"total": sum(fp32.values()) / tokens},
+        "failed_hops": sum(t["hop_failures"] + t["hop_timeouts"] + sum(v for k, v in t.items() if k.startswith("hop_refused_")) for t in trainers),
+        "skipped_hops": sum(t["skipped_hops"] for t in trainers),
+        "resent_inputs": sum(t["resent_inputs"] for t in trainers),
+        "microbatches": {k: sum(t[k] for t in trainers) for k in ("started", "completed", "failed", "cancelled")},
+        "unaccounted_microbatches": sum(t["started"] - t["completed"] - t["failed"] - t["cancelled"] for t in trainers),
+        **outer_summary(peers, tokens),
     }
+    joiners = [name for name in peers if name.startswith("joiner-")]
+    return result | (join_summary(peers[joiners[0]]) if joiners else {})
 
 
 def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[str, Any]:
@@ -63,14 +112,29 @@ def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[s
     batches = corpus.sample_batches("train", seed=cfg.train.seed, **kw)  # trainer-0's stream
     val = corpus.val_batches(num_batches=VAL_BATCHES, **kw)
     log: list[dict[str, float]] = []
+    cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, total_steps=steps))
     train_centralized(cfg, batches, val, steps=steps, log_every=steps, on_log=log.append)
     return {"val_loss": log[-1]["val_loss"], "tokens": log[-1]["tokens"], "tokens_per_s": log[-1]["tokens"] / log[-1]["elapsed_s"]}
 
 
+def outer_config(cfg: SwarmConfig, method: str | None, inner_steps: int | None) -> SwarmConfig:
+    """The config with the outer method (DiLoCo exchanges fp32) and H changed."""
+    method = method or cfg.outer.method
+    pseudo = {"sparseloco": "sparseloco", "diloco": "fp32"}.get(method, cfg.codecs.pseudo_gradients)
+    return dataclasses.replace(cfg, codecs=dataclasses.replace(cfg.codecs, pseudo_gradients=pseudo),
+                               outer=dataclasses.replace(cfg.outer, method=method, inner_steps=inner_steps or cfg.outer.inner_steps))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="inner steps (each train.inner_batch samples)")
-    parser.add_argument("--stages", type=int, default=2, help="middle stages, one server each")
+    parser.add_argument("--steps", type=int, default=100, help="inner steps per trainer (each train.inner_batch samples)")
+    parser.add_argument("--stages", type=int, default=2, help="middle stages")
+    parser.add_argument("--trainers", type=int, default=1, help="trainers (stage 0 replicas)")
+    parser.add_argument("--replicas", type=int, default=1, help="stage servers per middle stage")
+    parser.add_argument("--outer", choices=["none", "diloco", "sparseloco"], help="outer step (default: the config's); diloco exchanges fp32")
+    parser.add_argument("-H", "--inner-steps", type=int, help="H: inner steps between outer steps (default: the config's)")
+    parser.add_argument("--join", action="store_true", help="start one more peer mid-run with --role auto")
+    parser.add_argument("--join-after", type=float, default=30.0, help="seconds after the trainers start that it joins")
     parser.add_argument("--codec", help="activation and gradient codec (default: the config's)")
     parser.add_argument("--config", type=Path, help="swarm config TOML (default: the built-in model)")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
@@ -78,31 +142,43 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
 
-    layout = LocalSwarm(peers=args.stages + 1, stages=args.stages, trainers=1, steps=args.steps)
-    cfg = local_config(load_config(args.config) if args.config else SwarmConfig(), layout)
+    layout = LocalSwarm(peers=args.trainers + args.replicas * args.stages, stages=args.stages, trainers=args.trainers, steps=args.steps,
+                        joiners=int(args.join), join_after_s=args.join_after)
+    cfg = outer_config(local_config(load_config(args.config) if args.config else SwarmConfig(), layout), args.outer, args.inner_steps)
     if args.codec:
         cfg = dataclasses.replace(cfg, codecs=dataclasses.replace(cfg.codecs, activations=args.codec, gradients=args.codec))
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
         swarm = run_swarm(cfg, layout, args.data, args.out or Path(tmp))
-    baseline = run_baseline(cfg, args.steps, args.data)
+    tokens_per_step = cfg.train.inner_batch * cfg.train.seq_len
+    baseline = run_baseline(cfg, swarm["tokens"] // tokens_per_step, args.data)  # as many tokens as all trainers together
     assert swarm["tokens"] == baseline["tokens"], (swarm["tokens"], baseline["tokens"])
 
     gap = swarm["val_loss"] / baseline["val_loss"] - 1
     compression = swarm["fp32_bytes_per_token"]["total"] / swarm["bytes_per_token"]["total"]
+    targets = {"val_loss_within_5pct": gap <= TARGET_LOSS_GAP, "bytes_4x_below_fp32": compression >= TARGET_COMPRESSION,
+               "no_unaccounted_microbatches": swarm["unaccounted_microbatches"] == 0}
+    if cfg.outer.method == "sparseloco" and swarm["pseudo_grad_compression_vs_fp32"]:
+        targets["pseudo_grads_100x_below_fp32"] = swarm["pseudo_grad_compression_vs_fp32"] >= TARGET_PSEUDO_GRAD_COMPRESSION
+    if args.join:
+        targets["join_within_30s"] = swarm.get("join_s") is not None and swarm["join_s"] <= TARGET_JOIN_S
     result = {
-        "peers": layout.peers, "stages": layout.stages, "steps": args.steps, "tokens": swarm["tokens"], "config_hash": cfg.hash(),
-        "codecs": {"activations": cfg.codecs.activations, "gradients": cfg.codecs.gradients},
+        "peers": layout.peers + layout.joiners, "stages": layout.stages, "trainers": layout.trainers, "replicas": args.replicas,
+        "steps": args.steps, "tokens": swarm["tokens"], "config_hash": cfg.hash(),
+        "codecs": {"activations": cfg.codecs.activations, "gradients": cfg.codecs.gradients, "pseudo_gradients": cfg.codecs.pseudo_gradients},
+        "outer": {"method": cfg.outer.method, "inner_steps": cfg.outer.inner_steps, "matchmaking_s": cfg.timeouts.matchmaking_s},
         "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
         "tokens_per_s": swarm["tokens_per_s"], "baseline_tokens_per_s": baseline["tokens_per_s"],
         "val_loss": swarm["val_loss"], "baseline_val_loss": baseline["val_loss"], "val_loss_gap": gap,
         "compression_vs_fp32": compression,
         **{k: v for k, v in swarm.items() if k not in ("val_loss", "tokens", "tokens_per_s")},
-        "targets": {"val_loss_within_5pct": gap <= TARGET_LOSS_GAP, "bytes_4x_below_fp32": compression >= TARGET_COMPRESSION,
-                    "no_unaccounted_microbatches": swarm["unaccounted_microbatches"] == 0},
+        "targets": targets,
     }
     print(f"swarm    val {swarm['val_loss']:.4f}  {swarm['tokens_per_s']:.0f} tok/s  {swarm['bytes_per_token']['total']:.0f} B/token "
           f"({compression:.1f}x below fp32)  failed hops {swarm['failed_hops']}  skipped {swarm['skipped_hops']}")
-    print(f"baseline val {baseline['val_loss']:.4f}  {baseline['tokens_per_s']:.0f} tok/s   gap {100 * gap:+.2f}%   targets {result['targets']}")
+    print(f"outer    {cfg.outer.method} H={cfg.outer.inner_steps}: rounds {swarm['outer_rounds']}  median {swarm['round_s'] or 0:.2f}s  "
+          f"{swarm['pseudo_grad_bytes_per_token']:.3f} pseudo-grad B/token (fp32 would be {swarm['fp32_pseudo_grad_bytes_per_token']:.1f})"
+          + (f"  joiner: {swarm['join_role']} of stage {swarm['join_stage']}, serving {swarm['join_s']:.1f}s after start" if swarm.get("join_s") else ""))
+    print(f"baseline val {baseline['val_loss']:.4f}  {baseline['tokens_per_s']:.0f} tok/s   gap {100 * gap:+.2f}%   targets {targets}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

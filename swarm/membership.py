@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import tomllib
-from typing import Dict, Optional
+from typing import Dict, Optional, TypeVar
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -31,6 +31,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, config_from_dict, dumps_config
 from swarm.errors import ConfigError
+from swarm.metrics import PeerMetrics
 
 PROTOCOL_VERSION = 1  # bumped on any incompatible change of records or RPC messages
 MAX_CONFIG_CHARS = 1 << 16
@@ -48,7 +49,15 @@ class StageStatus(pydantic.BaseModel):
     queue: pydantic.conint(ge=0, strict=True) = 0  # requests waiting or running
     inner_steps: pydantic.conint(ge=0, strict=True) = 0  # hook for the outer step: H inner steps per round
     outer_round: pydantic.conint(ge=0, strict=True) = 0
+    global_hash: pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True) = ""  # weights after that round: equal on agreeing replicas
     grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
+    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
+class RoundDeclaration(pydantic.BaseModel):
+    """A replica's arrival for an outer round (``swarm/outer_sync.py``): the window closes ``matchmaking_s`` after the first."""
+
+    opened_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
     version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
 
 
@@ -65,7 +74,16 @@ def config_key(name: str) -> str:
     return f"{name}/config"
 
 
-RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {"stage": StageStatus, "config": ConfigRecord}
+def metrics_key(swarm_id: str) -> str:
+    return f"{swarm_id}/metrics"
+
+
+def round_key(swarm_id: str, stage: int, round_: int) -> str:
+    return f"{swarm_id}/outer/{stage}/{round_}"
+
+
+RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {"stage": StageStatus, "config": ConfigRecord, "metrics": PeerMetrics}
+PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration)  # one per peer under a key, with a protocol version
 
 
 class SwarmSchemaValidator(SchemaValidator):
@@ -89,7 +107,9 @@ def config_validator(name: str) -> SwarmSchemaValidator:
 
 
 def stage_validator(cfg: SwarmConfig) -> SwarmSchemaValidator:
-    return SwarmSchemaValidator({stage_key(cfg.swarm_id, i): "stage" for i in range(cfg.stages.num_stages + 1)})
+    """This swarm's stage records and metrics records."""
+    stages = {stage_key(cfg.swarm_id, i): "stage" for i in range(cfg.stages.num_stages + 1)}
+    return SwarmSchemaValidator({**stages, metrics_key(cfg.swarm_id): "metrics"})
 
 
 def peer_from_subkey(subkey: bytes) -> PeerID | None:
@@ -136,6 +156,7 @@ class Membership:
         self._signer = RSASignatureValidator(private_key)
         self.subkey = self.peer_id.to_base58().encode() + self._signer.local_public_key
         self.cfg: SwarmConfig | None = None
+        self.announced: set[int] = set()  # stages this peer holds a record for
 
     async def join(self, cfg: SwarmConfig | None, *, create: bool, name: str = SwarmConfig().name, fetch_timeout_s: float = 15.0) -> SwarmConfig:
         """Publish (``create``) or fetch-and-check the swarm config; from then on, check this swarm's stage records too."""
@@ -171,16 +192,45 @@ class Membership:
     async def announce(self, stage: int, status: StageStatus) -> None:
         assert self.cfg is not None, "join() first"
         await self._store(stage_key(self.cfg.swarm_id, stage), status.dict())
+        self.announced.add(stage)
 
     async def retire(self, stage: int) -> None:
         """Replace this peer's record with a tombstone, so readers drop it before its TTL runs out."""
         assert self.cfg is not None, "join() first"
         await self._store(stage_key(self.cfg.swarm_id, stage), None)
+        self.announced.discard(stage)
+
+    async def retire_all(self) -> None:
+        """Retire every stage record this peer announced (a server that moved held several)."""
+        await asyncio.gather(*(self.retire(stage) for stage in sorted(self.announced)))
 
     async def replicas(self, stage: int) -> dict[PeerID, StageStatus]:
         """Live peers announcing ``stage`` (this one included) with this protocol version, and their status."""
         assert self.cfg is not None, "join() first"
-        found = await self.dht.get(stage_key(self.cfg.swarm_id, stage), latest=True, return_future=True)
+        return await self._read(stage_key(self.cfg.swarm_id, stage), StageStatus)
+
+    async def publish_metrics(self, metrics: PeerMetrics | None) -> None:
+        """Publish this peer's metrics; None retires them (a tombstone, as ``retire``)."""
+        assert self.cfg is not None, "join() first"
+        await self._store(metrics_key(self.cfg.swarm_id), None if metrics is None else metrics.dict())
+
+    async def metrics(self) -> dict[PeerID, PeerMetrics]:
+        """The latest metrics of every live peer with this protocol version (this one included)."""
+        assert self.cfg is not None, "join() first"
+        return await self._read(metrics_key(self.cfg.swarm_id), PeerMetrics)
+
+    async def declare_round(self, stage: int, round_: int, *, opened_at: float, expiration: float) -> None:
+        """Tell the replicas of ``stage`` that this peer takes part in outer round ``round_``."""
+        assert self.cfg is not None, "join() first"
+        await self._store(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration(opened_at=opened_at).dict(), expiration)
+
+    async def round_declarations(self, stage: int, round_: int) -> dict[PeerID, float]:
+        """Who declared for outer round ``round_`` of ``stage`` (this peer included), and when."""
+        assert self.cfg is not None, "join() first"
+        return {peer: record.opened_at for peer, record in (await self._read(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration)).items()}
+
+    async def _read(self, key: str, kind: type[PeerRecord]) -> dict[PeerID, PeerRecord]:
+        found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}
@@ -189,11 +239,11 @@ class Membership:
             if peer is None or item.value is None:
                 continue
             try:
-                status = StageStatus.parse_obj(item.value)
+                record = kind.parse_obj(item.value)
             except pydantic.ValidationError:
                 continue  # a node without our validators may relay anything
-            if status.version == PROTOCOL_VERSION:
-                out[peer] = status
+            if record.version == PROTOCOL_VERSION:
+                out[peer] = record
         return out
 
     async def all_replicas(self) -> dict[int, dict[PeerID, StageStatus]]:
@@ -202,9 +252,9 @@ class Membership:
         stages = range(self.cfg.stages.num_stages + 1)
         return dict(zip(stages, await asyncio.gather(*(self.replicas(i) for i in stages))))
 
-    async def _store(self, key: str, value: object) -> None:
+    async def _store(self, key: str, value: object, expiration: float | None = None) -> None:
         assert self.cfg is not None
-        expiration = get_dht_time() + self.cfg.timeouts.record_ttl_s
+        expiration = expiration or get_dht_time() + self.cfg.timeouts.record_ttl_s
         await self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True)
 
 

@@ -81,12 +81,15 @@ class ActivationCache:
 class StageServer:
     """The ``StageBackend`` of one middle stage (see ``swarm/protocol.py``)."""
 
-    def __init__(self, cfg: SwarmConfig, stage: int, *, max_cached: int = 64, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, cfg: SwarmConfig, stage: int, *, start_step: int = 0, max_cached: int = 64,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
         self.module = build_stage(cfg.model, cfg.stages.num_stages, stage)
-        self.opt, self.sched = make_inner_optimizer(self.module.parameters(), cfg.inner)
+        self.opt, self.sched = make_inner_optimizer(self.module.parameters(), cfg.inner, start_step=start_step)
+        self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
+        self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
         self.act_codec, self.grad_codec = boundary_codecs(cfg)
         self.max_batch = cfg.train.microbatch_size
         max_values = self.max_batch * cfg.model.max_seq_len * cfg.model.d_model
@@ -109,6 +112,7 @@ class StageServer:
             self.cache.put((peer, request.mb), CacheEntry(x=x, tokens=tokens, forward_s=elapsed))
             self.from_stage[request.prev_stage] += 1
         self.counters["forward" if request.train else "eval_forward"] += 1
+        self.first_served_at = self.first_served_at or time.time()
         return self.act_codec.encode(y, tokens=tokens)
 
     async def backward(self, peer: PeerID, request: Backward) -> bytes:
@@ -130,7 +134,7 @@ class StageServer:
 
     def info(self) -> dict[str, Any]:
         return {**self.counters, "inner_steps": self.inner_steps, "samples_per_s": self.samples_per_s,
-                "grad_norm": self.grad_norm, "cached": len(self.cache), "evicted": self.cache.evicted,
+                "grad_norm": self.grad_norm, "cached": len(self.cache), "first_served_at": self.first_served_at, "evicted": self.cache.evicted,
                 "from_stage": {str(k): v for k, v in sorted(self.from_stage.items())}}
 
     @property
@@ -139,6 +143,14 @@ class StageServer:
 
     def status(self, *, queue: int) -> StageStatus:
         return StageStatus(samples_per_s=float(self.samples_per_s), queue=queue, inner_steps=self.inner_steps, grad_norm=float(self.grad_norm))
+
+    async def exclusive(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install)."""
+        return (await self._run(fn))[0]
+
+    def settled(self) -> bool:
+        """No forward input awaits its backward: new weights now would not make a backward recompute differ from its forward."""
+        return not self.cache
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

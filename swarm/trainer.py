@@ -37,7 +37,7 @@ from swarm.model import loss_fn
 from swarm.protocol import Backward, Forward, RemoteError, RequestError
 from swarm.routing import NoLiveReplica, Peer, Router, path_length
 from swarm.codecs import boundary_codecs
-from swarm.stages import EDGE_STAGE, build_stage
+from swarm.stages import EDGE_STAGE, EdgeStage, build_stage
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
@@ -89,11 +89,13 @@ class CacheMiss(Exception):
 
 
 class Trainer:
-    def __init__(self, cfg: SwarmConfig, calls: StageCalls, router: Router, *, options: TrainerOptions | None = None) -> None:
+    def __init__(self, cfg: SwarmConfig, calls: StageCalls, router: Router, *, options: TrainerOptions | None = None,
+                 start_step: int = 0) -> None:
         self.cfg, self.calls, self.router = cfg, calls, router
         self.options = options or TrainerOptions()
         self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE)
-        self.opt, self.sched = make_inner_optimizer(self.edge.parameters(), cfg.inner)
+        self.opt, self.sched = make_inner_optimizer(self.edge.parameters(), cfg.inner, start_step=start_step)
+        self.start_step = start_step  # a trainer that joins mid-run starts at the swarm's point of the lr schedule
         self.act_codec, self.grad_codec = boundary_codecs(cfg)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.wire_bytes: Counter[str] = Counter()  # frame bytes sent + received: activations, gradients, eval
@@ -308,6 +310,19 @@ class Trainer:
         if self.samples_accumulated >= self.cfg.train.inner_batch:
             self.grad_norm = clip_and_step(self.opt, self.sched, self.cfg.inner.grad_clip)
             self.samples_accumulated, self.inner_steps = 0, self.inner_steps + 1
+
+    @property
+    def module(self) -> EdgeStage:
+        """The stage this trainer holds (what the outer step exchanges)."""
+        return self.edge
+
+    async def exclusive(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the edge thread, between microbatch computations (the outer step's snapshot and weight install)."""
+        return await self._run(fn)
+
+    def settled(self) -> bool:
+        """Always: the head runs forward and backward at once, and the embedding's gradient does not depend on its weights."""
+        return True
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

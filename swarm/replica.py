@@ -1,0 +1,299 @@
+"""One replica's side of the outer step: when it takes part in a round, how it installs the result, how it catches up.
+
+A replica is a trainer's stage 0 or a stage server (a ``Holder``). Its ``ReplicaSync`` runs beside
+the training or serving with its own thread for the outer optimizer, and touches the replica's
+weights only through ``Holder.exclusive`` (the replica's compute thread), each time for an
+instant: to snapshot them and to install a round's result. Requests keep being served meanwhile.
+
+- **When.** Round r opens once this replica has taken H inner steps since its last snapshot
+  (H = ``outer.inner_steps``, counted per replica). A replica with at least H/2 steps joins earlier
+  when it sees the round's window already open: the fastest replica sets the pace and the others
+  meet it, however their step counts drift (a stage server fed by two trainers steps twice as
+  often as each trainer). One with fewer steps sits the round out and downloads its result: its
+  small Δ would count as much as the others' in the mean (and the group's outlier screening
+  clips a Δ far above the others'). The window closes as soon as the replicas it expects are in:
+  the members of its last round and the others the DHT shows at its round (none: it goes alone).
+- **Install.** Training goes on during the exchange, so the new local weights are the round's
+  global weights plus the progress made since the snapshot: θ ← θ + (θ_global − θ_snapshot),
+  swapped in at a moment when no microbatch is between its forward and its backward. The
+  global weights (held by the outer optimizer, served to newcomers, hashed into ``global_hash``)
+  are bitwise identical on every member of the round.
+- **Catch-up.** Every tick the replica reads its stage's records. Seeing a replica at a later round
+  (this one was late, its round failed, or it had no steps to contribute), it downloads that
+  replica's state; seeing one at the same round with other weights (a group split by a DHT race),
+  the larger peer id downloads the smaller's, so the stage converges on one copy. Local progress
+  since the last snapshot is dropped on download.
+
+``PeerSync`` wires this to the swarm: one blob service (outer-round payloads and commits, and
+the state of the stage the peer holds), the DHT records, and state downloads for a newcomer.
+
+    >>> peer_sync = PeerSync(cfg, membership, p2p); await peer_sync.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
+    >>> state = await peer_sync.download(stage)                       # None: nobody holds the stage yet
+    >>> server = StageServer(cfg, stage, start_step=state.schedule_step); sync = peer_sync.sync(stage, server, on_log)
+    >>> await sync.adopt(state); task = asyncio.create_task(sync.run())   # cancel to stop; sync.close() after
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from optim.outer import build_outer_optimizer
+from swarm.auth import CertificateVerifier
+from swarm.config import SwarmConfig
+from swarm.membership import Membership, StageStatus
+from swarm.outer_sync import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
+from swarm.stages import build_stage
+from swarm.state_sync import (
+    BlobClient, BlobServicer, StageState, TransferError, download_state, pack_state, state_bytes_bound, weights_hash,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+StatusReader = Callable[[], Awaitable[Mapping[str, StageStatus]]]  # peer id → status of the stage's *other* replicas
+Fetch = Callable[[str, str], Awaitable[bytes]]  # (peer, blob name) → hash-checked blob, or TransferError
+
+
+class Holder(Protocol):
+    """What the outer step needs of a trainer (stage 0) or a stage server."""
+
+    module: torch.nn.Module
+    inner_steps: int  # taken by this process
+    start_step: int  # where this process started on the lr schedule
+
+    async def exclusive(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the compute thread: no inner step or request runs at the same time."""
+
+    def settled(self) -> bool:
+        """No microbatch is between its forward and its backward here (a swap now changes no gradient in flight)."""
+
+
+class ReplicaSync:
+    def __init__(self, cfg: SwarmConfig, stage: int, holder: Holder, *, net: GroupNetwork, board: Board, replicas: StatusReader,
+                 fetch: Fetch, on_log: Callable[[dict[str, Any]], None] = lambda record: None, clock: Callable[[], float] = time.time) -> None:
+        self.cfg, self.stage, self.holder = cfg, stage, holder
+        self.net, self.board, self.replicas, self.fetch, self.on_log, self.clock = net, board, replicas, fetch, on_log, clock
+        self.params = dict(holder.module.named_parameters())
+        self.outer = build_outer_optimizer(self.params, cfg.outer, cfg.codecs)
+        self.timing = RoundTiming.of(cfg.timeouts)
+        self.poll_s = self.timing.poll_s  # how often to look for a due or open round
+        self.synced_at = holder.inner_steps  # inner steps at the last snapshot or download
+        self.global_hash = weights_hash(self.outer.global_params) if self.outer else ""
+        self.counters: Counter[str] = Counter()
+        self.round_s: list[float] = []  # wall time of each round done, declaration to install
+        self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())  # a dense fp32 Δ: what a payload saves against
+        self._exported: tuple[int, bytes] | None = None  # (round, state blob): built once per round
+        self._last_group: tuple[str, ...] = ()  # contributors of the last round done
+        self._peers_at_round: set[str] = set()  # other replicas at this replica's round, as the DHT showed them last
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
+
+    @property
+    def round(self) -> int:
+        return self.outer.round if self.outer else 0
+
+    @property
+    def schedule_step(self) -> int:
+        return self.holder.start_step + self.holder.inner_steps
+
+    def status_fields(self) -> dict[str, Any]:
+        """The outer step's part of this replica's DHT record."""
+        return {"outer_round": self.round, "global_hash": self.global_hash}
+
+    def info(self) -> dict[str, Any]:
+        return {**self.status_fields(), **self.counters}
+
+    async def run(self) -> None:
+        """Forever (cancel to stop): catch up when behind, take part in each round when due."""
+        if self.outer is None:
+            return
+        next_check = 0.0
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                if time.monotonic() >= next_check:  # the records change once per announce period
+                    next_check = time.monotonic() + self.cfg.timeouts.announce_period_s
+                    if await self.catch_up():
+                        continue
+                taken, h = self.holder.inner_steps - self.synced_at, self.cfg.outer.inner_steps
+                if taken >= h or (taken >= (h + 1) // 2 and await self._window_open()):
+                    await self.step()
+            except Exception as e:  # a peer or the network failed us: say so, keep serving, try again later
+                logger.warning(f"stage {self.stage} outer step: {type(e).__name__}: {e}", exc_info=not isinstance(e, TransferError))
+
+    async def step(self) -> RoundResult:
+        """One round: snapshot, encode Δ, meet the group, install the agreed result (or catch up)."""
+        key, steps = RoundKey(self.stage, self.round), self.holder.inner_steps
+        snapshot = await self.holder.exclusive(lambda: {name: p.detach().clone() for name, p in self.params.items()})
+        payload = await self._on_thread(self.outer.make_payload, snapshot)
+        started = time.perf_counter()
+        result = await run_round(self.net, self.board, key, payload, self.timing, clock=self.clock, expected={*self._last_group, *self._peers_at_round},
+                                 on_declared=lambda: self.on_log({"event": "outer_declared", "stage": self.stage, "round": key.round}))
+        self.counters.update(pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=result.received * self._fp32_bytes)
+        self.counters[f"outer_{result.outcome}"] += 1
+        if result.outcome == "done":
+            await self._install(result.payloads, snapshot)
+            self.synced_at, self._last_group = steps, result.contributors
+            self.round_s.append(time.perf_counter() - started)
+        elif not await self._await_progress(key.round):
+            self.synced_at = steps  # nobody got past this round: try it again after another H steps
+        self.on_log({"event": "outer_round", "stage": self.stage, "round": key.round, "outcome": result.outcome, "reason": result.reason,
+                     "group": len(result.group), "contributors": len(result.contributors), "leader": result.group[0] if result.group else None,
+                     "outer_round": self.round, "global_hash": self.global_hash, "round_s": time.perf_counter() - started,
+                     "received_bytes": result.received_bytes})
+        return result
+
+    async def catch_up(self) -> bool:
+        """Download the stage's state if a replica is at a later round, or at this round with other weights; True if it did."""
+        others = await self.replicas()
+        self._peers_at_round = {peer for peer, s in others.items() if s.outer_round == self.round}
+        ahead = sorted((peer for peer, s in others.items() if s.outer_round > self.round), key=lambda peer: (-others[peer].outer_round, peer))
+        if ahead:
+            return await self._download(ahead, "behind")
+        same = sorted(peer for peer, s in others.items() if s.outer_round == self.round and s.global_hash)
+        if same and same[0] < self.net.me and others[same[0]].global_hash != self.global_hash:
+            return await self._download(same[:1], "diverged")
+        return False
+
+    async def adopt(self, state: StageState) -> None:
+        """Install a downloaded state: global weights, outer optimizer and round; local weights restart from the global ones."""
+        if self.outer is not None:
+            def load_outer() -> None:
+                groups = self.outer.optimizer.state_dict()["param_groups"]  # our own hyper-parameters, never the sender's
+                slots = state.optimizer["state"] if state.optimizer else {}
+                self.outer.load_state_dict({"round": state.round, "params": state.params, "optimizer": {"state": slots, "param_groups": groups}})
+
+            await self._on_thread(load_outer)
+
+        @torch.no_grad()
+        def load_local() -> None:
+            for name, p in self.params.items():
+                p.copy_(state.params[name])
+
+        await self.holder.exclusive(load_local)
+        self.synced_at = self.holder.inner_steps
+        self.global_hash = weights_hash(state.params) if self.outer else ""
+
+    async def export_state(self, name: str) -> bytes:
+        """The ``state/<stage>`` blob: global weights, outer optimizer state, round and schedule step (built once per round)."""
+        if name != f"state/{self.stage}":
+            raise LookupError(f"this peer holds stage {self.stage}")
+        if self.outer is None:  # no outer step: the local weights are the stage's weights
+            params = await self.holder.exclusive(lambda: {n: p.detach().clone() for n, p in self.params.items()})
+            return pack_state(StageState(stage=self.stage, round=0, schedule_step=self.schedule_step, params=params, optimizer=None))
+        if self._exported is None or self._exported[0] != self.round:
+            def build() -> tuple[int, bytes]:  # on the outer thread: never torn by a round's apply
+                state = StageState(stage=self.stage, round=self.outer.round, schedule_step=self.schedule_step,
+                                   params=dict(self.outer.global_params), optimizer=self.outer.optimizer.state_dict())
+                return state.round, pack_state(state)
+
+            self._exported = await self._on_thread(build)
+        return self._exported[1]
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _install(self, payloads: tuple[bytes, ...], snapshot: dict[str, torch.Tensor]) -> None:
+        target = {name: torch.empty_like(t) for name, t in snapshot.items()}
+        await self._on_thread(self.outer.apply, list(payloads), target)  # target ← the new global weights
+        self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
+
+        @torch.no_grad()
+        def swap() -> None:
+            for name, p in self.params.items():
+                p.add_(target[name] - snapshot[name])  # the new global weights + the progress made during the exchange
+
+        # A microbatch whose forward saw the old weights would have its backward recomputed on the new
+        # ones: wait (bounded) for a moment with none in flight. SparseLoCo's jumps make this matter.
+        deadline = time.monotonic() + self.cfg.timeouts.rpc_s
+        while not self.holder.settled() and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        await self.holder.exclusive(swap)
+
+    async def _await_progress(self, round_: int) -> bool:
+        """After a late or failed round: wait (bounded) for a replica that got past it, and download its state."""
+        deadline = time.monotonic() + self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(self.cfg.timeouts.announce_period_s)
+            if await self.catch_up():
+                return True
+        logger.warning(f"stage {self.stage}: no replica got past outer round {round_}; keeping it")
+        return False
+
+    async def _download(self, peers: list[str], reason: str) -> bool:
+        try:
+            peer, state = await download_state(self.fetch, peers, stage=self.stage, template=self.params)
+        except TransferError as e:
+            logger.warning(f"stage {self.stage}: could not catch up ({reason}): {e}")
+            return False
+        await self.adopt(state)
+        self.counters["state_downloads"] += 1
+        self.on_log({"event": "state_download", "stage": self.stage, "from": peer, "reason": reason, "outer_round": self.round,
+                     "global_hash": self.global_hash})
+        return True
+
+    async def _window_open(self) -> bool:
+        """Whether another replica has opened this replica's next round and its window is still open."""
+        seen = await self.net.declarations(RoundKey(self.stage, self.round))
+        return bool(seen) and self.clock() <= min(seen.values()) + self.timing.window_s
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+
+class PeerSync:
+    """This peer's outer-step plumbing over the swarm: one blob service, one board and one client, whatever stage it holds.
+
+    The blob service answers ``outer/…`` from the board and ``state/<stage>`` from the current
+    ``ReplicaSync``; ``verifier`` and ``certificate`` make it private as the stage RPCs are.
+    """
+
+    def __init__(self, cfg: SwarmConfig, membership: Membership, p2p: P2P, *, verifier: CertificateVerifier | None = None,
+                 certificate: Callable[[], bytes | None] = lambda: None) -> None:
+        self.cfg, self.membership = cfg, membership
+        self.board = Board(retention_s=RoundTiming.of(cfg.timeouts).max_round_s, clock=get_dht_time)
+        self.servicer = BlobServicer(verifier=verifier, wait_s=2 * cfg.timeouts.rpc_s)
+        self.servicer.provide("outer", self.board.get)
+        self.client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
+
+    async def replicas(self, stage: int) -> dict[str, StageStatus]:
+        """The other live replicas of ``stage``."""
+        found = await self.membership.replicas(stage)
+        return {peer.to_base58(): status for peer, status in found.items() if peer != self.membership.peer_id}
+
+    def sync(self, stage: int, holder: Holder, on_log: Callable[[dict[str, Any]], None]) -> ReplicaSync:
+        """The outer step of ``holder``, whose state this peer serves from now on."""
+        params = dict(holder.module.named_parameters())
+        net = P2PGroupNetwork(self.membership, self.client, max_payload_bytes=8 * sum(p.numel() for p in params.values()) + (1 << 20))
+        sync = ReplicaSync(self.cfg, stage, holder, net=net, board=self.board, replicas=functools.partial(self.replicas, stage),
+                           fetch=functools.partial(self._fetch, max_bytes=state_bytes_bound(params)), on_log=on_log, clock=get_dht_time)
+        self.servicer.provide("state", sync.export_state)
+        return sync
+
+    async def download(self, stage: int, attempts: int = 3) -> StageState | None:
+        """The current state of ``stage`` from its most advanced replica that delivers; None if it has no replica."""
+        template = dict(build_stage(self.cfg.model, self.cfg.stages.num_stages, stage).named_parameters())  # shapes to check against
+        fetch = functools.partial(self._fetch, max_bytes=state_bytes_bound(template))
+        for attempt in range(1, attempts + 1):
+            others = await self.replicas(stage)
+            if not others:
+                return None
+            try:
+                return (await download_state(fetch, sorted(others, key=lambda peer: (-others[peer].outer_round, peer)), stage=stage, template=template))[1]
+            except TransferError:
+                if attempt == attempts:
+                    raise
+            await asyncio.sleep(self.cfg.timeouts.announce_period_s)  # the records may have changed: read them again
+        return None  # attempts < 1: nothing asked
+
+    async def _fetch(self, peer: str, name: str, *, max_bytes: int) -> bytes:
+        return await self.client.fetch(peer, name, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)

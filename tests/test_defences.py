@@ -1,0 +1,295 @@
+"""Public-swarm defences: per-peer rate limits and bans on stage servers (pure, in-process and over
+real P2P), bounded streams, and the outer step dropping or clipping outsized pseudo-gradients."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import AsyncIterator, Iterator
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compress.codecs import get_codec
+from compress.config import CodecConfig
+from compress.sparseloco import SparseLoCoCodec
+from optim.outer import MAX_NORM_RATIO, DiLoCo, OuterOptimizer, SparseLoCo
+from swarm.config import SwarmConfig, TrainConfig
+from swarm.defences import PeerGuard, PeerLimits
+from swarm.model import ModelConfig
+from swarm.protocol import Forward, RemoteError, RequestError, StageClient, StageServicer, pack, parse_reply
+from swarm.server import StageServer
+from swarm.stages import StagesConfig
+
+B, T, D = 2, 8, 16
+FP32 = get_codec("fp32")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- PeerGuard (pure) ----
+
+def test_token_bucket_allows_a_burst_then_the_rate() -> None:
+    clock = Clock()
+    guard = PeerGuard(PeerLimits(rate=2.0, burst=3.0), clock)
+    assert [guard.take("a") for _ in range(4)] == [True, True, True, False]
+    assert guard.take("b"), "every peer has its own budget"
+    clock.now += 0.5  # one request's worth at 2/s
+    assert guard.take("a") and not guard.take("a")
+    clock.now += 100.0  # a long silence refills to the burst, not beyond
+    assert sum(guard.take("a") for _ in range(10)) == 3
+
+
+def test_strikes_within_the_window_ban_then_the_ban_expires() -> None:
+    clock = Clock()
+    guard = PeerGuard(PeerLimits(strikes=3, strike_window_s=10.0, ban_s=60.0), clock)
+    assert not guard.strike("a") and not guard.strike("a")
+    clock.now += 11.0  # the first two strikes are now outside the window
+    assert not guard.strike("a") and not guard.strike("a")
+    assert guard.banned_for("a") == 0.0
+    assert guard.strike("a")  # three within 10 s
+    assert guard.banned_for("a") == 60.0 and guard.banned_for("b") == 0.0
+    clock.now += 59.0
+    assert guard.banned_for("a") == pytest.approx(1.0)
+    clock.now += 1.0
+    assert guard.banned_for("a") == 0.0
+    assert not guard.strike("a"), "strikes start over after a ban"
+
+
+def test_the_table_is_bounded_and_a_knocking_banned_peer_stays_banned() -> None:
+    clock = Clock()
+    guard = PeerGuard(PeerLimits(strikes=1, max_peers=3), clock)
+    assert guard.strike("evil")
+    for i in range(20):
+        guard.take(f"sybil{i}")
+        assert guard.banned_for("evil") > 0  # it keeps knocking: it stays in the table
+    assert len(guard) == 3
+
+
+@pytest.mark.parametrize("bad", [dict(rate=0.0), dict(burst=0.5), dict(strikes=0), dict(ban_s=-1.0), dict(max_peers=0)])
+def test_limits_are_validated(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        PeerLimits(**bad)
+
+
+# ---- the servicer, in-process ----
+
+def tiny() -> SwarmConfig:
+    return SwarmConfig(model=ModelConfig(d_model=D, n_layers=2, n_heads=2, max_seq_len=T), stages=StagesConfig(num_stages=1),
+                       train=TrainConfig(seq_len=T, microbatch_size=B, inner_batch=B), codecs=CodecConfig(activations="fp32", gradients="fp32"))
+
+
+@pytest.fixture
+def server() -> Iterator[StageServer]:
+    server = StageServer(tiny(), 1)
+    yield server
+    server.shutdown()
+
+
+def context(peer: str) -> P2PContext:
+    return P2PContext(handle_name="test", local_id="server", remote_id=peer)
+
+
+def forward(x: torch.Tensor | bytes, mb: str = "m") -> runtime_pb2.ExpertRequest:
+    frame = x if isinstance(x, bytes) else FP32.encode(x)
+    return runtime_pb2.ExpertRequest(metadata=pack(Forward(mb=mb, stage=1, prev_stage=0, x=frame)))
+
+
+def error_of(response: runtime_pb2.ExpertResponse) -> str | None:
+    return msgpack.unpackb(response.metadata).get("error")
+
+
+GARBAGE = [
+    forward(torch.full((B, T, D), math.nan)),  # non-finite activations
+    forward(torch.randn(B, T, D + 1)),  # wrong width
+    forward(b"SWLC" + bytes(60)),  # not a frame
+    runtime_pb2.ExpertRequest(metadata=b"\xc1junk"),  # not msgpack
+]
+
+
+def test_a_peer_sending_garbage_is_banned_and_others_are_still_served(server: StageServer) -> None:
+    clock = Clock()
+    servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, clock=clock,
+                             limits=PeerLimits(strikes=len(GARBAGE), strike_window_s=60.0, ban_s=30.0))
+    good = forward(torch.randn(B, T, D))
+
+    async def scenario() -> None:
+        for bad in GARBAGE:
+            assert error_of(await servicer.rpc_forward(bad, context("evil"))) == RequestError.INVALID
+        banned = parse_error(await servicer.rpc_forward(good, context("evil")))
+        assert banned.code == RequestError.BANNED and "30 s" in banned.message
+        assert error_of(await servicer.rpc_forward(good, context("honest"))) is None
+        clock.now += 30.0
+        assert error_of(await servicer.rpc_forward(good, context("evil"))) is None  # the ban is over
+
+    asyncio.run(scenario())
+    assert servicer.bans == 1 and server.counters["forward"] == 2
+
+
+def parse_error(response: runtime_pb2.ExpertResponse) -> RemoteError:
+    with pytest.raises(RemoteError) as info:
+        parse_reply(response.metadata)
+    return info.value
+
+
+def test_a_peer_over_its_rate_is_told_busy_without_a_strike(server: StageServer) -> None:
+    clock = Clock()
+    servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, clock=clock,
+                             limits=PeerLimits(rate=1.0, burst=2.0, strikes=1))
+    good = forward(torch.randn(B, T, D))
+
+    async def scenario() -> list[str | None]:
+        codes = [error_of(await servicer.rpc_forward(good, context("eager"))) for _ in range(3)]
+        clock.now += 1.0
+        return codes + [error_of(await servicer.rpc_forward(good, context("eager")))]
+
+    assert asyncio.run(scenario()) == [None, None, RequestError.BUSY, None]
+    assert servicer.guard.banned_for("eager") == 0.0  # busy is not misbehaviour
+
+
+def test_streams_of_empty_chunks_or_stalled_streams_are_cut_off(server: StageServer) -> None:
+    servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, stream_timeout_s=0.2)
+
+    async def empty_chunks() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:  # never ends, never grows: the size limit alone would not stop it
+            yield runtime_pb2.ExpertRequest(metadata=b"")
+
+    async def stalled() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        yield runtime_pb2.ExpertRequest(metadata=b"\x81")
+        await asyncio.sleep(3600)
+
+    async def reply(requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> RemoteError:
+        chunks = [r.metadata async for r in servicer.rpc_forward_stream(requests, context("slowloris"))]
+        with pytest.raises(RemoteError) as info:
+            parse_reply(b"".join(chunks))
+        return info.value
+
+    assert "empty chunk" in asyncio.run(reply(empty_chunks())).message
+    assert "took over" in asyncio.run(reply(stalled())).message
+    assert servicer.pending == 0
+
+
+# ---- the servicer over real P2P: the ban follows the libp2p-authenticated peer id ----
+
+@pytest.mark.timeout(60)
+def test_garbage_activations_over_p2p_get_the_sender_banned(server: StageServer) -> None:
+    async def scenario() -> None:
+        host = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(m) for m in await host.get_visible_maddrs()]
+        evil, honest = [await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+        servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, limits=PeerLimits(strikes=3))
+        await servicer.add_p2p_handlers(host, namespace="public")
+        try:
+            x = torch.randn(B, T, D)
+            client = StageClient(evil, namespace="public")
+            for i in range(3):
+                with pytest.raises(RemoteError) as refused:
+                    await client.forward(host.peer_id, Forward(mb=f"g{i}", stage=1, prev_stage=0, x=FP32.encode(torch.full_like(x, math.inf))), timeout=10)
+                assert refused.value.code == RequestError.INVALID
+            with pytest.raises(RemoteError) as refused:
+                await client.forward(host.peer_id, Forward(mb="ok", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10)
+            assert refused.value.code == RequestError.BANNED and str(evil.peer_id) in refused.value.message
+            y = await StageClient(honest, namespace="public").forward(host.peer_id, Forward(mb="ok", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10)
+            assert FP32.decode(y).shape == x.shape
+        finally:
+            for p2p in (evil, honest, host):
+                await p2p.shutdown()
+
+    asyncio.run(scenario())
+
+
+# ---- the outer step's screen of pseudo-gradients ----
+
+def start_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(100, generator=g)}
+
+
+def make(method: str, start: dict[str, torch.Tensor]) -> OuterOptimizer:
+    if method == "diloco":
+        return DiLoCo(start, codec=get_codec("fp32"))
+    return SparseLoCo(start, codec=SparseLoCoCodec(topk=16))
+
+
+def deltas(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{name: 0.01 * torch.randn(t.shape, generator=g) for name, t in start_params().items()} for _ in range(n)]
+
+
+def outer_step(method: str, group: list[dict[str, torch.Tensor]], *, orders: int = 1) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
+    """Each member's Δ into a payload; ``orders`` replicas apply them, each in its own delivery order."""
+    start = start_params()
+    payloads = [make(method, start).make_payload({k: start[k] - d[k] for k in start}) for d in group]
+    used, results = [], []
+    for seed in range(orders):
+        received = list(payloads)
+        random.Random(seed).shuffle(received)
+        local = {k: t.clone() for k, t in start.items()}
+        used.append(make(method, start).apply(received, local))
+        results.append(local)
+    return used, results
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+@pytest.mark.parametrize("members", [3, 5])
+def test_a_scaled_pseudo_gradient_is_dropped_and_replicas_stay_identical(method: str, members: int) -> None:
+    honest = deltas(members - 1)
+    attacker = {name: 1000.0 * t for name, t in deltas(1, seed=9)[0].items()}
+    used, results = outer_step(method, [*honest[:1], attacker, *honest[1:]], orders=3)
+    assert used == [members - 1] * 3
+    _, (without_attacker,) = outer_step(method, honest)
+    for result in results:
+        for name in result:
+            assert torch.equal(result[name], without_attacker[name])
+
+
+def test_a_non_finite_pseudo_gradient_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    start = start_params()
+    honest = [DiLoCo(start, codec=FP32).make_payload({k: start[k] - d[k] for k in start}) for d in deltas(3)]
+    diverged = {k: t.clone() for k, t in start.items()}
+    diverged["b"][7] = math.nan  # fp32 frames carry NaN; decoding refuses it
+    local = {k: t.clone() for k, t in start.items()}
+    assert DiLoCo(start, codec=FP32).apply([*honest, DiLoCo(start, codec=FP32).make_payload(diverged)], local) == 3
+    assert all(torch.isfinite(t).all() for t in local.values())
+    assert "dropped a pseudo-gradient" in caplog.text
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_in_a_pair_the_larger_pseudo_gradient_is_clipped(method: str) -> None:
+    honest, huge = deltas(2)
+    huge = {name: 1000.0 * t for name, t in huge.items()}
+    used, (result, other_order) = outer_step(method, [honest, huge], orders=2)
+    assert used == [2, 2] and all(torch.equal(result[k], other_order[k]) for k in result)
+    moved = {k: start_params()[k] - result[k] for k in result}
+    norm = lambda ts: math.sqrt(sum(float(t.double().square().sum()) for t in ts.values()))
+    _, (honest_only,) = outer_step(method, [honest, honest])
+    honest_step = norm({k: start_params()[k] - honest_only[k] for k in result})
+    # a Δ clipped to 10·‖Δ_honest‖ averaged with Δ_honest moves at most (1 + 10)/2 times as far as Δ_honest alone
+    # (SparseLoCo averages per index over the senders, so an index only the clipped Δ sent counts fully: 1 + 10)
+    bound = (1 + MAX_NORM_RATIO) / (2 if method == "diloco" else 1)
+    assert norm(moved) <= bound * honest_step * (1 + 1e-4)
+    assert norm(moved) > 2 * honest_step  # clipped, not dropped: nobody can tell which of two is wrong
+
+
+@settings(deadline=None, max_examples=25)
+@given(scales=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 30.0, 1e4]), min_size=3, max_size=6), seed=st.integers(0, 1000))
+def test_screened_groups_agree_and_keep_nothing_far_above_the_median(scales: list[float], seed: int) -> None:
+    group = [{name: scale * t for name, t in delta.items()} for scale, delta in zip(scales, deltas(len(scales), seed))]
+    used, results = outer_step("diloco", group, orders=2)
+    norms = sorted(math.sqrt(sum(float(t.double().square().sum()) for t in d.values())) for d in group)
+    median = (norms[(len(norms) - 1) // 2] + norms[len(norms) // 2]) / 2
+    expected = len(norms) if median == 0 else sum(n <= MAX_NORM_RATIO * median for n in norms)
+    assert used == [expected, expected]
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

@@ -1,0 +1,168 @@
+"""Peer metrics: the record's schema in the DHT, rates and losses, byte counting, and a round trip through a real DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+from collections.abc import Iterator
+
+import pytest
+from hivemind.dht import DHT
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.config import SwarmConfig
+from swarm.membership import Membership, StageStatus, metrics_key, stage_validator
+from swarm.metrics import MAX_KINDS, STATES, Meter, MeteredBackend, MeteredCalls, PeerMetrics, Traffic
+from swarm.protocol import Backward, Forward
+
+CFG = SwarmConfig()
+SUBKEY = b"12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG[owner:ssh-rsa AAAAB3NzaC1yc2E]"
+GOOD = PeerMetrics(role="trainer", stage=0, state="training", step=12, train_loss=3.5, val_loss=3.7, tokens_per_s=812.5,
+                   bytes_sent={"activations": 1000, "gradients": 900}, bytes_received={"activations": 1000}, version=1).dict()
+
+
+def stored(value: object, subkey: bytes = SUBKEY) -> DHTRecord:
+    """The metrics record as a storing DHT node sees it: key hashed, subkey and value serialized."""
+    dumps = DHTProtocol.serializer.dumps
+    return DHTRecord(key=DHTID.generate(source=metrics_key(CFG.swarm_id)).to_bytes(), subkey=dumps(subkey), value=dumps(value),
+                     expiration_time=get_dht_time() + 10)
+
+
+@pytest.mark.parametrize("validator_for", [lambda: stage_validator(CFG), lambda: pickle.loads(pickle.dumps(stage_validator(CFG)))],
+                         ids=["built", "unpickled in the DHT process"])
+def test_metrics_records_must_match_the_schema(validator_for) -> None:
+    validator = validator_for()
+    assert validator.validate(stored(GOOD))
+    assert validator.validate(stored(None))  # retired
+    too_many = {f"kind{i}": 1 for i in range(MAX_KINDS + 1)}
+    for field, bad in [("role", "boss"), ("state", "asleep"), ("step", -1), ("step", 1.0), ("stage", True), ("tokens_per_s", 3),
+                       ("train_loss", math.nan), ("val_loss", -1.0), ("bytes_sent", {"Not A Kind": 1}), ("bytes_sent", {"activations": -1}),
+                       ("bytes_received", {"activations": 1.0}), ("bytes_received", too_many), ("version", "1")]:
+        assert not validator.validate(stored({**GOOD, field: bad})), (field, bad)
+    assert not validator.validate(stored({**GOOD, "extra": 1}))
+    assert not validator.validate(stored(GOOD, subkey=b"no owner marker"))
+
+
+finite = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
+counts = st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True), st.integers(0, 2**62), max_size=MAX_KINDS)
+
+
+@settings(deadline=None, max_examples=60)
+@given(role=st.sampled_from(["trainer", "stage"]), stage=st.integers(0, 64), state=st.sampled_from(STATES), step=st.integers(0, 2**40),
+       train_loss=st.none() | finite, val_loss=st.none() | finite, tokens_per_s=finite, sent=counts, received=counts,
+       counters=st.tuples(st.integers(0, 2**31), st.integers(0, 2**31), st.integers(0, 2**31)))
+def test_every_record_a_peer_can_build_is_accepted_unchanged(role, stage, state, step, train_loss, val_loss, tokens_per_s, sent, received,
+                                                            counters) -> None:
+    outer_round, recoveries, bans = counters
+    metrics = PeerMetrics(role=role, stage=stage, state=state, step=step, train_loss=train_loss, val_loss=val_loss, tokens_per_s=tokens_per_s,
+                          bytes_sent=sent, bytes_received=received, outer_round=outer_round, recoveries=recoveries, bans=bans, version=1)
+    assert stage_validator(CFG).validate(stored(metrics.dict()))
+    assert PeerMetrics.parse_obj(DHTProtocol.serializer.loads(DHTProtocol.serializer.dumps(metrics.dict()))) == metrics
+
+
+def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses() -> None:
+    now = [100.0]
+    meter = Meter(role="trainer", stage=0, state="joining", clock=lambda: now[0])
+    status = StageStatus(inner_steps=7, outer_round=2)
+    now[0] += 2.0
+    first = meter.sample(status, tokens=1000, bans=1)
+    assert (first.tokens_per_s, first.step, first.outer_round, first.bans, first.train_loss) == (500.0, 7, 2, 1, None)
+    meter.observe({"train_loss": 3.25, "step": 10})
+    meter.observe({"train_loss": 3.0, "val_loss": 3.5})
+    meter.observe({"train_loss": None, "val_loss": math.nan})  # no new loss; a diverged validation is not published
+    meter.state, meter.traffic.sent["activations"] = "training", 4096
+    now[0] += 4.0
+    second = meter.sample(status, tokens=1000 + 2 * 4000)
+    assert (second.tokens_per_s, second.train_loss, second.val_loss, second.state) == (2000.0, 3.0, None, "training")
+    assert second.bytes_sent == {"activations": 4096} and meter.last == second
+    assert stage_validator(CFG).validate(stored(second.dict()))
+
+
+class Echo:
+    """A stage server's compute: replies with a frame of ``reply_bytes``; fails when told to."""
+
+    def __init__(self, reply_bytes: int) -> None:
+        self.reply_bytes, self.fail = reply_bytes, False
+
+    async def forward(self, peer: PeerID, request: Forward) -> bytes:
+        if self.fail:
+            raise ConnectionError("gone")
+        return bytes(self.reply_bytes)
+
+    backward = forward  # type: ignore[assignment]
+
+    def info(self) -> dict[str, int]:
+        return {"forward": 1}
+
+
+class Loopback:
+    """The network between a trainer and one server: a call goes straight to the server's backend."""
+
+    def __init__(self, backend: MeteredBackend) -> None:
+        self.backend = backend
+
+    async def forward(self, peer: PeerID, request: Forward, *, timeout: float) -> bytes:
+        return await self.backend.forward(peer, request)
+
+    async def backward(self, peer: PeerID, request: Backward, *, timeout: float) -> bytes:
+        return await self.backend.backward(peer, request)
+
+
+def test_what_a_trainer_sends_is_what_a_server_receives_by_kind() -> None:
+    trainer, server, compute = Traffic(), Traffic(), Echo(reply_bytes=300)
+    calls = MeteredCalls(Loopback(MeteredBackend(compute, server)), trainer)
+    peer = PeerID(b"server")
+
+    async def session() -> None:
+        await calls.forward(peer, Forward(mb="a", stage=1, prev_stage=0, x=bytes(100)), timeout=1)
+        await calls.forward(peer, Forward(mb="e", stage=1, prev_stage=0, x=bytes(50), train=False), timeout=1)
+        await calls.backward(peer, Backward(mb="a", stage=1, grad=bytes(70)), timeout=1)
+        await calls.backward(peer, Backward(mb="a", stage=1, grad=bytes(70), x=bytes(100)), timeout=1)  # input resent
+        compute.fail = True
+        with pytest.raises(ConnectionError):
+            await calls.forward(peer, Forward(mb="b", stage=1, prev_stage=0, x=bytes(100)), timeout=1)
+
+    asyncio.run(session())
+    assert trainer.sent == server.received == {"activations": 300, "eval": 50, "gradients": 140}  # a failed call's request went out
+    assert trainer.received == server.sent == {"activations": 300, "eval": 300, "gradients": 600}  # its reply never came
+    assert MeteredBackend(compute, server).info() == {"forward": 1}
+
+
+@pytest.fixture(scope="module")
+def peer_and_client() -> Iterator[tuple[DHT, DHT]]:
+    """A peer's DHT node and a client-mode node joined through it, as the dashboard's."""
+    peer = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = DHT(initial_peers=[str(m) for m in peer.get_visible_maddrs()], client_mode=True, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield peer, client
+    client.shutdown()
+    peer.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_metrics_are_read_back_signed_and_retired(peer_and_client: tuple[DHT, DHT]) -> None:
+    asyncio.run(_round_trip(*peer_and_client))
+
+
+async def _round_trip(peer_dht: DHT, client_dht: DHT) -> None:
+    peer, client = Membership(peer_dht, RSAPrivateKey()), Membership(client_dht, RSAPrivateKey())
+    await peer.join(CFG, create=True)
+    await client.join(None, create=False, name=CFG.name, fetch_timeout_s=5)
+    metrics = PeerMetrics.parse_obj(GOOD)
+    await peer.publish_metrics(metrics)
+    assert await client.metrics() == {peer_dht.peer_id: metrics}
+
+    key = metrics_key(CFG.swarm_id)
+    await client_dht.store(key, {**GOOD, "train_loss": 0.01}, get_dht_time() + 60, subkey=peer.subkey, return_future=True)  # not the owner
+    await peer_dht.store(key, {**GOOD, "step": -5}, get_dht_time() + 60, subkey=peer.subkey, return_future=True)  # signed, off-schema
+    assert await client.metrics() == {peer_dht.peer_id: metrics}
+
+    await peer.publish_metrics(None)
+    assert await client.metrics() == {}

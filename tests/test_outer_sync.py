@@ -1,0 +1,385 @@
+"""The outer step on an in-memory network: the round protocol (who is in, who is late, one agreed set) and whole replicas (rounds, install, catch-up)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compress.config import CodecConfig
+from optim.config import OuterOptimConfig
+from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.membership import StageStatus
+from swarm.outer_sync import Board, RoundKey, RoundResult, RoundTiming, digest, parse_commit, run_round
+from swarm.replica import ReplicaSync
+from swarm.state_sync import StageState, TransferError, unpack_state, weights_hash
+
+T = TypeVar("T")
+
+TIMING = RoundTiming(window_s=0.3, timeout_s=0.4, settle_s=0.05)
+KEY = RoundKey(stage=1, round=3)
+
+
+class Hub:
+    """An in-memory swarm: the DHT's round declarations and every peer's board; peers can die, links can be cut."""
+
+    def __init__(self) -> None:
+        self.declared: dict[RoundKey, dict[str, float]] = {}
+        self.boards: dict[str, Board] = {}
+        self.dead: set[str] = set()
+        self.cut: set[tuple[str, str]] = set()  # (fetcher, peer): that fetch fails
+        self.slow: set[str] = set()  # peers that never answer (the fetch times out)
+
+    def join(self, me: str) -> None:
+        self.boards[me] = Board(retention_s=60.0, clock=time.monotonic)
+
+
+class MemoryNet:
+    def __init__(self, hub: Hub, me: str) -> None:
+        self.hub, self.me = hub, me
+
+    async def declare(self, key: RoundKey, opened_at: float, expiration: float) -> None:
+        self.hub.declared.setdefault(key, {})[self.me] = opened_at
+
+    async def declarations(self, key: RoundKey) -> dict[str, float]:
+        return dict(self.hub.declared.get(key, {}))
+
+    async def fetch(self, peer: str, name: str, timeout: float) -> bytes:
+        if peer in self.hub.dead or (self.me, peer) in self.hub.cut:
+            raise TransferError(f"{peer} is unreachable")
+        async def answer() -> bytes:
+            if peer in self.hub.slow:
+                await asyncio.sleep(timeout + 1)
+            return await self.hub.boards[peer].get(name)
+
+        try:
+            return await asyncio.wait_for(answer(), timeout)
+        except (LookupError, asyncio.TimeoutError) as e:
+            raise TransferError(f"{peer}: {e!r}") from None
+
+
+async def member(hub: Hub, name: str, delay: float, expected: frozenset[str] | None, timing: RoundTiming) -> RoundResult:
+    await asyncio.sleep(delay)
+    return await run_round(MemoryNet(hub, name), hub.boards[name], KEY, f"payload of {name}".encode(), timing, clock=time.monotonic, expected=expected)
+
+
+async def play(hub: Hub, delays: dict[str, float], kill: dict[str, float] | None = None, expected: dict[str, frozenset[str]] | None = None,
+               timing: RoundTiming = TIMING) -> dict[str, RoundResult | None]:
+    """Run every member; ``kill`` = {name: after seconds}: that member dies (its task is cancelled). None for the dead."""
+    for name in delays:
+        hub.join(name)
+    tasks = {name: asyncio.create_task(member(hub, name, delay, (expected or {}).get(name), timing)) for name, delay in delays.items()}
+
+    async def killer(name: str, after: float) -> None:
+        await asyncio.sleep(after)
+        hub.dead.add(name)
+        tasks[name].cancel()
+
+    killers = [asyncio.create_task(killer(name, after)) for name, after in (kill or {}).items()]
+    results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+    await asyncio.gather(*killers)
+    return {name: None if isinstance(r, asyncio.CancelledError) else r for name, r in zip(tasks, results)}
+
+
+def test_members_that_arrive_together_apply_the_same_full_set() -> None:
+    results = asyncio.run(play(Hub(), {"b": 0.0, "a": 0.05, "c": 0.1}))
+    expected = tuple(f"payload of {n}".encode() for n in "abc")
+    for r in results.values():
+        assert r.outcome == "done" and r.contributors == ("a", "b", "c") and r.payloads == expected and r.group == ("a", "b", "c")
+    assert results["a"].received == 2 and results["a"].received_bytes == sum(len(p) for p in expected[1:])
+
+
+def test_a_replica_expecting_nobody_may_split_from_a_later_group() -> None:
+    # p2 closes at once and leads itself; p0 and p1 see its declaration and include its payload under p0
+    results = asyncio.run(play(Hub(), {"p0": 0.1, "p1": 0.1, "p2": 0.0}, expected={"p2": frozenset()}))
+    assert results["p2"].contributors == ("p2",) and results["p0"].contributors == results["p1"].contributors == ("p0", "p1", "p2")
+
+
+def test_the_window_closes_as_soon_as_the_expected_members_are_in() -> None:
+    slow = RoundTiming(window_s=3.0, timeout_s=0.4, settle_s=0.05)
+    started = time.monotonic()
+    results = asyncio.run(play(Hub(), {"a": 0.0, "b": 0.1}, expected={"a": frozenset("ab"), "b": frozenset("ab")}, timing=slow))
+    assert time.monotonic() - started < 1.0  # not the 3 s window
+    assert results["a"].contributors == results["b"].contributors == ("a", "b")
+
+
+def test_a_group_of_one_applies_its_own_payload_and_expecting_nobody_does_not_wait() -> None:
+    result = asyncio.run(play(Hub(), {"solo": 0.0}))["solo"]
+    assert result.outcome == "done" and result.payloads == (b"payload of solo",) and result.received == 0
+    started = time.monotonic()
+    asyncio.run(play(Hub(), {"solo": 0.0}, expected={"solo": frozenset()}, timing=RoundTiming(window_s=3.0, timeout_s=0.4)))
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_replica_arriving_after_the_window_is_late_and_the_group_goes_on_without_it() -> None:
+    results = asyncio.run(play(Hub(), {"a": 0.0, "b": 0.05, "z": TIMING.window_s + 0.15}))
+    assert results["z"].outcome == "late"
+    assert results["a"].contributors == results["b"].contributors == ("a", "b")
+
+
+def test_a_member_dying_after_it_declared_is_left_out_without_a_hang() -> None:
+    started = time.monotonic()
+    results = asyncio.run(play(Hub(), {"a": 0.0, "b": 0.0, "c": 0.0}, kill={"c": 0.1}))
+    assert results["c"] is None
+    assert results["a"].outcome == results["b"].outcome == "done"
+    assert results["a"].payloads == results["b"].payloads and results["a"].contributors == ("a", "b")
+    assert time.monotonic() - started < TIMING.max_round_s
+
+
+def test_a_member_that_never_answers_is_left_out_after_the_timeout() -> None:
+    hub = Hub()
+    hub.slow.add("c")
+    started = time.monotonic()
+    results = asyncio.run(play(hub, {"a": 0.0, "b": 0.0, "c": 0.0}))
+    assert results["a"].contributors == results["b"].contributors == ("a", "b")
+    assert time.monotonic() - started < TIMING.max_round_s + 0.5
+    # c fetched from a and b, but its leader a never got c's payload: c applies a's set too
+    assert results["c"].outcome == "done" and results["c"].contributors == ("a", "b")
+
+
+def test_a_payload_one_member_could_not_fetch_comes_from_the_leader() -> None:
+    hub = Hub()
+    hub.cut.add(("b", "c"))  # b cannot reach c, the leader a can
+    results = asyncio.run(play(hub, {"a": 0.0, "b": 0.0, "c": 0.0}))
+    assert {r.contributors for r in results.values()} == {("a", "b", "c")}
+    assert len({r.payloads for r in results.values()}) == 1
+    assert results["b"].received == 2  # a's payload, then c's from a
+
+
+def test_when_the_leader_dies_the_others_fail_the_round_within_the_bound() -> None:
+    started = time.monotonic()
+    results = asyncio.run(play(Hub(), {"a": 0.0, "b": 0.0, "c": 0.0}, kill={"a": 0.1}))  # in the window
+    assert results["b"].outcome == results["c"].outcome == "failed" and "leader a" in results["b"].reason
+    assert time.monotonic() - started < TIMING.max_round_s + 0.5
+
+
+@settings(deadline=None, max_examples=20)
+@given(delays=st.lists(st.sampled_from([0.0, 0.1, 0.2, 0.45]), min_size=1, max_size=4),
+       cuts=st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3))), kill=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.sampled_from([0.1, 0.4]))),
+       expected=st.lists(st.one_of(st.none(), st.frozensets(st.sampled_from(["p0", "p1", "p2", "p3"]))), min_size=4, max_size=4))
+def test_every_member_that_finishes_applies_the_same_set(delays: list[float], cuts: set[tuple[int, int]], kill: tuple[int, float] | None,
+                                                         expected: list[frozenset[str] | None]) -> None:
+    names = [f"p{i}" for i in range(len(delays))]
+    hub = Hub()
+    hub.cut = {(names[i], names[j]) for i, j in cuts if max(i, j) < len(names)}
+    killed = {names[kill[0]]: kill[1]} if kill and kill[0] < len(names) else {}
+    started = time.monotonic()
+    results = asyncio.run(play(hub, dict(zip(names, delays)), killed, dict(zip(names, expected))))
+    assert time.monotonic() - started < max(delays) + TIMING.max_round_s + 0.5  # nobody hangs
+    done = [r for r in results.values() if r is not None and r.outcome == "done"]
+    for r in done:
+        assert [digest(p) for p in r.payloads] == [digest(f"payload of {n}".encode()) for n in r.contributors]
+    everyone_waited = all(expected[i] is None or expected[i] >= set(names) for i in range(len(names)))  # nobody closed early on a subset
+    if everyone_waited:  # (an early close on a subset may split the group: ReplicaSync repairs that by download)
+        assert len({(r.contributors, r.payloads) for r in done}) <= 1
+    if not hub.cut and not killed and max(delays) <= TIMING.window_s - 0.1 and everyone_waited:  # nothing went wrong: everyone is in
+        assert [r.contributors for r in results.values()] == [tuple(names)] * len(names)
+
+
+def test_board_serves_payloads_and_waits_for_the_commit() -> None:
+    async def scenario() -> None:
+        board = Board(retention_s=60.0, clock=time.monotonic)
+        with pytest.raises(LookupError):
+            await board.get(KEY.blob("commit"))  # a round this peer takes no part in: no wait
+        board.offer(KEY, "a", b"pa")
+        assert await board.get(KEY.blob("payload/a")) == b"pa"
+        with pytest.raises(LookupError):
+            await board.get(KEY.blob("payload/b"))
+        waiting = asyncio.create_task(board.get(KEY.blob("commit")))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        board.commit(KEY, [("a", digest(b"pa"))])
+        assert parse_commit(await waiting) == [("a", digest(b"pa"))]
+        other = RoundKey(stage=1, round=4)
+        board.offer(other, "a", b"pa")
+        board.commit(other, None)  # not its leader: askers learn it at once
+        with pytest.raises(LookupError):
+            await board.get(other.blob("commit"))
+        with pytest.raises(LookupError):
+            await board.get("outer/1/x/commit")
+
+    asyncio.run(scenario())
+
+
+def test_board_forgets_rounds_after_the_retention() -> None:
+    now = [0.0]
+    board = Board(retention_s=10.0, clock=lambda: now[0])
+    board.offer(KEY, "a", b"pa")
+    now[0] = 11.0
+    board.offer(RoundKey(stage=1, round=4), "a", b"pb")
+    with pytest.raises(LookupError):
+        asyncio.run(board.get(KEY.blob("payload/a")))
+
+
+@pytest.mark.parametrize("blob", [b"\xc1", msgpack.packb([]), msgpack.packb([["a", b"short"]]), msgpack.packb([["a", bytes(32)], ["a", bytes(32)]]),
+                                  msgpack.packb({"a": bytes(32)})])
+def test_malformed_commits_are_transfer_errors(blob: bytes) -> None:
+    with pytest.raises(TransferError):
+        parse_commit(blob)
+
+
+def test_round_timing_is_validated() -> None:
+    with pytest.raises(ValueError):
+        RoundTiming(window_s=0, timeout_s=1)
+    assert RoundTiming(window_s=5, timeout_s=10, settle_s=1).max_round_s == 36
+
+
+# --- ReplicaSync: rounds, install and catch-up of whole replicas, on the same in-memory network -----------------------
+
+def sync_config(method: str = "diloco", **outer: float) -> SwarmConfig:
+    return SwarmConfig(timeouts=TimeoutConfig(rpc_s=0.4, matchmaking_s=0.3, announce_period_s=0.1, record_ttl_s=1.0),
+                       outer=OuterOptimConfig(method=method, inner_steps=3, **outer),
+                       codecs=CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"))
+
+
+class FakeReplica:
+    """A ``Holder``: a small seeded module (the same on every replica) and a train() that moves it."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(0)
+        self.module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        self.inner_steps = self.start_step = 0
+        self.rng = torch.Generator().manual_seed(seed)
+
+    async def exclusive(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def settled(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def train(self) -> None:
+        for p in self.module.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=self.rng))
+        self.inner_steps += 1
+
+
+class Swarm:
+    """Replicas of stage 1 on one hub; their DHT records are their syncs' live status."""
+
+    def __init__(self, cfg: SwarmConfig, names: list[str], hub: Hub | None = None) -> None:
+        self.hub, self.events = hub or Hub(), []
+        self.syncs: dict[str, ReplicaSync] = {}
+        for name in names:
+            self.hub.join(name)
+            self.syncs[name] = ReplicaSync(cfg, 1, FakeReplica(seed=sum(map(ord, name))), net=MemoryNet(self.hub, name), board=self.hub.boards[name],
+                                           replicas=functools.partial(self.others, name), fetch=self.fetch_state,
+                                           on_log=lambda record, name=name: self.events.append({"peer": name, **record}), clock=time.monotonic)
+
+    async def others(self, me: str) -> dict[str, StageStatus]:
+        return {name: StageStatus(**s.status_fields()) for name, s in self.syncs.items() if name != me and name not in self.hub.dead}
+
+    async def fetch_state(self, peer: str, name: str) -> bytes:
+        if peer in self.hub.dead:
+            raise TransferError(f"{peer} is gone")
+        return await self.syncs[peer].export_state(name)
+
+    def rounds(self) -> list[dict]:
+        return [e for e in self.events if e["event"] == "outer_round" and e["outcome"] == "done"]
+
+    async def run(self, seconds: float, step_every: dict[str, float]) -> None:
+        """Train each replica at its own pace (one step per ``step_every[name]`` s) with its sync running."""
+        async def trainer(name: str, period: float) -> None:
+            while True:
+                await asyncio.sleep(period)
+                self.syncs[name].holder.train()
+
+        tasks = [asyncio.create_task(s.run()) for s in self.syncs.values()]
+        tasks += [asyncio.create_task(trainer(name, period)) for name, period in step_every.items()]
+        await asyncio.sleep(seconds)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_replicas_stepping_at_different_paces_hold_identical_global_weights_after_every_round() -> None:
+    swarm = Swarm(sync_config(), ["a", "b", "c"])
+    asyncio.run(swarm.run(4.0, {"a": 0.03, "b": 0.05, "c": 0.08}))  # c steps ~3x slower than a: it joins rounds a opens
+    by_round: dict[int, set[str]] = {}
+    for e in swarm.rounds():
+        by_round.setdefault(e["round"], set()).add(e["global_hash"])
+    assert len(by_round) >= 3, swarm.events
+    assert all(len(hashes) == 1 for hashes in by_round.values()), by_round
+    assert sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6  # most rounds had everyone
+    assert not [e for e in swarm.events if e["event"] == "state_download"]
+
+
+def test_an_idle_replica_catches_up_by_state_download() -> None:
+    swarm = Swarm(sync_config(), ["a", "b", "c"])
+    asyncio.run(swarm.run(2.5, {"a": 0.03, "b": 0.03}))  # c takes no step: it never joins a round
+    downloads = [e for e in swarm.events if e["event"] == "state_download"]
+    assert downloads and all(e["peer"] == "c" and e["reason"] == "behind" for e in downloads)
+    hash_at = {e["outer_round"]: e["global_hash"] for e in swarm.rounds()}
+    assert all(hash_at[e["outer_round"]] == e["global_hash"] for e in downloads if e["outer_round"] in hash_at)
+    assert max(e["outer_round"] for e in downloads) >= 2
+
+
+def test_groups_split_by_a_race_converge_on_the_smallest_peer_id() -> None:
+    async def scenario() -> tuple[Swarm, Swarm]:
+        left, right = Swarm(sync_config(), ["a"]), Swarm(sync_config(), ["b"])  # two hubs: neither sees the other's round
+        for swarm in (left, right):
+            swarm.syncs[next(iter(swarm.syncs))].holder.train()
+        await asyncio.gather(left.syncs["a"].step(), right.syncs["b"].step())
+        return left, right
+
+    left, right = asyncio.run(scenario())
+    a, b = left.syncs["a"], right.syncs["b"]
+    assert a.round == b.round == 1 and a.global_hash != b.global_hash
+    both = Swarm(sync_config(), [])
+    both.syncs = {"a": a, "b": b}
+    for name, sync in both.syncs.items():
+        sync.replicas = functools.partial(both.others, name)
+        sync.fetch = both.fetch_state
+    assert not asyncio.run(a.catch_up())  # a has the smallest id: it keeps its weights
+    assert asyncio.run(b.catch_up()) and b.global_hash == a.global_hash and b.round == 1
+
+
+def test_progress_made_during_the_exchange_survives_the_install() -> None:
+    swarm = Swarm(sync_config(diloco_lr=1.0, diloco_momentum=0.0), ["solo"])  # a group of one with lr 1: θ_global ← θ_snapshot
+    sync = swarm.syncs["solo"]
+    params = dict(sync.holder.module.named_parameters())
+
+    async def scenario() -> dict[str, torch.Tensor]:
+        sync.holder.train()
+        snapshot = {n: p.detach().clone() for n, p in params.items()}
+        round_ = asyncio.create_task(sync.step())
+        await asyncio.sleep(0.1)  # inside the matchmaking window
+        sync.holder.train()
+        progress = {n: p.detach() - snapshot[n] for n, p in params.items()}
+        await round_
+        return snapshot, progress
+
+    snapshot, progress = asyncio.run(scenario())
+    assert sync.round == 1 and sync.global_hash == weights_hash(snapshot)
+    for name, p in params.items():
+        torch.testing.assert_close(p.detach(), snapshot[name] + progress[name])
+
+
+def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -> None:
+    swarm = Swarm(sync_config(), ["a", "b"])
+    a, b = swarm.syncs["a"], swarm.syncs["b"]
+
+    async def scenario() -> StageState:
+        a.holder.train()
+        await a.step()  # a alone: round 1, with a momentum buffer
+        state = unpack_state(await a.export_state("state/1"), stage=1, template=a.params)
+        state.optimizer["param_groups"][0]["lr"] = 1e9  # a hostile sender
+        await b.adopt(state)
+        return state
+
+    state = asyncio.run(scenario())
+    assert (b.round, b.global_hash) == (a.round, a.global_hash) == (1, weights_hash(state.params))
+    assert all(torch.equal(p, a.outer.global_params[n]) for n, p in b.params.items())
+    assert b.outer.optimizer.param_groups[0]["lr"] == 0.7
+    momentum = [s["momentum_buffer"] for s in b.outer.optimizer.state.values()]
+    assert momentum and all(torch.equal(m, n) for m, n in zip(momentum, [s["momentum_buffer"] for s in a.outer.optimizer.state.values()]))
+    with pytest.raises(LookupError):
+        asyncio.run(a.export_state("state/2"))

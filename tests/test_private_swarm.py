@@ -1,0 +1,204 @@
+"""Private swarms end to end on loopback: stage RPCs and the DHT admit only peers with a valid
+certificate, and a refused or failed join explains itself (``swarm/admission.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.dht import DHT
+from hivemind.p2p import P2P
+
+from compress.codecs import get_codec
+from peer.credentials import PeerCredentials, create_swarm, invite, load_credentials, new_identity, peer_id_of_identity, revoke
+from swarm.admission import GATE_NAMESPACE, AdmissionGate, JoinError, explain_daemon_error, explain_refusal, start_dht
+from swarm.auth import CertificateVerifier
+from swarm.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
+import swarm.protocol as protocol
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+FP32 = get_codec("fp32")
+DAY_S = 86_400
+
+
+@dataclass
+class Shown:
+    """Credentials showing a fixed certificate: what a client with a bad one sends."""
+
+    verifier: CertificateVerifier
+    certificate: bytes
+
+    def certificate_bytes(self) -> bytes:
+        return self.certificate
+
+
+class Echo:
+    """A stage backend that returns its input: these tests are about who gets served."""
+
+    async def forward(self, peer: object, request: Forward) -> bytes:
+        return request.x
+
+    async def backward(self, peer: object, request: Backward) -> bytes:
+        return request.grad
+
+    def info(self) -> dict:
+        return {}
+
+
+@pytest.fixture(scope="module")
+def swarm_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A private swarm: certificates for ``server``, ``member`` and ``revoked`` (then revoked), a stale one for
+    ``member``, one ``member`` extended by hand, and a certificate of another authority for the same swarm."""
+    root = tmp_path_factory.mktemp("private")
+    swarm_id = create_swarm("demo", root / "swarm", private=True).swarm_id
+    create_swarm("demo", root / "rogue", private=True)  # same config, so the same swarm id: a different authority
+    for name in ("server", "member", "revoked", "thief", "outsider"):
+        peer = new_identity(root / f"{name}.id")
+        if name in ("server", "member", "revoked"):
+            invite(root / "swarm" / "authority.key", swarm_id, peer, days=1, out=root / f"{name}.cert")
+    member = peer_id_of_identity(root / "member.id")
+    invite(root / "swarm" / "authority.key", swarm_id, member, days=1, out=root / "expired.cert", clock=lambda: time.time() - 2 * DAY_S)
+    invite(root / "rogue" / "authority.key", swarm_id, peer_id_of_identity(root / "outsider.id"),
+           days=1, out=root / "outsider.cert")
+    fields = json.loads((root / "member.cert").read_bytes())
+    fields["expires"] += 365 * DAY_S  # a member extending its own certificate: the signature no longer fits
+    (root / "forged.cert").write_text(json.dumps(fields, sort_keys=True, separators=(",", ":")))
+    revoke(root / "swarm" / "authority.key", swarm_id, peer_id_of_identity(root / "revoked.id"),
+           revocations=root / "swarm" / "revocations.json")
+    return root, swarm_id
+
+
+def credentials(root: Path, swarm_id: str, name: str, cert: str | None = None, **kwargs) -> PeerCredentials:
+    return load_credentials(root / f"{name}.id", root / f"{cert or name}.cert", swarm_id, **kwargs)
+
+
+@pytest.fixture  # one per test: a DHT's replicated P2P belongs to the event loop of the test that made it
+def server(swarm_dir: tuple[Path, str]) -> Iterator[tuple[DHT, PeerCredentials]]:
+    """The swarm's one peer: a DHT that admits certified peers only (its RPC handlers are added per test)."""
+    root, swarm_id = swarm_dir
+    creds = credentials(root, swarm_id, "server", revocations=root / "swarm" / "revocations.json")
+    dht = DHT(start=True, identity_path=str(root / "server.id"), authorizer=creds.dht_authorizer(), host_maddrs=LOOPBACK)
+    yield dht, creds
+    dht.shutdown()
+
+
+def certificate_of(root: Path, name: str) -> bytes:
+    return (root / f"{name}.cert").read_bytes().strip()
+
+
+@pytest.mark.timeout(90)
+def test_stage_rpcs_serve_certified_peers_only(swarm_dir: tuple[Path, str], server: tuple[DHT, PeerCredentials], monkeypatch: pytest.MonkeyPatch) -> None:
+    root, swarm_id = swarm_dir
+    dht, server_creds = server
+    verifier = server_creds.verifier
+    x = torch.randn(2, 4, 8)
+
+    async def scenario() -> None:
+        host = await dht.replicate_p2p()
+        servicer = StageServicer(Echo(), stage=1, max_request_bytes=1 << 20, verifier=verifier)
+        await servicer.add_p2p_handlers(host, namespace=swarm_id)
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        clients = {name: await P2P.create(initial_peers=maddrs, identity_path=str(root / f"{name}.id"), host_maddrs=LOOPBACK)
+                   for name in ("member", "revoked", "thief")}
+        try:
+            member = StageClient(clients["member"], namespace=swarm_id, credentials=credentials(root, swarm_id, "member"))
+            y = await member.forward(dht.peer_id, Forward(mb="a", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10)
+            assert torch.equal(FP32.decode(y), x)
+            assert await member.backward(dht.peer_id, Backward(mb="a", stage=1, grad=y), timeout=10) == y
+            assert (await member.info(dht.peer_id, timeout=10))["stage"] == 1
+            with monkeypatch.context() as patch:
+                patch.setattr(protocol, "MAX_UNARY_PAYLOAD_SIZE", 256)  # the certificate travels in streamed requests too
+                assert await member.forward(dht.peer_id, Forward(mb="s", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10) == y
+
+            refused = {  # (client, the certificate it shows) → what the server says
+                ("member", None): "presented no certificate",
+                ("member", "expired"): "expired at",
+                ("member", "forged"): "does not carry a valid signature",
+                ("thief", "member"): "was issued to peer",
+                ("revoked", "revoked"): "revoked peer",
+            }
+            for (name, cert), says in refused.items():
+                shown = Shown(verifier, certificate_of(root, cert)) if cert else None
+                client = StageClient(clients[name], namespace=swarm_id, credentials=shown)
+                for call in (client.forward(dht.peer_id, Forward(mb="b", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10),
+                             client.info(dht.peer_id, timeout=10)):
+                    with pytest.raises(RemoteError) as denied:
+                        await call
+                    assert denied.value.code == RequestError.DENIED and says in denied.value.message, (name, cert, denied.value)
+                    assert "swarmloco swarm invite" in denied.value.message
+            assert servicer.guard.banned_for(clients["thief"].peer_id) == 0.0  # being refused is not misbehaving
+        finally:
+            await servicer.remove_p2p_handlers(host, namespace=swarm_id)
+            for p2p in clients.values():
+                await p2p.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_refused_joins_say_why(swarm_dir: tuple[Path, str], server: tuple[DHT, PeerCredentials]) -> None:
+    """A peer the DHT refuses gets the reason from the initial peer's gate; a certified one joins."""
+    root, swarm_id = swarm_dir
+    dht, server_creds = server
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    cases = {  # identity, credentials → the reason quoted in the JoinError
+        "no certificate": ("thief", None, "presented no certificate, and this swarm is private"),
+        "revoked": ("revoked", credentials(root, swarm_id, "revoked"), "revoked peer"),  # it has not seen the revocation
+        "another authority": ("outsider", credentials(root, swarm_id, "outsider"), "comes from authority"),
+    }
+
+    async def scenario() -> None:
+        await AdmissionGate(server_creds.verifier).add_p2p_handlers(await dht.replicate_p2p(), namespace=GATE_NAMESPACE)
+        for case, (name, creds, says) in cases.items():
+            with pytest.raises(JoinError) as refused:
+                await start_dht(initial_peers=maddrs, host_maddrs=LOOPBACK, identity_path=str(root / f"{name}.id"), credentials=creds)
+            message = str(refused.value)
+            assert message.startswith(f"the swarm at {maddrs[0]} refused this peer: ") and says in message, (case, message)
+        member = await start_dht(initial_peers=maddrs, host_maddrs=LOOPBACK, identity_path=str(root / "member.id"),
+                                 credentials=credentials(root, swarm_id, "member"))
+        try:
+            assert member.store("joined", "yes", time.time() + 60) and dht.get("joined", latest=True).value == "yes"
+        finally:
+            member.shutdown()
+
+    asyncio.run(scenario())
+
+
+# ---- the explanations themselves (pure) ----
+
+PEERS = ["/ip4/10.0.0.1/tcp/4000/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]
+
+
+@pytest.mark.parametrize(("answers", "credentials", "says"), [
+    ([{"admitted": False, "private": True, "message": "the certificate of peer Qm… expired"}], True, "refused this peer: the certificate"),
+    ([{"admitted": True, "private": False}], True, "is public, but this peer runs with --credentials"),
+    ([{"admitted": True, "private": True}], True, "check this machine's clock"),
+    ([], False, "does not answer this peer's DHT requests"),
+])
+def test_refusals_are_explained_from_the_gates_answers(answers: list, credentials: bool, says: str) -> None:
+    message = explain_refusal(PEERS, answers, credentials=credentials, identity=True)
+    assert message.startswith(f"the swarm at {PEERS[0]}") and says in message
+
+
+@pytest.mark.parametrize(("error", "says"), [  # what hivemind 1.1.12 raises, verbatim but for addresses
+    ("Identity from `a.id` is already taken by another peer", "the identity a.id is in use by another running peer"),
+    ("Daemon failed to start: 2026/11/22 01:18:20 failed to connect to bootstrap peers", "could not reach any initial peer (tried /ip4/10.0.0.1"),
+    ("Daemon failed to start: 2026/11/22 01:18:21 failed to listen on any addresses: [listen tcp4 1.2.3.4:0: bind: cannot assign "
+     "requested address]", "cannot listen on --host-maddrs /ip4/1.2.3.4/tcp/0 (failed to listen on any addresses"),
+    ("Daemon failed to start in 15.0 seconds", "the libp2p daemon (p2pd, shipped with hivemind) failed to start"),
+])
+def test_daemon_errors_are_explained(error: str, says: str) -> None:
+    message = explain_daemon_error(error, initial_peers=PEERS, host_maddrs=["/ip4/1.2.3.4/tcp/0"], identity_path="a.id")
+    assert says in message and "2026/11/22" not in message
+
+
+def test_peer_addresses_are_checked_before_starting_anything() -> None:
+    for bad in ("garbage", "/ip4/127.0.0.1/tcp/4000", "/ip4/127.0.0.1/tcp/4000/p2p/xyz"):
+        with pytest.raises(JoinError, match="is not a peer address"):
+            asyncio.run(start_dht(initial_peers=[bad], host_maddrs=LOOPBACK))

