@@ -11,8 +11,8 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   meet it, however their step counts drift (a stage server fed by two trainers steps twice as
   often as each trainer). One with fewer steps sits the round out and downloads its result: its
   small Δ would count as much as the others' in the mean (and the group's outlier screening
-  clips a Δ far above the others'). The window closes as soon as the replicas it expects are in:
-  the members of its last round and the others the DHT shows at its round (none: it goes alone).
+  clips a Δ far above the others'). The window closes as soon as the replicas it expects are in
+  (``_expected``); a replica alone in its stage does not wait at all.
 - **Install.** Training goes on during the exchange, so the new local weights are the round's
   global weights plus the progress made since the snapshot: θ ← θ + (θ_global − θ_snapshot),
   swapped in at a moment when no microbatch is between its forward and its backward. The
@@ -94,7 +94,7 @@ class ReplicaSync:
         self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())  # a dense fp32 Δ: what a payload saves against
         self._exported: tuple[int, bytes] | None = None  # (round, state blob): built once per round
         self._last_group: tuple[str, ...] = ()  # contributors of the last round done
-        self._peers_at_round: set[str] = set()  # other replicas at this replica's round, as the DHT showed them last
+        self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
 
     @property
@@ -133,10 +133,11 @@ class ReplicaSync:
     async def step(self) -> RoundResult:
         """One round: snapshot, encode Δ, meet the group, install the agreed result (or catch up)."""
         key, steps = RoundKey(self.stage, self.round), self.holder.inner_steps
+        self._others = await self.replicas()  # a fresh view: whom to wait for (a replica that just joined counts)
         snapshot = await self.holder.exclusive(lambda: {name: p.detach().clone() for name, p in self.params.items()})
         payload = await self._on_thread(self.outer.make_payload, snapshot)
         started = time.perf_counter()
-        result = await run_round(self.net, self.board, key, payload, self.timing, clock=self.clock, expected={*self._last_group, *self._peers_at_round},
+        result = await run_round(self.net, self.board, key, payload, self.timing, clock=self.clock, expected=self._expected(),
                                  on_declared=lambda: self.on_log({"event": "outer_declared", "stage": self.stage, "round": key.round}))
         self.counters.update(pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=result.received * self._fp32_bytes)
         self.counters[f"outer_{result.outcome}"] += 1
@@ -155,7 +156,7 @@ class ReplicaSync:
     async def catch_up(self) -> bool:
         """Download the stage's state if a replica is at a later round, or at this round with other weights; True if it did."""
         others = await self.replicas()
-        self._peers_at_round = {peer for peer, s in others.items() if s.outer_round == self.round}
+        self._others = others
         ahead = sorted((peer for peer, s in others.items() if s.outer_round > self.round), key=lambda peer: (-others[peer].outer_round, peer))
         if ahead:
             return await self._download(ahead, "behind")
@@ -218,6 +219,13 @@ class ReplicaSync:
         while not self.holder.settled() and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
         await self.holder.exclusive(swap)
+
+    def _expected(self) -> set[str] | None:
+        """Whom the window waits for: the last round's members and the replicas at this round; if there are
+        other replicas but none of those (records lag behind a replica that just caught up), the whole
+        window (None); nobody when this replica is alone."""
+        expected = {*self._last_group, *(peer for peer, s in self._others.items() if s.outer_round == self.round)} - {self.net.me}
+        return expected or (None if self._others else set())
 
     async def _await_progress(self, round_: int) -> bool:
         """After a late or failed round: wait (bounded) for a replica that got past it, and download its state."""

@@ -58,13 +58,13 @@ def refused(result: subprocess.CompletedProcess[str], says: str) -> str:
 
 @pytest.fixture
 def private_swarm(tmp_path: Path) -> Path:
-    """A private tiny swarm: certificates for peers a, b and r (r then revoked), a stale one for e, none for c."""
+    """A private tiny swarm: certificates for peers a, b, s and r (r then revoked), a stale one for e, none for c."""
     create_swarm("demo", tmp_path, private=True)
     cfg = tiny_config()
     save_config(cfg, tmp_path / "swarm.toml")
-    for name in "abcer":
+    for name in "abcers":
         new_identity(tmp_path / f"{name}.id")
-    for name in "abr":
+    for name in "abrs":
         invite(tmp_path / "authority.key", cfg.swarm_id, peer_id_of_identity(tmp_path / f"{name}.id"), days=1, out=tmp_path / f"{name}.cert")
     invite(tmp_path / "authority.key", cfg.swarm_id, peer_id_of_identity(tmp_path / "e.id"), days=1, out=tmp_path / "e.cert",
            clock=lambda: time.time() - 2 * 86400)
@@ -85,7 +85,7 @@ def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: P
 
     trainer, status, uninvited, revoked, expired = swarmloco(
         ["run", "--role", "trainer", "--steps", "3", "--data", DATA, *join, *peer(root, "b"), *LOOPBACK],  # fetches the config by the certificate's swarm
-        ["status", *join, *peer(root, "b"), "--json"],
+        ["status", *join, *peer(root, "s"), "--json"],  # its own identity: two live peers may not share one
         ["run", "--role", "stage", *join, "--identity", str(root / "c.id"), *LOOPBACK],
         ["run", "--role", "stage", *join, *peer(root, "r"), *LOOPBACK],
         ["run", "--role", "stage", *join, *peer(root, "e"), *LOOPBACK],

@@ -26,13 +26,14 @@ from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
 from swarm.membership import StageStatus
 from swarm.model import ModelConfig
 from swarm.node import choose_role, stage_loads
+from swarm.outer_sync import RoundTiming
 from swarm.rebalance import StageLoad
 from swarm.stages import StagesConfig
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
 BATCH, SEQ, H = 8, 64, 5
-TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=1.5, announce_period_s=1.0, record_ttl_s=4.0)
-MAX_ROUND_S = TIMEOUTS.matchmaking_s + 0.5 + 3 * TIMEOUTS.rpc_s  # swarm.outer_sync.RoundTiming.max_round_s
+TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+MAX_ROUND_S = RoundTiming.of(TIMEOUTS).max_round_s
 
 
 def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
@@ -99,51 +100,54 @@ class Swarm:
         return self.records(name)[-1]
 
 
-def assert_rounds_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int], set[str]]:
-    """Every (stage, round) that several peers completed gave them all the same global weights."""
-    hashes: dict[tuple[int, int], set[str]] = {}
+def assert_groups_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int, str], list[str]]:
+    """The members of every group (stage, round, leader) applied the same set: identical global weights.
+
+    (Two groups of one round, led by different peers, can differ: the replicas then converge by download.)
+    """
+    hashes: dict[tuple[int, int, str], set[str]] = {}
+    members: dict[tuple[int, int, str], list[str]] = {}
     for name in names:
         for r in swarm.rounds(name):
-            hashes.setdefault((r["stage"], r["round"]), set()).add(r["global_hash"])
+            hashes.setdefault((r["stage"], r["round"], r["leader"]), set()).add(r["global_hash"])
+            members.setdefault((r["stage"], r["round"], r["leader"]), []).append(name)
     assert all(len(h) == 1 for h in hashes.values()), hashes
-    return hashes
+    return members
 
 
-@pytest.mark.xfail(strict=False, reason="issue 6 open: under heavy CPU load replicas often miss each other's matchmaking window and finish rounds alone (contributors=1); see the closing note")
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_does_not_hang_it(tmp_path: Path, child_processes: list) -> None:
-    swarm = Swarm(tmp_path, outer_config(stages=1, steps=70), child_processes)
+    trainers = [f"trainer-{i}" for i in range(3)]  # the replicas of stage 0: each steps on its own data, so all take part
+    swarm = Swarm(tmp_path, outer_config(stages=1, steps=300), child_processes)
     swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
     swarm.ready("stage1-a")
-    swarm.spawn("stage1-b", "--role", "stage", "--stage", "1")
-    for i in range(2):
-        swarm.spawn(f"trainer-{i}", "--role", "trainer", "--steps", "70", "--seed", str(i), "--data", DATA)
-    for name in ("stage1-b", "trainer-0", "trainer-1"):
+    for i, name in enumerate(trainers):
+        swarm.spawn(name, "--role", "trainer", "--steps", "300", "--seed", str(i), "--data", DATA)
+    for name in trainers:
         swarm.ready(name)
-    everyone = ["stage1-a", "stage1-b", "trainer-0", "trainer-1"]
 
-    swarm.wait("two full rounds of each stage", lambda: all(sum(r["contributors"] == 2 for r in swarm.rounds(n)) >= 2 for n in everyone), 120)
-    # kill the trainer that does not lead (the larger peer id) right after it declared for its next round
-    victim, survivor = sorted(["trainer-0", "trainer-1"], key=lambda n: swarm.ids[n], reverse=True)
+    swarm.wait("two full rounds of the trainers", lambda: all(sum(r["contributors"] == 3 for r in swarm.rounds(n)) >= 2 for n in trainers), 120)
+    victim = max(trainers, key=lambda n: swarm.ids[n])  # not the leader (the smallest id): the others' round must end without it
+    survivors = [n for n in trainers if n != victim]
     done_before = max(r["round"] for r in swarm.rounds(victim))
     declared = swarm.wait(f"{victim} to declare", lambda: [r for r in swarm.records(victim, "outer_declared") if r["round"] > done_before], 60)
     swarm.kill(victim)
     killed_at, round_ = time.time(), declared[0]["round"]
 
-    ended = swarm.wait(f"{survivor} to end round {round_}", lambda: [r for r in swarm.records(survivor, "outer_round") if r["round"] == round_], MAX_ROUND_S + 10)
-    assert ended[0]["time"] - killed_at < MAX_ROUND_S, ended
-    swarm.wait(f"{survivor} to complete a round alone", lambda: [r for r in swarm.rounds(survivor) if r["round"] >= round_ and r["contributors"] == 1], 60)
-    last = swarm.finish(survivor)
-    assert last["step"] == 70 and last["failed"] == 0, last
-    stop_processes([swarm.procs["stage1-a"], swarm.procs["stage1-b"]])
+    for name in survivors:  # done with the members that delivered (the victim's payload only if fetched before it died)
+        ended = swarm.wait(f"{name} to end round {round_}", lambda: [r for r in swarm.records(name, "outer_round") if r["round"] == round_], MAX_ROUND_S + 10)
+        assert ended[0]["outcome"] == "done" and ended[0]["time"] - killed_at < MAX_ROUND_S, ended
+    swarm.wait("a round of the two survivors", lambda: all([r for r in swarm.rounds(n) if r["round"] > round_ and r["contributors"] == 2] for n in survivors), 60)
+    for name in survivors:
+        last = swarm.finish(name)
+        assert last["step"] == 300 and last["failed"] == 0, last
+    stop_processes([swarm.procs["stage1-a"]])
 
-    agreed = assert_rounds_agree(swarm, everyone)
-    assert sum(stage == 1 for stage, _ in agreed) >= 4 and sum(stage == 0 for stage, _ in agreed) >= 3, agreed
-    assert not [r for n in everyone for r in swarm.records(n, "state_download")]  # nobody fell behind
+    groups = assert_groups_agree(swarm, [*trainers, "stage1-a"])
+    assert sum(len(members) == 3 for (stage, _, _), members in groups.items() if stage == 0) >= 2, groups
 
 
-@pytest.mark.xfail(strict=False, reason="issue 6 open: under heavy CPU load replicas often miss each other's matchmaking window and finish rounds alone (contributors=1); see the closing note")
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves_within_seconds(tmp_path: Path, child_processes: list) -> None:
@@ -160,16 +164,19 @@ def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves
     round_at_join = max(r["outer_round"] for r in swarm.rounds("stage1-a") if r["time"] <= swarm.started["late"])
     assert first["role"] == "stage" and first["stage"] == 1 and serving["stage"] == 1
     assert serving["outer_round"] >= round_at_join  # it started from the stage's current state, not from scratch
-    # process start to first served request: the benchmark measures ~10 s on an idle machine; this one may be loaded
+    # process start to first served request: scripts/bench_swarm.py --join measured 15-20 s here; allow for a loaded machine
     assert first["first_served_at"] - swarm.started["late"] < 90
     assert first["first_served_at"] - serving["time"] < 10  # trainers route to it as soon as it announces itself
 
-    swarm.wait("a round the late peer shares", lambda: {r["round"] for r in swarm.rounds("late")} & {r["round"] for r in swarm.rounds("stage1-a")}, 60)
-    shared = {r["round"] for r in swarm.rounds("late") if r["contributors"] == 2}
-    assert shared, swarm.rounds("late")
+    def together() -> list[dict]:  # rounds both logged, in one group
+        theirs = {(r["round"], r["leader"]) for r in swarm.rounds("stage1-a")}
+        return [r for r in swarm.rounds("late") if r["contributors"] == 2 and (r["round"], r["leader"]) in theirs]
+
+    swarm.wait("a round of the late peer and stage1-a together", together, 60)
     stop_processes(list(swarm.procs.values()))
     assert swarm.records("trainer-0")[-1]["failed"] == 0
-    assert_rounds_agree(swarm, ["stage1-a", "late"])
+    groups = assert_groups_agree(swarm, ["stage1-a", "late"])
+    assert [key for key, members in groups.items() if sorted(members) == ["late", "stage1-a"]]  # rounds in one group: the same weights
     assert not swarm.records("late", "move")
 
 
