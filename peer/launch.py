@@ -121,32 +121,51 @@ class LocalSwarm:
         return [(f"stage{k % self.stages + 1}-{k // self.stages}", k % self.stages + 1) for k in range(self.peers - self.trainers)]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a peer process runs: a command prefix (e.g. ``ip netns exec NS`` for the WAN lab) and the address it listens on."""
+
+    prefix: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+
+
+LOOPBACK = Placement()
+
+
 def local_config(base: SwarmConfig, layout: LocalSwarm) -> SwarmConfig:
     return dataclasses.replace(base, stages=StagesConfig(num_stages=layout.stages),
                                inner=dataclasses.replace(base.inner, total_steps=layout.steps))
 
 
 def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = None, data: Sequence[str] | None = None,
-                 extra_args: Sequence[str] = (), echo: Callable[[str], None] = print, ready_timeout_s: float = 120.0) -> int:
-    """Run a whole swarm on loopback until its trainers finish; 0 if every trainer succeeded."""
+                 extra_args: Sequence[str] = (), echo: Callable[[str], None] = print, ready_timeout_s: float = 120.0,
+                 place: Callable[[str], Placement] = lambda name: LOOPBACK) -> int:
+    """Run a whole swarm until its trainers finish; 0 if every trainer succeeded.
+
+    Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere.
+    """
     out.mkdir(parents=True, exist_ok=True)
     cfg = local_config(config or SwarmConfig(), layout)
     save_config(cfg, out / "swarm.toml")
-    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(out), "--threads", "1", *extra_args]
+    common = ["--out", str(out), "--threads", "1", *extra_args]
     for spec in data or ():
         common += ["--data", spec]
+
+    def spawn(name: str, args: list[str]) -> subprocess.Popen:
+        where = place(name)
+        return spawn_peer(name, [*args, "--host-maddrs", f"/ip4/{where.host}/tcp/0", *common], out, prefix=where.prefix)
     echo(f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "
          f"{layout.stages} stages, {layout.steps} steps, {layout.joiners} late joiner(s); logs and metrics in {out}")
     procs: dict[str, subprocess.Popen] = {}
     try:
         (first, first_stage), *others = layout.servers()
-        procs[first] = spawn_peer(first, ["--role", "stage", "--stage", str(first_stage), "--config", str(out / "swarm.toml"), *common], out)
+        procs[first] = spawn(first, ["--role", "stage", "--stage", str(first_stage), "--config", str(out / "swarm.toml")])
         join = ["--initial-peers", wait_for_address(procs[first], out / f"{first}.log", ready_timeout_s)]
         for name, stage in others:
-            procs[name] = spawn_peer(name, ["--role", "stage", "--stage", str(stage), *join, *common], out)
+            procs[name] = spawn(name, ["--role", "stage", "--stage", str(stage), *join])
         trainers = [f"trainer-{i}" for i in range(layout.trainers)]
         for i, name in enumerate(trainers):
-            procs[name] = spawn_peer(name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *join, *common], out)
+            procs[name] = spawn(name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *join])
         joiners, join_at = [f"joiner-{i}" for i in range(layout.joiners)], []
 
         def start_joiners() -> None:  # join_after_s once every trainer has logged progress: the swarm is running
@@ -154,7 +173,7 @@ def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = 
                 join_at.append(time.monotonic() + layout.join_after_s)
             while joiners and join_at and time.monotonic() >= join_at[0]:
                 name = joiners.pop(0)
-                procs[name] = spawn_peer(name, ["--role", "auto", "--steps", str(layout.steps), *join, *common], out)
+                procs[name] = spawn(name, ["--role", "auto", "--steps", str(layout.steps), *join])
                 echo(f"{name} joins the running swarm")
 
         codes = follow_trainers({name: procs[name] for name in trainers}, out, echo, tick=start_joiners)
@@ -177,8 +196,8 @@ def has_trained(metrics: Path) -> bool:
     return any(json.loads(line).get("role") == "trainer" for line in complete)
 
 
-def spawn_peer(name: str, args: list[str], out: Path) -> subprocess.Popen:
-    """A ``swarmloco run`` process in its own process group, output to ``out/<name>.log``.
+def spawn_peer(name: str, args: list[str], out: Path, *, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """A ``swarmloco run`` process in its own process group, output to ``out/<name>.log``; ``prefix`` wraps the command.
 
     Its metrics file ``out/<name>.jsonl`` starts with a ``spawned`` event: the time the process was
     started, from which e.g. the time to join is measured.
@@ -187,7 +206,7 @@ def spawn_peer(name: str, args: list[str], out: Path) -> subprocess.Popen:
     with (out / f"{name}.jsonl").open("a") as metrics:
         metrics.write(json.dumps({"time": time.time(), "peer": name, "event": "spawned"}) + "\n")
     with (out / f"{name}.log").open("w") as log:
-        return subprocess.Popen([sys.executable, "-m", "peer", "run", "--name", name, *args], stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen([*prefix, sys.executable, "-m", "peer", "run", "--name", name, *args], stdout=log, stderr=subprocess.STDOUT,
                                 env=env, cwd=out, start_new_session=True)
 
 

@@ -26,13 +26,14 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from peer.data import load_corpus
-from peer.launch import VAL_BATCHES, LocalSwarm, launch_local, local_config
+from peer.launch import LOOPBACK, VAL_BATCHES, LocalSwarm, Placement, launch_local, local_config
 from swarm.centralized import train_centralized
 from swarm.config import SwarmConfig, load_config
 
@@ -75,9 +76,11 @@ def join_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
             "join_ready_s": serving and serving["time"] - spawned, "join_s": served and served - spawned}
 
 
-def run_swarm(cfg: SwarmConfig, layout: LocalSwarm, data: list[str] | None, out: Path) -> dict[str, Any]:
+def run_swarm(cfg: SwarmConfig, layout: LocalSwarm, data: list[str] | None, out: Path,
+              place: Callable[[str], Placement] = lambda name: LOOPBACK) -> dict[str, Any]:
+    """Run the swarm to the end; its loss, throughput and traffic from the peers' metrics (``place``: see ``launch_local``)."""
     started = time.perf_counter()
-    code = launch_local(layout, out=out, config=cfg, data=data)
+    code = launch_local(layout, out=out, config=cfg, data=data, place=place)
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")
     peers = read_peers(out)

@@ -5,16 +5,23 @@ Needs root and network namespaces; skipped (with the reason) elsewhere.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
+from peer.launch import LocalSwarm, Placement, launch_local
 from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, unsupported_reason
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
+from swarm.model import ModelConfig
+from swarm.stages import StagesConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
+DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
 REASON = unsupported_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
@@ -93,3 +100,20 @@ def test_cleanup_removes_a_crashed_labs_leftovers() -> None:
     assert f"{prefix}p1" in listed
     assert lab_namespaces(prefix) == [] and not running(int(sleeper))
     assert cleanup() == []  # nothing stale is left to find
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_swarm_trains_across_lab_hosts(tmp_path: Path) -> None:
+    """``launch_local`` with a placement per peer: each peer in its own capped namespace, talking over the lab bridge."""
+    cfg = SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64), stages=StagesConfig(num_stages=1),
+                      train=TrainConfig(seq_len=64, microbatch_size=8, inner_batch=8), timeouts=TimeoutConfig(announce_period_s=1.0))
+    layout = LocalSwarm(peers=2, stages=1, trainers=1, steps=3)
+    with WanLab(caps_mbit=[50, 50], prefix="slabtest-swarm-") as lab:
+        hosts = {name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(["stage1-0", "trainer-0"])}
+        code = launch_local(layout, out=tmp_path, config=cfg, data=[DATA], place=hosts.__getitem__, echo=lambda line: None)
+    assert code == 0, (tmp_path / "trainer-0.log").read_text()[-3000:]
+    last = json.loads((tmp_path / "trainer-0.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["failed"] == 0 and last["wire_bytes"]["activations"] > 0, last
+    assert "/ip4/10.77.0.1/tcp/" in (tmp_path / "stage1-0.log").read_text()  # it listened on the lab bridge, not on loopback
+    assert lab_namespaces("slabtest-swarm-") == []

@@ -1,0 +1,212 @@
+"""End to end: the swarm in the WAN lab, each peer behind its own capped link, across codecs, outer methods and skips.
+
+Every run is a whole swarm (``launch_local``) with one peer per network namespace of a
+``WanLab`` (``scripts/wanlab.py``), all capped at the run's bandwidth in each direction (or
+uncapped), training the default model on the default corpus for the same number of steps.
+The layout is two trainers and three middle stages with one server each: the trainers are the
+replicas of stage 0, so outer rounds really exchange pseudo-gradients, and a skip ratio of 0.33
+drops exactly one of the three stages per microbatch.
+
+The plan varies one thing at a time around SparseLoCo with int8 activations: every activation
+codec (``none`` is fp32 on the wire) at every bandwidth, DiLoCo (fp32 exchange) instead of
+SparseLoCo, and skip 0.33. ``--repeats`` runs the plan several times, interleaved, and reports
+medians: the machine is shared and time-sliced, so every tokens/s is relative to the uncapped
+run of the same configuration measured in the same invocation.
+
+    sudo python scripts/bench_e2e.py --json bench-e2e.json --plot docs/bench-e2e.png    # ~25 min per repeat on 2 cores
+    sudo python scripts/bench_e2e.py --steps 40 --only int8                             # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_swarm import run_swarm  # this directory is on sys.path when run as a script
+from wanlab import WanLab, unsupported_reason
+
+from peer.launch import LocalSwarm, Placement, local_config
+from swarm.config import SwarmConfig
+from swarm.routing import PathConfig
+
+LAYOUT = dict(trainers=2, stages=3)  # and one server per stage
+TARGET_KEEP = 0.8  # at 20 Mbit/s, compressed, at least 80% of the uncapped tokens/s
+TARGET_SKIP_STEP_CUT, TARGET_SKIP_LOSS = 0.25, 0.03  # skip 0.33: ≥ 25% less time per step at ≤ 3% loss
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    bandwidth_mbit: float | None  # per peer, each direction; None: uncapped
+    act_codec: str = "int8"  # activations and their gradients; "none": fp32
+    outer: str = "sparseloco"
+    skip: float = 0.0
+
+    @property
+    def name(self) -> str:
+        bw = "unlimited" if self.bandwidth_mbit is None else f"{self.bandwidth_mbit:g}Mbit"
+        return f"{bw}/{self.act_codec}/{self.outer}/skip{self.skip:g}"
+
+
+def plan(bandwidths: list[float | None]) -> list[Run]:
+    runs = [Run(bandwidth_mbit=bw, act_codec=codec) for bw in bandwidths for codec in ("none", "int8", "subspace")]
+    low = [bw for bw in bandwidths if bw is not None][:1]  # the lowest cap, and uncapped
+    for bw in [*low, None]:
+        runs += [Run(bandwidth_mbit=bw, outer="diloco"), Run(bandwidth_mbit=bw, skip=0.33)]
+    return runs
+
+
+def run_config(base: SwarmConfig, run: Run, layout: LocalSwarm) -> SwarmConfig:
+    codec = "fp32" if run.act_codec == "none" else run.act_codec
+    model = dataclasses.replace(base.model, subspace_rank=base.model.d_model // 8 if codec.startswith("subspace") else 0)
+    cfg = local_config(dataclasses.replace(base, model=model), layout)
+    return dataclasses.replace(
+        cfg,
+        codecs=dataclasses.replace(cfg.codecs, activations=codec, gradients=codec,
+                                   pseudo_gradients="sparseloco" if run.outer == "sparseloco" else "fp32"),
+        outer=dataclasses.replace(cfg.outer, method=run.outer),
+        paths=PathConfig(skip_ratio=run.skip),
+    )
+
+
+def measure(run: Run, layout: LocalSwarm, base: SwarmConfig, data: list[str] | None, out: Path) -> dict[str, Any]:
+    cfg = run_config(base, run, layout)
+    names = [name for name, _ in layout.servers()] + [f"trainer-{i}" for i in range(layout.trainers)]
+    with WanLab(caps_mbit=[run.bandwidth_mbit] * len(names)) as lab:
+        hosts = {name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)}
+        swarm = run_swarm(cfg, layout, data, out, place=hosts.__getitem__)
+    tokens_per_step = layout.trainers * cfg.train.inner_batch * cfg.train.seq_len  # one inner step of every trainer
+    pseudo = swarm["pseudo_grad_bytes_per_token"]
+    return {
+        "name": run.name, **dataclasses.asdict(run),
+        "tokens_per_s": swarm["tokens_per_s"], "val_loss": swarm["val_loss"], "tokens": swarm["tokens"],
+        "step_s": tokens_per_step / swarm["tokens_per_s"],
+        "bytes_per_token": {**swarm["bytes_per_token"], "pseudo_gradients": pseudo, "total": swarm["bytes_per_token"]["total"] + pseudo},
+        "fp32_bytes_per_token": swarm["fp32_bytes_per_token"], "outer_rounds": swarm["outer_rounds"],
+        "failed_hops": swarm["failed_hops"], "skipped_hops": swarm["skipped_hops"], "wall_s": swarm["wall_s"],
+    }
+
+
+def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(records[0])
+    for key in ("tokens_per_s", "val_loss", "step_s", "wall_s"):
+        out[key] = statistics.median(r[key] for r in records)
+        out[f"{key}_runs"] = [r[key] for r in records]
+    return out
+
+
+def find(records: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    return next((r for r in records if all(r[k] == v for k, v in match.items())), None)
+
+
+def check_targets(records: list[dict[str, Any]], low: float | None) -> dict[str, Any]:
+    """The issue's targets, each with the numbers it was judged on (None where the plan lacks a run)."""
+    targets: dict[str, Any] = {}
+    for codec in ("none", "int8", "subspace") if low is not None else ():
+        capped, free = find(records, bandwidth_mbit=low, act_codec=codec, outer="sparseloco", skip=0.0), \
+            find(records, bandwidth_mbit=None, act_codec=codec, outer="sparseloco", skip=0.0)
+        if capped and free:
+            targets[f"keep_at_{low:g}mbit/{codec}"] = capped["tokens_per_s"] / free["tokens_per_s"]
+    for bw in (low, None):
+        plain, skip = find(records, bandwidth_mbit=bw, act_codec="int8", outer="sparseloco", skip=0.0), \
+            find(records, bandwidth_mbit=bw, act_codec="int8", outer="sparseloco", skip=0.33)
+        if plain and skip:
+            label = "unlimited" if bw is None else f"{bw:g}mbit"
+            targets[f"skip_step_cut/{label}"] = 1 - skip["step_s"] / plain["step_s"]
+            targets[f"skip_loss_cost/{label}"] = skip["val_loss"] / plain["val_loss"] - 1
+    met = {k: (None if k.endswith("/none") else  # uncompressed: shown for contrast, no target
+               v >= TARGET_KEEP if k.startswith("keep_at") else
+               v >= TARGET_SKIP_STEP_CUT if k.startswith("skip_step_cut") else v <= TARGET_SKIP_LOSS)
+           for k, v in targets.items()}
+    return {"values": targets, "met": met}
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    header = f"{'run':<34} {'tok/s':>7} {'vs uncapped':>11} {'step s':>7} {'val_loss':>8} {'B/token':>9} {'act':>8} {'grad':>8} {'pseudo':>7}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in records:
+        free = find(records, bandwidth_mbit=None, act_codec=r["act_codec"], outer=r["outer"], skip=r["skip"])
+        rel = f"{r['tokens_per_s'] / free['tokens_per_s']:.2f}" if free else "-"
+        b = r["bytes_per_token"]
+        print(f"{r['name']:<34} {r['tokens_per_s']:7.0f} {rel:>11} {r['step_s']:7.2f} {r['val_loss']:8.4f} {b['total']:9.1f} "
+              f"{b['activations']:8.1f} {b['gradients']:8.1f} {b['pseudo_gradients']:7.2f}")
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Tokens/s against bandwidth, one line per configuration; uncapped drawn at the right edge."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = sorted({r["bandwidth_mbit"] for r in records if r["bandwidth_mbit"] is not None})
+    free_x = caps[-1] * 4 if caps else 1.0
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for config in sorted({(r["act_codec"], r["outer"], r["skip"]) for r in records}):
+        rows = sorted((r["bandwidth_mbit"] or free_x, r["tokens_per_s"]) for r in records if (r["act_codec"], r["outer"], r["skip"]) == config)
+        ax.plot(*zip(*rows), marker="o", label=f"{config[0]} / {config[1]} / skip {config[2]:g}")
+    ax.set_xscale("log")
+    ax.set_xticks([*caps, free_x], [*(f"{c:g}" for c in caps), "uncapped"])
+    ax.set_xlabel("bandwidth per peer, each direction (Mbit/s)")
+    ax.set_ylabel("training tokens/s (both trainers)")
+    ax.set_title("swarmloco in the WAN lab: 2 trainers, 3 stages, 2 CPU cores")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_bandwidths(text: str) -> list[float | None]:
+    return [None if part in ("none", "unlimited") else float(part) for part in text.split(",")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=80, help="inner steps per trainer in every run")
+    parser.add_argument("--bandwidths", type=parse_bandwidths, default=[20.0, 100.0, None], help="Mbit/s per peer, comma separated; 'none' is uncapped")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
+    parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")
+    parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
+    parser.add_argument("--out", type=Path, help="keep every run's logs and metrics under this directory")
+    parser.add_argument("--json", type=Path, help="write the records here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s against bandwidth here")
+    args = parser.parse_args()
+    if (reason := unsupported_reason()) is not None:
+        print(f"error: the WAN lab cannot run here: {reason}", file=sys.stderr)
+        return 2
+
+    layout = LocalSwarm(peers=LAYOUT["trainers"] + LAYOUT["stages"], steps=args.steps, **LAYOUT)
+    runs = [run for run in plan(args.bandwidths) if not args.only or any(s in run.name for s in args.only)]
+    results: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+        root = args.out or Path(tmp)
+        for repeat in range(args.repeats):
+            for k, run in enumerate(runs):
+                print(f"[{repeat + 1}/{args.repeats}] run {k + 1}/{len(runs)}: {run.name}", flush=True)
+                started = time.perf_counter()
+                record = measure(run, layout, SwarmConfig(), args.data, root / f"{repeat}" / run.name.replace("/", "_"))
+                results[run.name].append(record)
+                print(f"    {record['tokens_per_s']:.0f} tok/s  step {record['step_s']:.2f}s  val {record['val_loss']:.4f}  "
+                      f"{record['bytes_per_token']['total']:.0f} B/token  ({time.perf_counter() - started:.0f}s)", flush=True)
+    records = [median_record(rs) for rs in results.values()]
+    print_table(records)
+    low = min((bw for bw in args.bandwidths if bw is not None), default=None)
+    targets = check_targets(records, low)
+    for key, value in targets["values"].items():
+        print(f"  {key:<32} {value:+.3f}  met: {targets['met'][key]}")
+    if args.json:
+        args.json.write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "layout": LAYOUT, "records": records, "targets": targets}, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(records, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
