@@ -3,6 +3,7 @@
     $ swarmloco train-local --steps 300 --out runs/baseline
     $ swarmloco eval --checkpoint runs/baseline/model.pt
     $ swarmloco sample --checkpoint runs/baseline/model.pt --prompt "def " --tokens 200
+    $ swarmloco export --initial-peers /ip4/…/p2p/12D3… -o model.pt   # the model of a running swarm
 """
 
 import asyncio
@@ -290,17 +291,23 @@ def run_cmd(
     seed: Annotated[int, typer.Option(help="Trainers: data stream offset (give each trainer its own).")] = 0,
     threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default).")] = 0,
     rebalance_period: Annotated[float | None, typer.Option(min=0.0, help="Stage servers: seconds between rebalancing checks (± 20%); 0 never moves. Default: 30, or never for a server pinned with --stage.")] = None,
+    stage_checkpoint: Annotated[Path | None, typer.Option(help="Stage servers: a stage state file, loaded on start when the stage has no live replica (rollback instead of a rebuild from the neighbours).")] = None,
+    checkpoint_every: Annotated[int, typer.Option(min=0, help="Stage servers: write --stage-checkpoint every N inner steps (0: never write).")] = 0,
+    eval_every: Annotated[int, typer.Option(min=0, help="Trainers: validation pass every N inner steps (0: only at the end).")] = 0,
 ) -> None:
     """Start one peer of a swarm over the network; SIGINT/SIGTERM retire its DHT records and exit."""
     from peer.launch import run_peer
     from swarm.membership import MembershipError
     from swarm.node import NodeOptions
+    from swarm.trainer import TrainerOptions
 
     creds = swarm_credentials(credentials, identity, revocations, config)
     try:
         options = NodeOptions(role=role, stage=stage, initial_peers=initial_peers or [], host_maddrs=host_maddrs or ["/ip4/0.0.0.0/tcp/0"],
                               announce_maddrs=announce_maddrs or [], identity_path=str(identity) if identity else None,
-                              swarm_name=swarm_name(creds, swarm), steps=steps, credentials=creds, rebalance_period_s=rebalance_period)
+                              swarm_name=swarm_name(creds, swarm), steps=steps, credentials=creds, rebalance_period_s=rebalance_period,
+                              recovery_dir=str(out) if out else None, stage_checkpoint=str(stage_checkpoint) if stage_checkpoint else None,
+                              checkpoint_every=checkpoint_every, trainer=TrainerOptions(eval_every=eval_every))
         run_peer(options, config=config, data=data, out=out, name=name, seed=seed, threads=threads, echo=typer.echo)
     except (ValueError, MembershipError) as e:
         fail(str(e))
@@ -325,6 +332,32 @@ def status_cmd(
     name = name or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
     status = asyncio.run(read_status(initial_peers, cfg, name=name, identity_path=str(identity) if identity else None, credentials=creds))
     typer.echo(json.dumps(status) if as_json else format_status(status))
+
+
+@app.command("export")
+@user_errors
+def export_cmd(
+    initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint file to write (what `swarmloco eval` and `sample` load).")] = Path("model.pt"),
+    name: Annotated[str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")] = None,
+    credentials: CredentialsOpt = None,
+    identity: Annotated[Path | None, typer.Option(help="Private swarms: the identity the certificate names; not one a running peer uses.")] = None,
+    revocations: RevocationsOpt = None,
+    timeout: Annotated[float, typer.Option(min=1.0, help="Seconds allowed for each stage's download.")] = 60.0,
+) -> None:
+    """Download the running swarm's model (every middle stage from a live server, stage 0 from a trainer) into one checkpoint."""
+    from peer.export import export_swarm
+    from swarm.export import ExportError
+
+    cfg = load_config(config) if config else None
+    creds = swarm_credentials(credentials, identity, revocations, config)
+    name = name or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    try:
+        asyncio.run(export_swarm(initial_peers, cfg, out, name=name, identity_path=str(identity) if identity else None, credentials=creds,
+                                 timeout_s=timeout, on_progress=typer.echo))
+    except ExportError as e:
+        fail(f"cannot export: {e}")
 
 
 @app.command("local")

@@ -58,7 +58,7 @@ def format_status(status: dict[str, Any]) -> str:
         for peer in peers:
             loss = "" if peer.get("train_loss") is None else f"  loss {peer['train_loss']:.3f}"
             lines.append(f"  {peer['peer']}  {peer['samples_per_s']:.1f} samples/s  queue {peer['queue']}  "
-                         f"inner steps {peer['inner_steps']}  round {peer['outer_round']}{loss}")
+                         f"inner steps {peer['inner_steps']}  round {peer['outer_round']}{loss}{'  recovered' if peer.get('recovered') else ''}")
     return "\n".join(lines)
 
 

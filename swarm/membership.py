@@ -6,6 +6,10 @@ silent peer vanishes on its own. The owner marker makes hivemind's ``RSASignatur
 require the owner's signature, and a ``SchemaValidator`` rejects records that do not match the
 pydantic models below, on every DHT node that stores or returns them.
 
+A peer about to rebuild a lost stage stores a ``RecoveryClaim`` under ``{swarm_id}/recovery/{i}``
+(same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/rebuild.py``); a
+rebuilt replica's stage record carries ``recovered=True``.
+
 The swarm config is published under ``{name}/config`` by every peer (so it outlives the creator);
 a joining peer without a config fetches it, one with a different config gets an error naming
 both hashes.
@@ -51,6 +55,15 @@ class StageStatus(pydantic.BaseModel):
     outer_round: pydantic.conint(ge=0, strict=True) = 0
     global_hash: pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True) = ""  # weights after that round: equal on agreeing replicas
     grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
+    recovered: pydantic.StrictBool = False  # this replica was rebuilt from its neighbours (CheckFree), not downloaded
+    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
+class RecoveryClaim(pydantic.BaseModel):
+    """A peer's claim to rebuild a stage nobody serves (``swarm/rebuild.py``); the lowest (priority, peer id) wins."""
+
+    priority: pydantic.conint(ge=0, strict=True)  # 0: a joining peer, 1: a server the rebalancer moves
+    claimed_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
     version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
 
 
@@ -82,8 +95,12 @@ def round_key(swarm_id: str, stage: int, round_: int) -> str:
     return f"{swarm_id}/outer/{stage}/{round_}"
 
 
-RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {"stage": StageStatus, "config": ConfigRecord, "metrics": PeerMetrics}
-PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration)  # one per peer under a key, with a protocol version
+def recovery_key(swarm_id: str, stage: int) -> str:
+    return f"{swarm_id}/recovery/{stage}"
+
+
+RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {"stage": StageStatus, "config": ConfigRecord, "metrics": PeerMetrics, "claim": RecoveryClaim}
+PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim)  # one per peer under a key, with a protocol version
 
 
 class SwarmSchemaValidator(SchemaValidator):
@@ -107,9 +124,10 @@ def config_validator(name: str) -> SwarmSchemaValidator:
 
 
 def stage_validator(cfg: SwarmConfig) -> SwarmSchemaValidator:
-    """This swarm's stage records and metrics records."""
+    """This swarm's stage records, recovery claims and metrics records."""
     stages = {stage_key(cfg.swarm_id, i): "stage" for i in range(cfg.stages.num_stages + 1)}
-    return SwarmSchemaValidator({**stages, metrics_key(cfg.swarm_id): "metrics"})
+    claims = {recovery_key(cfg.swarm_id, i): "claim" for i in range(1, cfg.stages.num_stages + 1)}
+    return SwarmSchemaValidator({**stages, **claims, metrics_key(cfg.swarm_id): "metrics"})
 
 
 def peer_from_subkey(subkey: bytes) -> PeerID | None:
@@ -228,6 +246,21 @@ class Membership:
         """Who declared for outer round ``round_`` of ``stage`` (this peer included), and when."""
         assert self.cfg is not None, "join() first"
         return {peer: record.opened_at for peer, record in (await self._read(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration)).items()}
+
+    async def claim_recovery(self, stage: int, claim: RecoveryClaim, *, expiration: float) -> None:
+        """Tell the swarm this peer means to rebuild ``stage``, until ``expiration`` (DHT time) at most."""
+        assert self.cfg is not None, "join() first"
+        await self._store(recovery_key(self.cfg.swarm_id, stage), claim.dict(), expiration)
+
+    async def withdraw_recovery(self, stage: int) -> None:
+        """Drop this peer's claim on ``stage`` (a tombstone, as ``retire``)."""
+        assert self.cfg is not None, "join() first"
+        await self._store(recovery_key(self.cfg.swarm_id, stage), None)
+
+    async def recovery_claims(self, stage: int) -> dict[PeerID, RecoveryClaim]:
+        """Live claims to rebuild ``stage`` (this peer's included)."""
+        assert self.cfg is not None, "join() first"
+        return await self._read(recovery_key(self.cfg.swarm_id, stage), RecoveryClaim)
 
     async def _read(self, key: str, kind: type[PeerRecord]) -> dict[PeerID, PeerRecord]:
         found = await self.dht.get(key, latest=True, return_future=True)

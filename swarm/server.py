@@ -81,13 +81,14 @@ class ActivationCache:
 class StageServer:
     """The ``StageBackend`` of one middle stage (see ``swarm/protocol.py``)."""
 
-    def __init__(self, cfg: SwarmConfig, stage: int, *, start_step: int = 0, max_cached: int = 64,
+    def __init__(self, cfg: SwarmConfig, stage: int, *, start_step: int = 0, lr_scale: float = 1.0, max_cached: int = 64,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
         self.module = build_stage(cfg.model, cfg.stages.num_stages, stage)
-        self.opt, self.sched = make_inner_optimizer(self.module.parameters(), cfg.inner, start_step=start_step)
+        # lr_scale: CheckFree's ×1.1 on a stage rebuilt from its neighbours (swarm/recovery.py)
+        self.opt, self.sched = make_inner_optimizer(self.module.parameters(), cfg.inner, start_step=start_step, lr_scale=lr_scale)
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
         self.act_codec, self.grad_codec = boundary_codecs(cfg)

@@ -7,6 +7,9 @@ reads, stops at the first byte too many, and checks the hash, so a truncated, co
 oversized transfer raises ``TransferError`` and the caller tries another replica. The outer
 step's all-gather (``swarm/outer_sync.py``) moves its payloads through the same service.
 
+Peers also serve ``local/<stage>``: the same archive holding their current local weights (no outer
+optimizer state), which a stage rebuild (``swarm/rebuild.py``) and ``swarmloco export`` download.
+
 A stage's state is what a replica needs to take part from the next round on: the global weights,
 the outer optimizer's state, the round number and the inner step count on the lr schedule. It
 travels as a ``torch.save`` archive read back with ``weights_only=True`` (no code runs on load),

@@ -7,13 +7,8 @@ seconds apart; the ``child_processes`` fixture stops every peer whatever happens
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sysconfig
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,14 +16,15 @@ from hivemind.p2p import PeerID
 
 from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
-from peer.launch import spawn_peer, stop_processes, wait_for_address
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
+from peer.launch import stop_processes
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
 from swarm.membership import StageStatus
 from swarm.model import ModelConfig
 from swarm.node import choose_role, stage_loads
 from swarm.outer_sync import RoundTiming
 from swarm.rebalance import StageLoad
 from swarm.stages import StagesConfig
+from swarm_harness import Swarm
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
 BATCH, SEQ, H = 8, 64, 5
@@ -41,63 +37,6 @@ def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
                        train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
                        inner=InnerOptimConfig(warmup_steps=5, total_steps=steps), outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
                        codecs=CodecConfig(pseudo_gradients="sparseloco"), timeouts=TIMEOUTS)
-
-
-class Swarm:
-    """Peers of one test swarm: spawn them, read their logs, kill them."""
-
-    def __init__(self, out: Path, cfg: SwarmConfig, children: list[subprocess.Popen]) -> None:
-        self.out, self.children = out, children
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.ids: dict[str, str] = {}  # name → peer id
-        self.started: dict[str, float] = {}
-        self.join: list[str] = []  # --initial-peers of the first peer, once it is ready
-        self.killed: set[str] = set()
-        save_config(cfg, out / "swarm.toml")
-
-    def spawn(self, name: str, *args: str) -> None:
-        common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(self.out), "--threads", "1"]
-        where = self.join or ["--config", str(self.out / "swarm.toml")]
-        self.started[name] = time.time()
-        self.procs[name] = spawn_peer(name, [*args, *where, *common], self.out)
-        self.children.append(self.procs[name])
-
-    def ready(self, name: str) -> str:
-        maddr = wait_for_address(self.procs[name], self.out / f"{name}.log", 120)
-        self.ids[name] = maddr.rsplit("/p2p/", 1)[1]
-        self.join = self.join or ["--initial-peers", maddr]
-        return maddr
-
-    def records(self, name: str, event: str | None = None) -> list[dict]:
-        path = self.out / f"{name}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [r for r in map(json.loads, lines) if r.get("event") == event]
-
-    def rounds(self, name: str) -> list[dict]:
-        return [r for r in self.records(name, "outer_round") if r["outcome"] == "done"]
-
-    def wait(self, what: str, check: Callable[[], object], timeout: float) -> object:
-        deadline = time.monotonic() + timeout
-        while not (result := check()):
-            if time.monotonic() > deadline:
-                logs = "\n".join(f"--- {n}\n{(self.out / f'{n}.log').read_text()[-2000:]}" for n in self.procs)
-                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
-            for name, proc in self.procs.items():
-                assert proc.poll() in (None, 0) or name in self.killed, f"{name} exited with {proc.returncode}:\n{(self.out / f'{name}.log').read_text()[-3000:]}"
-            time.sleep(0.1)
-        return result
-
-    def kill(self, name: str) -> None:
-        self.killed.add(name)
-        os.killpg(self.procs[name].pid, signal.SIGKILL)  # the whole peer: process, DHT node and libp2p daemon
-
-    def finish(self, name: str, timeout: float = 150) -> dict:
-        try:
-            code = self.procs[name].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} still running after {timeout}s:\n{(self.out / f'{name}.log').read_text()[-3000:]}")
-        assert code == 0, f"{name} exited with {code}:\n{(self.out / f'{name}.log').read_text()[-3000:]}"
-        return self.records(name)[-1]
 
 
 def assert_groups_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int, str], list[str]]:

@@ -1,0 +1,45 @@
+"""``swarmloco export``: download a running swarm's model into one checkpoint file.
+
+Joins the swarm's DHT as a client (it serves nothing), reads which peers serve each stage, downloads
+every middle stage from one of its servers and stage 0 from a trainer (``swarm/export.py``), and
+writes the checkpoint ``swarmloco eval`` and ``swarmloco sample`` load.
+
+    $ swarmloco export --initial-peers /ip4/…/p2p/12D3… -o model.pt
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from swarm.admission import Credentials, start_dht
+from swarm.checkpoint import save_checkpoint
+from swarm.config import SwarmConfig
+from swarm.export import download_model, export_sources
+from swarm.membership import Membership
+from swarm.protocol import StageClient
+from swarm.state_sync import BlobClient
+
+
+async def export_swarm(initial_peers: list[str], cfg: SwarmConfig | None, out: Path, *, name: str, identity_path: str | None = None,
+                       credentials: Credentials | None = None, timeout_s: float = 60.0,
+                       on_progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Write the swarm's current model to ``out``; returns the checkpoint's metadata."""
+    dht = await start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=identity_path,
+                          credentials=credentials, client_mode=True)
+    try:
+        membership = Membership(dht)
+        cfg = await membership.join(cfg, create=False, name=name)
+        on_progress(f"swarm {cfg.swarm_id}: {cfg.stages.num_stages} middle stages + stage 0, {cfg.model.n_layers} blocks")
+        sources = export_sources(await membership.all_replicas(), cfg.stages.num_stages)
+        p2p = await dht.replicate_p2p()
+        certificate = StageClient(p2p, namespace=cfg.swarm_id, credentials=credentials).certificate  # private swarms: sent with each request
+        client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
+        fetch = lambda peer, blob, max_bytes: client.fetch(peer, blob, timeout=timeout_s, max_bytes=max_bytes)
+        model, meta = await download_model(cfg, sources, fetch, on_progress=on_progress)
+    finally:
+        dht.shutdown()
+    save_checkpoint(out, cfg, model, **meta)
+    on_progress(f"wrote {out}: {sum(p.numel() for p in model.parameters()):,} parameters")
+    return meta

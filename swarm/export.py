@@ -1,0 +1,61 @@
+"""Export: the whole model out of a running swarm, assembled from one live replica of every stage.
+
+Every middle stage's weights come from one of its servers and stage 0 (embedding, final norm, LM
+head) from a trainer: the replica's current (local) weights, served as ``local/<i>`` blobs in the
+state archive format (hash-checked, checked against the stage's shapes). ``assemble_model`` glues
+them into the plain ``Transformer`` that ``swarm/checkpoint.py`` saves and ``swarmloco eval`` /
+``sample`` load. A stage with no live replica makes the export fail, naming it, rather than fill
+it with untrained weights.
+
+    >>> sources = export_sources(await membership.all_replicas(), cfg.stages.num_stages)   # {stage: [peer, ...]}
+    >>> model, meta = await download_model(cfg, sources, fetch, on_progress=print)
+    >>> save_checkpoint("model.pt", cfg, model, **meta)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from swarm.config import SwarmConfig
+from swarm.membership import StageStatus
+from swarm.model import Transformer
+from swarm.stages import assemble_model, build_stage
+from swarm.state_sync import TransferError, download_state, state_bytes_bound
+
+SizedFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
+
+
+class ExportError(RuntimeError):
+    """The swarm cannot give a whole model right now (a stage has no live replica, or none delivered)."""
+
+
+def export_sources(replicas: Mapping[int, Mapping[Any, StageStatus]], num_stages: int) -> dict[int, list[str]]:
+    """Peers to download each stage 0..S from, the most advanced (latest outer round) first; ExportError names empty stages."""
+    missing = [stage for stage in range(num_stages + 1) if not replicas.get(stage)]
+    if missing:
+        names = ", ".join("0 (no trainer)" if stage == 0 else str(stage) for stage in missing)
+        raise ExportError(f"stage {names} {'has' if len(missing) == 1 else 'have'} no live replica: wait until "
+                          f"{'it is' if len(missing) == 1 else 'they are'} served again (a lost middle stage is rebuilt by the swarm)")
+    return {stage: [str(peer) for peer in sorted(replicas[stage], key=lambda p: (-replicas[stage][p].outer_round, str(p)))]
+            for stage in range(num_stages + 1)}
+
+
+async def download_model(cfg: SwarmConfig, sources: Mapping[int, list[str]], fetch: SizedFetch, *,
+                         on_progress: Callable[[str], None] = lambda line: None) -> tuple[Transformer, dict[str, Any]]:
+    """Every stage's state from the first of its ``sources`` that delivers, assembled; plus where each came from."""
+    num_stages, states, meta = cfg.stages.num_stages, {}, {"exported_from": cfg.swarm_id, "stages": {}}
+    for stage in range(num_stages + 1):
+        template = dict(build_stage(cfg.model, num_stages, stage).named_parameters())
+        try:
+            bound = state_bytes_bound(template)
+            # local/<i>: a replica's current weights (state/<i> would be the last outer round's, up to H steps behind)
+            peer, state = await download_state(lambda peer, name: fetch(peer, name.replace("state/", "local/", 1), bound), sources[stage],
+                                               stage=stage, template=template)
+        except TransferError as e:
+            raise ExportError(f"stage {stage}: {e}") from None
+        states[stage] = state.params
+        meta["stages"][str(stage)] = {"peer": peer, "outer_round": state.round, "schedule_step": state.schedule_step}
+        on_progress(f"stage {stage}/{num_stages}: {sum(t.numel() for t in state.params.values()):,} parameters from {peer} "
+                    f"(outer round {state.round}, step {state.schedule_step})")
+    return assemble_model(cfg.model, num_stages, states), meta

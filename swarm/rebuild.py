@@ -1,0 +1,185 @@
+"""Rebuilding a lost stage in a running swarm: detection, one claimant at a time, download, CheckFree merge.
+
+The math is ``swarm/recovery.py``; this module moves it onto the network.
+
+- **Detection.** A middle stage with no live record in the DHT has lost every replica (records
+  expire ``record_ttl_s`` after their peer's last announce). A joining peer sees it in
+  ``choose_role``/``_serve`` (``swarm/node.py``); a stage server that rebalances looks for such
+  holes every announce period, and ``plan_move`` names the one server that may fill it (the
+  least-loaded member of the most over-served stage, never the only replica of its stage).
+- **Fresh swarm or lost stage?** A stage nobody has served yet starts from the seeded weights;
+  one whose neighbours have trained (``swarm_has_trained``) was lost and is rebuilt.
+- **Claim.** Before rebuilding, a peer stores a ``RecoveryClaim`` under ``{swarm}/recovery/{i}``
+  with a TTL, waits ``settle_s`` for concurrent claims to show, and goes on only if it is the
+  ``claim_winner``: the lowest (priority, peer id), a joining peer (priority 0) before a moving
+  server (1). A peer that sees another live claim does not claim at all.
+- **Rebuild.** The claimant downloads the source stages' current weights (``local/<i>`` blobs, hash-checked)
+  and reads each source replica's last gradient norm from its DHT record, applies
+  ``apply_recovery`` (CheckFree merge for an interior stage; CheckFree+ copy of the swap partner
+  for stage 1 or S when the paths swap, else copy of the only neighbour), and serves the result
+  with a fresh optimizer at lr × 1.1, announcing ``recovered=True``.
+
+    >>> claimed = await acquire_claim(membership, stage=2, priority=PRIORITY_JOINER, ttl_s=60, settle_s=2)
+    >>> rebuilt = await rebuild_stage(cfg, 2, peer_sync.replicas, fetch)     # Rebuilt(state, sources, ...)
+    >>> save_rebuild(rebuilt, Path("runs/x"))                                 # the merge inputs, for audit
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from swarm.config import SwarmConfig
+from swarm.membership import Membership, RecoveryClaim, StageStatus
+from swarm.recovery import RecoveryPlan, apply_recovery, recovery_source
+from swarm.routing import PathConfig
+from swarm.stages import EDGE_STAGE, build_stage, split_layers
+from swarm.state_sync import StageState, TransferError, state_bytes_bound, unpack_state, weights_hash
+
+logger = logging.getLogger(__name__)
+PRIORITY_JOINER, PRIORITY_MOVER = 0, 1  # a peer that serves nothing yet rebuilds before one that must leave its stage
+ReplicaReader = Callable[[int], Awaitable[Mapping[str, StageStatus]]]  # stage → {peer id: status}, this peer excluded
+BlobFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
+
+
+def claim_winner(claims: Mapping[str, RecoveryClaim]) -> str | None:
+    """The peer whose claim stands: lowest priority, then smallest peer id (every peer computes the same)."""
+    return min(claims, key=lambda peer: (claims[peer].priority, peer)) if claims else None
+
+
+def empty_stages(replicas: Mapping[int, Mapping[Any, StageStatus]], num_stages: int) -> list[int]:
+    """Middle stages 1..S with no live replica, lowest first."""
+    return [stage for stage in range(1, num_stages + 1) if not replicas.get(stage)]
+
+
+def swaps_enabled(paths: PathConfig) -> bool:
+    """Whether paths swap adjacent stages, so stages 1 and S mimic their partners 2 and S−1 (CheckFree+)."""
+    return paths.max_swaps > 0 and paths.swap_prob > 0
+
+
+def swarm_has_trained(replicas: Mapping[int, Mapping[Any, StageStatus]]) -> bool:
+    """Whether any replica (trainers included) has taken an inner or outer step: a stage missing now was lost, not never served."""
+    return any(s.inner_steps > 0 or s.outer_round > 0 for peers in replicas.values() for s in peers.values())
+
+
+async def acquire_claim(membership: Membership, stage: int, *, priority: int, ttl_s: float, settle_s: float) -> bool:
+    """Claim the rebuild of ``stage``; True if this peer's claim stands after ``settle_s`` (it then rebuilds).
+
+    Nobody claims over a live claim of another peer; peers that claimed at the same moment all see
+    each other's claims after ``settle_s`` and agree on ``claim_winner``; the others withdraw.
+    """
+    me = membership.peer_id.to_base58()
+    if any(peer != me for peer in _by_id(await membership.recovery_claims(stage))):
+        return False
+    mine = RecoveryClaim(priority=priority, claimed_at=get_dht_time())
+    await membership.claim_recovery(stage, mine, expiration=get_dht_time() + ttl_s)
+    await asyncio.sleep(settle_s)
+    claims = _by_id(await membership.recovery_claims(stage)) | {me: mine}  # our own read may lag behind our store
+    if claim_winner(claims) == me:
+        return True
+    await membership.withdraw_recovery(stage)
+    logger.info(f"stage {stage}: {claim_winner(claims)} rebuilds it, not this peer")
+    return False
+
+
+def _by_id(claims: Mapping[PeerID, RecoveryClaim]) -> dict[str, RecoveryClaim]:
+    return {peer.to_base58(): claim for peer, claim in claims.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """One stage the rebuild read: whose state, its hash-checked blob and its last gradient norm."""
+
+    stage: int
+    peer: str
+    blob: bytes  # the local/<stage> archive as served
+    state: StageState
+    grad_norm: float  # from the peer's DHT record at download time
+
+    def summary(self) -> dict[str, Any]:
+        return {"stage": self.stage, "peer": self.peer, "sha256": hashlib.sha256(self.blob).hexdigest()[:16],
+                "weights_hash": weights_hash(self.state.params), "grad_norm": self.grad_norm, "schedule_step": self.state.schedule_step}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rebuilt:
+    """A stage rebuilt from its neighbours: the state to serve and what it came from."""
+
+    plan: RecoveryPlan
+    state: StageState  # round 0, no outer optimizer state: the rebuilt stage starts its own rounds
+    sources: tuple[Source, ...]
+    rebuild_s: float  # download + merge
+
+    def event(self) -> dict[str, Any]:
+        """The ``recovered`` log record's content: the merge inputs and the result's hash."""
+        return {"stage": self.plan.stage, "kind": self.plan.kind, "sources": [s.summary() for s in self.sources],
+                "weights_hash": weights_hash(self.state.params), "rebuild_s": self.rebuild_s}
+
+
+async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobFetch) -> Rebuilt:
+    """Download the sources of ``stage`` and merge them; ``TransferError`` if a source stage has no replica that delivers."""
+    started, num_stages = time.perf_counter(), cfg.stages.num_stages
+    plan = recovery_source(stage, num_stages, swaps_enabled=swaps_enabled(cfg.paths))
+    sources = []
+    for source in plan.sources:
+        try:
+            sources.append(await _download_source(cfg, source, replicas, fetch))
+        except TransferError as e:
+            if plan.kind != "merge":
+                raise
+            logger.warning(f"stage {stage}: cannot merge, {e}; copying the other neighbour")  # two adjacent stages lost at once
+    if plan.kind == "merge" and len(sources) == 1:
+        plan = RecoveryPlan(stage=stage, sources=(sources[0].stage,), kind="copy-neighbour")
+    elif len(sources) < len(plan.sources):
+        raise TransferError(f"stage {stage}: no neighbour delivered its state")
+    by_stage = {s.stage: s for s in sources}
+    num_blocks = len(split_layers(cfg.model.n_layers, num_stages)[stage - 1])
+    merged = apply_recovery(plan, lambda s: (by_stage[s].state.params, by_stage[s].grad_norm), num_blocks=num_blocks)
+    template = dict(build_stage(cfg.model, num_stages, stage).named_parameters())
+    params = {name: merged[name] for name in template}  # the stage's own order (unpack_state checks it)
+    # the sources' point on the lr schedule: the rebuilt stage continues there instead of warming up again
+    state = StageState(stage=stage, round=0, schedule_step=max(s.state.schedule_step for s in sources), params=params, optimizer=None)
+    return Rebuilt(plan=plan, state=state, sources=tuple(sources), rebuild_s=time.perf_counter() - started)
+
+
+async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobFetch) -> Source:
+    if stage == EDGE_STAGE:
+        raise ValueError("middle stages are rebuilt from middle stages")
+    found = await replicas(stage)
+    template = dict(build_stage(cfg.model, cfg.stages.num_stages, stage).named_parameters())
+    failures = []
+    for peer in sorted(found, key=lambda p: (-found[p].outer_round, p)):  # the most advanced replica first
+        try:
+            blob = await fetch(peer, f"local/{stage}", state_bytes_bound(template))  # its current weights, not the last round's
+            state = unpack_state(blob, stage=stage, template=template)
+        except (TransferError, ValueError) as e:
+            failures.append(f"{peer}: {e}")
+            continue
+        return Source(stage=stage, peer=peer, blob=blob, state=state, grad_norm=found[peer].grad_norm)
+    raise TransferError(f"no replica of stage {stage} delivered its state for the rebuild ({'; '.join(failures) or 'no replica'})")
+
+
+def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
+    """Write the merge inputs (the source blobs as served, their gradient norms) and the result: anyone can redo the merge."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"recovery-stage{rebuilt.plan.stage}-{name}-{int(time.time() * 1000)}.pt"
+    torch.save({"stage": rebuilt.plan.stage, "kind": rebuilt.plan.kind, "sources": [
+        {"stage": s.stage, "peer": s.peer, "blob": s.blob, "grad_norm": s.grad_norm} for s in rebuilt.sources],
+        "params": rebuilt.state.params}, path)
+    return path
+
+
+def load_stage_checkpoint(path: Path, cfg: SwarmConfig, stage: int) -> StageState:
+    """A stage state written by a server's periodic checkpoint (``--stage-checkpoint``), checked against the stage."""
+    template = dict(build_stage(cfg.model, cfg.stages.num_stages, stage).named_parameters())
+    return unpack_state(path.read_bytes(), stage=stage, template=template)

@@ -1,0 +1,284 @@
+"""Stage recovery in running swarms (CheckFree / CheckFree+), the claim that picks one rebuilder, and export.
+
+The multi-process tests run real ``swarmloco run`` peers on loopback (tiny model, 3 middle stages,
+short record TTLs so a dead peer vanishes within seconds), SIGKILL every replica of one stage and
+read the peers' JSONL logs: the ``recovered`` event of the rebuilder, the ``state_served`` events of
+the stages it read, and the ``recovery-*.pt`` file holding the merge inputs and result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from optim.config import InnerOptimConfig, OuterOptimConfig
+from peer.launch import REPO_ROOT, stop_processes
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
+from swarm.export import ExportError, download_model, export_sources
+from swarm.membership import RecoveryClaim, StageStatus
+from swarm.model import ModelConfig
+from swarm.rebuild import PRIORITY_JOINER, PRIORITY_MOVER, acquire_claim, claim_winner, empty_stages, rebuild_stage, swarm_has_trained
+from swarm.recovery import checkfree_merge
+from swarm.routing import PathConfig
+from swarm.stages import StagesConfig, build_stage
+from swarm.state_sync import StageState, TransferError, pack_state, unpack_state, weights_hash
+from swarm_harness import Swarm
+
+DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
+BATCH, SEQ = 8, 64
+TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+
+
+def recovery_config(*, steps: int, paths: PathConfig | None = None, n_layers: int = 3) -> SwarmConfig:
+    return SwarmConfig(model=ModelConfig(d_model=64, n_layers=n_layers, n_heads=4, max_seq_len=SEQ), stages=StagesConfig(num_stages=3),
+                       train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
+                       inner=InnerOptimConfig(warmup_steps=5, total_steps=steps), outer=OuterOptimConfig(method="none"),
+                       paths=paths or PathConfig(), timeouts=TIMEOUTS)
+
+
+# ---- pure parts ----------------------------------------------------------------------------------------
+
+
+def claim(priority: int) -> RecoveryClaim:
+    return RecoveryClaim(priority=priority, claimed_at=1.0)
+
+
+def test_the_claim_of_a_joining_peer_beats_a_mover_and_ties_go_to_the_smallest_peer_id() -> None:
+    assert claim_winner({}) is None
+    assert claim_winner({"QmB": claim(PRIORITY_MOVER), "QmC": claim(PRIORITY_JOINER)}) == "QmC"
+    assert claim_winner({"QmB": claim(PRIORITY_MOVER), "QmA": claim(PRIORITY_MOVER)}) == "QmA"
+
+
+def test_holes_and_whether_the_swarm_has_trained() -> None:
+    trained, fresh = StageStatus(inner_steps=3), StageStatus()
+    assert empty_stages({0: {"t": trained}, 1: {"a": trained}, 2: {}, 3: {}}, 3) == [2, 3]
+    assert empty_stages({1: {"a": fresh}}, 2) == [2]
+    assert swarm_has_trained({0: {"t": trained}, 1: {}}) and not swarm_has_trained({0: {"t": fresh}, 1: {"a": fresh}})
+    assert swarm_has_trained({1: {"a": StageStatus(outer_round=1)}})
+
+
+class FakeClaims:
+    """The three claim calls of ``Membership`` over a shared dict, with another peer claiming as we settle."""
+
+    def __init__(self, me: str, board: dict[str, RecoveryClaim], rival: tuple[str, RecoveryClaim] | None = None) -> None:
+        from hivemind.p2p import PeerID
+
+        self.peer_id, self.board, self.rival, self._id = PeerID.from_base58(me), board, rival, PeerID.from_base58
+
+    async def recovery_claims(self, stage: int) -> dict:
+        return {self._id(peer): c for peer, c in self.board.items()}
+
+    async def claim_recovery(self, stage: int, value: RecoveryClaim, *, expiration: float) -> None:
+        self.board[self.peer_id.to_base58()] = value
+        if self.rival:  # claimed at the same moment: visible only after ours
+            self.board.setdefault(*self.rival)
+
+    async def withdraw_recovery(self, stage: int) -> None:
+        self.board.pop(self.peer_id.to_base58())
+
+
+A, B = "QmXHXXz5S2uGQXx9Vws5WJAHRDCXqLXD8mLeQj1CnmG3S8", "QmTiZFEd9dxbRsrV4jt7Gj2dmfx8Xzj1k5B8PxTrkwKRSc"  # B < A
+
+
+@pytest.mark.timeout(10)
+def test_one_claimant_wins_and_nobody_claims_over_a_live_claim() -> None:
+    run = lambda fake, priority: asyncio.run(acquire_claim(fake, 2, priority=priority, ttl_s=30, settle_s=0.01))
+    assert run(FakeClaims(A, {}), PRIORITY_MOVER)  # alone
+    board = {B: claim(PRIORITY_MOVER)}
+    assert not run(FakeClaims(A, board), PRIORITY_JOINER) and A not in board  # B's claim is live: A does not even claim
+    board = {}
+    assert not run(FakeClaims(A, board, rival=(B, claim(PRIORITY_MOVER))), PRIORITY_MOVER) and set(board) == {B}  # tie: smaller id
+    board = {}
+    assert run(FakeClaims(A, board, rival=(B, claim(PRIORITY_MOVER))), PRIORITY_JOINER)  # a joiner beats a mover
+
+
+def source_blob(cfg: SwarmConfig, stage: int, scale: float, step: int) -> bytes:
+    params = {name: torch.full_like(p, scale * (1 + i)) for i, (name, p) in enumerate(build_stage(cfg.model, 3, stage).named_parameters())}
+    return pack_state(StageState(stage=stage, round=0, schedule_step=step, params=params, optimizer=None))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("swaps", [0, 1])
+def test_rebuild_merges_interior_stages_and_copies_the_partner_of_an_edge_stage(swaps: int) -> None:
+    cfg = recovery_config(steps=10, paths=PathConfig(max_swaps=swaps))
+    blobs = {1: source_blob(cfg, 1, 1.0, 7), 2: source_blob(cfg, 2, 2.0, 9), 3: source_blob(cfg, 3, 4.0, 8)}
+    norms = {1: 1.0, 2: 0.5, 3: 3.0}
+    fetched = []
+
+    async def replicas(stage: int) -> dict[str, StageStatus]:
+        return {f"peer{stage}": StageStatus(grad_norm=norms[stage])}
+
+    async def fetch(peer: str, name: str, max_bytes: int) -> bytes:
+        fetched.append(name)
+        return blobs[int(name.split("/")[1])]
+
+    merged = asyncio.run(rebuild_stage(cfg, 2, replicas, fetch))
+    assert merged.plan.kind == "merge" and fetched == ["local/1", "local/3"] and merged.state.schedule_step == 8
+    template = dict(build_stage(cfg.model, 3, 1).named_parameters())
+    w1, w3 = (unpack_state(blobs[s], stage=s, template=template).params for s in (1, 3))
+    expected = checkfree_merge(w1, w3, 1.0, 3.0, num_blocks=1)
+    assert all(torch.equal(merged.state.params[name], expected[name]) for name in expected)
+    assert merged.event()["sources"][1]["sha256"] == hashlib.sha256(blobs[3]).hexdigest()[:16]
+
+    edge = asyncio.run(rebuild_stage(cfg, 3, replicas, fetch))
+    assert edge.plan.kind == ("copy-swap-partner" if swaps else "copy-neighbour") and edge.plan.sources == (2,)
+    assert weights_hash(edge.state.params) == weights_hash(unpack_state(blobs[2], stage=2, template=template).params)
+
+
+@pytest.mark.timeout(20)
+def test_an_interior_stage_whose_neighbour_is_lost_too_copies_the_other_one() -> None:
+    cfg = recovery_config(steps=10)
+
+    async def replicas(stage: int) -> dict[str, StageStatus]:
+        return {"peer1": StageStatus(grad_norm=1.0)} if stage == 1 else {}
+
+    async def fetch(peer: str, name: str, max_bytes: int) -> bytes:
+        return source_blob(cfg, 1, 1.0, 3)
+
+    rebuilt = asyncio.run(rebuild_stage(cfg, 2, replicas, fetch))
+    assert rebuilt.plan.kind == "copy-neighbour" and rebuilt.plan.sources == (1,)
+    with pytest.raises(TransferError):
+        asyncio.run(rebuild_stage(cfg, 2, lambda stage: replicas(0), fetch))
+
+
+@pytest.mark.timeout(20)
+def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> None:
+    with pytest.raises(ExportError, match=r"stage 0 \(no trainer\), 2 have no live replica"):
+        export_sources({0: {}, 1: {"a": StageStatus()}, 2: {}}, 2)
+    assert export_sources({0: {"t": StageStatus()}, 1: {"a": StageStatus(), "b": StageStatus(outer_round=2)}}, 1) == {0: ["t"], 1: ["b", "a"]}
+
+    cfg = recovery_config(steps=10)
+    stages = {s: dict(build_stage(cfg.model, 3, s).named_parameters()) for s in range(4)}
+
+    async def fetch(peer: str, name: str, max_bytes: int) -> bytes:
+        stage = int(name.split("/")[1])
+        assert name == f"local/{stage}" and peer == f"p{stage}"
+        params = {n: torch.full_like(p, float(stage)) for n, p in stages[stage].items()}
+        return pack_state(StageState(stage=stage, round=0, schedule_step=5, params=params, optimizer=None))
+
+    model, meta = asyncio.run(download_model(cfg, {s: [f"p{s}"] for s in range(4)}, fetch))
+    assert meta["stages"]["2"] == {"peer": "p2", "outer_round": 0, "schedule_step": 5}
+    state = model.state_dict()
+    assert torch.all(state["blocks.1.attn.qkv.weight"] == 2.0) and torch.all(state["blocks.2.mlp.down.weight"] == 3.0)
+    assert torch.all(state["embed.weight"] == 0.0)
+
+
+def test_a_stage_checkpoint_needs_its_file_and_loads_back_checked(tmp_path: Path) -> None:
+    from swarm.node import NodeOptions
+    from swarm.rebuild import load_stage_checkpoint
+
+    with pytest.raises(ValueError, match="stage_checkpoint"):
+        NodeOptions(role="stage", stage=2, checkpoint_every=10)
+    cfg = recovery_config(steps=10)
+    path = tmp_path / "stage2.ckpt"
+    path.write_bytes(source_blob(cfg, 2, 0.5, 40))
+    state = load_stage_checkpoint(path, cfg, 2)
+    assert state.schedule_step == 40 and state.stage == 2
+    with pytest.raises(ValueError, match="stage 2, expected 3"):
+        load_stage_checkpoint(path, cfg, 3)
+
+
+# ---- real swarms ---------------------------------------------------------------------------------------
+
+
+def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, str]) -> dict:
+    """The rebuilder's ``recovered`` event matches the formula applied to the blobs its sources served; returns the event."""
+    (event,) = swarm.records(rebuilder, "recovered")
+    assert event["stage"] == stage and event["lr_scale"] == pytest.approx(1.1)
+    saved = torch.load(event["saved"], weights_only=False)
+    inputs = {}
+    for source in saved["sources"]:
+        sha = hashlib.sha256(source["blob"]).hexdigest()[:16]
+        assert sha in swarm.served(sources[source["stage"]]), (source["stage"], sha)  # exactly what that neighbour served
+        template = dict(build_stage(swarm.cfg.model, 3, source["stage"]).named_parameters())
+        inputs[source["stage"]] = (unpack_state(source["blob"], stage=source["stage"], template=template).params, source["grad_norm"])
+    assert sorted(inputs) == sorted(sources)
+    if len(inputs) == 2:
+        (prev, g_prev), (next_, g_next) = inputs[stage - 1], inputs[stage + 1]
+        assert g_prev > 0 and g_next > 0  # the neighbours' last gradient norms, from their records
+        expected = checkfree_merge(prev, next_, g_prev, g_next, num_blocks=1)
+    else:
+        (expected, _), = inputs.values()
+    assert all(torch.equal(saved["params"][name], expected[name]) for name in expected)
+    assert event["weights_hash"] == event["installed_hash"] == weights_hash(saved["params"])  # and served exactly that
+    return event
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_swarm_exports(tmp_path: Path, child_processes: list) -> None:
+    steps = 400  # trains on while the test looks; stopped at the end
+    swarm = Swarm(tmp_path, recovery_config(steps=steps), child_processes)
+    for name, stage in (("stage3-a", 3), ("stage2-a", 2)):
+        swarm.spawn(name, "--role", "stage", "--stage", str(stage))
+    swarm.wait("stage 2 to serve", lambda: swarm.records("stage2-a", "serving"), 90)  # else stage 1's movers would fill it
+    pair = ["stage1-a", "stage1-b"]  # stage 1 has a replica to spare: the less loaded one moves (600 s: no throughput moves)
+    for name in pair:
+        swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "600")
+    swarm.spawn("trainer-0", "--role", "trainer", "--steps", str(steps), "--data", DATA)
+    swarm.wait("10 steps", lambda: any(r["step"] >= 10 for r in swarm.progress("trainer-0")), 120)
+
+    killed_at = swarm.kill("stage2-a")
+    ((mover, move),) = swarm.wait("a stage-1 server to move", lambda: [(n, r) for n in pair for r in swarm.records(n, "move")], 60)
+    assert move["from"] == 1 and move["to"] == 2 and move["rebuilt"], move
+    stayer = next(n for n in pair if n != mover)  # a merge source: stage 1 kept a replica
+    event = check_rebuild(swarm, mover, 2, {1: stayer, 3: "stage3-a"})
+    assert event["kind"] == "merge" and event["time"] - killed_at < 30
+    served = swarm.wait("a microbatch through the rebuilt stage", lambda: [r for r in swarm.records(mover) if r.get("stage") == 2
+                                                                            and r.get("backward", 0) > 0], 60)
+    assert served[0]["first_served_at"] - killed_at < 30
+
+    out = tmp_path / "model.pt"  # export the running swarm (the rebuilt stage included) and evaluate it
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    export = subprocess.run([sys.executable, "-m", "peer", "export", *swarm.join, "--config", str(tmp_path / "swarm.toml"), "-o", str(out)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert export.returncode == 0 and out.exists(), export.stdout + export.stderr
+    assert "stage 2/3" in export.stdout and "wrote" in export.stdout
+    evaluated = subprocess.run([sys.executable, "-m", "peer", "eval", "--checkpoint", str(out), "--data", DATA, "--json"],
+                               capture_output=True, text=True, env=env, timeout=120)
+    assert evaluated.returncode == 0, evaluated.stderr
+    val_loss = json.loads(evaluated.stdout.splitlines()[-1])["val_loss"]
+    assert val_loss < 5.0  # trained: a byte-level model starts near ln(256) ≈ 5.5
+
+    step_at_export = swarm.progress("trainer-0")[-1]["step"]
+    swarm.wait("10 more steps", lambda: swarm.progress("trainer-0")[-1]["step"] >= step_at_export + 10, 60)
+    stop_processes([swarm.procs[n] for n in ("trainer-0", *pair, "stage3-a")])
+    last = swarm.progress("trainer-0")[-1]
+    assert last["skipped_hops"] > 0 and last["failed"] <= 3, last  # stage 2 was skipped, not fatal
+    status = [r for r in swarm.records(mover) if r.get("stage") == 2 and "metrics" in r]
+    assert status and status[-1]["metrics"]["recoveries"] == 1
+    assert not swarm.records(stayer, "move") and not swarm.records(stayer, "recovered")  # exactly one rebuilder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_of_its_partner(tmp_path: Path, child_processes: list) -> None:
+    steps = 400
+    swarm = Swarm(tmp_path, recovery_config(steps=steps, paths=PathConfig(max_swaps=1, swap_prob=0.5)), child_processes)
+    for stage in (1, 2, 3):
+        swarm.spawn(f"stage{stage}-a", "--role", "stage", "--stage", str(stage))
+    swarm.spawn("trainer-0", "--role", "trainer", "--steps", str(steps), "--data", DATA)
+    swarm.wait("10 steps", lambda: any(r["step"] >= 10 for r in swarm.progress("trainer-0")), 120)
+
+    killed_at = swarm.kill("stage3-a")
+    swarm.wait("the trainer to skip stage 3", lambda: swarm.progress("trainer-0")[-1]["skipped_hops"] > 0, 60)
+    time.sleep(max(0.0, killed_at + TIMEOUTS.record_ttl_s + 1 - time.time()))  # the dead peer's record has expired
+    swarm.spawn("joiner", "--role", "auto")  # --role auto: the empty stage first
+    event = swarm.wait("the joiner to rebuild stage 3", lambda: swarm.records("joiner", "recovered"), 90)[0]
+    event = check_rebuild(swarm, "joiner", 3, {2: "stage2-a"})
+    assert event["kind"] == "copy-swap-partner"
+    swarm.wait("a microbatch through the rebuilt stage", lambda: [r for r in swarm.records("joiner") if r.get("backward", 0) > 0], 60)
+    stop_processes([swarm.procs[n] for n in ("trainer-0", "stage1-a", "stage2-a", "joiner")])
+    last = swarm.progress("trainer-0")[-1]
+    assert last["failed"] <= 3, last
+    assert event["time"] - killed_at < 90
