@@ -13,7 +13,7 @@ SparseLoCo, and skip 0.33. ``--repeats`` runs the plan several times, interleave
 medians: the machine is shared and time-sliced, so every tokens/s is relative to the uncapped
 run of the same configuration measured in the same invocation.
 
-    sudo python scripts/bench_e2e.py --json bench-e2e.json --plot docs/bench-e2e.png    # ~25 min per repeat on 2 cores
+    sudo python scripts/bench_e2e.py --json bench-e2e.json --plot docs/bench-e2e.png    # ~60 min per repeat on 2 cores
     sudo python scripts/bench_e2e.py --steps 40 --only int8                             # a quick look
 """
 
@@ -62,7 +62,7 @@ def plan(bandwidths: list[float | None]) -> list[Run]:
     return runs
 
 
-def run_config(base: SwarmConfig, run: Run, layout: LocalSwarm) -> SwarmConfig:
+def run_config(base: SwarmConfig, run: Run, layout: LocalSwarm, inner_steps: int) -> SwarmConfig:
     codec = "fp32" if run.act_codec == "none" else run.act_codec
     model = dataclasses.replace(base.model, subspace_rank=base.model.d_model // 8 if codec.startswith("subspace") else 0)
     cfg = local_config(dataclasses.replace(base, model=model), layout)
@@ -70,13 +70,13 @@ def run_config(base: SwarmConfig, run: Run, layout: LocalSwarm) -> SwarmConfig:
         cfg,
         codecs=dataclasses.replace(cfg.codecs, activations=codec, gradients=codec,
                                    pseudo_gradients="sparseloco" if run.outer == "sparseloco" else "fp32"),
-        outer=dataclasses.replace(cfg.outer, method=run.outer),
+        outer=dataclasses.replace(cfg.outer, method=run.outer, inner_steps=inner_steps),
         paths=PathConfig(skip_ratio=run.skip),
     )
 
 
-def measure(run: Run, layout: LocalSwarm, base: SwarmConfig, data: list[str] | None, out: Path) -> dict[str, Any]:
-    cfg = run_config(base, run, layout)
+def measure(run: Run, layout: LocalSwarm, base: SwarmConfig, inner_steps: int, data: list[str] | None, out: Path) -> dict[str, Any]:
+    cfg = run_config(base, run, layout, inner_steps)
     names = [name for name, _ in layout.servers()] + [f"trainer-{i}" for i in range(layout.trainers)]
     with WanLab(caps_mbit=[run.bandwidth_mbit] * len(names)) as lab:
         hosts = {name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)}
@@ -167,7 +167,11 @@ def parse_bandwidths(text: str) -> list[float | None]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=80, help="inner steps per trainer in every run")
+    parser.add_argument("--steps", type=int, default=50, help="inner steps per trainer in every run")
+    parser.add_argument("--microbatch", type=int, help="samples per microbatch (default: the config's, = the inner batch: one microbatch in flight "
+                        "per trainer); smaller ones pipeline, several in flight, so transfers overlap compute")
+    parser.add_argument("-H", "--inner-steps", type=int, default=10,
+                        help="H: inner steps between outer steps; short runs need several rounds for SparseLoCo's error feedback to pay back")
     parser.add_argument("--bandwidths", type=parse_bandwidths, default=[20.0, 100.0, None], help="Mbit/s per peer, comma separated; 'none' is uncapped")
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
     parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")
@@ -180,6 +184,9 @@ def main() -> int:
         print(f"error: the WAN lab cannot run here: {reason}", file=sys.stderr)
         return 2
 
+    base = SwarmConfig()
+    if args.microbatch:
+        base = dataclasses.replace(base, train=dataclasses.replace(base.train, microbatch_size=args.microbatch))
     layout = LocalSwarm(peers=LAYOUT["trainers"] + LAYOUT["stages"], steps=args.steps, **LAYOUT)
     runs = [run for run in plan(args.bandwidths) if not args.only or any(s in run.name for s in args.only)]
     results: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
@@ -189,7 +196,7 @@ def main() -> int:
             for k, run in enumerate(runs):
                 print(f"[{repeat + 1}/{args.repeats}] run {k + 1}/{len(runs)}: {run.name}", flush=True)
                 started = time.perf_counter()
-                record = measure(run, layout, SwarmConfig(), args.data, root / f"{repeat}" / run.name.replace("/", "_"))
+                record = measure(run, layout, base, args.inner_steps, args.data, root / f"{repeat}" / run.name.replace("/", "_"))
                 results[run.name].append(record)
                 print(f"    {record['tokens_per_s']:.0f} tok/s  step {record['step_s']:.2f}s  val {record['val_loss']:.4f}  "
                       f"{record['bytes_per_token']['total']:.0f} B/token  ({time.perf_counter() - started:.0f}s)", flush=True)
@@ -200,7 +207,7 @@ def main() -> int:
     for key, value in targets["values"].items():
         print(f"  {key:<32} {value:+.3f}  met: {targets['met'][key]}")
     if args.json:
-        args.json.write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "layout": LAYOUT, "records": records, "targets": targets}, indent=1))
+        args.json.write_text(json.dumps({"steps": args.steps, "inner_steps": args.inner_steps, "train": dataclasses.asdict(base.train), "repeats": args.repeats, "layout": LAYOUT, "records": records, "targets": targets}, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
         plot(records, args.plot)
