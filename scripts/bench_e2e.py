@@ -152,6 +152,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.plot(*zip(*rows), marker="o", label=f"{config[0]} / {config[1]} / skip {config[2]:g}")
     ax.set_xscale("log")
     ax.set_xticks([*caps, free_x], [*(f"{c:g}" for c in caps), "uncapped"])
+    ax.minorticks_off()
     ax.set_xlabel("bandwidth per peer, each direction (Mbit/s)")
     ax.set_ylabel("training tokens/s (both trainers)")
     ax.set_title("swarmloco in the WAN lab: 2 trainers, 3 stages, 2 CPU cores")
