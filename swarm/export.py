@@ -20,7 +20,7 @@ from typing import Any
 from swarm.config import SwarmConfig
 from swarm.membership import StageStatus
 from swarm.model import Transformer
-from swarm.stages import assemble_model, build_stage
+from swarm.stages import assemble_model, stage_template
 from swarm.state_sync import TransferError, download_state, state_bytes_bound
 
 SizedFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
@@ -46,12 +46,12 @@ async def download_model(cfg: SwarmConfig, sources: Mapping[int, list[str]], fet
     """Every stage's state from the first of its ``sources`` that delivers, assembled; plus where each came from."""
     num_stages, states, meta = cfg.stages.num_stages, {}, {"exported_from": cfg.swarm_id, "stages": {}}
     for stage in range(num_stages + 1):
-        template = dict(build_stage(cfg.model, num_stages, stage).named_parameters())
+        template = stage_template(cfg.model, num_stages, stage)
         try:
             bound = state_bytes_bound(template)
             # local/<i>: a replica's current weights (state/<i> would be the last outer round's, up to H steps behind)
-            peer, state = await download_state(lambda peer, name: fetch(peer, name.replace("state/", "local/", 1), bound), sources[stage],
-                                               stage=stage, template=template)
+            peer, state = await download_state(lambda peer, name: fetch(peer, name, bound), sources[stage], stage=stage, template=template,
+                                               blob="local")
         except TransferError as e:
             raise ExportError(f"stage {stage}: {e}") from None
         states[stage] = state.params

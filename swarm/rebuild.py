@@ -43,8 +43,8 @@ from swarm.config import SwarmConfig
 from swarm.membership import Membership, RecoveryClaim, StageStatus
 from swarm.recovery import RecoveryPlan, apply_recovery, recovery_source
 from swarm.routing import PathConfig
-from swarm.stages import EDGE_STAGE, build_stage, split_layers
-from swarm.state_sync import StageState, TransferError, state_bytes_bound, unpack_state, weights_hash
+from swarm.stages import EDGE_STAGE, split_layers, stage_template
+from swarm.state_sync import StageState, TransferError, download_state, state_bytes_bound, unpack_state, weights_hash
 
 logger = logging.getLogger(__name__)
 PRIORITY_JOINER, PRIORITY_MOVER = 0, 1  # a peer that serves nothing yet rebuilds before one that must leave its stage
@@ -145,8 +145,7 @@ async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, f
     by_stage = {s.stage: s for s in sources}
     num_blocks = len(split_layers(cfg.model.n_layers, num_stages)[stage - 1])
     merged = apply_recovery(plan, lambda s: (by_stage[s].state.params, by_stage[s].grad_norm), num_blocks=num_blocks)
-    template = dict(build_stage(cfg.model, num_stages, stage).named_parameters())
-    params = {name: merged[name] for name in template}  # the stage's own order (unpack_state checks it)
+    params = {name: merged[name] for name in stage_template(cfg.model, num_stages, stage)}  # the stage's own order (unpack_state checks it)
     # the sources' point on the lr schedule: the rebuilt stage continues there instead of warming up again
     state = StageState(stage=stage, round=0, schedule_step=max(s.state.schedule_step for s in sources), params=params, optimizer=None)
     return Rebuilt(plan=plan, state=state, sources=tuple(sources), rebuild_s=time.perf_counter() - started)
@@ -156,17 +155,16 @@ async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader
     if stage == EDGE_STAGE:
         raise ValueError("middle stages are rebuilt from middle stages")
     found = await replicas(stage)
-    template = dict(build_stage(cfg.model, cfg.stages.num_stages, stage).named_parameters())
-    failures = []
-    for peer in sorted(found, key=lambda p: (-found[p].outer_round, p)):  # the most advanced replica first
-        try:
-            blob = await fetch(peer, f"local/{stage}", state_bytes_bound(template))  # its current weights, not the last round's
-            state = unpack_state(blob, stage=stage, template=template)
-        except (TransferError, ValueError) as e:
-            failures.append(f"{peer}: {e}")
-            continue
-        return Source(stage=stage, peer=peer, blob=blob, state=state, grad_norm=found[peer].grad_norm)
-    raise TransferError(f"no replica of stage {stage} delivered its state for the rebuild ({'; '.join(failures) or 'no replica'})")
+    template = stage_template(cfg.model, cfg.stages.num_stages, stage)
+    blobs: dict[str, bytes] = {}  # kept as served: the rebuild's inputs are logged and saved by their hash
+
+    async def fetch_kept(peer: str, name: str) -> bytes:
+        blobs[peer] = await fetch(peer, name, state_bytes_bound(template))
+        return blobs[peer]
+
+    order = sorted(found, key=lambda p: (-found[p].outer_round, p))  # the most advanced replica first
+    peer, state = await download_state(fetch_kept, order, stage=stage, template=template, blob="local")  # current weights, not the last round's
+    return Source(stage=stage, peer=peer, blob=blobs[peer], state=state, grad_norm=found[peer].grad_norm)
 
 
 def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
@@ -181,5 +179,4 @@ def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
 
 def load_stage_checkpoint(path: Path, cfg: SwarmConfig, stage: int) -> StageState:
     """A stage state written by a server's periodic checkpoint (``--stage-checkpoint``), checked against the stage."""
-    template = dict(build_stage(cfg.model, cfg.stages.num_stages, stage).named_parameters())
-    return unpack_state(path.read_bytes(), stage=stage, template=template)
+    return unpack_state(path.read_bytes(), stage=stage, template=stage_template(cfg.model, cfg.stages.num_stages, stage))

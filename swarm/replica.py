@@ -53,7 +53,7 @@ from swarm.auth import CertificateVerifier
 from swarm.config import SwarmConfig
 from swarm.membership import Membership, StageStatus
 from swarm.outer_sync import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
-from swarm.stages import build_stage
+from swarm.stages import stage_template
 from swarm.state_sync import (
     BlobClient, BlobServicer, StageState, TransferError, download_state, pack_state, state_bytes_bound, weights_hash,
 )
@@ -289,7 +289,7 @@ class PeerSync:
 
     async def download(self, stage: int, attempts: int = 3) -> StageState | None:
         """The current state of ``stage`` from its most advanced replica that delivers; None if it has no replica."""
-        template = dict(build_stage(self.cfg.model, self.cfg.stages.num_stages, stage).named_parameters())  # shapes to check against
+        template = stage_template(self.cfg.model, self.cfg.stages.num_stages, stage)  # shapes to check against
         fetch = functools.partial(self._fetch, max_bytes=state_bytes_bound(template))
         for attempt in range(1, attempts + 1):
             others = await self.replicas(stage)

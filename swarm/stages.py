@@ -87,6 +87,11 @@ def build_stage(cfg: ModelConfig, num_stages: int, stage: int) -> EdgeStage | Mi
     return MiddleStage(model, split_layers(cfg.n_layers, num_stages)[stage - 1])
 
 
+def stage_template(cfg: ModelConfig, num_stages: int, stage: int) -> dict[str, nn.Parameter]:
+    """A stage's parameters by name, as built: the names, order and shapes a downloaded state is checked against."""
+    return dict(build_stage(cfg, num_stages, stage).named_parameters())
+
+
 def split_model(model: Transformer, num_stages: int) -> list[EdgeStage | MiddleStage]:
     """All stages of one model, sharing its parameters: [edge, stage 1, ..., stage S]."""
     return [EdgeStage(model)] + [MiddleStage(model, r) for r in split_layers(model.cfg.n_layers, num_stages)]

@@ -218,8 +218,11 @@ def _check_tensor(name: str, value: Any, shape: torch.Size) -> None:
         raise ValueError(f"{name}: non-finite values")
 
 
-async def download_state(fetch: Fetch, peers: Sequence[str], *, stage: int, template: Mapping[str, torch.Tensor]) -> tuple[str, StageState]:
+async def download_state(fetch: Fetch, peers: Sequence[str], *, stage: int, template: Mapping[str, torch.Tensor],
+                         blob: str = "state") -> tuple[str, StageState]:
     """The state of ``stage`` from the first of ``peers`` that delivers a valid one (each tried once, in order).
+
+    ``blob``: ``state`` (the last outer round's, with the outer optimizer) or ``local`` (the replica's current weights).
 
     ``fetch(peer, name)`` returns a whole, hash-checked blob or raises ``TransferError``; a blob
     that arrives whole but does not fit the stage counts as a failed transfer too.
@@ -227,7 +230,7 @@ async def download_state(fetch: Fetch, peers: Sequence[str], *, stage: int, temp
     failures = []
     for peer in peers:
         try:
-            return peer, unpack_state(await fetch(peer, f"state/{stage}"), stage=stage, template=template)
+            return peer, unpack_state(await fetch(peer, f"{blob}/{stage}"), stage=stage, template=template)
         except (TransferError, ValueError) as e:
             logger.warning(f"state of stage {stage} from {peer}: {e}; trying another replica")
             failures.append(f"{peer}: {e}")
