@@ -193,7 +193,8 @@ def test_a_stage_checkpoint_needs_its_file_and_loads_back_checked(tmp_path: Path
 
 def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, str]) -> dict:
     """The rebuilder's ``recovered`` event matches the formula applied to the blobs its sources served; returns the event."""
-    (event,) = swarm.records(rebuilder, "recovered")
+    # the event comes once the rebuilt stage is installed, just after the move (or start) that led to it is logged
+    (event,) = swarm.wait(f"{rebuilder}'s recovered event", lambda: swarm.records(rebuilder, "recovered"), 30)
     assert event["stage"] == stage and event["lr_scale"] == pytest.approx(1.1)
     saved = torch.load(event["saved"], weights_only=False)
     inputs = {}
