@@ -11,6 +11,7 @@ replicas from one thread::
 
     payload = opt.make_payload(local)        # encode my Δ
     opt.apply(all_gather(payload), local)    # combine everyone's Δ, step, local ← global
+    opt.apply_alone(local)                   # a round with nobody else: global ← local, nothing lost
 
 Usage::
 
@@ -148,6 +149,7 @@ class OuterOptimizer(ABC, Generic[Part]):
         members = self._screen(members, round_)
         if not members:
             logger.warning("outer round %d: no usable pseudo-gradient; parameters unchanged", round_)
+            self.discard_payload()
             return 0
         for name, g in self._global.items():
             g.grad = self._combine([m[name] for m in members]).to(g)
@@ -155,6 +157,26 @@ class OuterOptimizer(ABC, Generic[Part]):
         self.optimizer.zero_grad(set_to_none=True)
         self.copy_global_to(local)
         return len(members)
+
+    @torch.no_grad()
+    def apply_alone(self, local: NamedTensors) -> None:
+        """A round nobody else joined: there is nothing to agree on, so the global weights become ``local``.
+
+        No progress is lost, and nothing is thrown away that a group round would keep: the outer
+        optimizer's state (DiLoCo's momentum, SparseLoCo's error buffer of what the group has not
+        received yet) is left as it is for the next round with company. The round still counts,
+        so a replica alone keeps the stage's round number moving for replicas that join later.
+        (Measured, docs/benchmarks.md: a Nesterov step on a lone replica's own Δ trains worse than
+        this at our sizes, and a sparse top-k step drops ~98% of the progress.)
+        """
+        self._check_names(local)
+        self.discard_payload()
+        for name, g in self._global.items():
+            g.copy_(local[name])
+        self.round += 1
+
+    def discard_payload(self) -> None:
+        """The round the last ``make_payload`` was for applied nothing: undo what making it changed (SparseLoCo's error buffer)."""
 
     def step(self, local: NamedTensors, all_gather: AllGather) -> int:
         """One outer step: exchange Δ with the group, step, reset ``local``; returns members used."""
@@ -265,6 +287,7 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
         super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr))
         self.codec = codec
         self._error = codec.new_state()
+        self._error_before_payload: dict[str, torch.Tensor] | None = None
 
     def _encode(self, name: str, delta: torch.Tensor) -> bytes:
         return self.codec.encode(name, delta, self._error)
@@ -283,9 +306,24 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
     def _scale(self, part: SparseTensor, factor: float) -> SparseTensor:
         return dataclasses.replace(part, values=part.values * factor)
 
+    def make_payload(self, local: NamedTensors) -> bytes:
+        # Encoding replaces each error buffer with a new tensor (never writes into the old one), so the
+        # buffers before it are a free undo for a round that applies nothing (``discard_payload``).
+        self._error_before_payload = dict(self._error.errors)
+        return super().make_payload(local)
+
+    def apply(self, payloads: list[bytes], local: NamedTensors) -> int:
+        used = super().apply(payloads, local)
+        self._error_before_payload = None  # applied (or discarded, with no usable member): no undo any more
+        return used
+
+    def discard_payload(self) -> None:
+        if self._error_before_payload is not None:
+            self._error.errors, self._error_before_payload = self._error_before_payload, None
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self._error = self.codec.new_state()
+        self._error, self._error_before_payload = self.codec.new_state(), None
 
 
 def build_outer_optimizer(params: NamedTensors, cfg: OuterOptimConfig, codecs: CodecConfig) -> OuterOptimizer | None:

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -142,14 +143,16 @@ def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = 
                  place: Callable[[str], Placement] = lambda name: LOOPBACK) -> int:
     """Run a whole swarm until its trainers finish; 0 if every trainer succeeded.
 
-    Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere.
+    Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
+    peers run in ``out``, so every path handed to them is made absolute first.
     """
+    out = out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg = local_config(config or SwarmConfig(), layout)
     save_config(cfg, out / "swarm.toml")
     common = ["--out", str(out), "--threads", "1", *extra_args]
     for spec in data or ():
-        common += ["--data", spec]
+        common += ["--data", absolute_spec(spec)]
 
     def spawn(name: str, args: list[str]) -> subprocess.Popen:
         where = place(name)
@@ -182,12 +185,59 @@ def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = 
     for name, code in codes.items():
         if code != 0:
             echo(f"{name} exited with status {code}; see {out / f'{name}.log'}")
-        elif (metrics := out / f"{name}.jsonl").exists():
-            last = json.loads(metrics.read_text().splitlines()[-1])
-            echo(f"{name}: val_loss {last.get('val_loss', float('nan')):.4f} after {last['tokens']} tokens; "
-                 f"{last['failed']} failed microbatches, {last['skipped_hops']} skipped hops")
+    for line in summary(out, list(procs)):
+        echo(line)
     echo(f"swarm stopped; per-peer metrics in {out}/<peer>.jsonl, logs in {out}/<peer>.log")
     return max(codes.values(), key=abs)
+
+
+def last_records(out: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Each peer's last progress record (a trainer's step, a server's counters) from ``out/<name>.jsonl``."""
+    found = {}
+    for name in names:
+        path = out / f"{name}.jsonl"
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last line may be half written
+        records = [r for r in map(json.loads, lines) if "role" in r]
+        if records:
+            found[name] = records[-1]
+    return found
+
+
+def summary(out: Path, names: Iterable[str]) -> list[str]:
+    """What a user wants to know when the swarm stops: per peer, and the bytes on the wire by kind against fp32.
+
+    Every pipeline hop starts and ends at a trainer, so the trainers' counters hold all activation
+    traffic; pseudo-gradient bytes are what each replica received in its outer rounds.
+    """
+    records = last_records(out, names)
+    lines = [f"{'peer':<12} {'role':<8} {'val_loss':>8} {'tokens':>9} {'tok/s':>7} {'failed':>6} {'skipped':>7} {'outer rounds':>12}"]
+    wire: Counter[str] = Counter()
+    fp32: Counter[str] = Counter()
+    for name, r in records.items():
+        rounds = sum(r.get(f"outer_{outcome}", 0) for outcome in ("done", "late", "failed"))
+        if r["role"] == "trainer":
+            val = f"{r['val_loss']:.4f}" if "val_loss" in r else "-"
+            row = ["trainer", val, r["tokens"], f"{r['tokens_per_s']:.0f}", r["failed"], r["skipped_hops"]]
+        else:
+            row = [f"stage {r.get('stage')}", "-", "-", "-", "-", "-"]
+        done = f"{r.get('outer_done', 0)} of {rounds}"
+        lines.append(f"{name:<12} {row[0]:<8} {row[1]:>8} {row[2]:>9} {row[3]:>7} {row[4]:>6} {row[5]:>7} {done:>12}")
+        if r["role"] == "trainer":
+            wire.update(r.get("wire_bytes", {}))
+            fp32.update(r.get("fp32_bytes", {}))
+        wire["pseudo_gradients"] += r.get("pseudo_grad_bytes", 0)
+        fp32["pseudo_gradients"] += r.get("pseudo_grad_fp32_bytes", 0)
+    kinds = []
+    for kind, label in (("activations", "activations"), ("gradients", "activation gradients"), ("pseudo_gradients", "pseudo-gradients")):
+        against = f" ({fp32[kind] / wire[kind]:.1f}× less than fp32's {fp32[kind] / 1e6:.1f} MB)" if wire[kind] else ""
+        kinds.append(f"{label} {wire[kind] / 1e6:.1f} MB{against}")
+    return [*lines, "bytes on the wire: " + "; ".join(kinds)]
+
+
+def absolute_spec(spec: str) -> str:
+    """A ``--data`` spec (file, directory or glob) resolved against this process's directory, for a peer running elsewhere."""
+    path = Path(spec).expanduser()
+    return str(path if path.is_absolute() else Path.cwd() / path)
 
 
 def has_trained(metrics: Path) -> bool:

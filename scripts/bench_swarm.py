@@ -16,6 +16,7 @@ the same run.
     python scripts/bench_swarm.py --json bench-swarm.json                                   # ~4 min on 2 cores
     python scripts/bench_swarm.py --outer sparseloco --trainers 2 --replicas 2 --stages 1 --join --json bench-outer.json
     python scripts/bench_swarm.py --steps 30 --codec fp32                                   # quick look, fp32 on the wire
+    python scripts/bench_swarm.py --seeds 3 --json docs/data/bench-local-default.json       # the default `swarmloco local` vs train-local
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, help="swarm config TOML (default: the built-in model)")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
     parser.add_argument("--out", type=Path, help="keep the swarm's logs and metrics here")
+    parser.add_argument("--seeds", type=int, default=1, help="repeat with train.seed 0..N-1 (data order, routing) and report mean and spread")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
 
@@ -150,8 +152,18 @@ def main() -> None:
     cfg = outer_config(local_config(load_config(args.config) if args.config else SwarmConfig(), layout), args.outer, args.inner_steps)
     if args.codec:
         cfg = dataclasses.replace(cfg, codecs=dataclasses.replace(cfg.codecs, activations=args.codec, gradients=args.codec))
+    results = [measure(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed)), layout, args) for seed in range(args.seeds)]
+    if args.seeds > 1:
+        print_seeds(results)
+    if args.json:
+        args.json.write_text(json.dumps(results[0] if args.seeds == 1 else {"seeds": args.seeds, "runs": results, **spread(results)}, indent=1))
+        print(f"wrote {args.json}")
+
+
+def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> dict[str, Any]:
+    """One seed: the swarm, then the baseline on as many tokens; the comparison and the targets."""
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
-        swarm = run_swarm(cfg, layout, args.data, args.out or Path(tmp))
+        swarm = run_swarm(cfg, layout, args.data, args.out / f"seed{cfg.train.seed}" if args.out else Path(tmp))
     tokens_per_step = cfg.train.inner_batch * cfg.train.seq_len
     baseline = run_baseline(cfg, swarm["tokens"] // tokens_per_step, args.data)  # as many tokens as all trainers together
     assert swarm["tokens"] == baseline["tokens"], (swarm["tokens"], baseline["tokens"])
@@ -166,7 +178,7 @@ def main() -> None:
         targets["join_within_30s"] = swarm.get("join_s") is not None and swarm["join_s"] <= TARGET_JOIN_S
     result = {
         "peers": layout.peers + layout.joiners, "stages": layout.stages, "trainers": layout.trainers, "replicas": args.replicas,
-        "steps": args.steps, "tokens": swarm["tokens"], "config_hash": cfg.hash(),
+        "steps": args.steps, "seed": cfg.train.seed, "tokens": swarm["tokens"], "config_hash": cfg.hash(), "data": args.data,
         "codecs": {"activations": cfg.codecs.activations, "gradients": cfg.codecs.gradients, "pseudo_gradients": cfg.codecs.pseudo_gradients},
         "outer": {"method": cfg.outer.method, "inner_steps": cfg.outer.inner_steps, "matchmaking_s": cfg.timeouts.matchmaking_s},
         "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
@@ -176,15 +188,31 @@ def main() -> None:
         **{k: v for k, v in swarm.items() if k not in ("val_loss", "tokens", "tokens_per_s")},
         "targets": targets,
     }
-    print(f"swarm    val {swarm['val_loss']:.4f}  {swarm['tokens_per_s']:.0f} tok/s  {swarm['bytes_per_token']['total']:.0f} B/token "
+    print(f"seed {cfg.train.seed}: swarm    val {swarm['val_loss']:.4f}  {swarm['tokens_per_s']:.0f} tok/s  {swarm['bytes_per_token']['total']:.0f} B/token "
           f"({compression:.1f}x below fp32)  failed hops {swarm['failed_hops']}  skipped {swarm['skipped_hops']}")
     print(f"outer    {cfg.outer.method} H={cfg.outer.inner_steps}: rounds {swarm['outer_rounds']}  median {swarm['round_s'] or 0:.2f}s  "
           f"{swarm['pseudo_grad_bytes_per_token']:.3f} pseudo-grad B/token (fp32 would be {swarm['fp32_pseudo_grad_bytes_per_token']:.1f})"
           + (f"  joiner: {swarm['join_role']} of stage {swarm['join_stage']}, serving {swarm['join_s']:.1f}s after start" if swarm.get("join_s") else ""))
-    print(f"baseline val {baseline['val_loss']:.4f}  {baseline['tokens_per_s']:.0f} tok/s   gap {100 * gap:+.2f}%   targets {targets}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    print(f"baseline val {baseline['val_loss']:.4f}  {baseline['tokens_per_s']:.0f} tok/s   gap {100 * gap:+.2f}%   targets {targets}", flush=True)
+    return result
+
+
+def spread(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and standard deviation over seeds of the swarm's and the baseline's validation loss, and of their ratio."""
+    out = {}
+    for key in ("val_loss", "baseline_val_loss", "val_loss_gap"):
+        xs = [r[key] for r in results]
+        out[key] = {"mean": statistics.mean(xs), "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0}
+    return out
+
+
+def print_seeds(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'seed':>4} {'swarm val':>9} {'baseline val':>12} {'gap':>7}")
+    for r in results:
+        print(f"{r['seed']:>4} {r['val_loss']:9.4f} {r['baseline_val_loss']:12.4f} {100 * r['val_loss_gap']:+6.2f}%")
+    s = spread(results)
+    print(f"mean {s['val_loss']['mean']:9.4f} {s['baseline_val_loss']['mean']:12.4f} {100 * s['val_loss_gap']['mean']:+6.2f}%"
+          f"   (stdev {s['val_loss']['stdev']:.4f} / {s['baseline_val_loss']['stdev']:.4f} / {100 * s['val_loss_gap']['stdev']:.2f} pt)")
 
 
 if __name__ == "__main__":

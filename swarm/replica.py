@@ -13,6 +13,8 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   small Δ would count as much as the others' in the mean (and the group's outlier screening
   clips a Δ far above the others'). The window closes as soon as the replicas it expects are in
   (``_expected``); a replica alone in its stage does not wait at all.
+- **Alone.** A round nobody else joined changes no weight: the snapshot becomes the global
+  weights (``OuterOptimizer.apply_alone``), so a replica alone in its stage never loses progress.
 - **Install.** Training goes on during the exchange, so the new local weights are the round's
   global weights plus the progress made since the snapshot: θ ← θ + (θ_global − θ_snapshot),
   swapped in at a moment when no microbatch is between its forward and its backward. The
@@ -142,11 +144,14 @@ class ReplicaSync:
         self.counters.update(pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=result.received * self._fp32_bytes)
         self.counters[f"outer_{result.outcome}"] += 1
         if result.outcome == "done":
-            await self._install(result.payloads, snapshot)
+            alone = result.contributors == (self.net.me,)
+            await self._install(None if alone else result.payloads, snapshot)
             self.synced_at, self._last_group = steps, result.contributors
             self.round_s.append(time.perf_counter() - started)
-        elif not await self._await_progress(key.round):
-            self.synced_at = steps  # nobody got past this round: try it again after another H steps
+        else:
+            await self._on_thread(self.outer.discard_payload)  # the next payload carries this round's Δ again
+            if not await self._await_progress(key.round):
+                self.synced_at = steps  # nobody got past this round: try it again after another H steps
         self.on_log({"event": "outer_round", "stage": self.stage, "round": key.round, "outcome": result.outcome, "reason": result.reason,
                      "group": len(result.group), "contributors": len(result.contributors), "leader": result.group[0] if result.group else None,
                      "outer_round": self.round, "global_hash": self.global_hash, "round_s": time.perf_counter() - started,
@@ -203,7 +208,12 @@ class ReplicaSync:
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _install(self, payloads: tuple[bytes, ...], snapshot: dict[str, torch.Tensor]) -> None:
+    async def _install(self, payloads: tuple[bytes, ...] | None, snapshot: dict[str, torch.Tensor]) -> None:
+        """Install a round's result; ``payloads`` None: the round was this replica's alone, and the snapshot becomes global."""
+        if payloads is None:  # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
+            await self._on_thread(self.outer.apply_alone, snapshot)
+            self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
+            return
         target = {name: torch.empty_like(t) for name, t in snapshot.items()}
         await self._on_thread(self.outer.apply, list(payloads), target)  # target ← the new global weights
         self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)

@@ -168,6 +168,9 @@ def ddp_step(group: list[Replica], microbatch_size: int, grad_clip: float) -> in
 
 def outer_round(group: list[Replica]) -> int:
     """One outer step of a stage's replicas via an in-process all-gather; returns bytes moved."""
+    if len(group) == 1:  # nobody to agree with: nothing is sent, nothing lost
+        group[0].outer.apply_alone(group[0].params)  # type: ignore[union-attr]
+        return 0
     payloads = [r.outer.make_payload(r.params) for r in group]  # type: ignore[union-attr]
     for r in group:
         r.outer.apply(payloads, r.params)  # type: ignore[union-attr]

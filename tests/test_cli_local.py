@@ -10,11 +10,11 @@ import pytest
 from swarm.config import SwarmConfig, TrainConfig, save_config
 from swarm.model import ModelConfig
 from swarm.stages import StagesConfig
-from optim.config import InnerOptimConfig
+from optim.config import InnerOptimConfig, OuterOptimConfig
 
 
-def swarmloco(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, timeout=timeout)
+def swarmloco(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
         stages=StagesConfig(num_stages=2),
         train=TrainConfig(seq_len=64, microbatch_size=8, inner_batch=8),
         inner=InnerOptimConfig(lr=1e-2, warmup_steps=5),
+        outer=OuterOptimConfig(method="sparseloco", inner_steps=10),
     )
     path = tmp_path_factory.mktemp("cfg") / "tiny.toml"
     save_config(cfg, path)
@@ -71,3 +72,22 @@ def test_help_lists_the_commands() -> None:
     result = swarmloco("--help")
     assert result.returncode == 0
     assert all(cmd in result.stdout for cmd in ("train-local", "eval", "sample"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_in_outer_rounds(tiny_config: Path, trained: Path,
+                                                                                                 tmp_path: Path) -> None:
+    """The main job as a newcomer runs it (default, relative --out); one replica per stage crosses outer rounds
+    (H = 10, 60 steps) and ends where one process on the same tokens ends."""
+    result = swarmloco("local", "--config", str(tiny_config), "--steps", "60", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = tmp_path / "runs" / "local"
+    assert (out / "swarm.toml").exists() and "bytes on the wire: activations" in result.stdout
+    for peer in ("trainer-0", "stage1-0", "stage2-0"):
+        records = [json.loads(line) for line in (out / f"{peer}.jsonl").read_text().splitlines()]
+        rounds = [r for r in records if r.get("event") == "outer_round"]
+        assert len(rounds) >= 3 and all(r["outcome"] == "done" and r["contributors"] == 1 for r in rounds), (peer, rounds)
+    swarm_val = [r for r in map(json.loads, (out / "trainer-0.jsonl").read_text().splitlines()) if "val_loss" in r][-1]["val_loss"]
+    alone_val = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]  # train-local, 60 steps
+    assert swarm_val <= 1.03 * alone_val, (swarm_val, alone_val)  # before: each lone SparseLoCo round threw ~98% of Δ away

@@ -45,10 +45,10 @@ class RegistryCodec:
     def __init__(self) -> None:
         self.sent: list[SparseTensor] = []
 
-    def new_state(self) -> dict:
-        return {}
+    def new_state(self) -> SparseLoCoState:
+        return SparseLoCoState()
 
-    def encode(self, name: str, delta: torch.Tensor, state: dict) -> bytes:
+    def encode(self, name: str, delta: torch.Tensor, state: SparseLoCoState) -> bytes:
         indices = delta.flatten().nonzero().flatten()
         self.sent.append(SparseTensor(indices=indices, values=delta.flatten()[indices].float(), shape=tuple(delta.shape)))
         return str(len(self.sent) - 1).encode()
@@ -192,6 +192,43 @@ def test_sparseloco_error_feedback_sends_the_residual_later() -> None:
     before = opt.global_params["w"].clone()
     opt.step(local, lambda payload: [payload])
     assert torch.equal(opt.global_params["w"], before)
+
+
+# --- a replica alone in its round ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_a_lone_round_keeps_every_bit_of_the_replicas_progress(method: str) -> None:
+    torch.manual_seed(5)
+    start = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    opt = build_outer_optimizer(start, OuterOptimConfig(method=method), CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"))
+    for round_ in (1, 2):  # twice: the second round starts from the first's global weights
+        local = {name: t + 0.1 * torch.randn(t.shape) for name, t in start.items()}
+        trained = {name: t.clone() for name, t in local.items()}
+        opt.make_payload(local)  # made before the round knew it would be alone
+        opt.apply_alone(local)
+        assert opt.round == round_
+        assert all(torch.equal(local[n], trained[n]) and torch.equal(opt.global_params[n], trained[n]) for n in start)
+        start = trained
+    if method == "sparseloco":
+        assert opt._error.errors == {}  # nothing was folded into the error buffer: nothing to send twice later
+    else:
+        assert opt.optimizer.state_dict()["state"] == {}  # no momentum from the replica's own Δ
+
+
+def test_sparseloco_lone_or_empty_rounds_leave_the_error_buffer_as_the_group_left_it() -> None:
+    torch.manual_seed(6)
+    start = {"w": torch.randn(64, 64)}
+    a, b = (SparseLoCo(start, codec=SparseLoCoCodec(topk=8)) for _ in range(2))
+    la, lb = ({"w": start["w"] + torch.randn(64, 64)} for _ in range(2))
+    run_round([a, b], [la, lb])  # a group round: most of each Δ stays in the error buffers
+    after_group = {n: e.clone() for n, e in a._error.errors.items()}
+    la["w"] += torch.randn(64, 64)
+    a.make_payload(la)
+    a.apply_alone(la)
+    a.make_payload(la)
+    a.apply([b"junk"], la)  # a round with no usable payload
+    assert all(torch.equal(a._error.errors[n], after_group[n]) for n in after_group)
 
 
 # --- joining, bad payloads, config ----------------------------------------------------------

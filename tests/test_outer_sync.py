@@ -362,13 +362,35 @@ def test_progress_made_during_the_exchange_survives_the_install() -> None:
         torch.testing.assert_close(p.detach(), snapshot[name] + progress[name])
 
 
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_a_replica_alone_crosses_rounds_without_losing_progress(method: str) -> None:
+    swarm = Swarm(sync_config(method), ["solo"])
+    sync = swarm.syncs["solo"]
+    params = dict(sync.holder.module.named_parameters())
+    seen: list[dict[str, torch.Tensor]] = []
+
+    async def scenario() -> None:
+        for _ in range(2):
+            for _ in range(3):  # H = 3
+                sync.holder.train()
+            seen.append({n: p.detach().clone() for n, p in params.items()})
+            await sync.step()
+
+    asyncio.run(scenario())
+    assert sync.round == 2 and [e["contributors"] for e in swarm.rounds()] == [1, 1]
+    assert sync.global_hash == weights_hash(seen[-1])  # what a newcomer downloads is the replica's own progress
+    assert all(torch.equal(p.detach(), seen[-1][n]) for n, p in params.items())
+
+
 def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -> None:
-    swarm = Swarm(sync_config(), ["a", "b"])
-    a, b = swarm.syncs["a"], swarm.syncs["b"]
+    swarm = Swarm(sync_config(), ["a", "c"])
+    a, c = swarm.syncs["a"], swarm.syncs["c"]
+    b = Swarm(sync_config(), ["b"]).syncs["b"]
 
     async def scenario() -> StageState:
         a.holder.train()
-        await a.step()  # a alone: round 1, with a momentum buffer
+        c.holder.train()
+        await asyncio.gather(a.step(), c.step())  # a round of two: round 1, with a momentum buffer
         state = unpack_state(await a.export_state("state/1"), stage=1, template=a.params)
         state.optimizer["param_groups"][0]["lr"] = 1e9  # a hostile sender
         await b.adopt(state)

@@ -218,7 +218,7 @@ def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, s
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_swarm_exports(tmp_path: Path, child_processes: list) -> None:
-    steps = 400  # trains on while the test looks; stopped at the end
+    steps = 5000  # trains on while the test looks (it must not finish first, however fast it runs); stopped at the end
     swarm = Swarm(tmp_path, recovery_config(steps=steps), child_processes)
     for name, stage in (("stage3-a", 3), ("stage2-a", 2)):
         swarm.spawn(name, "--role", "stage", "--stage", str(stage))
