@@ -265,7 +265,7 @@ def get_codec(name: str, *, basis: torch.Tensor | None = None, table: torch.Tens
     """A codec by name: fp32, fp16, bf16, int8, int4, subspace, subspace+{fp16,bf16,int8,int4}.
 
     Subspace codecs need the model's basis U (d×k) and, for ``kind="activation"``, its token
-    table T (vocab×d), as ``swarm.model.subspace_basis(cfg)`` returns them. ``kind`` only
+    table T (vocab×d), as ``swarm.model.transformer.subspace_basis(cfg)`` returns them. ``kind`` only
     matters for subspace codecs; the others code activations and gradients alike.
     """
     if kind not in ("activation", "gradient"):

@@ -20,7 +20,7 @@ import torch
 import typer
 
 from peer.data import DataError, decode, encode, load_corpus
-from swarm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from swarm.recovery.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from swarm.config import SwarmConfig, load_config
 from swarm.errors import ConfigError
 
@@ -69,9 +69,9 @@ def user_errors(fn: F) -> F:
 
 def swarm_user_errors() -> tuple[type[Exception], ...]:
     """User errors of modules that load hivemind: looked up once something failed, so other commands start fast."""
-    from swarm.admission import JoinError
-    from swarm.auth import AccessDenied, CredentialError
-    from swarm.membership import MembershipError
+    from swarm.rpc.admission import JoinError
+    from swarm.rpc.auth import AccessDenied, CredentialError
+    from swarm.dht.membership import MembershipError
 
     return JoinError, AccessDenied, CredentialError, MembershipError
 
@@ -98,7 +98,7 @@ def train_local(
     log_every: Annotated[int, typer.Option(min=1, help="Evaluate and log every N steps.")] = 25,
 ) -> None:
     """Train the swarm's model in one process: the centralized baseline every swarm run is compared to."""
-    from swarm.centralized import train_centralized
+    from swarm.sim.centralized import train_centralized
 
     cfg = config_or_default(config)
     cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, total_steps=steps))
@@ -128,7 +128,7 @@ def eval_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Validation loss of a checkpoint on the held-out split of the corpus."""
-    from swarm.centralized import evaluate
+    from swarm.sim.centralized import evaluate
 
     cfg, model, _ = load_checkpoint(checkpoint)
     corpus = load_corpus(data)
@@ -151,7 +151,7 @@ def sample(
     seed: int = 0,
 ) -> None:
     """Generate text from a checkpoint."""
-    from swarm.model import generate
+    from swarm.model.transformer import generate
 
     _, model, _ = load_checkpoint(checkpoint)
     model.eval()
@@ -210,7 +210,7 @@ def simulate_cmd(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
 ) -> None:
     """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
-    from swarm.simulate import SimulationConfig, simulate
+    from swarm.sim.simulate import SimulationConfig, simulate
 
     cfg = simulation_config(config_or_default(config), outer=outer, inner_steps=inner_steps, act_codec=act_codec,
                             grad_codec=grad_codec, pg_codec=pg_codec, skip=skip, swaps=swaps, subspace_rank=subspace_rank)
@@ -258,7 +258,7 @@ def swarm_credentials(certificate: Path | None, identity: Path | None, revocatio
         fail(f"--credentials {certificate} does not exist: send your peer id (`swarmloco swarm identity --out {identity}`) "
              f"to the swarm's authority and run with the certificate it returns")
     from peer.credentials import load_credentials
-    from swarm.auth import Certificate
+    from swarm.rpc.auth import Certificate
 
     # the certificate names its swarm: a peer joining without --config fetches that swarm's config
     swarm_id = load_config(config).swarm_id if config else Certificate.decode(certificate.read_bytes()).swarm_id
@@ -297,9 +297,9 @@ def run_cmd(
 ) -> None:
     """Start one peer of a swarm over the network; SIGINT/SIGTERM retire its DHT records and exit."""
     from peer.launch import run_peer
-    from swarm.membership import MembershipError
+    from swarm.dht.membership import MembershipError
     from swarm.node import NodeOptions
-    from swarm.trainer import TrainerOptions
+    from swarm.pipeline.trainer import TrainerOptions
 
     creds = swarm_credentials(credentials, identity, revocations, config)
     try:
@@ -435,7 +435,7 @@ def swarm_invite(
 ) -> None:
     """Admit a peer to a private swarm: sign a certificate for its peer id."""
     from peer.credentials import invite
-    from swarm.auth import format_time
+    from swarm.rpc.auth import format_time
 
     cert = invite(authority, load_config(config).swarm_id, peer_id, days=days, out=out)
     typer.echo(f"wrote {out}: peer {cert.peer_id} may join {cert.swarm_id} until {format_time(cert.expires_at)}")

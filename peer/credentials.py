@@ -5,7 +5,7 @@ certificate for each peer id it admits. A peer's id is fixed by its identity fil
 libp2p RSA key, ``--identity``), so a peer makes its identity first and sends the printed id to
 the authority; the certificate file it gets back is its ``--credentials``. Certificates and
 revocation lists are public; only the two private keys are secret. Formats and checks live in
-``swarm/auth.py``; this module reads and writes the files.
+``swarm/rpc/auth.py``; this module reads and writes the files.
 
     $ swarmloco swarm create --name demo --private --out demo/     # swarm.toml, authority.key, authority.pub
     $ swarmloco swarm identity --out peer.id                        # prints the peer id
@@ -35,7 +35,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.auth import (
+from swarm.rpc.auth import (
     Certificate,
     CertificateAuthorizer,
     CertificateVerifier,

@@ -32,7 +32,7 @@ import torch
 from peer.data import load_corpus
 from swarm.config import SwarmConfig, load_config, save_config
 from swarm.node import NodeOptions, run_node
-from swarm.stages import StagesConfig
+from swarm.model.stages import StagesConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "swarmloco: join with --initial-peers "

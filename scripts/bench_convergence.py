@@ -22,10 +22,10 @@ import torch
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import Corpus, load_corpus
-from swarm.centralized import train_centralized
+from swarm.sim.centralized import train_centralized
 from swarm.config import SwarmConfig
-from swarm.routing import PathConfig
-from swarm.simulate import SimulationConfig, simulate
+from swarm.pipeline.routing import PathConfig
+from swarm.sim.simulate import SimulationConfig, simulate
 
 VAL_BATCHES = 16
 

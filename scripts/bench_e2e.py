@@ -34,7 +34,7 @@ from wanlab import WanLab, unsupported_reason
 
 from peer.launch import LocalSwarm, Placement, local_config
 from swarm.config import SwarmConfig
-from swarm.routing import PathConfig
+from swarm.pipeline.routing import PathConfig
 
 LAYOUT = dict(trainers=2, stages=3)  # and one server per stage
 TARGET_KEEP = 0.8  # at 20 Mbit/s, compressed, at least 80% of the uncapped tokens/s

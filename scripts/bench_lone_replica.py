@@ -22,10 +22,10 @@ import statistics
 
 import torch
 
-import swarm.simulate as simulate_module
+import swarm.sim.simulate as simulate_module
 from peer.data import load_corpus
 from swarm.config import SwarmConfig
-from swarm.simulate import Replica, SimulationConfig, simulate
+from swarm.sim.simulate import Replica, SimulationConfig, simulate
 
 VAL_BATCHES = 16
 VARIANTS = {"plain": "none", "keep": "sparseloco", "diloco-step": "diloco", "sparseloco-step": "sparseloco"}

@@ -7,7 +7,7 @@ Stage 1's two servers rebalance (in the CheckFree run), so the least loaded of t
 - ``none``: no failure.
 - ``checkfree``: the stage-2 server is SIGKILLed (``swarm/faults.py``, keyed by its own inner step)
   at step ``--kill-at``; the least-loaded stage-1 server moves, rebuilds stage 2 from stages 1 and
-  3 (``swarm/rebuild.py``) and serves it.
+  3 (``swarm/recovery/rebuild.py``) and serves it.
 - ``checkpoint``: the stage-2 server writes its stage state every ``--checkpoint-every`` inner steps;
   the same kill, and a new stage-2 server is started at once (as a supervisor would) and loads
   that file: the stage rolls back to its last checkpoint. Every server is pinned, so none rebuilds.
@@ -41,8 +41,8 @@ from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
 from swarm.faults import FaultInjector, FaultSchedule
-from swarm.model import ModelConfig
-from swarm.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
+from swarm.model.stages import StagesConfig
 
 SCENARIOS = ("none", "checkfree", "checkpoint")
 TARGET_RECOVERY_S = 30.0

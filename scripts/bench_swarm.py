@@ -35,7 +35,7 @@ import torch
 
 from peer.data import load_corpus
 from peer.launch import LOOPBACK, VAL_BATCHES, LocalSwarm, Placement, launch_local, local_config
-from swarm.centralized import train_centralized
+from swarm.sim.centralized import train_centralized
 from swarm.config import SwarmConfig, load_config
 
 TARGET_LOSS_GAP = 0.05  # swarm val loss within 5% of the baseline's

@@ -27,9 +27,9 @@ import tomli_w
 from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from swarm.errors import ConfigError
-from swarm.model import ModelConfig
-from swarm.routing import PathConfig
-from swarm.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
+from swarm.pipeline.routing import PathConfig
+from swarm.model.stages import StagesConfig
 
 
 @dataclass(kw_only=True)

@@ -3,7 +3,7 @@
 Every middle stage's weights come from one of its servers and stage 0 (embedding, final norm, LM
 head) from a trainer: the replica's current (local) weights, served as ``local/<i>`` blobs in the
 state archive format (hash-checked, checked against the stage's shapes). ``assemble_model`` glues
-them into the plain ``Transformer`` that ``swarm/checkpoint.py`` saves and ``swarmloco eval`` /
+them into the plain ``Transformer`` that ``swarm/recovery/checkpoint.py`` saves and ``swarmloco eval`` /
 ``sample`` load. A stage with no live replica makes the export fail, naming it, rather than fill
 it with untrained weights.
 
@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from swarm.config import SwarmConfig
-from swarm.membership import StageStatus
-from swarm.model import Transformer
-from swarm.stages import assemble_model, stage_template
-from swarm.state_sync import TransferError, download_state, state_bytes_bound
+from swarm.dht.membership import StageStatus
+from swarm.model.transformer import Transformer
+from swarm.model.stages import assemble_model, stage_template
+from swarm.outer.transfer import TransferError, download_state, state_bytes_bound
 
 SizedFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
 

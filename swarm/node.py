@@ -6,7 +6,7 @@ stage over hivemind P2P and re-announces itself every ``announce_period_s``; a t
 router in sync with the announced replicas and trains. On ``stop`` (SIGINT / SIGTERM in the CLI)
 the peer retires its DHT records and shuts its DHT down.
 
-Every replica takes part in its stage's outer rounds (``swarm/replica.py``). A peer that joins a
+Every replica takes part in its stage's outer rounds (``swarm/outer/replica.py``). A peer that joins a
 running swarm first downloads its stage's current state from a live replica, so it starts at the
 stage's round and weights without pausing anyone. ``--role auto`` (``choose_role``) takes the role
 the swarm needs most: a server for a stage nobody serves, else a trainer if there is none, else a
@@ -14,7 +14,7 @@ server of the bottleneck stage. Stage servers rebalance (SWARM): every ``rebalan
 (± 20%) each reads the stages' throughput and at most the one peer ``plan_move`` names moves:
 it downloads the new stage's state while still serving, then announces it and retires its old record.
 
-A middle stage that lost every replica is rebuilt from its neighbours (CheckFree, ``swarm/rebuild.py``):
+A middle stage that lost every replica is rebuilt from its neighbours (CheckFree, ``swarm/recovery/rebuild.py``):
 by a joining peer (``--role auto`` takes an empty stage first; so does ``--role stage`` pointed at one),
 or else by the server ``plan_move`` names, found by servers that rebalance within an announce period of
 the hole appearing. One claimant at a time (a DHT claim), a fresh optimizer at lr × 1.1, a ``recovered``
@@ -43,21 +43,21 @@ from typing import Any
 
 from hivemind.p2p import PeerID
 
-from swarm.admission import GATE_NAMESPACE, AdmissionGate, Credentials, start_dht
+from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, Credentials, start_dht
 from swarm.config import SwarmConfig
-from swarm.membership import Membership, StageStatus, pick_stage
-from swarm.metrics import Meter, MeteredBackend, MeteredCalls
-from swarm.protocol import StageClient, StageServicer
-from swarm.rebalance import Snapshot, StageLoad, choose_stage_for_newcomer, next_check_delay, plan_move
-from swarm.rebuild import (PRIORITY_JOINER, PRIORITY_MOVER, Rebuilt, acquire_claim, empty_stages, load_stage_checkpoint, rebuild_stage,
+from swarm.dht.membership import Membership, StageStatus, pick_stage
+from swarm.dht.metrics import Meter, MeteredBackend, MeteredCalls
+from swarm.pipeline.protocol import StageClient, StageServicer
+from swarm.recovery.rebalance import Snapshot, StageLoad, choose_stage_for_newcomer, next_check_delay, plan_move
+from swarm.recovery.rebuild import (PRIORITY_JOINER, PRIORITY_MOVER, Rebuilt, acquire_claim, empty_stages, load_stage_checkpoint, rebuild_stage,
                            save_rebuild, swarm_has_trained)
-from swarm.recovery import RECOVERY_LR_SCALE, NoRecoverySource
-from swarm.replica import PeerSync
-from swarm.routing import Router
-from swarm.server import StageServer
-from swarm.stages import EDGE_STAGE
-from swarm.state_sync import StageState, TransferError, pack_state, weights_hash
-from swarm.trainer import Batch, Trainer, TrainerOptions
+from swarm.recovery.checkfree import RECOVERY_LR_SCALE, NoRecoverySource
+from swarm.outer.replica import PeerSync
+from swarm.pipeline.routing import Router
+from swarm.pipeline.server import StageServer
+from swarm.model.stages import EDGE_STAGE
+from swarm.outer.transfer import StageState, TransferError, pack_state, weights_hash
+from swarm.pipeline.trainer import Batch, Trainer, TrainerOptions
 
 logger = logging.getLogger(__name__)
 ROLES = ("auto", "trainer", "stage")
@@ -369,7 +369,7 @@ async def _next_move(cfg: SwarmConfig, stage: int, membership: Membership, peer_
 
     Throughput is compared every ``period_s`` (± 20%); a stage with no replica is looked for every
     announce period, since every path skips it until someone fills it. A hole in a swarm that has
-    trained is a lost stage: the mover claims and rebuilds it (``swarm/rebuild.py``).
+    trained is a lost stage: the mover claims and rebuilds it (``swarm/recovery/rebuild.py``).
     """
     me, rng, num_stages = membership.peer_id.to_base58(), random.Random(f"rebalance/{membership.peer_id}"), cfg.stages.num_stages
     hole_check_s = min(period_s, cfg.timeouts.announce_period_s)

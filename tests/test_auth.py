@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.credentials import invite, load_credentials, load_identity_key, new_identity, peer_id_of_identity, revoke
-from swarm.auth import (
+from swarm.rpc.auth import (
     AccessDenied,
     Certificate,
     CertificateAuthorizer,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from swarm.config import SwarmConfig, TrainConfig, save_config
-from swarm.model import ModelConfig
-from swarm.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
+from swarm.model.stages import StagesConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 
 

@@ -17,8 +17,8 @@ from peer.credentials import create_swarm, invite, new_identity, peer_id_of_iden
 from peer.launch import spawn_peer, wait_for_address
 from peer.status import format_status
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
-from swarm.model import ModelConfig
-from swarm.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
+from swarm.model.stages import StagesConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -11,7 +11,7 @@ from compress.adaptive import choose_codec, hop_seconds
 from compress.codecs import CODEC_NAMES, Codec, decode_any, get_codec
 from compress.errors import NonFiniteValues, ShapeMismatch, UnknownCodec, WireError
 from compress.wire import CodecId, WireLimits, encode_frame
-from swarm.model import ModelConfig, Transformer, loss_fn, subspace_basis
+from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
 
 torch.manual_seed(0)
 SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=16, subspace_rank=8)

@@ -7,7 +7,7 @@ import pytest
 
 from swarm.config import SwarmConfig, config_from_dict, dumps_config, load_config, save_config
 from swarm.errors import ConfigError
-from swarm.model import ModelConfig
+from swarm.model.transformer import ModelConfig
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from peer.credentials import (
     peer_id_of_identity,
     revoke,
 )
-from swarm.auth import AccessDenied, Certificate, CredentialError, RevocationList, decode_public_key
+from swarm.rpc.auth import AccessDenied, Certificate, CredentialError, RevocationList, decode_public_key
 from swarm.config import SwarmConfig, load_config
 
 NOW = 1_700_000_000.0

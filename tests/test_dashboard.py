@@ -24,9 +24,9 @@ from optim.config import InnerOptimConfig
 from peer.launch import READY_PREFIX, spawn_peer, wait_for_address
 from scripts.dashboard import PROMETHEUS_TYPE, History, main, make_handler, prometheus_text, swarm_info, watch
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
-from swarm.metrics import PeerMetrics
-from swarm.model import ModelConfig
-from swarm.stages import StagesConfig
+from swarm.dht.metrics import PeerMetrics
+from swarm.model.transformer import ModelConfig
+from swarm.model.stages import StagesConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64), stages=StagesConfig(num_stages=2),
@@ -183,7 +183,7 @@ import sys
 from pathlib import Path
 from peer.launch import run_peer
 from swarm.node import NodeOptions
-from swarm.trainer import TrainerOptions
+from swarm.pipeline.trainer import TrainerOptions
 initial_peer, out, data = sys.argv[1:]
 options = NodeOptions(role="trainer", initial_peers=[initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], steps=100_000,
                       trainer=TrainerOptions(log_every=5, eval_every=20))  # `swarmloco run` validates only at the end

@@ -21,11 +21,11 @@ from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec
 from optim.outer import MAX_NORM_RATIO, DiLoCo, OuterOptimizer, SparseLoCo
 from swarm.config import SwarmConfig, TrainConfig
-from swarm.defences import PeerGuard, PeerLimits
-from swarm.model import ModelConfig
-from swarm.protocol import Forward, RemoteError, RequestError, StageClient, StageServicer, pack, parse_reply
-from swarm.server import StageServer
-from swarm.stages import StagesConfig
+from swarm.rpc.defences import PeerGuard, PeerLimits
+from swarm.model.transformer import ModelConfig
+from swarm.pipeline.protocol import Forward, RemoteError, RequestError, StageClient, StageServicer, pack, parse_reply
+from swarm.pipeline.server import StageServer
+from swarm.model.stages import StagesConfig
 
 B, T, D = 2, 8, 16
 FP32 = get_codec("fp32")

@@ -18,11 +18,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, dumps_config
-from swarm.membership import (
+from swarm.dht.membership import (
     ConfigRecord, Membership, MembershipError, StageStatus, config_validator, parse_config_record, peer_from_subkey,
     pick_stage, reconcile_config, stage_key, stage_validator,
 )
-from swarm.model import ModelConfig
+from swarm.model.transformer import ModelConfig
 
 CFG = SwarmConfig()
 OTHER = dataclasses.replace(CFG, model=ModelConfig(d_model=64))

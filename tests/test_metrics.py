@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.config import SwarmConfig
-from swarm.membership import Membership, StageStatus, metrics_key, stage_validator
-from swarm.metrics import MAX_KINDS, STATES, Meter, MeteredBackend, MeteredCalls, PeerMetrics, Traffic
-from swarm.protocol import Backward, Forward
+from swarm.dht.membership import Membership, StageStatus, metrics_key, stage_validator
+from swarm.dht.metrics import MAX_KINDS, STATES, Meter, MeteredBackend, MeteredCalls, PeerMetrics, Traffic
+from swarm.pipeline.protocol import Backward, Forward
 
 CFG = SwarmConfig()
 SUBKEY = b"12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG[owner:ssh-rsa AAAAB3NzaC1yc2E]"

@@ -5,8 +5,8 @@ import torch
 
 from optim.config import InnerOptimConfig
 from optim.inner import clip_and_step, make_inner_optimizer
-from swarm.model import ModelConfig, Transformer, hidden_to_subspace, loss_fn, subspace_basis, subspace_to_hidden
-from swarm.stages import EdgeStage, MiddleStage, assemble_model, build_stage, run_path, split_layers, split_model
+from swarm.model.transformer import ModelConfig, Transformer, hidden_to_subspace, loss_fn, subspace_basis, subspace_to_hidden
+from swarm.model.stages import EdgeStage, MiddleStage, assemble_model, build_stage, run_path, split_layers, split_model
 
 TINY = dict(d_model=64, n_layers=6, n_heads=4, max_seq_len=32)
 

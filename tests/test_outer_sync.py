@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
-from swarm.membership import StageStatus
-from swarm.outer_sync import Board, RoundKey, RoundResult, RoundTiming, digest, parse_commit, run_round
-from swarm.replica import ReplicaSync
-from swarm.state_sync import StageState, TransferError, unpack_state, weights_hash
+from swarm.dht.membership import StageStatus
+from swarm.outer.rounds import Board, RoundKey, RoundResult, RoundTiming, digest, parse_commit, run_round
+from swarm.outer.replica import ReplicaSync
+from swarm.outer.transfer import StageState, TransferError, unpack_state, weights_hash
 
 T = TypeVar("T")
 

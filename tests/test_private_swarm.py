@@ -1,5 +1,5 @@
 """Private swarms end to end on loopback: stage RPCs and the DHT admit only peers with a valid
-certificate, and a refused or failed join explains itself (``swarm/admission.py``)."""
+certificate, and a refused or failed join explains itself (``swarm/rpc/admission.py``)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from hivemind.p2p import P2P
 
 from compress.codecs import get_codec
 from peer.credentials import PeerCredentials, create_swarm, invite, load_credentials, new_identity, peer_id_of_identity, revoke
-from swarm.admission import GATE_NAMESPACE, AdmissionGate, JoinError, explain_daemon_error, explain_refusal, start_dht
-from swarm.auth import CertificateVerifier
-from swarm.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
-import swarm.protocol as protocol
+from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, JoinError, explain_daemon_error, explain_refusal, start_dht
+from swarm.rpc.auth import CertificateVerifier
+from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
+import swarm.pipeline.protocol as protocol
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FP32 = get_codec("fp32")

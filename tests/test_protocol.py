@@ -15,19 +15,19 @@ from hypothesis import strategies as st
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-import swarm.protocol as protocol
+import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.errors import BadMagic, LimitExceeded
 from optim.config import InnerOptimConfig
-from swarm.centralized import evaluate, train_centralized
+from swarm.sim.centralized import evaluate, train_centralized
 from swarm.config import SwarmConfig, TrainConfig
-from swarm.model import ModelConfig
-from swarm.protocol import Backward, Forward, RemoteError, RequestError, StageServicer, pack, parse_reply, unpack
-from swarm.routing import PathConfig, Router
-from swarm.server import ActivationCache, CacheEntry, StageServer
-from swarm.stages import StagesConfig, build_stage
-from swarm.trainer import Trainer, TrainerOptions
+from swarm.model.transformer import ModelConfig
+from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageServicer, pack, parse_reply, unpack
+from swarm.pipeline.routing import PathConfig, Router
+from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer
+from swarm.model.stages import StagesConfig, build_stage
+from swarm.pipeline.trainer import Trainer, TrainerOptions
 
 B, T, D = 4, 16, 32
 CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.rebalance import (
+from swarm.recovery.rebalance import (
     Snapshot,
     StageLoad,
     bottleneck,

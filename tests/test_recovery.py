@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from optim.config import InnerOptimConfig
-from swarm.model import ModelConfig
-from swarm.recovery import (
+from swarm.model.transformer import ModelConfig
+from swarm.recovery.checkfree import (
     RECOVERY_LR_SCALE,
     NoRecoverySource,
     RecoveryPlan,
@@ -18,7 +18,7 @@ from swarm.recovery import (
     make_recovery_optimizer,
     recovery_source,
 )
-from swarm.stages import build_stage, split_layers
+from swarm.model.stages import build_stage, split_layers
 
 
 def stage_state(*blocks: list[float]) -> dict[str, torch.Tensor]:

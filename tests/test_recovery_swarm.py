@@ -25,13 +25,13 @@ from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import REPO_ROOT, stop_processes
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
 from swarm.export import ExportError, download_model, export_sources
-from swarm.membership import RecoveryClaim, StageStatus
-from swarm.model import ModelConfig
-from swarm.rebuild import PRIORITY_JOINER, PRIORITY_MOVER, acquire_claim, claim_winner, empty_stages, rebuild_stage, swarm_has_trained
-from swarm.recovery import checkfree_merge
-from swarm.routing import PathConfig
-from swarm.stages import StagesConfig, build_stage
-from swarm.state_sync import StageState, TransferError, pack_state, unpack_state, weights_hash
+from swarm.dht.membership import RecoveryClaim, StageStatus
+from swarm.model.transformer import ModelConfig
+from swarm.recovery.rebuild import PRIORITY_JOINER, PRIORITY_MOVER, acquire_claim, claim_winner, empty_stages, rebuild_stage, swarm_has_trained
+from swarm.recovery.checkfree import checkfree_merge
+from swarm.pipeline.routing import PathConfig
+from swarm.model.stages import StagesConfig, build_stage
+from swarm.outer.transfer import StageState, TransferError, pack_state, unpack_state, weights_hash
 from swarm_harness import Swarm
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
@@ -175,7 +175,7 @@ def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> N
 
 def test_a_stage_checkpoint_needs_its_file_and_loads_back_checked(tmp_path: Path) -> None:
     from swarm.node import NodeOptions
-    from swarm.rebuild import load_stage_checkpoint
+    from swarm.recovery.rebuild import load_stage_checkpoint
 
     with pytest.raises(ValueError, match="stage_checkpoint"):
         NodeOptions(role="stage", stage=2, checkpoint_every=10)

@@ -10,12 +10,12 @@ import torch
 from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.data import load_corpus
-from swarm.codecs import boundary_codecs
+from swarm.pipeline.boundary import boundary_codecs
 from swarm.config import SwarmConfig, TrainConfig
-from swarm.model import ModelConfig
-from swarm.routing import PathConfig, path_length
-from swarm.simulate import SimulationConfig, SimulationResult, simulate
-from swarm.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
+from swarm.pipeline.routing import PathConfig, path_length
+from swarm.sim.simulate import SimulationConfig, SimulationResult, simulate
+from swarm.model.stages import StagesConfig
 
 SEQ, MICRO = 32, 4
 

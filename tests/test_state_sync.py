@@ -12,9 +12,9 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-import swarm.state_sync as state_sync
-from swarm.auth import AccessDenied
-from swarm.state_sync import (
+import swarm.outer.transfer as state_sync
+from swarm.rpc.auth import AccessDenied
+from swarm.outer.transfer import (
     BlobClient, BlobServicer, StageState, TransferError, download_state, pack_state, state_bytes_bound, unpack_state, weights_hash,
 )
 

@@ -29,14 +29,14 @@ from compress.config import CodecConfig
 from optim.config import InnerOptimConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, launch_local, spawn_peer, stop_processes, wait_for_address
-from swarm.centralized import evaluate
+from swarm.sim.centralized import evaluate
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
-from swarm.membership import Membership
-from swarm.model import ModelConfig, Transformer
-import swarm.protocol as protocol
-from swarm.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
-from swarm.routing import PathConfig
-from swarm.stages import StagesConfig
+from swarm.dht.membership import Membership
+from swarm.model.transformer import ModelConfig, Transformer
+import swarm.pipeline.protocol as protocol
+from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
+from swarm.pipeline.routing import PathConfig
+from swarm.model.stages import StagesConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -18,12 +18,12 @@ from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import stop_processes
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
-from swarm.membership import StageStatus
-from swarm.model import ModelConfig
+from swarm.dht.membership import StageStatus
+from swarm.model.transformer import ModelConfig
 from swarm.node import choose_role, stage_loads
-from swarm.outer_sync import RoundTiming
-from swarm.rebalance import StageLoad
-from swarm.stages import StagesConfig
+from swarm.outer.rounds import RoundTiming
+from swarm.recovery.rebalance import StageLoad
+from swarm.model.stages import StagesConfig
 from swarm_harness import Swarm
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")

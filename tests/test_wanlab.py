@@ -17,8 +17,8 @@ import pytest
 from peer.launch import LocalSwarm, Placement, launch_local
 from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, unsupported_reason
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
-from swarm.model import ModelConfig
-from swarm.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
+from swarm.model.stages import StagesConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")

@@ -5,11 +5,11 @@ A request or reply is a msgpack dict carried in the ``metadata`` bytes of hivemi
 A payload above ``MAX_UNARY_PAYLOAD_SIZE`` travels as a stream of chunks. The servicer checks the
 envelope (sizes, field types, microbatch id, stage), bounds how many requests a server holds, and
 turns every refusal into an error reply, so a bad request never takes the server down. What a
-stage computes lives behind ``StageBackend`` (``swarm/server.py``).
+stage computes lives behind ``StageBackend`` (``swarm/pipeline/server.py``).
 
 Defences, in the order a request meets them: a peer banned for sending invalid data, or over its
-request rate, is refused before its request is read (``swarm/defences.py``); in a private swarm
-the request must carry a certificate (``swarm/auth.py``) admitting the peer libp2p authenticated;
+request rate, is refused before its request is read (``swarm/rpc/defences.py``); in a private swarm
+the request must carry a certificate (``swarm/rpc/auth.py``) admitting the peer libp2p authenticated;
 then the envelope and the tensors are validated, and every invalid request is a strike.
 
     >>> await StageServicer(backend, stage=2, max_request_bytes=1 << 20, verifier=creds.verifier).add_p2p_handlers(p2p, namespace=cfg.swarm_id)
@@ -34,9 +34,9 @@ from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 
 from compress.errors import WireError
-from swarm.admission import Credentials
-from swarm.auth import CERTIFICATE_FIELD, AccessDenied, Certificate, CertificateVerifier
-from swarm.defences import PeerGuard, PeerLimits
+from swarm.rpc.admission import Credentials
+from swarm.rpc.auth import CERTIFICATE_FIELD, AccessDenied, Certificate, CertificateVerifier
+from swarm.rpc.defences import PeerGuard, PeerLimits
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from compress.codecs import Codec, get_codec
 from swarm.config import SwarmConfig
-from swarm.model import subspace_basis
+from swarm.model.transformer import subspace_basis
 
 
 def boundary_codecs(cfg: SwarmConfig) -> tuple[Codec, Codec]:

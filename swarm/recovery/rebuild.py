@@ -1,6 +1,6 @@
 """Rebuilding a lost stage in a running swarm: detection, one claimant at a time, download, CheckFree merge.
 
-The math is ``swarm/recovery.py``; this module moves it onto the network.
+The math is ``swarm/recovery/checkfree.py``; this module moves it onto the network.
 
 - **Detection.** A middle stage with no live record in the DHT has lost every replica (records
   expire ``record_ttl_s`` after their peer's last announce). A joining peer sees it in
@@ -40,11 +40,11 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.config import SwarmConfig
-from swarm.membership import Membership, RecoveryClaim, StageStatus
-from swarm.recovery import RecoveryPlan, apply_recovery, recovery_source
-from swarm.routing import PathConfig
-from swarm.stages import EDGE_STAGE, split_layers, stage_template
-from swarm.state_sync import StageState, TransferError, download_state, state_bytes_bound, unpack_state, weights_hash
+from swarm.dht.membership import Membership, RecoveryClaim, StageStatus
+from swarm.recovery.checkfree import RecoveryPlan, apply_recovery, recovery_source
+from swarm.pipeline.routing import PathConfig
+from swarm.model.stages import EDGE_STAGE, split_layers, stage_template
+from swarm.outer.transfer import StageState, TransferError, download_state, state_bytes_bound, unpack_state, weights_hash
 
 logger = logging.getLogger(__name__)
 PRIORITY_JOINER, PRIORITY_MOVER = 0, 1  # a peer that serves nothing yet rebuilds before one that must leave its stage

@@ -25,13 +25,13 @@ from torch import nn
 from compress.codecs import Codec
 from optim.inner import clip_and_step, make_inner_optimizer
 from optim.outer import OuterOptimizer, build_outer_optimizer
-from swarm.centralized import Batch, evaluate
-from swarm.codecs import boundary_codecs
+from swarm.sim.centralized import Batch, evaluate
+from swarm.pipeline.boundary import boundary_codecs
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
-from swarm.model import loss_fn
-from swarm.routing import sample_path
-from swarm.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
+from swarm.model.transformer import loss_fn
+from swarm.pipeline.routing import sample_path
+from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
 
 MODES = ("ddp", "outer")
 ROUTINGS = ("random", "sticky")

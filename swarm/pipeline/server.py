@@ -28,11 +28,11 @@ from hivemind.utils.performance_ema import PerformanceEMA
 
 from compress.wire import WireLimits
 from optim.inner import clip_and_step, make_inner_optimizer
-from swarm.codecs import boundary_codecs
+from swarm.pipeline.boundary import boundary_codecs
 from swarm.config import SwarmConfig
-from swarm.membership import StageStatus
-from swarm.protocol import Backward, Forward, RequestError
-from swarm.stages import build_stage
+from swarm.dht.membership import StageStatus
+from swarm.pipeline.protocol import Backward, Forward, RequestError
+from swarm.model.stages import build_stage
 
 T = TypeVar("T")
 FRAME_SLACK_BYTES = 64 << 10  # frame header, codec metadata and token ids on top of fp32 values
@@ -79,7 +79,7 @@ class ActivationCache:
 
 
 class StageServer:
-    """The ``StageBackend`` of one middle stage (see ``swarm/protocol.py``)."""
+    """The ``StageBackend`` of one middle stage (see ``swarm/pipeline/protocol.py``)."""
 
     def __init__(self, cfg: SwarmConfig, stage: int, *, start_step: int = 0, lr_scale: float = 1.0, max_cached: int = 64,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -87,7 +87,7 @@ class StageServer:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
         self.module = build_stage(cfg.model, cfg.stages.num_stages, stage)
-        # lr_scale: CheckFree's ×1.1 on a stage rebuilt from its neighbours (swarm/recovery.py)
+        # lr_scale: CheckFree's ×1.1 on a stage rebuilt from its neighbours (swarm/recovery/checkfree.py)
         self.opt, self.sched = make_inner_optimizer(self.module.parameters(), cfg.inner, start_step=start_step, lr_scale=lr_scale)
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took

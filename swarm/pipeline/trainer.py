@@ -1,7 +1,7 @@
 """The trainer loop: data → stage 0 → a sampled path of stage servers → loss → backward along the same hops.
 
 A trainer holds the edge stage (embedding, final norm, LM head), so labels never leave it. Each
-microbatch draws a fresh path (skips and swaps, ``swarm/routing.py``) and a replica per hop
+microbatch draws a fresh path (skips and swaps, ``swarm/pipeline/routing.py``) and a replica per hop
 (SWARM's weighted round-robin); several microbatches are in flight at once to hide latency. A
 hop that fails is retried on another replica; a stage with no live replica is skipped on the way
 forward. On the way back a lost forward input is resent (stateless recompute). Every microbatch
@@ -32,12 +32,12 @@ import torch
 from compress.errors import ShapeMismatch, WireError
 from optim.inner import clip_and_step, make_inner_optimizer
 from swarm.config import SwarmConfig
-from swarm.membership import StageStatus
-from swarm.model import loss_fn
-from swarm.protocol import Backward, Forward, RemoteError, RequestError
-from swarm.routing import NoLiveReplica, Peer, Router, path_length
-from swarm.codecs import boundary_codecs
-from swarm.stages import EDGE_STAGE, EdgeStage, build_stage
+from swarm.dht.membership import StageStatus
+from swarm.model.transformer import loss_fn
+from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
+from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
+from swarm.pipeline.boundary import boundary_codecs
+from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each

@@ -1,7 +1,7 @@
 """CheckFree / CheckFree+ recovery: rebuild a middle stage whose every replica is gone from its neighbours.
 
 Pure code: the network is a callable ``fetch_state(stage) -> (state_dict, last_grad_norm)``; the
-running swarm's side (detection, the claim, the downloads) is ``swarm/rebuild.py``.
+running swarm's side (detection, the claim, the downloads) is ``swarm/recovery/rebuild.py``.
 
 - Interior stage i (1 < i < S): W_i = (a·W_{i+1} + b·W_{i−1}) / (a + b) with a = ‖g_{i+1}‖ + 1e-4,
   b = ‖g_{i−1}‖ + 1e-4 (CheckFree): the neighbour that is still learning faster weighs more.

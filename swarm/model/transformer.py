@@ -1,6 +1,6 @@
 """LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, causal SDPA), defined once as a plain nn.Module.
 
-How the model is cut into pipeline stages lives in `swarm/stages.py`; this module knows nothing
+How the model is cut into pipeline stages lives in `swarm/model/stages.py`; this module knows nothing
 of stages, peers or the network.
 
 Optional subspace-constrained residual stream (Protocol Models): with ``subspace_rank=k`` the

@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.auth import AccessDenied, CertificateAuthorizer, CertificateVerifier
+from swarm.rpc.auth import AccessDenied, CertificateAuthorizer, CertificateVerifier
 
 GATE_NAMESPACE = "swarmloco"
 BOOTSTRAP_FAILED = "DHTNode bootstrap failed"  # hivemind's RuntimeError when no initial peer answers the DHT

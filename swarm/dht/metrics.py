@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import pydantic.v1 as pydantic
 from hivemind.p2p import PeerID
 
-from swarm.protocol import Backward, Forward, StageBackend
+from swarm.pipeline.protocol import Backward, Forward, StageBackend
 
-if TYPE_CHECKING:  # both import swarm.membership, which imports this module
-    from swarm.membership import StageStatus
-    from swarm.trainer import StageCalls
+if TYPE_CHECKING:  # both import swarm.dht.membership, which imports this module
+    from swarm.dht.membership import StageStatus
+    from swarm.pipeline.trainer import StageCalls
 
 STATES = ("joining", "serving", "training", "recovering")  # joining: not yet working (state download, waiting for stages)
 MAX_KINDS = 16

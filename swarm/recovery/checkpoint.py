@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from swarm.config import SwarmConfig, config_from_dict
-from swarm.model import Transformer
+from swarm.model.transformer import Transformer
 
 FORMAT = "swarmloco-checkpoint-v1"
 

@@ -15,7 +15,7 @@ import torch
 
 from optim.inner import clip_and_step, make_inner_optimizer
 from swarm.config import SwarmConfig
-from swarm.model import Transformer, loss_fn
+from swarm.model.transformer import Transformer, loss_fn
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
 

@@ -51,12 +51,12 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from optim.outer import build_outer_optimizer
-from swarm.auth import CertificateVerifier
+from swarm.rpc.auth import CertificateVerifier
 from swarm.config import SwarmConfig
-from swarm.membership import Membership, StageStatus
-from swarm.outer_sync import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
-from swarm.stages import stage_template
-from swarm.state_sync import (
+from swarm.dht.membership import Membership, StageStatus
+from swarm.outer.rounds import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
+from swarm.model.stages import stage_template
+from swarm.outer.transfer import (
     BlobClient, BlobServicer, StageState, TransferError, download_state, pack_state, state_bytes_bound, weights_hash,
 )
 

@@ -10,7 +10,7 @@ Round r of stage s, for each replica that takes part (``run_round``; the network
    closed is *late*: it catches up by state download.
 2. **All-gather.** Each member fetches every other member's payload (the outer optimizer's encoded
    Δ, whatever the method) from that member's ``Board`` through the blob service of
-   ``swarm/state_sync.py``. A member that vanished or is too slow is left out after ``timeout_s``.
+   ``swarm/outer/transfer.py``. A member that vanished or is too slow is left out after ``timeout_s``.
 3. **Commit.** Fetches can fail differently on different members, so the group's leader (the
    smallest peer id) publishes the list of (contributor, SHA-256) it gathered, and every member
    applies exactly that set, fetching from the leader any payload it lacks. ``apply`` sorts the
@@ -40,8 +40,8 @@ from typing import Protocol
 import msgpack
 
 from swarm.config import TimeoutConfig
-from swarm.membership import Membership
-from swarm.state_sync import BlobClient, TransferError
+from swarm.dht.membership import Membership
+from swarm.outer.transfer import BlobClient, TransferError
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from swarm.errors import ConfigError
-from swarm.model import ModelConfig, Transformer
+from swarm.model.transformer import ModelConfig, Transformer
 
 EDGE_STAGE = 0
 

@@ -7,7 +7,7 @@ require the owner's signature, and a ``SchemaValidator`` rejects records that do
 pydantic models below, on every DHT node that stores or returns them.
 
 A peer about to rebuild a lost stage stores a ``RecoveryClaim`` under ``{swarm_id}/recovery/{i}``
-(same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/rebuild.py``); a
+(same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/recovery/rebuild.py``); a
 rebuilt replica's stage record carries ``recovered=True``.
 
 The swarm config is published under ``{name}/config`` by every peer (so it outlives the creator);
@@ -35,7 +35,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, config_from_dict, dumps_config
 from swarm.errors import ConfigError
-from swarm.metrics import PeerMetrics
+from swarm.dht.metrics import PeerMetrics
 
 PROTOCOL_VERSION = 1  # bumped on any incompatible change of records or RPC messages
 MAX_CONFIG_CHARS = 1 << 16
@@ -60,7 +60,7 @@ class StageStatus(pydantic.BaseModel):
 
 
 class RecoveryClaim(pydantic.BaseModel):
-    """A peer's claim to rebuild a stage nobody serves (``swarm/rebuild.py``); the lowest (priority, peer id) wins."""
+    """A peer's claim to rebuild a stage nobody serves (``swarm/recovery/rebuild.py``); the lowest (priority, peer id) wins."""
 
     priority: pydantic.conint(ge=0, strict=True)  # 0: a joining peer, 1: a server the rebalancer moves
     claimed_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
@@ -68,7 +68,7 @@ class RecoveryClaim(pydantic.BaseModel):
 
 
 class RoundDeclaration(pydantic.BaseModel):
-    """A replica's arrival for an outer round (``swarm/outer_sync.py``): the window closes ``matchmaking_s`` after the first."""
+    """A replica's arrival for an outer round (``swarm/outer/rounds.py``): the window closes ``matchmaking_s`` after the first."""
 
     opened_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
     version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION

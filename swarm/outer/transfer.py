@@ -5,10 +5,10 @@ The transport is a small blob service over hivemind P2P: a peer asks another for
 (size and SHA-256, or an error) and the rest raw chunks. The client bounds the size before it
 reads, stops at the first byte too many, and checks the hash, so a truncated, corrupted or
 oversized transfer raises ``TransferError`` and the caller tries another replica. The outer
-step's all-gather (``swarm/outer_sync.py``) moves its payloads through the same service.
+step's all-gather (``swarm/outer/rounds.py``) moves its payloads through the same service.
 
 Peers also serve ``local/<stage>``: the same archive holding their current local weights (no outer
-optimizer state), which a stage rebuild (``swarm/rebuild.py``) and ``swarmloco export`` download.
+optimizer state), which a stage rebuild (``swarm/recovery/rebuild.py``) and ``swarmloco export`` download.
 
 A stage's state is what a replica needs to take part from the next round on: the global weights,
 the outer optimizer's state, the round number and the inner step count on the lr schedule. It
@@ -38,8 +38,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 
-from swarm.auth import CERTIFICATE_FIELD, AccessDenied, CertificateVerifier
-from swarm.protocol import TRANSPORT_ERRORS
+from swarm.rpc.auth import CERTIFICATE_FIELD, AccessDenied, CertificateVerifier
+from swarm.pipeline.protocol import TRANSPORT_ERRORS
 
 logger = logging.getLogger(__name__)
 
