@@ -1,12 +1,11 @@
 """Codecs and the wire format for everything a peer sends: activations, their gradients, pseudo-gradients."""
 
-from compress.adaptive import choose_codec
-from compress.codecs import Codec, decode_any, get_codec
+from compress.codecs import Codec, get_codec
 from compress.errors import WireError
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor, aggregate_mean
 from compress.wire import DEFAULT_LIMITS, WireLimits, decode_frame, encode_frame
 
 __all__ = [
-    "choose_codec", "Codec", "decode_any", "get_codec", "WireError", "SparseLoCoCodec", "SparseLoCoState", "SparseTensor",
+    "Codec", "get_codec", "WireError", "SparseLoCoCodec", "SparseLoCoState", "SparseTensor",
     "aggregate_mean", "DEFAULT_LIMITS", "WireLimits", "decode_frame", "encode_frame",
 ]

@@ -25,7 +25,6 @@ import math
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Literal
 
@@ -279,35 +278,3 @@ def get_codec(name: str, *, basis: torch.Tensor | None = None, table: torch.Tens
         raise ValueError(f"codec {name!r} needs the model's subspace basis (swarm.model.subspace_basis(cfg)); is model.subspace_rank set?")
     return SubspaceCodec(basis, table, inner=_FLAT[inner or "fp32"], kind=kind)
 
-
-def decode_any(
-    data: bytes,
-    *,
-    accept: Sequence[Codec] | None = None,
-    basis: torch.Tensor | None = None,
-    table: torch.Tensor | None = None,
-    limits: WireLimits = DEFAULT_LIMITS,
-    allow_nonfinite: bool = False,
-) -> torch.Tensor:
-    """Decode a frame by the codec named inside it.
-
-    ``accept`` restricts which codecs a receiver takes (anything else raises ``UnknownCodec``);
-    without it every registered codec is accepted, subspace ones when ``basis`` (and ``table``) are given.
-    """
-    frame = decode_frame(data, limits=limits)
-    candidates = accept if accept is not None else _codecs_for(frame, basis, table)
-    for codec in candidates:
-        if codec.matches(frame):
-            return codec.from_frame(frame, allow_nonfinite=allow_nonfinite)[0]
-    raise UnknownCodec(f"codec id {frame.codec_id} is not accepted here (accepted: {', '.join(c.name for c in candidates) or 'none'})")
-
-
-def _codecs_for(frame: Frame, basis: torch.Tensor | None, table: torch.Tensor | None) -> list[Codec]:
-    flat = [c for c in _FLAT.values() if c.matches(frame)]
-    if frame.codec_id not in (CodecId.SUBSPACE, CodecId.SUBSPACE_GRAD) or basis is None:
-        return flat
-    inner = [c for c in _FLAT.values() if frame.meta[:1] == bytes([c.codec_id])]
-    kind: Kind = "activation" if frame.codec_id == CodecId.SUBSPACE else "gradient"
-    if not inner or (kind == "activation" and table is None):
-        return []
-    return [SubspaceCodec(basis, table, inner=inner[0], kind=kind)]
