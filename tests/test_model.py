@@ -5,7 +5,8 @@ import torch
 
 from optim.config import InnerOptimConfig
 from optim.inner import clip_and_step, make_inner_optimizer
-from swarm.model.transformer import ModelConfig, Transformer, hidden_to_subspace, loss_fn, subspace_basis, subspace_to_hidden
+from compress.codecs import get_codec
+from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
 from swarm.model.stages import EdgeStage, MiddleStage, assemble_model, build_stage, run_path, split_layers, split_model
 
 TINY = dict(d_model=64, n_layers=6, n_heads=4, max_seq_len=32)
@@ -80,11 +81,11 @@ def test_edge_stage_holds_only_embedding_norm_and_head() -> None:
 
 def subspace_residual(model: Transformer, x: torch.Tensor) -> tuple[float, float]:
     """Max |h − rebuild(h)| at every block boundary, and max |h| for scale."""
-    basis, table = model.embed.basis, model.embed.table
+    codec = get_codec("subspace", basis=model.embed.basis, table=model.embed.table)  # what a stage boundary sends
     h, worst, scale = model.embed(x), 0.0, 0.0
     for block in model.blocks:
         h = block(h, model.rope_cos, model.rope_sin)
-        rebuilt = subspace_to_hidden(hidden_to_subspace(h, x, basis, table), x, basis, table)
+        rebuilt = codec.decode(codec.encode(h, tokens=x))
         worst, scale = max(worst, (rebuilt - h).abs().max().item()), max(scale, h.abs().max().item())
     return worst, scale
 
@@ -101,8 +102,8 @@ def test_subspace_hidden_state_is_exact_before_and_after_optimizer_steps() -> No
         clip_and_step(opt, sched, 1.0)
     err, scale = subspace_residual(model, x)
     assert scale > 0.05 and err <= 1e-6 * scale
-    z = hidden_to_subspace(model.run_blocks(model.embed(x)), x, model.embed.basis, model.embed.table)
-    assert z.shape == (*x.shape, 8)
+    codec = get_codec("subspace", basis=model.embed.basis, table=model.embed.table)
+    assert codec.payload_bytes((*x.shape, cfg.d_model)) < get_codec("fp32").payload_bytes((*x.shape, cfg.d_model)) / 4
 
 
 def test_unconstrained_hidden_state_is_not_in_a_random_subspace() -> None:
@@ -112,4 +113,5 @@ def test_unconstrained_hidden_state_is_not_in_a_random_subspace() -> None:
     free = Transformer(ModelConfig(**TINY))
     x = tokens()
     h = free.run_blocks(free.embed(x))
-    assert (subspace_to_hidden(hidden_to_subspace(h, x, basis, table), x, basis, table) - h).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="not in the subspace"):
+        get_codec("subspace", basis=basis, table=table).encode(h, tokens=x)

@@ -193,16 +193,6 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def hidden_to_subspace(h: torch.Tensor, tokens: torch.Tensor, basis: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """z = (h − T[tok]) @ U: exact for the constrained model since U is orthonormal. (B,T,d) → (B,T,k)"""
-    return (h - F.embedding(tokens, table)) @ basis
-
-
-def subspace_to_hidden(z: torch.Tensor, tokens: torch.Tensor, basis: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """h = z @ U.T + T[tok]. (B,T,k) → (B,T,d)"""
-    return z @ basis.T + F.embedding(tokens, table)
-
-
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> torch.Tensor:
     """Sample ``new_tokens`` after ``prompt`` (T,) int64; returns the prompt plus the sample."""
