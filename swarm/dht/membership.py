@@ -173,7 +173,7 @@ class Membership:
         self.peer_id: PeerID = dht.peer_id
         self._signer = RSASignatureValidator(private_key)
         self.subkey = self.peer_id.to_base58().encode() + self._signer.local_public_key
-        self.cfg: SwarmConfig | None = None
+        self._cfg: SwarmConfig | None = None  # set by join(); every record key holds its swarm id
         self.announced: set[int] = set()  # stages this peer holds a record for
 
     async def join(self, cfg: SwarmConfig | None, *, create: bool, name: str = SwarmConfig().name, fetch_timeout_s: float = 15.0) -> SwarmConfig:
@@ -186,10 +186,17 @@ class Membership:
             published = []
         else:
             published = await self._fetch_configs(name, fetch_timeout_s)
-        self.cfg = reconcile_config(name, cfg, published)
+        self._cfg = reconcile_config(name, cfg, published)
         self.dht.add_validators([stage_validator(self.cfg)])
         await self.publish_config()
         return self.cfg
+
+    @property
+    def cfg(self) -> SwarmConfig:
+        """The swarm's config, once ``join`` has published or fetched it."""
+        if self._cfg is None:
+            raise MembershipError("join() the swarm first: its records are keyed by the swarm id")
+        return self._cfg
 
     async def _fetch_configs(self, name: str, timeout_s: float) -> list[SwarmConfig]:
         """Published configs, polling until ``timeout_s``: a fresh DHT may not see the records yet."""
@@ -203,18 +210,15 @@ class Membership:
             await asyncio.sleep(0.5)
 
     async def publish_config(self) -> None:
-        assert self.cfg is not None, "join() first"
         value = ConfigRecord(hash=self.cfg.hash(), toml=dumps_config(self.cfg)).dict()
         await self._store(config_key(self.cfg.name), value)
 
     async def announce(self, stage: int, status: StageStatus) -> None:
-        assert self.cfg is not None, "join() first"
         await self._store(stage_key(self.cfg.swarm_id, stage), status.dict())
         self.announced.add(stage)
 
     async def retire(self, stage: int) -> None:
         """Replace this peer's record with a tombstone, so readers drop it before its TTL runs out."""
-        assert self.cfg is not None, "join() first"
         await self._store(stage_key(self.cfg.swarm_id, stage), None)
         self.announced.discard(stage)
 
@@ -224,42 +228,34 @@ class Membership:
 
     async def replicas(self, stage: int) -> dict[PeerID, StageStatus]:
         """Live peers announcing ``stage`` (this one included) with this protocol version, and their status."""
-        assert self.cfg is not None, "join() first"
         return await self._read(stage_key(self.cfg.swarm_id, stage), StageStatus)
 
     async def publish_metrics(self, metrics: PeerMetrics | None) -> None:
         """Publish this peer's metrics; None retires them (a tombstone, as ``retire``)."""
-        assert self.cfg is not None, "join() first"
         await self._store(metrics_key(self.cfg.swarm_id), None if metrics is None else metrics.dict())
 
     async def metrics(self) -> dict[PeerID, PeerMetrics]:
         """The latest metrics of every live peer with this protocol version (this one included)."""
-        assert self.cfg is not None, "join() first"
         return await self._read(metrics_key(self.cfg.swarm_id), PeerMetrics)
 
     async def declare_round(self, stage: int, round_: int, *, opened_at: float, expiration: float) -> None:
         """Tell the replicas of ``stage`` that this peer takes part in outer round ``round_``."""
-        assert self.cfg is not None, "join() first"
         await self._store(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration(opened_at=opened_at).dict(), expiration)
 
     async def round_declarations(self, stage: int, round_: int) -> dict[PeerID, float]:
         """Who declared for outer round ``round_`` of ``stage`` (this peer included), and when."""
-        assert self.cfg is not None, "join() first"
         return {peer: record.opened_at for peer, record in (await self._read(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration)).items()}
 
     async def claim_recovery(self, stage: int, claim: RecoveryClaim, *, expiration: float) -> None:
         """Tell the swarm this peer means to rebuild ``stage``, until ``expiration`` (DHT time) at most."""
-        assert self.cfg is not None, "join() first"
         await self._store(recovery_key(self.cfg.swarm_id, stage), claim.dict(), expiration)
 
     async def withdraw_recovery(self, stage: int) -> None:
         """Drop this peer's claim on ``stage`` (a tombstone, as ``retire``)."""
-        assert self.cfg is not None, "join() first"
         await self._store(recovery_key(self.cfg.swarm_id, stage), None)
 
     async def recovery_claims(self, stage: int) -> dict[PeerID, RecoveryClaim]:
         """Live claims to rebuild ``stage`` (this peer's included)."""
-        assert self.cfg is not None, "join() first"
         return await self._read(recovery_key(self.cfg.swarm_id, stage), RecoveryClaim)
 
     async def _read(self, key: str, kind: type[PeerRecord]) -> dict[PeerID, PeerRecord]:
@@ -281,12 +277,10 @@ class Membership:
 
     async def all_replicas(self) -> dict[int, dict[PeerID, StageStatus]]:
         """Replicas of every stage 0..S (0 = trainers)."""
-        assert self.cfg is not None, "join() first"
         stages = range(self.cfg.stages.num_stages + 1)
         return dict(zip(stages, await asyncio.gather(*(self.replicas(i) for i in stages))))
 
     async def _store(self, key: str, value: object, expiration: float | None = None) -> None:
-        assert self.cfg is not None
         expiration = expiration or get_dht_time() + self.cfg.timeouts.record_ttl_s
         await self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True)
 
