@@ -37,13 +37,13 @@ from hivemind.p2p import PeerID
 
 from peer.cli import swarm_credentials, swarm_name
 from peer.credentials import PeerCredentials
+from swarm.config import SwarmConfig, load_config
+from swarm.dht.membership import Membership, MembershipError
+from swarm.dht.records import PeerMetrics
+from swarm.errors import ConfigError
+from swarm.model.stages import split_layers
 from swarm.rpc.admission import JoinError, start_dht
 from swarm.rpc.auth import AccessDenied, CredentialError
-from swarm.config import SwarmConfig, load_config
-from swarm.errors import ConfigError
-from swarm.dht.membership import Membership, MembershipError
-from swarm.dht.metrics import PeerMetrics
-from swarm.model.stages import split_layers
 
 logger = logging.getLogger("dashboard")
 STATIC = Path(__file__).resolve().parent / "dashboard_static"

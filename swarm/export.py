@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import StageStatus
-from swarm.model.transformer import Transformer
+from swarm.dht.records import StageStatus
 from swarm.model.stages import assemble_model, stage_template
+from swarm.model.transformer import Transformer
 from swarm.outer.transfer import TransferError, download_state, state_bytes_bound
 
 SizedFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError

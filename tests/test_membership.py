@@ -19,8 +19,17 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, dumps_config
 from swarm.dht.membership import (
-    ConfigRecord, Membership, MembershipError, StageStatus, config_validator, parse_config_record, peer_from_subkey,
-    pick_stage, reconcile_config, stage_key, stage_validator,
+    ConfigRecord,
+    Membership,
+    MembershipError,
+    StageStatus,
+    config_validator,
+    parse_config_record,
+    peer_from_subkey,
+    pick_stage,
+    reconcile_config,
+    stage_key,
+    stage_validator,
 )
 from swarm.model.transformer import ModelConfig
 

@@ -19,8 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership, StageStatus, metrics_key, stage_validator
-from swarm.dht.metrics import MAX_KINDS, STATES, Meter, MeteredBackend, MeteredCalls, PeerMetrics, Traffic
+from swarm.dht.membership import Membership, metrics_key, stage_validator
+from swarm.dht.metrics import Meter, Traffic
+from swarm.dht.records import MAX_KINDS, STATES, PeerMetrics, StageStatus
+from swarm.pipeline.metering import MeteredBackend, MeteredCalls
 from swarm.pipeline.protocol import Backward, Forward
 
 CFG = SwarmConfig()

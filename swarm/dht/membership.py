@@ -34,49 +34,21 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, config_from_dict, dumps_config
+from swarm.dht.records import (
+    PROTOCOL_VERSION,
+    ConfigRecord,
+    PeerMetrics,
+    RecoveryClaim,
+    RoundDeclaration,
+    StageStatus,
+)
 from swarm.errors import ConfigError
-from swarm.dht.metrics import PeerMetrics
 
-PROTOCOL_VERSION = 1  # bumped on any incompatible change of records or RPC messages
-MAX_CONFIG_CHARS = 1 << 16
-OWNER_MARKER = b"[owner:"
+OWNER_MARKER = b"[owner:"  # subkey = peer id + this + the owner's public key
 
 
 class MembershipError(RuntimeError):
     """This peer cannot join the swarm (no config published, or a different one)."""
-
-
-class StageStatus(pydantic.BaseModel):
-    """What a peer tells the swarm about itself; strict types, as hivemind's SchemaValidator requires."""
-
-    samples_per_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # throughput EMA
-    queue: pydantic.conint(ge=0, strict=True) = 0  # requests waiting or running
-    inner_steps: pydantic.conint(ge=0, strict=True) = 0  # hook for the outer step: H inner steps per round
-    outer_round: pydantic.conint(ge=0, strict=True) = 0
-    global_hash: pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True) = ""  # weights after that round: equal on agreeing replicas
-    grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
-    recovered: pydantic.StrictBool = False  # this replica was rebuilt from its neighbours (CheckFree), not downloaded
-    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
-
-
-class RecoveryClaim(pydantic.BaseModel):
-    """A peer's claim to rebuild a stage nobody serves (``swarm/recovery/rebuild.py``); the lowest (priority, peer id) wins."""
-
-    priority: pydantic.conint(ge=0, strict=True)  # 0: a joining peer, 1: a server the rebalancer moves
-    claimed_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
-    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
-
-
-class RoundDeclaration(pydantic.BaseModel):
-    """A replica's arrival for an outer round (``swarm/outer/rounds.py``): the window closes ``matchmaking_s`` after the first."""
-
-    opened_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
-    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
-
-
-class ConfigRecord(pydantic.BaseModel):
-    hash: pydantic.constr(regex=r"^[0-9a-f]{16}$", strict=True)
-    toml: pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)
 
 
 def stage_key(swarm_id: str, stage: int) -> str:

@@ -27,12 +27,12 @@ from hivemind.p2p import PeerID
 from hivemind.utils.performance_ema import PerformanceEMA
 
 from compress.wire import WireLimits
-from optim.inner import clip_and_step, make_inner_optimizer
-from swarm.pipeline.boundary import boundary_codecs
 from swarm.config import SwarmConfig
-from swarm.dht.membership import StageStatus
-from swarm.pipeline.protocol import Backward, Forward, RequestError
+from swarm.dht.records import StageStatus
 from swarm.model.stages import build_stage
+from swarm.model.step import InnerStep, stage_backward, stage_forward
+from swarm.pipeline.boundary import boundary_codecs
+from swarm.pipeline.protocol import Backward, Forward, RequestError
 
 T = TypeVar("T")
 FRAME_SLACK_BYTES = 64 << 10  # frame header, codec metadata and token ids on top of fp32 values
@@ -87,8 +87,7 @@ class StageServer:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
         self.module = build_stage(cfg.model, cfg.stages.num_stages, stage)
-        # lr_scale: CheckFree's ×1.1 on a stage rebuilt from its neighbours (swarm/recovery/checkfree.py)
-        self.opt, self.sched = make_inner_optimizer(self.module.parameters(), cfg.inner, start_step=start_step, lr_scale=lr_scale)
+        self.inner = InnerStep(self.module.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step, lr_scale=lr_scale)
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
         self.act_codec, self.grad_codec = boundary_codecs(cfg)
@@ -101,7 +100,6 @@ class StageServer:
         self.throughput = PerformanceEMA(alpha=0.1, paused=True)  # samples/s over forward + backward compute
         self.counters: Counter[str] = Counter()
         self.from_stage: Counter[int] = Counter()  # training inputs by the stage they came from: the paths seen
-        self.samples_accumulated, self.inner_steps, self.grad_norm = 0, 0, 0.0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
 
     async def forward(self, peer: PeerID, request: Forward) -> bytes:
@@ -172,16 +170,18 @@ class StageServer:
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
 
-    @torch.no_grad()
+    @property
+    def inner_steps(self) -> int:
+        return self.inner.steps
+
+    @property
+    def grad_norm(self) -> float:
+        return self.inner.grad_norm
+
     def _compute_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)  # (B, T, d) → (B, T, d)
+        return stage_forward(self.module, x)  # (B, T, d) → (B, T, d)
 
     def _compute_backward(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        x = x.detach().requires_grad_()
-        with torch.enable_grad():
-            self.module(x).backward(grad)  # parameter gradients accumulate until the inner step
-        self.samples_accumulated += x.shape[0]
-        if self.samples_accumulated >= self.cfg.train.inner_batch:
-            self.grad_norm = clip_and_step(self.opt, self.sched, self.cfg.inner.grad_clip)
-            self.samples_accumulated, self.inner_steps = 0, self.inner_steps + 1
-        return x.grad  # (B, T, d)
+        grad_x = stage_backward(self.module, x, grad)  # steps 4 and 6 of swarm/model/step.py
+        self.inner.add(x.shape[0])
+        return grad_x  # (B, T, d)

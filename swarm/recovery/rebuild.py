@@ -40,11 +40,19 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership, RecoveryClaim, StageStatus
-from swarm.recovery.checkfree import RecoveryPlan, apply_recovery, recovery_source
-from swarm.pipeline.routing import PathConfig
+from swarm.dht.membership import Membership
+from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.model.stages import EDGE_STAGE, split_layers, stage_template
-from swarm.outer.transfer import StageState, TransferError, download_state, state_bytes_bound, unpack_state, weights_hash
+from swarm.outer.transfer import (
+    StageState,
+    TransferError,
+    download_state,
+    state_bytes_bound,
+    unpack_state,
+    weights_hash,
+)
+from swarm.pipeline.routing import PathConfig
+from swarm.recovery.checkfree import RecoveryPlan, apply_recovery, recovery_source
 
 logger = logging.getLogger(__name__)
 PRIORITY_JOINER, PRIORITY_MOVER = 0, 1  # a peer that serves nothing yet rebuilds before one that must leave its stage

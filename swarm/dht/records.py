@@ -1,0 +1,85 @@
+"""Every record a peer stores in the DHT, as strict pydantic schemas (hivemind's SchemaValidator checks them).
+
+Records live under keys that hold the swarm id (``swarm/dht/membership.py`` builds them), one per
+peer under its signed subkey, each with the protocol version so peers of another version ignore it.
+Kept apart from the code that reads and writes them so that every subsystem can name its record
+without importing the DHT layer.
+
+    >>> StageStatus(samples_per_s=40.0, inner_steps=12).dict()["version"] == PROTOCOL_VERSION
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import pydantic.v1 as pydantic
+
+PROTOCOL_VERSION = 1  # bumped on any incompatible change of records or RPC messages
+MAX_CONFIG_CHARS = 1 << 16
+
+
+
+class StageStatus(pydantic.BaseModel):
+    """What a peer tells the swarm about itself; strict types, as hivemind's SchemaValidator requires."""
+
+    samples_per_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # throughput EMA
+    queue: pydantic.conint(ge=0, strict=True) = 0  # requests waiting or running
+    inner_steps: pydantic.conint(ge=0, strict=True) = 0  # hook for the outer step: H inner steps per round
+    outer_round: pydantic.conint(ge=0, strict=True) = 0
+    global_hash: pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True) = ""  # weights after that round: equal on agreeing replicas
+    grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
+    recovered: pydantic.StrictBool = False  # this replica was rebuilt from its neighbours (CheckFree), not downloaded
+    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
+class RecoveryClaim(pydantic.BaseModel):
+    """A peer's claim to rebuild a stage nobody serves (``swarm/recovery/rebuild.py``); the lowest (priority, peer id) wins."""
+
+    priority: pydantic.conint(ge=0, strict=True)  # 0: a joining peer, 1: a server the rebalancer moves
+    claimed_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
+    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
+class RoundDeclaration(pydantic.BaseModel):
+    """A replica's arrival for an outer round (``swarm/outer/rounds.py``): the window closes ``matchmaking_s`` after the first."""
+
+    opened_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
+    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
+class ConfigRecord(pydantic.BaseModel):
+    hash: pydantic.constr(regex=r"^[0-9a-f]{16}$", strict=True)
+    toml: pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)
+
+
+STATES = ("joining", "serving", "training", "recovering")  # joining: not yet working (state download, waiting for stages)
+MAX_KINDS = 16
+
+Kind = pydantic.constr(regex=r"^[a-z][a-z0-9_]{0,31}$", strict=True)  # activations, gradients, eval, ...
+ByteCounts = Dict[Kind, pydantic.conint(ge=0, strict=True)]
+Loss = Optional[pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)]
+
+
+class PeerMetrics(pydantic.BaseModel):
+    """One peer's numbers; strict types, as hivemind's SchemaValidator requires."""
+
+    role: pydantic.constr(regex=r"^(trainer|stage)$", strict=True)
+    stage: pydantic.conint(ge=0, strict=True)  # 0 = trainers (the edge stage)
+    state: pydantic.constr(regex=rf"^({'|'.join(STATES)})$", strict=True)
+    step: pydantic.conint(ge=0, strict=True)  # inner steps of its stage replica
+    train_loss: Loss = None  # trainers: mean over the last logged steps
+    val_loss: Loss = None  # trainers: the last validation pass
+    tokens_per_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # over the last period
+    bytes_sent: ByteCounts = {}  # wire frames by kind, since the peer started
+    bytes_received: ByteCounts = {}
+    outer_round: pydantic.conint(ge=0, strict=True) = 0
+    recoveries: pydantic.conint(ge=0, strict=True) = 0  # stages this peer rebuilt from their neighbours
+    bans: pydantic.conint(ge=0, strict=True) = 0  # peers it refuses to call right now
+    version: pydantic.conint(ge=0, strict=True)
+
+    @pydantic.validator("bytes_sent", "bytes_received")
+    def _few_kinds(cls, counts: dict[str, int]) -> dict[str, int]:
+        if len(counts) > MAX_KINDS:
+            raise ValueError(f"at most {MAX_KINDS} kinds of traffic, got {len(counts)}")
+        return counts
