@@ -1,0 +1,152 @@
+"""One microbatch's training step, defined once for the swarm, the simulator and the centralized baseline.
+
+The runtime (a trainer holding the edge stage, one stage server per hop, an RPC between them),
+the simulator (``swarm/sim/simulate.py``) and the centralized baseline (``swarm/sim/centralized.py``)
+all run a microbatch as these calls, in this order, so they compute the same gradients and take
+the same inner steps (``tests/test_training_step.py`` checks it):
+
+1. ``h0 = embed(edge, tokens)``: the edge stage's embedding; its graph is kept until step 5
+2. ``y = stage_forward(stage, x)`` for each middle stage on the path
+3. ``loss, grad = head_backward(edge, h, targets, inner_batch=...)``: the microbatch's mean
+   cross-entropy, backpropagated with weight ``loss_weight(samples, inner_batch)``, so the
+   gradients summed over an inner batch are those of the inner batch's mean loss
+4. ``grad = stage_backward(stage, x, grad)`` for each middle stage, last hop first
+5. ``embed_backward(h0, grad)``
+6. ``inner.add(samples)`` on every stage copy that took part (an ``InnerStep``): once ``inner_batch``
+   samples' gradients are in, clip the copy's gradients, step its AdamW and schedule, zero them
+
+Between any two stages a boundary codec may encode and decode the tensor (the wire); in process that
+is the ``send`` hook of ``run_microbatch``. Stages hold disjoint parameters, so when in step 6 a copy
+adds its samples (right after its own backward, or after the whole microbatch) changes nothing.
+
+    >>> edge, *middles = split_model(Transformer(cfg.model), cfg.stages.num_stages)
+    >>> inner = InnerStep(edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
+    >>> loss = run_microbatch(edge, middles, (inputs, targets), inner_batch=cfg.train.inner_batch)  # steps 1-5
+    >>> inner.add(inputs.shape[0])  # step 6 (True when it stepped)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from optim.config import InnerOptimConfig
+from optim.inner import clip_and_step, make_inner_optimizer
+from swarm.model.stages import EdgeStage, MiddleStage
+from swarm.model.transformer import loss_fn
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
+# what the receiver of a tensor gets: (kind "activations" | "activation_gradients", tensor, token ids) → decoded tensor
+Send = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def loss_weight(samples: int, inner_batch: int) -> float:
+    """Weight of a microbatch's mean loss in its backward: its share of the inner batch."""
+    return samples / inner_batch
+
+
+def embed(edge: EdgeStage, tokens: torch.Tensor) -> torch.Tensor:
+    """Step 1: (B, T) token ids → (B, T, d), with the graph ``embed_backward`` runs back through."""
+    with torch.enable_grad():
+        return edge.embed(tokens)
+
+
+@torch.no_grad()
+def stage_forward(stage: MiddleStage, x: torch.Tensor) -> torch.Tensor:
+    """Step 2 on a stage server: no graph waits in memory until the backward (it recomputes)."""
+    return stage(x)
+
+
+def head_backward(edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int) -> tuple[float, torch.Tensor]:
+    """Step 3: the microbatch's mean loss, and the gradient w.r.t. the last hidden state ``h`` of its weighted backward."""
+    h = h.detach().requires_grad_()
+    with torch.enable_grad():
+        loss = loss_fn(edge.head(h), targets)
+        (loss * loss_weight(targets.shape[0], inner_batch)).backward()
+    return loss.item(), h.grad  # type: ignore[return-value]
+
+
+def stage_backward(stage: MiddleStage, x: torch.Tensor, grad: torch.Tensor, *, y: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 4: parameter gradients accumulate, and the gradient w.r.t. the stage's input ``x`` is returned.
+
+    ``y`` is the forward's output when its graph was kept (in process); without it the forward is
+    recomputed from ``x`` (a stage server, which keeps no graph between the two calls).
+    """
+    x = x if y is not None else x.detach().requires_grad_()
+    with torch.enable_grad():
+        (stage(x) if y is None else y).backward(grad)
+    return x.grad  # type: ignore[return-value]
+
+
+def embed_backward(h0: torch.Tensor, grad: torch.Tensor) -> None:
+    """Step 5: the embedding's parameter gradients."""
+    h0.backward(grad)
+
+
+def no_wire(kind: str, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``Send`` of a process that is the whole pipeline: the receiver gets the tensor itself."""
+    return x.detach()
+
+
+def run_microbatch(edge: EdgeStage, path: Sequence[MiddleStage], batch: Batch, *, inner_batch: int, send: Send = no_wire) -> float:
+    """Steps 1-5 in one process, through ``path``'s stages in order; returns the microbatch's mean loss.
+
+    Every boundary (before the first stage, after each one, both ways) goes through ``send``: with
+    an empty path the head still receives the embedding through it. Graphs are kept (no recompute).
+    """
+    inputs, targets = batch
+    h0 = embed(edge, inputs)  # (B, T, d)
+    h, kept = send("activations", h0, inputs), []
+    for stage in path:
+        x = h.requires_grad_()
+        with torch.enable_grad():
+            y = stage(x)
+        kept.append((stage, x, y))
+        h = send("activations", y, inputs)
+    loss, grad = head_backward(edge, h, targets, inner_batch=inner_batch)
+    grad = send("activation_gradients", grad, inputs)
+    for stage, x, y in reversed(kept):
+        grad = send("activation_gradients", stage_backward(stage, x, grad, y=y), inputs)
+    embed_backward(h0, grad)
+    return loss
+
+
+class InnerStep:
+    """Step 6 for one stage copy (or a whole model): its AdamW and schedule, and the samples whose gradients it holds.
+
+        >>> inner = InnerStep(stage.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
+        >>> inner.add(16)  # after a microbatch's backward: True when it stepped
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], cfg: InnerOptimConfig, *, inner_batch: int, start_step: int = 0,
+                 lr_scale: float = 1.0) -> None:
+        # start_step: a copy that joins mid-run starts at the swarm's point of the lr schedule;
+        # lr_scale: CheckFree's ×1.1 on a stage rebuilt from its neighbours (swarm/recovery/checkfree.py)
+        self.optimizer, self.scheduler = make_inner_optimizer(params, cfg, start_step=start_step, lr_scale=lr_scale)
+        self.inner_batch, self.grad_clip = inner_batch, cfg.grad_clip
+        self.samples = 0  # whose gradients are accumulated since the last step
+        self.steps = 0  # taken by this copy
+        self.grad_norm = 0.0  # before clipping, at the last step
+
+    def add(self, samples: int, *, step_when_due: bool = True) -> bool:
+        """Count ``samples`` whose (loss-weighted) gradients were just accumulated; step once an inner batch is in.
+
+        ``step_when_due=False`` only counts (DDP steps on the group's mean gradient every tick instead).
+        """
+        self.samples += samples
+        if not step_when_due or self.samples < self.inner_batch:
+            return False
+        self.step()
+        return True
+
+    def step(self) -> float:
+        """Clip, step, advance the schedule and zero the gradients now; returns the pre-clip norm."""
+        self.grad_norm = clip_and_step(self.optimizer, self.scheduler, self.grad_clip)
+        self.samples, self.steps = 0, self.steps + 1
+        return self.grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
