@@ -26,7 +26,7 @@ import struct
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -256,8 +256,16 @@ class SubspaceCodec(Codec):
         return _SUBSPACE_META.size + n_tok + self.inner.payload_bytes((*x_shape[:-1], self.k))
 
 
+# The codec names, once: the config's choices (compress/config.py) and the CLI's read these aliases.
+FloatCodecName = Literal["fp32", "fp16", "bf16"]
+FlatCodecName = Literal[FloatCodecName, "int8", "int4"]
+CodecName = Literal[FlatCodecName, "subspace", "subspace+fp16", "subspace+bf16", "subspace+int8", "subspace+int4"]
+PseudoGradientCodecName = Literal[FloatCodecName, "sparseloco"]  # DiLoCo sends a float codec; SparseLoCo its own
+
 _FLAT: dict[str, Codec] = {c.name: c for c in (FloatCodec(torch.float32), FloatCodec(torch.float16), FloatCodec(torch.bfloat16), IntCodec(8), IntCodec(4))}
-CODEC_NAMES = (*_FLAT, *(f"subspace+{n}" if n != "fp32" else "subspace" for n in _FLAT))
+CODEC_NAMES: tuple[CodecName, ...] = get_args(CodecName)
+if CODEC_NAMES != (*_FLAT, *(f"subspace+{n}" if n != "fp32" else "subspace" for n in _FLAT)):  # the aliases name what the registry holds
+    raise ImportError(f"compress.codecs: CodecName {CODEC_NAMES} disagrees with the codec registry {tuple(_FLAT)}")
 
 
 def get_codec(name: str, *, basis: torch.Tensor | None = None, table: torch.Tensor | None = None, kind: Kind = "activation") -> Codec:

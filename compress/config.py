@@ -1,31 +1,78 @@
-"""Which codecs a swarm uses on the wire (part of the swarm config)."""
+"""Which codecs a swarm uses on the wire (part of the swarm config), and the checks every config section shares.
+
+Config sections are keyword-only dataclasses whose choice fields are ``Literal`` types;
+``__post_init__`` validates and raises ``ConfigError`` naming the field relative to the section
+(the enclosing section prefixes its own name).
+
+    >>> CodecConfig(activations="subspace+int8", gradients="subspace").uses_subspace  # True
+    >>> CodecConfig(activations="gzip")  # ConfigError: config field 'activations': unknown value 'gzip'; choose from fp32, …
+"""
 
 from __future__ import annotations
 
+import functools
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-ACTIVATION_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "subspace", "subspace+int8", "subspace+int4")
-PSEUDO_GRADIENT_CODECS = ("fp32", "fp16", "bf16", "sparseloco")
+from compress.codecs import CodecName, PseudoGradientCodecName
+from compress.errors import ConfigError
+
+SPARSELOCO_CHUNK = 4096  # the SparseLoCo codec's chunks are 64×64 tiles
+
+
+def choice_problem(value: object, choices: object) -> str | None:
+    """Why ``value`` is not one of the ``Literal`` type ``choices`` (None when it is); the one message for every choice field."""
+    allowed = typing.get_args(choices)
+    if any(value == choice and type(value) is type(choice) for choice in allowed):  # Literal[1] must not take True
+        return None
+    return f"unknown value {value!r}; choose from {', '.join(map(str, allowed))}"
+
+
+@functools.cache
+def _choice_fields(cls: type) -> dict[str, object]:
+    return {name: hint for name, hint in typing.get_type_hints(cls).items() if typing.get_origin(hint) is Literal}
+
+
+def check_choices(section: object) -> None:
+    """Raise ``ConfigError`` for the first ``Literal``-typed field of dataclass ``section`` holding a value outside its choices."""
+    for name, choices in _choice_fields(type(section)).items():
+        problem = choice_problem(getattr(section, name), choices)
+        if problem:
+            raise ConfigError(name, problem)
+
+
+def check_positive(section: object, *names: str) -> None:
+    for name in names:
+        if not getattr(section, name) > 0:
+            raise ConfigError(name, f"must be positive, got {getattr(section, name)}")
+
+
+def check_non_negative(section: object, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) < 0:
+            raise ConfigError(name, f"must be non-negative, got {getattr(section, name)}")
 
 
 @dataclass(kw_only=True)
 class CodecConfig:
-    activations: str = "int8"  # forward activations between stages
-    gradients: str = "int8"  # activation-gradients on the way back
-    pseudo_gradients: str = "sparseloco"  # outer-step exchange (sparseloco needs outer.method = sparseloco)
+    activations: CodecName = "int8"  # forward activations between stages
+    gradients: CodecName = "int8"  # activation-gradients on the way back
+    pseudo_gradients: PseudoGradientCodecName = "sparseloco"  # outer-step exchange (sparseloco needs outer.method = sparseloco)
     topk: int = 64  # SparseLoCo: values kept per chunk
-    chunk_size: int = 4096  # SparseLoCo: elements per chunk (2-D tensors as 64×64 tiles)
+    chunk_size: int = SPARSELOCO_CHUNK  # SparseLoCo: elements per chunk (2-D tensors as 64×64 tiles)
     error_decay: float = 0.95  # SparseLoCo: β of the error-feedback buffer
 
     def __post_init__(self) -> None:
-        for name in ("activations", "gradients"):
-            if getattr(self, name) not in ACTIVATION_CODECS:
-                raise ValueError(f"config field '{name}': unknown codec {getattr(self, name)!r}; choose from {', '.join(ACTIVATION_CODECS)}")
-        if self.pseudo_gradients not in PSEUDO_GRADIENT_CODECS:
-            raise ValueError(f"config field 'pseudo_gradients': unknown codec {self.pseudo_gradients!r}; choose from {', '.join(PSEUDO_GRADIENT_CODECS)}")
-        if self.chunk_size != 4096:
-            raise ValueError("config field 'chunk_size': only 4096 (64×64 tiles) is supported")
+        check_choices(self)
+        if self.chunk_size != SPARSELOCO_CHUNK:
+            raise ConfigError("chunk_size", f"only {SPARSELOCO_CHUNK} (64×64 tiles) is supported")
         if not 1 <= self.topk <= self.chunk_size:
-            raise ValueError(f"config field 'topk': must be in [1, {self.chunk_size}], got {self.topk}")
+            raise ConfigError("topk", f"must be in [1, {self.chunk_size}], got {self.topk}")
         if not 0.0 <= self.error_decay <= 1.0:
-            raise ValueError(f"config field 'error_decay': must be in [0, 1], got {self.error_decay}")
+            raise ConfigError("error_decay", f"must be in [0, 1], got {self.error_decay}")
+
+    @property
+    def uses_subspace(self) -> bool:
+        """Whether a boundary codec needs the subspace-constrained model (``model.subspace_rank`` > 0)."""
+        return any(name.startswith("subspace") for name in (self.activations, self.gradients))

@@ -1,4 +1,8 @@
-"""Errors raised while decoding a wire frame. Every decode failure is a ``WireError``.
+"""Errors of the bottom layer: ``ConfigError`` for an invalid config value, ``WireError`` for a bad frame.
+
+Every config dataclass of every package (compress, optim, swarm) raises ``ConfigError``: the field
+travels as data, so a parent section prefixes its own name (``err.within("codecs")``) and the user
+reads the full dotted path. Every decode failure is a ``WireError``.
 
 A peer decodes bytes sent by strangers, so decoding never raises anything else: callers catch
 ``WireError`` once, drop the message and may ban the sender. Encode-side misuse (wrong basis,
@@ -10,6 +14,26 @@ non-finite input) raises plain ``ValueError``: that is a local bug, not hostile 
 """
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value is invalid: ``field`` is its dotted path in the config tree, ``message`` what is wrong.
+
+        >>> err = ConfigError("topk", "must be in [1, 4096], got 0").within("codecs")
+        >>> err.field, str(err)  # ('codecs.topk', "config field 'codecs.topk': must be in [1, 4096], got 0")
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(field, message)  # both in args, so the error pickles with its field
+        self.field = field
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"config field '{self.field}': {self.message}"
+
+    def within(self, section: str) -> ConfigError:
+        """The same error seen from the enclosing section ``section`` (its dotted path; "" for the root)."""
+        return ConfigError(f"{section}.{self.field}" if section else self.field, self.message)
 
 
 class WireError(ValueError):

@@ -1,16 +1,25 @@
-"""Inner and outer optimizer hyper-parameters (part of the swarm config)."""
+"""Inner and outer optimizer hyper-parameters (part of the swarm config).
+
+    >>> OuterOptimConfig(method="diloco", inner_steps=20).method  # 'diloco'
+    >>> OuterOptimConfig(method="adam")  # ConfigError: config field 'method': unknown value 'adam'; choose from none, diloco, sparseloco
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-OUTER_METHODS = ("none", "diloco", "sparseloco")
+from compress.config import check_choices, check_non_negative, check_positive
+from compress.errors import ConfigError
+
+OuterMethod = Literal["none", "diloco", "sparseloco"]  # none: replicas never sync
+OUTER_METHODS: tuple[OuterMethod, ...] = get_args(OuterMethod)
 
 
-def _positive(obj: object, *names: str) -> None:
-    for name in names:
-        if not getattr(obj, name) > 0:
-            raise ValueError(f"config field '{name}': must be positive, got {getattr(obj, name)}")
+def _check_unit_interval(section: object, name: str, *, closed: bool) -> None:
+    value = getattr(section, name)
+    if not (0.0 <= value <= 1.0 if closed else 0.0 <= value < 1.0):
+        raise ConfigError(name, f"must be in [0, 1{']' if closed else ')'}, got {value}")
 
 
 @dataclass(kw_only=True)
@@ -27,29 +36,24 @@ class InnerOptimConfig:
     grad_clip: float = 1.0  # max global grad norm per stage; 0 disables
 
     def __post_init__(self) -> None:
-        _positive(self, "lr", "total_steps")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"config field '{name}': must be in [0, 1), got {getattr(self, name)}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"config field 'min_lr_ratio': must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("config fields 'warmup_steps', 'weight_decay', 'grad_clip' must be non-negative")
+        check_positive(self, "lr", "total_steps")
+        _check_unit_interval(self, "beta1", closed=False)
+        _check_unit_interval(self, "beta2", closed=False)
+        _check_unit_interval(self, "min_lr_ratio", closed=True)
+        check_non_negative(self, "warmup_steps", "weight_decay", "grad_clip")
 
 
 @dataclass(kw_only=True)
 class OuterOptimConfig:
     """How replicas of a stage agree every ``inner_steps`` (H) inner steps."""
 
-    method: str = "sparseloco"  # none | diloco | sparseloco
+    method: OuterMethod = "sparseloco"
     inner_steps: int = 50  # H
     diloco_lr: float = 0.7
     diloco_momentum: float = 0.9  # Nesterov
     sparseloco_lr: float = 1.0  # plain SGD on the aggregated sparse pseudo-gradient
 
     def __post_init__(self) -> None:
-        if self.method not in OUTER_METHODS:
-            raise ValueError(f"config field 'method': unknown outer method {self.method!r}; choose from {', '.join(OUTER_METHODS)}")
-        _positive(self, "inner_steps", "diloco_lr", "sparseloco_lr")
-        if not 0.0 <= self.diloco_momentum < 1.0:
-            raise ValueError(f"config field 'diloco_momentum': must be in [0, 1), got {self.diloco_momentum}")
+        check_choices(self)
+        check_positive(self, "inner_steps", "diloco_lr", "sparseloco_lr")
+        _check_unit_interval(self, "diloco_momentum", closed=False)

@@ -7,7 +7,6 @@
 """
 
 import asyncio
-import dataclasses
 import functools
 import json
 import sys
@@ -19,10 +18,11 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import torch
 import typer
 
+from peer.config_options import ConfigOption, ConfigOverrides, config_options
 from peer.data import DataError, decode, encode, load_corpus
-from swarm.recovery.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from swarm.config import SwarmConfig, load_config
+from swarm.config import OuterChoice, SwarmConfig, derive_config, load_config
 from swarm.errors import ConfigError
+from swarm.recovery.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from peer.credentials import PeerCredentials  # loads hivemind: imported where used
@@ -69,9 +69,9 @@ def user_errors(fn: F) -> F:
 
 def swarm_user_errors() -> tuple[type[Exception], ...]:
     """User errors of modules that load hivemind: looked up once something failed, so other commands start fast."""
+    from swarm.dht.membership import MembershipError
     from swarm.rpc.admission import JoinError
     from swarm.rpc.auth import AccessDenied, CredentialError
-    from swarm.dht.membership import MembershipError
 
     return JoinError, AccessDenied, CredentialError, MembershipError
 
@@ -100,8 +100,7 @@ def train_local(
     """Train the swarm's model in one process: the centralized baseline every swarm run is compared to."""
     from swarm.sim.centralized import train_centralized
 
-    cfg = config_or_default(config)
-    cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, total_steps=steps))
+    cfg = derive_config(config_or_default(config), {"inner.total_steps": steps})
     torch.manual_seed(cfg.train.seed)
     corpus = load_corpus(data)
     batches = corpus.sample_batches("train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed)
@@ -161,48 +160,26 @@ def sample(
     typer.echo(decode(out))
 
 
-OUTER_CHOICES = ("ddp", "diloco", "sparseloco", "none")
-
-
-def simulation_config(
-    cfg: SwarmConfig, *, outer: str, inner_steps: int | None, act_codec: str | None, grad_codec: str | None,
-    pg_codec: str, skip: float | None, swaps: int | None, subspace_rank: int | None,
-) -> SwarmConfig:
-    """The swarm config with the simulate options applied (validated again as a whole)."""
-    if outer not in OUTER_CHOICES:
-        raise ConfigError("outer", f"must be one of {', '.join(OUTER_CHOICES)}, got {outer!r}")
-    act = act_codec or cfg.codecs.activations
-    model = cfg.model
-    if subspace_rank is not None or (act.startswith("subspace") and not model.subspace_rank):
-        rank = subspace_rank if subspace_rank is not None else model.d_model // 8
-        typer.echo(f"model: subspace-constrained residual stream, k={rank} (d/k={model.d_model / max(rank, 1):g})")
-        model = dataclasses.replace(model, subspace_rank=rank)
-    method = "none" if outer == "ddp" else outer
-    pseudo = "sparseloco" if method == "sparseloco" else pg_codec
-    return dataclasses.replace(
-        cfg,
-        model=model,
-        codecs=dataclasses.replace(cfg.codecs, activations=act, gradients=grad_codec or act_codec or cfg.codecs.gradients, pseudo_gradients=pseudo),
-        outer=dataclasses.replace(cfg.outer, method=method, inner_steps=inner_steps or cfg.outer.inner_steps),
-        paths=dataclasses.replace(cfg.paths, skip_ratio=cfg.paths.skip_ratio if skip is None else skip,
-                                  max_swaps=cfg.paths.max_swaps if swaps is None else swaps),
-    )
+SIMULATE_CONFIG_OPTIONS = (
+    ConfigOption(field="outer.inner_steps", flags=("--inner-steps", "-H"), help="H: inner steps between outer steps (default: config).", limits={"min": 1}),
+    ConfigOption(field="codecs.activations", flags=("--act-codec",), help="Activation codec (default: config)."),
+    ConfigOption(field="codecs.gradients", flags=("--grad-codec",), help="Activation-gradient codec (default: the activation codec)."),
+    ConfigOption(field="codecs.pseudo_gradients", flags=("--pg-codec",), help="DiLoCo pseudo-gradient codec (SparseLoCo sends its own).", default="fp32"),
+    ConfigOption(field="paths.skip_ratio", flags=("--skip",), help="Skip ratio r: paths visit round((1-r)·S) stages.", limits={"min": 0.0, "max": 0.99}),
+    ConfigOption(field="paths.max_swaps", flags=("--swaps",), help="Max adjacent stage swaps per path.", limits={"min": 0}),
+    ConfigOption(field="model.subspace_rank", flags=("--subspace-rank",), help="k of the subspace-constrained model (default d/8 when a subspace codec is chosen).", limits={"min": 0}),
+)
 
 
 @app.command("simulate")
 @user_errors
+@config_options(*SIMULATE_CONFIG_OPTIONS)
 def simulate_cmd(
     config: ConfigOpt = None,
     data: DataOpt = None,
     replicas: Annotated[int, typer.Option("--replicas", "-k", min=1, help="Replicas per stage (and trainers).")] = 2,
-    outer: Annotated[str, typer.Option(help="ddp (fp32 gradient all-reduce every step), diloco, sparseloco, or none (replicas never sync).")] = "sparseloco",
-    inner_steps: Annotated[int | None, typer.Option("--inner-steps", "-H", min=1, help="H: inner steps between outer steps (default: config).")] = None,
-    act_codec: Annotated[str | None, typer.Option(help="Activation codec: fp32 fp16 bf16 int8 int4 subspace subspace+int8 subspace+int4 (default: config).")] = None,
-    grad_codec: Annotated[str | None, typer.Option(help="Activation-gradient codec (default: the activation codec).")] = None,
-    pg_codec: Annotated[str, typer.Option(help="DiLoCo pseudo-gradient codec: fp32 fp16 bf16.")] = "fp32",
-    skip: Annotated[float | None, typer.Option(min=0.0, max=0.99, help="Skip ratio r: paths visit round((1-r)·S) stages.")] = None,
-    swaps: Annotated[int | None, typer.Option(min=0, help="Max adjacent stage swaps per path.")] = None,
-    subspace_rank: Annotated[int | None, typer.Option(min=0, help="k of the subspace-constrained model (default d/8 when a subspace codec is chosen).")] = None,
+    outer: Annotated[OuterChoice, typer.Option(help="ddp (fp32 gradient all-reduce every step), diloco, sparseloco, or none (replicas never sync).")] = "sparseloco",
+    overrides: ConfigOverrides = None,
     tokens: Annotated[int, typer.Option(min=1, help="Training tokens over all trainers.")] = 400_000,
     routing: Annotated[str, typer.Option(help="random: any replica per hop (SWARM); sticky: trainer k always uses replica k.")] = "random",
     seed: int = 0,
@@ -212,8 +189,11 @@ def simulate_cmd(
     """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
     from swarm.sim.simulate import SimulationConfig, simulate
 
-    cfg = simulation_config(config_or_default(config), outer=outer, inner_steps=inner_steps, act_codec=act_codec,
-                            grad_codec=grad_codec, pg_codec=pg_codec, skip=skip, swaps=swaps, subspace_rank=subspace_rank)
+    base = config_or_default(config)
+    cfg = derive_config(base, overrides, outer=outer)
+    if cfg.model.subspace_rank != base.model.subspace_rank or "model.subspace_rank" in (overrides or {}):
+        rank = cfg.model.subspace_rank
+        typer.echo(f"model: subspace-constrained residual stream, k={rank} (d/k={cfg.model.d_model / max(rank, 1):g})")
     sim = SimulationConfig(replicas=replicas, mode="ddp" if outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=log_every, routing=routing)
     corpus = load_corpus(data)
     streams = [corpus.sample_batches("train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed + 1000 * k)

@@ -16,15 +16,13 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from compress.config import CodecConfig
-from optim.config import OuterOptimConfig
 from peer.data import Corpus, load_corpus
+from swarm.config import OuterChoice, SwarmConfig, derive_config
 from swarm.sim.centralized import train_centralized
-from swarm.config import SwarmConfig
-from swarm.pipeline.routing import PathConfig
 from swarm.sim.simulate import SimulationConfig, simulate
 
 VAL_BATCHES = 16
@@ -33,7 +31,7 @@ VAL_BATCHES = 16
 @dataclass(frozen=True)
 class Run:
     name: str
-    outer: str  # centralized | ddp | diloco | sparseloco
+    outer: OuterChoice | Literal["centralized"]
     act_codec: str = "int8"
     inner_steps: int = 0
     skip: float = 0.0
@@ -54,18 +52,12 @@ def plan(h1: int, h2: int) -> list[Run]:
 
 
 def run_config(base: SwarmConfig, run: Run) -> SwarmConfig:
-    subspace = run.act_codec.startswith("subspace")
-    model = dataclasses.replace(base.model, subspace_rank=base.model.d_model // 8 if subspace else 0)
-    method = "none" if run.outer in ("ddp", "centralized") else run.outer
+    """The run's swarm config: its codec on both directions, its outer step, H and paths (the centralized run: no outer step)."""
     codec = "fp32" if run.act_codec == "none" else run.act_codec
-    return dataclasses.replace(
-        base,
-        model=model,
-        codecs=dataclasses.replace(base.codecs, activations=codec, gradients=codec,
-                                   pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"),
-        outer=dataclasses.replace(base.outer, method=method, inner_steps=run.inner_steps or base.outer.inner_steps),
-        paths=PathConfig(skip_ratio=run.skip, max_swaps=run.swaps),
-    )
+    overrides = {"codecs.activations": codec, "codecs.pseudo_gradients": "fp32", "paths.skip_ratio": run.skip, "paths.max_swaps": run.swaps}
+    if run.inner_steps:
+        overrides["outer.inner_steps"] = run.inner_steps
+    return derive_config(base, overrides, outer="none" if run.outer == "centralized" else run.outer)
 
 
 def measure(run: Run, base: SwarmConfig, corpus: Corpus, replicas: int, tokens: int, seed: int) -> dict:

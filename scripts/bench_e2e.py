@@ -33,8 +33,7 @@ from bench_swarm import run_swarm  # this directory is on sys.path when run as a
 from wanlab import WanLab, unsupported_reason
 
 from peer.launch import LocalSwarm, Placement, local_config
-from swarm.config import SwarmConfig
-from swarm.pipeline.routing import PathConfig
+from swarm.config import OuterChoice, SwarmConfig, derive_config
 
 LAYOUT = dict(trainers=2, stages=3)  # and one server per stage
 TARGET_KEEP = 0.8  # at 20 Mbit/s, compressed, at least 80% of the uncapped tokens/s
@@ -45,7 +44,7 @@ TARGET_SKIP_STEP_CUT, TARGET_SKIP_LOSS = 0.25, 0.03  # skip 0.33: ≥ 25% less t
 class Run:
     bandwidth_mbit: float | None  # per peer, each direction; None: uncapped
     act_codec: str = "int8"  # activations and their gradients; "none": fp32
-    outer: str = "sparseloco"
+    outer: OuterChoice = "sparseloco"
     skip: float = 0.0
 
     @property
@@ -64,15 +63,8 @@ def plan(bandwidths: list[float | None]) -> list[Run]:
 
 def run_config(base: SwarmConfig, run: Run, layout: LocalSwarm, inner_steps: int) -> SwarmConfig:
     codec = "fp32" if run.act_codec == "none" else run.act_codec
-    model = dataclasses.replace(base.model, subspace_rank=base.model.d_model // 8 if codec.startswith("subspace") else 0)
-    cfg = local_config(dataclasses.replace(base, model=model), layout)
-    return dataclasses.replace(
-        cfg,
-        codecs=dataclasses.replace(cfg.codecs, activations=codec, gradients=codec,
-                                   pseudo_gradients="sparseloco" if run.outer == "sparseloco" else "fp32"),
-        outer=dataclasses.replace(cfg.outer, method=run.outer, inner_steps=inner_steps),
-        paths=PathConfig(skip_ratio=run.skip),
-    )
+    overrides = {"codecs.activations": codec, "codecs.pseudo_gradients": "fp32", "outer.inner_steps": inner_steps, "paths.skip_ratio": run.skip}
+    return derive_config(local_config(base, layout), overrides, outer=run.outer)
 
 
 def measure(run: Run, layout: LocalSwarm, base: SwarmConfig, inner_steps: int, data: list[str] | None, out: Path) -> dict[str, Any]:

@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 
+from compress.codecs import CODEC_NAMES
+from optim.config import OUTER_METHODS, OuterMethod
 from peer.data import load_corpus
 from peer.launch import LOOPBACK, VAL_BATCHES, LocalSwarm, Placement, launch_local, local_config
+from swarm.config import ConfigValue, SwarmConfig, derive_config, load_config
 from swarm.sim.centralized import train_centralized
-from swarm.config import SwarmConfig, load_config
 
 TARGET_LOSS_GAP = 0.05  # swarm val loss within 5% of the baseline's
 TARGET_COMPRESSION = 4.0  # activation bytes per token at least 4× below fp32
@@ -121,12 +123,14 @@ def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[s
     return {"val_loss": log[-1]["val_loss"], "tokens": log[-1]["tokens"], "tokens_per_s": log[-1]["tokens"] / log[-1]["elapsed_s"]}
 
 
-def outer_config(cfg: SwarmConfig, method: str | None, inner_steps: int | None) -> SwarmConfig:
-    """The config with the outer method (DiLoCo exchanges fp32) and H changed."""
-    method = method or cfg.outer.method
-    pseudo = {"sparseloco": "sparseloco", "diloco": "fp32"}.get(method, cfg.codecs.pseudo_gradients)
-    return dataclasses.replace(cfg, codecs=dataclasses.replace(cfg.codecs, pseudo_gradients=pseudo),
-                               outer=dataclasses.replace(cfg.outer, method=method, inner_steps=inner_steps or cfg.outer.inner_steps))
+def bench_config(base: SwarmConfig, outer: OuterMethod | None, inner_steps: int | None, codec: str | None) -> SwarmConfig:
+    """The config with the outer method (DiLoCo exchanges fp32), H and the activation/gradient codec changed where given."""
+    overrides: dict[str, ConfigValue] = {"codecs.pseudo_gradients": "fp32"} if outer == "diloco" else {}
+    if inner_steps:
+        overrides["outer.inner_steps"] = inner_steps
+    if codec:
+        overrides["codecs.activations"] = codec
+    return derive_config(base, overrides, outer=outer)
 
 
 def main() -> None:
@@ -135,11 +139,11 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2, help="middle stages")
     parser.add_argument("--trainers", type=int, default=1, help="trainers (stage 0 replicas)")
     parser.add_argument("--replicas", type=int, default=1, help="stage servers per middle stage")
-    parser.add_argument("--outer", choices=["none", "diloco", "sparseloco"], help="outer step (default: the config's); diloco exchanges fp32")
+    parser.add_argument("--outer", choices=OUTER_METHODS, help="outer step (default: the config's); diloco exchanges fp32")
     parser.add_argument("-H", "--inner-steps", type=int, help="H: inner steps between outer steps (default: the config's)")
     parser.add_argument("--join", action="store_true", help="start one more peer mid-run with --role auto")
     parser.add_argument("--join-after", type=float, default=30.0, help="seconds after the trainers start that it joins")
-    parser.add_argument("--codec", help="activation and gradient codec (default: the config's)")
+    parser.add_argument("--codec", choices=CODEC_NAMES, help="activation and gradient codec (default: the config's)")
     parser.add_argument("--config", type=Path, help="swarm config TOML (default: the built-in model)")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
     parser.add_argument("--out", type=Path, help="keep the swarm's logs and metrics here")
@@ -149,9 +153,7 @@ def main() -> None:
 
     layout = LocalSwarm(peers=args.trainers + args.replicas * args.stages, stages=args.stages, trainers=args.trainers, steps=args.steps,
                         joiners=int(args.join), join_after_s=args.join_after)
-    cfg = outer_config(local_config(load_config(args.config) if args.config else SwarmConfig(), layout), args.outer, args.inner_steps)
-    if args.codec:
-        cfg = dataclasses.replace(cfg, codecs=dataclasses.replace(cfg.codecs, activations=args.codec, gradients=args.codec))
+    cfg = bench_config(local_config(load_config(args.config) if args.config else SwarmConfig(), layout), args.outer, args.inner_steps, args.codec)
     results = [measure(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed)), layout, args) for seed in range(args.seeds)]
     if args.seeds > 1:
         print_seeds(results)

@@ -1,12 +1,15 @@
-"""The swarm config: one tree of keyword-only dataclasses, TOML in and out, and a stable hash.
+"""The swarm config: one tree of keyword-only dataclasses, TOML in and out, a stable hash, and its derivation rules.
 
 Each component keeps its config beside it (model, stages, codecs, optimizers, paths); this
 module composes them. The hash identifies the swarm: it is part of every DHT key, so peers
-with different configs never mix.
+with different configs never mix. Choice fields are ``Literal`` types; every section validates
+in ``__post_init__`` and raises ``ConfigError`` with the field relative to itself, and
+``from_dict`` prefixes each enclosing section, so errors name the full dotted path.
 
     >>> cfg = SwarmConfig()
     >>> save_config(cfg, "swarm.toml"); assert load_config("swarm.toml") == cfg
     >>> cfg.hash()  # '3f9c…' (16 hex digits)
+    >>> derive_config(cfg, {"codecs.activations": "subspace"}, outer="ddp").model.subspace_rank  # 16 = d_model / 8
 """
 
 from __future__ import annotations
@@ -14,22 +17,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import tomli_w
 
-from compress.config import CodecConfig
-from optim.config import InnerOptimConfig, OuterOptimConfig
+from compress.config import CodecConfig, check_positive, choice_problem
+from optim.config import InnerOptimConfig, OuterMethod, OuterOptimConfig
 from swarm.errors import ConfigError
+from swarm.model.stages import StagesConfig
 from swarm.model.transformer import ModelConfig
 from swarm.pipeline.routing import PathConfig
-from swarm.model.stages import StagesConfig
+
+ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
+OuterChoice = Literal["ddp", OuterMethod]  # ddp: no outer step (method "none"); the simulator all-reduces fp32 gradients every step
+OUTER_CHOICES: tuple[OuterChoice, ...] = get_args(OuterChoice)
+SUBSPACE_RANK_DIVISOR = 8  # a subspace codec chosen without a rank gets k = d_model / 8
 
 
 @dataclass(kw_only=True)
@@ -40,9 +48,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "microbatch_size", "inner_batch"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        check_positive(self, "seq_len", "microbatch_size", "inner_batch")
 
 
 @dataclass(kw_only=True)
@@ -53,9 +59,7 @@ class TimeoutConfig:
     record_ttl_s: float = 15.0  # DHT record lifetime; a silent peer disappears after this
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
-                raise ConfigError(f.name, f"must be positive, got {getattr(self, f.name)}")
+        check_positive(self, *(f.name for f in dataclasses.fields(self)))
         if self.record_ttl_s <= self.announce_period_s:
             raise ConfigError("record_ttl_s", "must exceed announce_period_s, or records lapse between refreshes")
 
@@ -81,8 +85,7 @@ class SwarmConfig:
             raise ConfigError("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         if self.train.inner_batch % self.train.microbatch_size:
             raise ConfigError("train.inner_batch", f"must be a multiple of train.microbatch_size={self.train.microbatch_size}")
-        uses_subspace = any(c.startswith("subspace") for c in (self.codecs.activations, self.codecs.gradients))
-        if uses_subspace and not self.model.subspace_rank:
+        if self.codecs.uses_subspace and not self.model.subspace_rank:
             raise ConfigError("codecs.activations", "subspace codecs need a subspace-constrained model (set model.subspace_rank)")
         if (self.codecs.pseudo_gradients == "sparseloco") != (self.outer.method == "sparseloco") and self.outer.method != "none":
             raise ConfigError("codecs.pseudo_gradients", f"{self.codecs.pseudo_gradients!r} does not fit outer.method={self.outer.method!r}")
@@ -100,39 +103,102 @@ class SwarmConfig:
         return f"{self.name}-{self.hash()}"
 
 
+def derive_config(base: SwarmConfig, overrides: Mapping[str, ConfigValue] | None = None, *, outer: OuterChoice | None = None) -> SwarmConfig:
+    """``base`` with dotted-path ``overrides`` set and the rules that keep a config whole applied; validated once, as a whole.
+
+    The rules (every front end — CLI, launcher, benchmarks — derives its configs here):
+    - ``outer``: the outer method, where "ddp" means method "none" (the simulator all-reduces gradients instead);
+    - ``codecs.gradients`` follows an overridden ``codecs.activations`` unless overridden itself;
+    - ``codecs.pseudo_gradients`` is "sparseloco" under SparseLoCo; DiLoCo cannot send "sparseloco" and gets "fp32";
+    - a subspace codec on a model without a subspace gets ``model.subspace_rank = d_model / 8``.
+
+        >>> derive_config(SwarmConfig(), {"outer.inner_steps": 10, "codecs.activations": "fp16"}, outer="diloco").codecs
+        CodecConfig(activations='fp16', gradients='fp16', pseudo_gradients='fp32', …)
+    """
+    overrides = dict(overrides or {})
+    if "codecs.activations" in overrides:
+        overrides.setdefault("codecs.gradients", overrides["codecs.activations"])
+    if outer is not None:
+        overrides["outer.method"] = "none" if outer == "ddp" else outer
+    data = base.to_dict()
+    for path, value in overrides.items():
+        _set_field(data, path, value)
+    sections = _fields_from_dict(SwarmConfig, data, "")  # every section built and checked; the whole is checked below
+    sections["codecs"], sections["model"] = _fit_codecs(typing.cast(CodecConfig, sections["codecs"]), typing.cast(ModelConfig, sections["model"]),
+                                                        typing.cast(OuterOptimConfig, sections["outer"]).method)
+    return SwarmConfig(**sections)  # type: ignore[arg-type]
+
+
+def _fit_codecs(codecs: CodecConfig, model: ModelConfig, method: OuterMethod) -> tuple[CodecConfig, ModelConfig]:
+    """The pseudo-gradient codec the outer method can send, and a subspace model wherever a subspace codec is chosen."""
+    if method == "sparseloco":
+        codecs = dataclasses.replace(codecs, pseudo_gradients="sparseloco")
+    elif method == "diloco" and codecs.pseudo_gradients == "sparseloco":
+        codecs = dataclasses.replace(codecs, pseudo_gradients="fp32")
+    if codecs.uses_subspace and not model.subspace_rank:
+        model = dataclasses.replace(model, subspace_rank=model.d_model // SUBSPACE_RANK_DIVISOR)
+    return codecs, model
+
+
+def _set_field(data: dict[str, Any], path: str, value: ConfigValue) -> None:
+    """Set the leaf at dotted ``path`` in the nested dicts of a config (the sections must exist)."""
+    *sections, leaf = path.split(".")
+    table = data
+    for depth, section in enumerate(sections):
+        inner = table.get(section)
+        if not isinstance(inner, dict):
+            raise ConfigError(".".join(sections[: depth + 1]), f"unknown section; known sections: {', '.join(k for k, v in table.items() if isinstance(v, dict))}")
+        table = inner
+    if isinstance(table.get(leaf), dict):
+        raise ConfigError(path, f"is a section; set one of its fields ({path}.<field>)")
+    if leaf not in table:
+        raise ConfigError(path, f"unknown field; known fields: {', '.join(sorted(k for k, v in table.items() if not isinstance(v, dict)))}")
+    table[leaf] = value
+
+
+def _join(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name
+
+
 def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
-    """Build dataclass ``cls`` from nested dicts; errors name the dotted field path."""
+    """Build dataclass ``cls`` (at dotted ``path`` in the tree) from nested dicts; errors name the full dotted field path."""
+    kwargs = _fields_from_dict(cls, data, path)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # the section names its own field; the path above it is known only here
+        raise e.within(path) from None
+
+
+def _fields_from_dict(cls: type, data: dict[str, Any], path: str) -> dict[str, object]:
+    """The checked constructor arguments of dataclass ``cls`` from ``data``: sections built, leaves type- and choice-checked."""
     if not isinstance(data, dict):
-        raise ConfigError(path.rstrip(".") or "<root>", f"expected a table, got {type(data).__name__}")
+        raise ConfigError(path or "<root>", f"expected a table, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"{path}{unknown[0]}", f"unknown field; known fields: {', '.join(sorted(known))}")
-    kwargs = {}
+        raise ConfigError(_join(path, unknown[0]), f"unknown field; known fields: {', '.join(sorted(known))}")
+    kwargs: dict[str, object] = {}
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = from_dict(hint, value, f"{path}{name}.")
+            kwargs[name] = from_dict(hint, value, _join(path, name))  # type: ignore[arg-type]
         else:
-            kwargs[name] = _check_scalar(value, hint, f"{path}{name}")
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        if path and not e.field.startswith(path):
-            raise ConfigError(f"{path}{e.field}", str(e).split(": ", 1)[1]) from None
-        raise
-    except ValueError as e:  # a component config outside swarm/ names only its own field
-        match = re.fullmatch(r"config field '(\w+)': (.*)", str(e), flags=re.S)
-        field_name, problem = match.groups() if match else ("", str(e))
-        raise ConfigError(f"{path}{field_name}".rstrip(".") or "<root>", problem) from None
+            kwargs[name] = _check_scalar(value, hint, _join(path, name))
+    return kwargs
 
 
-def _check_scalar(value: Any, hint: Any, path: str) -> Any:
+def _check_scalar(value: object, hint: object, path: str) -> object:
+    """``value`` if it fits type ``hint`` (a type, a union of types, or a ``Literal`` of choices); ints widen to float."""
+    if typing.get_origin(hint) is Literal:
+        problem = choice_problem(value, hint)
+        if problem:
+            raise ConfigError(path, problem)
+        return value
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in allowed):
+    if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in allowed):  # type: ignore[arg-type]
         names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
         raise ConfigError(path, f"expected {names}, got {type(value).__name__} {value!r}")
     return value

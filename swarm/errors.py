@@ -1,9 +1,9 @@
-"""Error types shared across the swarm packages."""
+"""Error types shared across the swarm packages.
 
+``ConfigError`` is defined once, in the bottom layer (compress/), and re-exported here so that
+swarm/ and peer/ code keeps importing it from ``swarm.errors``.
+"""
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; ``field`` is its dotted path (e.g. ``model.d_model``)."""
+from compress.errors import ConfigError
 
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"config field '{field}': {problem}")
-        self.field = field
+__all__ = ["ConfigError"]

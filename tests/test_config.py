@@ -1,11 +1,32 @@
-"""The swarm config tree: validation errors name the field, TOML round trip, stable hash."""
+"""The swarm config tree: validation errors name the field path, Literal choices, TOML round trip, stable hash, one derivation."""
 
 import dataclasses
+import importlib
+import pickle
 from pathlib import Path
+from typing import Annotated, Literal
 
 import pytest
+import torch
+import typer
+from typer.testing import CliRunner
 
-from swarm.config import SwarmConfig, config_from_dict, dumps_config, load_config, save_config
+from compress.codecs import CODEC_NAMES, get_codec
+from compress.config import CodecConfig
+from compress.errors import ConfigError as CompressConfigError
+from optim.config import OUTER_METHODS, OuterMethod, OuterOptimConfig
+from peer.cli import SIMULATE_CONFIG_OPTIONS
+from peer.config_options import ConfigOverrides, config_options
+from swarm.config import (
+    OuterChoice,
+    SwarmConfig,
+    config_from_dict,
+    derive_config,
+    dumps_config,
+    from_dict,
+    load_config,
+    save_config,
+)
 from swarm.errors import ConfigError
 from swarm.model.transformer import ModelConfig
 
@@ -67,3 +88,153 @@ def test_unreadable_files_give_config_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text("[model\nd_model = ")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(tmp_path / "bad.toml")
+
+
+def test_config_error_carries_the_field_as_data() -> None:
+    err = CompressConfigError("topk", "must be positive").within("sparseloco").within("outer")
+    assert ConfigError is CompressConfigError  # one error type, defined in the bottom layer
+    assert (err.field, err.message) == ("outer.sparseloco.topk", "must be positive")
+    assert str(err) == "config field 'outer.sparseloco.topk': must be positive"
+    assert pickle.loads(pickle.dumps(err)).field == err.field  # errors cross process boundaries intact
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Leaf:
+    topk: int = 1
+
+    def __post_init__(self) -> None:
+        if self.topk < 1:
+            raise ConfigError("topk", f"must be positive, got {self.topk}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Section:
+    sparseloco: _Leaf = dataclasses.field(default_factory=_Leaf)
+    mode: Literal["a", "b"] = "a"
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Root:
+    outer: _Section = dataclasses.field(default_factory=_Section)
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"outer": {"sparseloco": {"topk": 0}}}, "outer.sparseloco.topk"),  # raised by the leaf, prefixed by each section
+    ({"outer": {"sparseloco": {"topk": "many"}}}, "outer.sparseloco.topk"),
+    ({"outer": {"sparseloco": {"top": 1}}}, "outer.sparseloco.top"),
+    ({"outer": {"mode": "c"}}, "outer.mode"),
+    ({"outer": {"sparseloco": 3}}, "outer.sparseloco"),
+])
+def test_nested_errors_name_the_full_field_path(data: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict(_Root, data)
+    assert err.value.field == field and str(err.value).startswith(f"config field '{field}': ")
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"inner": {"warmup_steps": -1}}, "inner.warmup_steps"),  # once one message for three fields, misread by a regex
+    ({"inner": {"weight_decay": -0.1}}, "inner.weight_decay"),
+    ({"inner": {"grad_clip": -1.0}}, "inner.grad_clip"),
+    ({"inner": {"beta2": 1.0}}, "inner.beta2"),
+    ({"outer": {"method": "diloco", "diloco_momentum": 1.0}, "codecs": {"pseudo_gradients": "fp32"}}, "outer.diloco_momentum"),
+    ({"codecs": {"error_decay": 2.0}}, "codecs.error_decay"),
+    ({"codecs": {"chunk_size": 1024}}, "codecs.chunk_size"),
+])
+def test_component_errors_outside_swarm_name_the_field(data: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("data,field,choices", [
+    ({"outer": {"method": "adam"}}, "outer.method", OUTER_METHODS),
+    ({"codecs": {"activations": "gzip"}}, "codecs.activations", CODEC_NAMES),
+    ({"codecs": {"gradients": 8}}, "codecs.gradients", CODEC_NAMES),
+    ({"codecs": {"pseudo_gradients": "int8"}}, "codecs.pseudo_gradients", ("fp32", "fp16", "bf16", "sparseloco")),
+])
+def test_an_unknown_choice_lists_the_choices(data: dict, field: str, choices: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert err.value.field == field
+    assert err.value.message.endswith("choose from " + ", ".join(choices))
+
+
+def test_choices_are_checked_when_built_in_python_too() -> None:
+    with pytest.raises(ConfigError, match="choose from none, diloco, sparseloco") as err:
+        OuterOptimConfig(method="adam")  # type: ignore[arg-type]
+    assert err.value.field == "method"
+    with pytest.raises(ConfigError) as err:
+        CodecConfig(activations="subspace+int2")  # type: ignore[arg-type]
+    assert err.value.field == "activations"
+
+
+def test_every_registered_codec_is_a_config_choice() -> None:
+    for name in CODEC_NAMES:
+        CodecConfig(activations=name, gradients=name)
+        if name.startswith("subspace"):
+            get_codec(name, basis=torch.eye(4)[:, :2], table=torch.zeros(8, 4))
+        else:
+            assert get_codec(name).name == name
+
+
+def test_derive_config_applies_the_rules() -> None:
+    base = SwarmConfig()
+    ddp = derive_config(base, {"codecs.activations": "subspace+int8"}, outer="ddp")
+    assert ddp.outer.method == "none" and ddp.codecs.gradients == "subspace+int8"
+    assert ddp.model.subspace_rank == base.model.d_model // 8
+    diloco = derive_config(base, {"outer.inner_steps": 7}, outer="diloco")
+    assert (diloco.outer.method, diloco.outer.inner_steps, diloco.codecs.pseudo_gradients) == ("diloco", 7, "fp32")
+    sparse = derive_config(diloco, {"codecs.pseudo_gradients": "fp16"}, outer="sparseloco")
+    assert sparse.codecs.pseudo_gradients == "sparseloco"
+    assert derive_config(base, {"model.subspace_rank": 32, "codecs.activations": "subspace"}).model.subspace_rank == 32
+    assert derive_config(base) == base
+    with pytest.raises(ConfigError) as err:
+        derive_config(base, {"paths.skip_ratio": 1.5})
+    assert err.value.field == "paths.skip_ratio"
+    for path in ("codecz.topk", "codecs.nope", "codecs"):
+        with pytest.raises(ConfigError) as err:
+            derive_config(base, {path: 1})
+        assert err.value.field.startswith(path.split(".")[0])
+
+
+def _cli_config(base: SwarmConfig, args: list[str]) -> SwarmConfig:
+    """The config ``swarmloco simulate`` derives from these flags (its option table, parsed by typer)."""
+    app, derived = typer.Typer(), []
+
+    @app.command()
+    @config_options(*SIMULATE_CONFIG_OPTIONS)
+    def simulate(outer: Annotated[OuterChoice, typer.Option()] = "sparseloco", overrides: ConfigOverrides = None) -> None:
+        derived.append(derive_config(base, overrides, outer=outer))
+
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return derived[0]
+
+
+def test_simulate_keeps_its_flags() -> None:
+    cfg = _cli_config(SwarmConfig(), ["--outer", "diloco", "-H", "9", "--act-codec", "fp16", "--grad-codec", "int4", "--pg-codec", "bf16",
+                                      "--skip", "0.25", "--swaps", "1", "--subspace-rank", "8"])
+    assert (cfg.outer.method, cfg.outer.inner_steps, cfg.paths.skip_ratio, cfg.paths.max_swaps, cfg.model.subspace_rank) == ("diloco", 9, 0.25, 1, 8)
+    assert (cfg.codecs.activations, cfg.codecs.gradients, cfg.codecs.pseudo_gradients) == ("fp16", "int4", "bf16")
+    assert _cli_config(SwarmConfig(), ["--inner-steps", "4"]).outer.inner_steps == 4
+    assert _cli_config(SwarmConfig(), []) == derive_config(SwarmConfig(), {"codecs.pseudo_gradients": "fp32"}, outer="sparseloco")
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16", "subspace"])
+@pytest.mark.parametrize("outer", ["diloco", "sparseloco"])
+def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))  # bench_e2e imports its siblings by name
+    bench_e2e, bench_swarm = importlib.import_module("bench_e2e"), importlib.import_module("bench_swarm")
+    from peer.launch import LocalSwarm, local_config
+    from scripts.bench_convergence import Run, run_config
+
+    base, h = SwarmConfig(), 10
+    cli = _cli_config(base, ["--outer", outer, "-H", str(h), "--act-codec", codec])
+    assert cli == run_config(base, Run("run", outer, codec, h))
+    assert cli.model.subspace_rank == (base.model.d_model // 8 if codec == "subspace" else 0)
+    layout = LocalSwarm(peers=5, stages=3, trainers=2)
+    local = _cli_config(local_config(base, layout), ["--outer", outer, "-H", str(h), "--act-codec", codec])
+    assert local == bench_e2e.run_config(base, bench_e2e.Run(bandwidth_mbit=None, act_codec=codec, outer=outer), layout, h)
+    assert local == bench_swarm.bench_config(local_config(base, layout), outer, h, codec)
+    ddp = _cli_config(base, ["--outer", "ddp", "-H", str(h), "--act-codec", codec])
+    assert ddp.outer.method == "none" and ddp == run_config(base, Run("run", "ddp", codec, h))

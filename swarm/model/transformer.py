@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compress.config import check_positive
 from swarm.errors import ConfigError
 
 
@@ -41,9 +42,7 @@ class ModelConfig:
     init_seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}", f"must be positive, got {getattr(self, name)}")
+        check_positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
         if self.d_model % self.n_heads:
             raise ConfigError("n_heads", f"must divide d_model={self.d_model}, got {self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
