@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from swarm.rpc.admission import Credentials, start_dht
-from swarm.recovery.checkpoint import save_checkpoint
 from swarm.config import SwarmConfig
-from swarm.export import download_model, export_sources
 from swarm.dht.membership import Membership
+from swarm.export import download_model, export_sources
 from swarm.pipeline.protocol import StageClient
-from swarm.outer.transfer import BlobClient
+from swarm.recovery.checkpoint import save_checkpoint
+from swarm.rpc.admission import Credentials, start_dht
+from swarm.rpc.blobs import BlobClient
 
 
 async def export_swarm(initial_peers: list[str], cfg: SwarmConfig | None, out: Path, *, name: str, identity_path: str | None = None,

@@ -21,7 +21,8 @@ from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.model.stages import assemble_model, stage_template
 from swarm.model.transformer import Transformer
-from swarm.outer.transfer import TransferError, download_state, state_bytes_bound
+from swarm.outer.transfer import download_state, state_bytes_bound
+from swarm.rpc.blobs import TransferError
 
 SizedFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
 

@@ -1,5 +1,6 @@
 """Public-swarm defences: per-peer rate limits and bans on stage servers (pure, in-process and over
-real P2P), bounded streams, and the outer step dropping or clipping outsized pseudo-gradients."""
+real P2P) and on the blob service, bounded streams, and the outer step dropping or clipping outsized
+pseudo-gradients."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec
 from optim.outer import MAX_NORM_RATIO, DiLoCo, OuterOptimizer, SparseLoCo
 from swarm.config import SwarmConfig, TrainConfig
-from swarm.rpc.defences import PeerGuard, PeerLimits
+from swarm.model.stages import StagesConfig
 from swarm.model.transformer import ModelConfig
 from swarm.pipeline.protocol import Forward, RemoteError, RequestError, StageClient, StageServicer, pack, parse_reply
 from swarm.pipeline.server import StageServer
-from swarm.model.stages import StagesConfig
+from swarm.rpc.blobs import BlobRequest, BlobServicer
+from swarm.rpc.defences import PeerGuard, PeerLimits
+from swarm.rpc.servicer import pack_envelope
 
 B, T, D = 2, 8, 16
 FP32 = get_codec("fp32")
@@ -208,6 +211,67 @@ def test_garbage_activations_over_p2p_get_the_sender_banned(server: StageServer)
                 await p2p.shutdown()
 
     asyncio.run(scenario())
+
+
+# ---- the blob service: the same defences (one servicer base, swarm/rpc/servicer.py) ----
+
+async def provide_blob(name: str) -> bytes:
+    if name == "state/bug":
+        raise RuntimeError("a bug of ours")
+    if name != "state/1":
+        raise LookupError(name)
+    return b"blob"
+
+
+def blob_servicer(clock: Clock, limits: PeerLimits) -> BlobServicer:
+    servicer = BlobServicer(limits=limits, clock=clock)
+    servicer.provide("state", provide_blob)
+    return servicer
+
+
+async def ask_blob(servicer: BlobServicer, metadata: bytes, peer: str) -> dict:
+    """The header of the blob service's reply (the size and hash, or the error reply)."""
+    replies = [r.metadata async for r in servicer.rpc_blob(runtime_pb2.ExpertRequest(metadata=metadata), context(peer))]
+    return msgpack.unpackb(replies[0])
+
+
+def blob_request(name: str) -> bytes:
+    return pack_envelope(BlobRequest(name=name))
+
+
+def test_a_peer_sending_invalid_blob_requests_is_banned_and_others_are_still_served() -> None:
+    clock = Clock()
+    invalid = [b"\xc1junk", msgpack.packb({"name": "../etc"}), msgpack.packb({"name": "state/1", "evil": 1}),
+               msgpack.packb({"name": 7}), bytes(20_000)]
+    servicer = blob_servicer(clock, PeerLimits(strikes=len(invalid), strike_window_s=60.0, ban_s=30.0))
+
+    async def scenario() -> None:
+        # neither a missing blob nor our own failure is the sender's fault: no strikes
+        assert (await ask_blob(servicer, blob_request("state/9"), "evil"))["error"] == RequestError.NOT_FOUND
+        assert (await ask_blob(servicer, blob_request("state/bug"), "evil"))["error"] == RequestError.INTERNAL
+        for bad in invalid:
+            assert (await ask_blob(servicer, bad, "evil"))["error"] == RequestError.INVALID
+        banned = await ask_blob(servicer, blob_request("state/1"), "evil")
+        assert banned["error"] == RequestError.BANNED and "30 s" in banned["message"]
+        assert (await ask_blob(servicer, blob_request("state/1"), "honest"))["size"] == len(b"blob")
+        clock.now += 30.0
+        assert (await ask_blob(servicer, blob_request("state/1"), "evil"))["size"] == len(b"blob")  # the ban is over
+
+    asyncio.run(scenario())
+    assert servicer.bans == 1 and servicer.served_bytes == 2 * len(b"blob")
+
+
+def test_a_peer_over_its_blob_rate_is_told_busy_without_a_strike() -> None:
+    clock = Clock()
+    servicer = blob_servicer(clock, PeerLimits(rate=1.0, burst=2.0, strikes=1))
+
+    async def scenario() -> list[str | None]:
+        codes = [(await ask_blob(servicer, blob_request("state/1"), "eager")).get("error") for _ in range(3)]
+        clock.now += 1.0
+        return codes + [(await ask_blob(servicer, blob_request("state/1"), "eager")).get("error")]
+
+    assert asyncio.run(scenario()) == [None, None, RequestError.BUSY, None]
+    assert servicer.guard.banned_for("eager") == 0.0
 
 
 # ---- the outer step's screen of pseudo-gradients ----

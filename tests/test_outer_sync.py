@@ -20,7 +20,8 @@ from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.membership import StageStatus
 from swarm.outer.rounds import Board, RoundKey, RoundResult, RoundTiming, digest, parse_commit, run_round
 from swarm.outer.replica import ReplicaSync
-from swarm.outer.transfer import StageState, TransferError, unpack_state, weights_hash
+from swarm.outer.transfer import StageState, unpack_state, weights_hash
+from swarm.rpc.blobs import TransferError
 
 T = TypeVar("T")
 

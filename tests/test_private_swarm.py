@@ -1,12 +1,12 @@
-"""Private swarms end to end on loopback: stage RPCs and the DHT admit only peers with a valid
-certificate, and a refused or failed join explains itself (``swarm/rpc/admission.py``)."""
+"""Private swarms end to end on loopback: stage RPCs, the blob service and the DHT admit only peers with
+a valid certificate, and a refused or failed join explains itself (``swarm/rpc/admission.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,12 +15,28 @@ import torch
 from hivemind.dht import DHT
 from hivemind.p2p import P2P
 
-from compress.codecs import get_codec
-from peer.credentials import PeerCredentials, create_swarm, invite, load_credentials, new_identity, peer_id_of_identity, revoke
-from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, JoinError, explain_daemon_error, explain_refusal, start_dht
-from swarm.rpc.auth import CertificateVerifier
-from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
 import swarm.pipeline.protocol as protocol
+from compress.codecs import get_codec
+from peer.credentials import (
+    PeerCredentials,
+    create_swarm,
+    invite,
+    load_credentials,
+    new_identity,
+    peer_id_of_identity,
+    revoke,
+)
+from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
+from swarm.rpc.admission import (
+    GATE_NAMESPACE,
+    AdmissionGate,
+    JoinError,
+    explain_daemon_error,
+    explain_refusal,
+    start_dht,
+)
+from swarm.rpc.auth import CertificateVerifier
+from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FP32 = get_codec("fp32")
@@ -132,6 +148,42 @@ def test_stage_rpcs_serve_certified_peers_only(swarm_dir: tuple[Path, str], serv
                         await call
                     assert denied.value.code == RequestError.DENIED and says in denied.value.message, (name, cert, denied.value)
                     assert "swarmloco swarm invite" in denied.value.message
+            assert servicer.guard.banned_for(clients["thief"].peer_id) == 0.0  # being refused is not misbehaving
+        finally:
+            await servicer.remove_p2p_handlers(host, namespace=swarm_id)
+            for p2p in clients.values():
+                await p2p.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_blobs_are_served_to_certified_peers_only(swarm_dir: tuple[Path, str], server: tuple[DHT, PeerCredentials]) -> None:
+    root, swarm_id = swarm_dir
+    dht, server_creds = server
+
+    async def scenario() -> None:
+        host = await dht.replicate_p2p()
+        servicer = BlobServicer(verifier=server_creds.verifier)
+
+        async def provide(name: str) -> bytes:
+            return b"state of " + name.encode()
+
+        servicer.provide("state", provide)
+        await servicer.add_p2p_handlers(host, namespace=swarm_id)
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        clients = {name: await P2P.create(initial_peers=maddrs, identity_path=str(root / f"{name}.id"), host_maddrs=LOOPBACK)
+                   for name in ("member", "thief")}
+        try:
+            def fetch(name: str, certificate: bytes | None) -> Awaitable[bytes]:
+                client = BlobClient(clients[name], namespace=swarm_id, certificate=lambda: certificate)
+                return client.fetch(dht.peer_id, "state/1", timeout=10, max_bytes=1 << 10)
+
+            assert await fetch("member", certificate_of(root, "member")) == b"state of state/1"
+            for name, certificate, says in [("member", None, "presented no certificate"),
+                                            ("thief", certificate_of(root, "member"), "was issued to peer")]:
+                with pytest.raises(TransferError, match=f"refused: denied: .*{says}"):
+                    await fetch(name, certificate)
             assert servicer.guard.banned_for(clients["thief"].peer_id) == 0.0  # being refused is not misbehaving
         finally:
             await servicer.remove_p2p_handlers(host, namespace=swarm_id)

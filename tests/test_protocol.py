@@ -10,24 +10,33 @@ from collections.abc import AsyncIterator
 import msgpack
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.errors import BadMagic, LimitExceeded
 from optim.config import InnerOptimConfig
-from swarm.sim.centralized import evaluate, train_centralized
 from swarm.config import SwarmConfig, TrainConfig
+from swarm.model.stages import StagesConfig, build_stage
 from swarm.model.transformer import ModelConfig
-from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageServicer, pack, parse_reply, unpack
+from swarm.pipeline.protocol import (
+    Backward,
+    Forward,
+    RemoteError,
+    RequestError,
+    StageServicer,
+    pack,
+    parse_reply,
+    unpack,
+)
 from swarm.pipeline.routing import PathConfig, Router
 from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer
-from swarm.model.stages import StagesConfig, build_stage
 from swarm.pipeline.trainer import Trainer, TrainerOptions
+from swarm.sim.centralized import evaluate, train_centralized
 
 B, T, D = 4, 16, 32
 CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")

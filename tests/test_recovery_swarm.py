@@ -31,7 +31,8 @@ from swarm.recovery.rebuild import PRIORITY_JOINER, PRIORITY_MOVER, acquire_clai
 from swarm.recovery.checkfree import checkfree_merge
 from swarm.pipeline.routing import PathConfig
 from swarm.model.stages import StagesConfig, build_stage
-from swarm.outer.transfer import StageState, TransferError, pack_state, unpack_state, weights_hash
+from swarm.outer.transfer import StageState, pack_state, unpack_state, weights_hash
+from swarm.rpc.blobs import TransferError
 from swarm_harness import Swarm
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")

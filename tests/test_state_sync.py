@@ -1,4 +1,5 @@
-"""State download: the archive format and its checks, retries over replicas, and hash-checked blobs over real hivemind P2P."""
+"""State download: the archive format and its checks, retries over replicas, and hash-checked blobs over real hivemind P2P
+(``swarm/outer/transfer.py`` over ``swarm/rpc/blobs.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 import swarm.outer.transfer as state_sync
+import swarm.rpc.blobs as blobs
+from swarm.outer.transfer import StageState, download_state, pack_state, state_bytes_bound, unpack_state, weights_hash
 from swarm.rpc.auth import AccessDenied
-from swarm.outer.transfer import (
-    BlobClient, BlobServicer, StageState, TransferError, download_state, pack_state, state_bytes_bound, unpack_state, weights_hash,
-)
+from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
 
 def template() -> dict[str, torch.Tensor]:
@@ -137,7 +138,7 @@ async def with_peers(n: int, body: Callable[[list[P2P]], Awaitable[None]]) -> No
 
 
 def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_sync, "CHUNK_BYTES", 4096)  # the state below crosses in several messages
+    monkeypatch.setattr(blobs, "CHUNK_BYTES", 4096)  # the state below crosses in several messages
     good = pack_state(state(round_=11))
 
     async def body(peers: list[P2P]) -> None:

@@ -56,9 +56,8 @@ from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, StageStatus
 from swarm.outer.rounds import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
 from swarm.model.stages import stage_template
-from swarm.outer.transfer import (
-    BlobClient, BlobServicer, StageState, TransferError, download_state, pack_state, state_bytes_bound, weights_hash,
-)
+from swarm.outer.transfer import StageState, download_state, pack_state, state_bytes_bound, weights_hash
+from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

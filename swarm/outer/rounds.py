@@ -41,7 +41,7 @@ import msgpack
 
 from swarm.config import TimeoutConfig
 from swarm.dht.membership import Membership
-from swarm.outer.transfer import BlobClient, TransferError
+from swarm.rpc.blobs import BlobClient, TransferError
 
 logger = logging.getLogger(__name__)
 

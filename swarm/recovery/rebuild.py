@@ -45,7 +45,6 @@ from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.model.stages import EDGE_STAGE, split_layers, stage_template
 from swarm.outer.transfer import (
     StageState,
-    TransferError,
     download_state,
     state_bytes_bound,
     unpack_state,
@@ -53,6 +52,7 @@ from swarm.outer.transfer import (
 )
 from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import RecoveryPlan, apply_recovery, recovery_source
+from swarm.rpc.blobs import TransferError
 
 logger = logging.getLogger(__name__)
 PRIORITY_JOINER, PRIORITY_MOVER = 0, 1  # a peer that serves nothing yet rebuilds before one that must leave its stage

@@ -21,11 +21,13 @@ from typing import Any, Protocol
 
 import msgpack
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.rpc.auth import AccessDenied, CertificateAuthorizer, CertificateVerifier
+from swarm.rpc.auth import CertificateAuthorizer, CertificateVerifier
+from swarm.rpc.defences import PeerLimits
+from swarm.rpc.servicer import GuardedServicer, RequestError
 
 GATE_NAMESPACE = "swarmloco"
 BOOTSTRAP_FAILED = "DHTNode bootstrap failed"  # hivemind's RuntimeError when no initial peer answers the DHT
@@ -48,23 +50,25 @@ class JoinError(RuntimeError):
     """This peer could not start or join the swarm; the message says why and what to do."""
 
 
-class AdmissionGate(ServicerBase):
+class AdmissionGate(GuardedServicer):
     """Tells anyone whether this peer admits them, and why not: the answer a refused DHT join lacks.
 
-    The request carries the asker's certificate (empty for none); libp2p authenticated the asker's
-    peer id, so the answer is exactly what this peer's DHT decides. A public peer admits everyone.
+    The request is the asker's certificate (empty for none); libp2p authenticated the asker's peer
+    id, so the answer is exactly what this peer's DHT decides. A public peer admits everyone. A
+    refusal is no misbehaviour (the gate exists for refused peers), but askers are rate-limited.
     """
 
-    def __init__(self, verifier: CertificateVerifier | None) -> None:
-        self.verifier = verifier
+    def __init__(self, verifier: CertificateVerifier | None, *, limits: PeerLimits | None = None) -> None:
+        super().__init__(label="admission gate", verifier=verifier, limits=limits)
 
     async def rpc_admit(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        try:
+            self.screen(context.remote_id)
+        except RequestError as e:
+            return runtime_pb2.ExpertResponse(metadata=self.refuse(e, context.remote_id))
         answer: dict[str, Any] = {"admitted": True, "private": self.verifier is not None}
-        if self.verifier is not None:
-            try:
-                self.verifier.check(context.remote_id, request.metadata or None)
-            except AccessDenied as e:
-                answer.update(admitted=False, reason=e.reason, message=str(e))
+        if (denied := self.access_denied(context.remote_id, request.metadata or None)) is not None:
+            answer.update(admitted=False, reason=denied.reason, message=str(denied))
         return runtime_pb2.ExpertResponse(metadata=msgpack.packb(answer))
 
 

@@ -1,0 +1,215 @@
+"""The one base of every swarmloco RPC service: request envelope, certificate check, rate limit, ban, error reply.
+
+Each service (stage RPC ``swarm/pipeline/protocol.py``, blobs ``swarm/rpc/blobs.py``, the admission
+gate ``swarm/rpc/admission.py``) is a hivemind servicer (``rpc_*`` handlers registered with
+``add_p2p_handlers``) built on ``GuardedServicer``, and a handler meets a request in this order:
+
+1. ``screen(peer)``: a peer banned for sending invalid requests, or over its request rate
+   (``swarm/rpc/defences.py``), is refused before anything it sent is read.
+2. ``open_request(peer, data, Kind, max_bytes=…)``: the envelope, a msgpack map of the fields of
+   the request dataclass ``Kind`` plus the sender's certificate under ``CERTIFICATE_FIELD``, is
+   size-checked before msgpack allocates anything, then type-checked field by field; in a private
+   swarm the certificate must admit the peer libp2p authenticated (``swarm/rpc/auth.py``).
+3. ``refuse(error, peer)``: every failure becomes the one error reply, ``{"error": code,
+   "message": text}``. An invalid request is a strike against its sender (enough strikes ban it);
+   a refused certificate or a busy server is not misbehaviour, and an internal error is ours.
+
+    >>> @dataclass(frozen=True, kw_only=True)
+    ... class Echo:  # a request: its fields are the envelope's
+    ...     text: str
+    >>> class EchoServicer(GuardedServicer):
+    ...     async def rpc_echo(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    ...         try:
+    ...             self.screen(context.remote_id)
+    ...             echo = self.open_request(context.remote_id, request.metadata, Echo, max_bytes=1024)
+    ...             reply = msgpack.packb({"text": echo.text})
+    ...         except Exception as e:  # refuse() tells the sender's faults from ours
+    ...             reply = self.refuse(e, context.remote_id)
+    ...         return runtime_pb2.ExpertResponse(metadata=reply)
+    >>> await EchoServicer(label="echo", verifier=creds.verifier).add_p2p_handlers(p2p, namespace=cfg.swarm_id)
+
+A client sends ``pack_envelope(Echo(text="hi"), certificate)`` and reads the reply with
+``remote_error(body)`` (the ``RemoteError`` an error reply carries, or None).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+import types
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar, get_args, get_type_hints
+
+import msgpack
+from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarm.rpc.auth import CERTIFICATE_FIELD, AccessDenied, CertificateVerifier
+from swarm.rpc.defences import PeerGuard, PeerLimits
+
+logger = logging.getLogger(__name__)
+
+Request = TypeVar("Request")  # a dataclass whose fields are the envelope's
+MAX_STR_LEN = 1024  # the longest string any request field holds (ids and names; frames are bytes)
+TRANSPORT_ERRORS = (P2PDaemonError, P2PHandlerError, ConnectionError, asyncio.IncompleteReadError)  # dead or unreachable peers
+
+
+class RequestError(Exception):
+    """A request the server refuses; ``code`` tells the client what to do about it."""
+
+    INVALID = "invalid"  # malformed: never retry as is (a strike against the sender)
+    BUSY = "busy"  # too many requests held, or this peer is over its rate: try another replica
+    DENIED = "denied"  # private swarm: no valid certificate for the calling peer
+    BANNED = "banned"  # the calling peer sent too much invalid data; refused for a while
+    NOT_FOUND = "not_found"  # (blobs) nothing by that name here, or not in time: ask another peer
+    CACHE_MISS = "cache_miss"  # (stage RPC) backward without the forward input: resend it
+    INTERNAL = "internal"  # the server failed: try another replica
+    UNREACHABLE = "unreachable"  # (client side) the call did not get through: try another replica
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class RemoteError(RequestError):
+    """The error reply of a remote server, raised on the client."""
+
+
+def pack_envelope(request: object, certificate: bytes | None = None) -> bytes:
+    """The envelope of a request dataclass: a msgpack map of its fields, and the sender's certificate in a private swarm."""
+    fields = dataclasses.asdict(request)
+    if certificate is not None:
+        fields[CERTIFICATE_FIELD] = certificate
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def error_reply(error: RequestError) -> bytes:
+    """The one error-reply format of every service."""
+    return msgpack.packb({"error": error.code, "message": error.message}, use_bin_type=True)
+
+
+def remote_error(body: object) -> RemoteError | None:
+    """The error an unpacked reply carries, or None if it is not an error reply."""
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return RemoteError(body["error"], str(body.get("message", "")))
+    return None
+
+
+@functools.cache
+def _field_types(kind: type) -> dict[str, tuple[type, ...]]:
+    """Each field of the request dataclass ``kind`` and the types it accepts (``bytes | None`` → (bytes, NoneType))."""
+    hints = get_type_hints(kind)
+    return {name: get_args(hint) if isinstance(hint, types.UnionType) else (hint,) for name, hint in hints.items()
+            if name in kind.__dataclass_fields__}
+
+
+def _is_a(value: object, accepted: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # msgpack booleans are ints to isinstance: a bool is only a bool here
+        return bool in accepted
+    return isinstance(value, accepted)
+
+
+def open_envelope(data: bytes, kind: type[Request], *, max_bytes: int) -> tuple[Request, bytes | None]:
+    """The request of dataclass ``kind`` and the certificate sent with it; ``RequestError(INVALID)`` for anything malformed.
+
+    >>> open_envelope(msgpack.packb({"name": "state/2", "cert": b"..."}), BlobRequest, max_bytes=1024)
+    (BlobRequest(name='state/2'), b'...')
+    """
+    if len(data) > max_bytes:
+        raise RequestError(RequestError.INVALID, f"request of {len(data)} bytes is over the limit of {max_bytes}")
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=MAX_STR_LEN,
+                                 max_array_len=0, max_map_len=16)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise RequestError(RequestError.INVALID, f"request is not a msgpack map: {e}") from None
+    accepted = _field_types(kind) | {CERTIFICATE_FIELD: (bytes,)}
+    if not isinstance(fields, dict) or set(fields) - accepted.keys():
+        raise RequestError(RequestError.INVALID, f"{kind.__name__} request takes fields {sorted(_field_types(kind))}")
+    for name, value in fields.items():
+        if not _is_a(value, accepted[name]):
+            expected = " or ".join("None" if t is type(None) else t.__name__ for t in accepted[name])
+            raise RequestError(RequestError.INVALID, f"field {name!r} must be {expected}, got {type(value).__name__}")
+    certificate = fields.pop(CERTIFICATE_FIELD, None)
+    try:
+        return kind(**fields), certificate
+    except TypeError as e:  # a missing field
+        raise RequestError(RequestError.INVALID, f"{kind.__name__} request: {e}") from None
+
+
+async def receive_stream(requests: AsyncIterator[runtime_pb2.ExpertRequest], *, max_bytes: int) -> bytes:
+    """A streamed request, reassembled; stops reading at the size limit. Every chunk must carry bytes, so a
+    stream ends within that many chunks, and one buffer holds them (no per-chunk overhead)."""
+    data = bytearray()
+    async for chunk in requests:
+        if not chunk.metadata:
+            raise RequestError(RequestError.INVALID, "empty chunk in a streamed request")
+        if len(data) + len(chunk.metadata) > max_bytes:
+            raise RequestError(RequestError.INVALID, f"streamed request over the limit of {max_bytes} bytes")
+        data += chunk.metadata
+    return bytes(data)
+
+
+class GuardedServicer(ServicerBase):
+    """A hivemind servicer with the swarm's defences; subclasses add ``rpc_*`` handlers (see the module docstring).
+
+    ``verifier`` makes the swarm private (every request must carry a certificate admitting its
+    sender); ``limits`` set the per-peer rate limit and ban policy; ``label`` names the service in logs.
+    """
+
+    def __init__(self, *, label: str, verifier: CertificateVerifier | None = None, limits: PeerLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.label, self.verifier = label, verifier
+        self.guard = PeerGuard(limits, clock)
+        self.refused = 0  # requests answered with an error
+        self.bans = 0  # peers banned so far
+
+    def screen(self, peer: PeerID) -> None:
+        """Refuse a banned peer, or one over its request rate, before reading anything it sent."""
+        if (left := self.guard.banned_for(peer)) > 0:
+            limits = self.guard.limits
+            raise RequestError(RequestError.BANNED, f"peer {peer} sent {limits.strikes} invalid requests within "
+                                                    f"{limits.strike_window_s:.0f} s; refused for {left:.0f} s more")
+        if not self.guard.take(peer):
+            raise RequestError(RequestError.BUSY, f"peer {peer} is over its rate limit of {self.guard.limits.rate:g} requests/s")
+
+    def access_denied(self, peer: PeerID, certificate: bytes | None) -> AccessDenied | None:
+        """Why this swarm does not admit ``peer`` showing ``certificate``; None if it does (a public swarm admits everyone)."""
+        if self.verifier is None:
+            return None
+        try:
+            self.verifier.check(peer, certificate)
+        except AccessDenied as e:
+            return e
+        return None
+
+    def check_access(self, peer: PeerID, certificate: bytes | None) -> None:
+        """``RequestError(DENIED)`` unless this swarm admits ``peer`` showing ``certificate``."""
+        if (denied := self.access_denied(peer, certificate)) is not None:
+            raise RequestError(RequestError.DENIED, str(denied))
+
+    def open_request(self, peer: PeerID, data: bytes, kind: type[Request], *, max_bytes: int) -> Request:
+        """The request of ``kind`` in ``data``, from a peer this swarm admits; else ``RequestError`` (INVALID or DENIED)."""
+        request, certificate = open_envelope(data, kind, max_bytes=max_bytes)
+        self.check_access(peer, certificate)
+        return request
+
+    def classify(self, error: Exception) -> RequestError:
+        """What ``error``, raised while serving a request, tells the client; services add the errors that mean bad input."""
+        return error if isinstance(error, RequestError) else RequestError(RequestError.INTERNAL, f"{type(error).__name__}: {error}")
+
+    def refuse(self, error: Exception, peer: PeerID) -> bytes:
+        """The error reply to a request that failed with ``error``; an invalid request is a strike against its sender."""
+        refusal = self.classify(error)
+        self.refused += 1
+        if refusal.code == RequestError.INTERNAL:  # the server keeps serving whatever one request did
+            logger.error(f"{self.label}: a request of {peer} failed", exc_info=error)
+        else:
+            logger.debug(f"{self.label}: refused a request of {peer}: {refusal}")
+        if refusal.code == RequestError.INVALID and self.guard.strike(peer):
+            self.bans += 1
+            logger.warning(f"{self.label}: banned peer {peer} for {self.guard.limits.ban_s:.0f} s after "
+                           f"{self.guard.limits.strikes} invalid requests (the last: {refusal.message})")
+        return error_reply(refusal)
