@@ -7,16 +7,24 @@ from collections.abc import Iterator
 
 import pytest
 
-from peer.launch import stop_processes
+from swarm_harness import reap
 
 
 @pytest.fixture
 def child_processes() -> Iterator[list[subprocess.Popen]]:
-    """Append every process a test starts (in its own process group, as ``peer.launch.spawn_peer`` does).
+    """Append every process a test starts (in its own process group, as ``swarm_harness`` starts them all).
 
-    Whatever the test's outcome, each group gets SIGTERM and then SIGKILL, so no peer (nor its
-    DHT process or libp2p daemon) outlives the test.
+    Whatever the test's outcome, each one and everything it started (a ``swarmloco local``'s peers, every peer's
+    DHT process and libp2p daemon) gets SIGTERM and then SIGKILL, so no peer outlives the test.
     """
     procs: list[subprocess.Popen] = []
     yield procs
-    stop_processes(procs, grace_s=5.0)
+    reap(procs)
+
+
+@pytest.fixture(scope="module")
+def module_child_processes() -> Iterator[list[subprocess.Popen]]:
+    """``child_processes`` for a module-scoped fixture: stopped once the module's tests are done."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    reap(procs)

@@ -1,29 +1,87 @@
-"""A test swarm of real peer processes on loopback: spawn them, read their JSONL records, wait, kill.
+"""What every test that runs real processes shares: the tiny config, the data, a swarm of peers on loopback, the CLI, cleanup.
 
-    swarm = Swarm(tmp_path, cfg, child_processes)    # child_processes (conftest) kills whatever is left
+    swarm = Swarm(tmp_path, tiny_config(stages=1, steps=30), child_processes)   # child_processes (conftest) stops whatever is left
     swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")   # the first peer creates the swarm
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", "30", "--data", DATA)
     swarm.wait("10 steps", lambda: any(r["step"] >= 10 for r in swarm.progress("trainer-0")), 120)
+    (result,) = swarmloco(["status", *swarm.join, "--json"], children=child_processes)
+
+Every process is started in its own process group and appended to the test's ``child_processes`` list; ``reap``
+(the fixture's teardown) stops them and everything they started, whatever the test's outcome.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import signal
 import subprocess
+import sys
+import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from hivemind.dht import DHT
 
-from peer.launch import spawn_peer, wait_for_address
-from swarm.config import SwarmConfig, save_config
+from optim.config import InnerOptimConfig
+from peer.launch import REPO_ROOT, spawn_peer, stop_processes, wait_for_address
+from swarm.config import SwarmConfig, TrainConfig, save_config
+from swarm.dht.membership import Membership
+from swarm.model.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
+
+T = TypeVar("T")
+
+DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # ~30 files of Python's own source: loads in a blink
+BATCH, SEQ = 8, 64  # the tiny config's microbatch: 8 samples of 64 tokens
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def tiny_config(*, stages: int | None = None, steps: int | None = None, **sections: object) -> SwarmConfig:
+    """The tiny swarm the tests run: d_model 64, 2 layers, 4 heads, one stage, microbatches of 8 × 64 tokens, 5 warm-up steps.
+
+    ``stages`` (middle stages) and ``steps`` (the inner schedule's length) are the knobs most tests turn. Any other
+    field of ``SwarmConfig`` is replaced by a value, or, given a dict, changed field by field; None keeps the default.
+
+        tiny_config(stages=3, steps=400, model={"n_layers": 3}, outer={"method": "none"}, paths=None)
+    """
+    tiny = SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ), stages=StagesConfig(num_stages=1),
+                       train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH), inner=InnerOptimConfig(warmup_steps=5))
+    changes = {name: dataclasses.replace(getattr(tiny, name), **value) if isinstance(value, dict) else value
+               for name, value in sections.items() if value is not None}
+    if stages is not None:
+        changes["stages"] = dataclasses.replace(changes.get("stages", tiny.stages), num_stages=stages)
+    if steps is not None:
+        changes["inner"] = dataclasses.replace(changes.get("inner", tiny.inner), total_steps=steps)
+    return dataclasses.replace(tiny, **changes)
+
+
+def records(out: Path, name: str, event: str | None = None) -> list[dict]:
+    """A peer's JSONL records of ``event`` in ``out/<name>.jsonl`` (None: progress and status records, which have no event)."""
+    path = out / f"{name}.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last line may be half written
+    return [r for r in map(json.loads, lines) if r.get("event") == event]
+
+
+def wait_until(what: str, check: Callable[[], T | None], timeout: float, *, explain: Callable[[], str] = str) -> T:
+    """Poll ``check`` until it returns something true, and return that; fail the test with ``explain()`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{explain()}")
+        time.sleep(0.1)
+    return result
 
 
 class Swarm:
-    """Peers of one test swarm; the first one spawned creates it from ``cfg``, the others join through it."""
+    """Processes of one test swarm, each logging to ``out/<name>.log``; the first peer spawned creates the swarm from
+    ``cfg`` (saved as ``out/swarm.toml``), the others join through it."""
 
     def __init__(self, out: Path, cfg: SwarmConfig, children: list[subprocess.Popen]) -> None:
         self.out, self.cfg, self.children = out, cfg, children
@@ -31,16 +89,30 @@ class Swarm:
         self.ids: dict[str, str] = {}  # name → peer id, for peers waited on with ``ready``
         self.started: dict[str, float] = {}
         self.join: list[str] = []  # --initial-peers of the first peer
-        self.killed: set[str] = set()
+        self.gone: set[str] = set()  # killed or stopped by the test: their exit is no failure
         save_config(cfg, out / "swarm.toml")
 
-    def spawn(self, name: str, *args: str) -> None:
-        common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(self.out), "--threads", "1"]
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        """A ``swarmloco run`` peer; the first one creates the swarm, and is waited for until it prints its address."""
+        common = ["--host-maddrs", LOOPBACK, "--out", str(self.out), "--threads", "1"]
         self.started[name] = time.time()
-        self.procs[name] = spawn_peer(name, [*args, *(self.join or ["--config", str(self.out / "swarm.toml")]), *common], self.out)
-        self.children.append(self.procs[name])
+        proc = spawn_peer(name, [*args, *(self.join or ["--config", str(self.out / "swarm.toml")]), *common], self.out)
+        self._register(name, proc)
         if not self.join:  # everyone else joins through the first peer
             self.ready(name)
+        return proc
+
+    def spawn_command(self, name: str, command: Sequence[str], cwd: Path = REPO_ROOT) -> subprocess.Popen:
+        """Any other process of the test (a dashboard, a scripted peer), in its own process group, output to ``out/<name>.log``."""
+        self.started[name] = time.time()
+        with (self.out / f"{name}.log").open("w") as log:
+            proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        self._register(name, proc)
+        return proc
+
+    def _register(self, name: str, proc: subprocess.Popen) -> None:
+        self.procs[name] = proc
+        self.children.append(proc)  # before anything can fail: the fixture stops it whatever happens next
 
     def ready(self, name: str) -> str:
         """Wait until the peer prints its address; that address."""
@@ -51,9 +123,7 @@ class Swarm:
 
     def records(self, name: str, event: str | None = None) -> list[dict]:
         """The peer's JSONL records of ``event`` (None: progress records, which have no event)."""
-        path = self.out / f"{name}.jsonl"
-        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last line may be half written
-        return [r for r in map(json.loads, lines) if r.get("event") == event]
+        return records(self.out, name, event)
 
     def progress(self, name: str) -> list[dict]:
         return [r for r in self.records(name) if r.get("role") == "trainer"]
@@ -65,25 +135,31 @@ class Swarm:
         return {r["sha256"] for r in self.records(name, "state_served")}
 
     def log(self, name: str, chars: int = 3000) -> str:
-        return (self.out / f"{name}.log").read_text()[-chars:]
+        path = self.out / f"{name}.log"
+        return path.read_text()[-chars:] if path.exists() else ""
 
-    def wait(self, what: str, check: Callable[[], object], timeout: float) -> object:
+    def logs(self, chars: int = 2000) -> str:
+        return "\n".join(f"--- {name}\n{self.log(name, chars)}" for name in self.procs)
+
+    def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
         """Poll ``check`` until it returns something true; fail with every log if it times out or a live peer dies."""
-        deadline = time.monotonic() + timeout
-        while not (result := check()):
-            if time.monotonic() > deadline:
-                logs = "\n".join(f"--- {n}\n{self.log(n, 2000)}" for n in self.procs)
-                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
+        def alive_then_check() -> T | None:
             for name, proc in self.procs.items():
-                assert proc.poll() in (None, 0) or name in self.killed, f"{name} exited with {proc.returncode}:\n{self.log(name)}"
-            time.sleep(0.1)
-        return result
+                assert proc.poll() in (None, 0) or name in self.gone, f"{name} exited with {proc.returncode}:\n{self.log(name)}"
+            return check()
+
+        return wait_until(what, alive_then_check, timeout, explain=self.logs)
 
     def kill(self, name: str) -> float:
         """SIGKILL the whole peer (process, DHT node, libp2p daemon); the time it happened."""
-        self.killed.add(name)
+        self.gone.add(name)
         os.killpg(self.procs[name].pid, signal.SIGKILL)
         return time.time()
+
+    def stop(self, *names: str) -> None:
+        """SIGTERM the peers (they retire their records), then SIGKILL what is left of them."""
+        self.gone.update(names)
+        stop_processes([self.procs[name] for name in names])
 
     def finish(self, name: str, timeout: float = 150) -> dict:
         """Wait for the peer to exit with 0; its last record."""
@@ -93,3 +169,60 @@ class Swarm:
             pytest.fail(f"{name} still running after {timeout}s:\n{self.log(name)}")
         assert code == 0, f"{name} exited with {code}:\n{self.log(name)}"
         return self.records(name)[-1]
+
+    @contextlib.contextmanager
+    def observer(self) -> Iterator[Membership]:
+        """A DHT node of the test's own, joined to the swarm, to ask what the peers see: ``asyncio.run(membership.replicas(1))``."""
+        dht = DHT(initial_peers=[self.join[1]], start=True, host_maddrs=[LOOPBACK])
+        try:
+            membership = Membership(dht)
+            asyncio.run(membership.join(None, create=False, name=self.cfg.name))
+            yield membership
+        finally:
+            dht.shutdown()
+
+
+def swarmloco(*commands: Sequence[str], children: list[subprocess.Popen], timeout: float = 240,
+              cwd: Path | None = None) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``swarmloco`` commands side by side (each loads torch and hivemind: seconds apiece); their results, in order.
+
+    Each runs in its own process group and is registered in ``children``, so one that hangs (and the peers a
+    ``swarmloco local`` started) is stopped with the test.
+    """
+    procs = []
+    for args in commands:
+        procs.append(subprocess.Popen([sys.executable, "-m", "peer", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=cwd, start_new_session=True))
+        children.append(procs[-1])
+    results = []
+    for args, proc in zip(commands, procs):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"swarmloco {' '.join(args)} still running after {timeout}s")
+        results.append(subprocess.CompletedProcess(list(args), proc.returncode, out, err))
+    return results
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, whatever its process group (Linux: read from /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that exited while we looked
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # "pid (comm) state ppid …"; comm may hold spaces
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found += (below := children.get(todo.pop(), []))
+        todo += below
+    return found
+
+
+def reap(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Stop every process a test started and everything they started: the peers of a ``swarmloco local`` (each in its
+    own process group), every peer's DHT process and libp2p daemon. SIGTERM first, then SIGKILL."""
+    offspring = [pid for proc in procs if proc.poll() is None for pid in descendants(proc.pid)]  # found before their parents go
+    stop_processes(procs, grace_s=grace_s)
+    for pid in offspring:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

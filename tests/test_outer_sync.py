@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
-from swarm.dht.membership import StageStatus
-from swarm.outer.rounds import Board, RoundKey, RoundResult, RoundTiming, digest, parse_commit, run_round
+from swarm.dht.records import StageStatus
 from swarm.outer.replica import ReplicaSync
+from swarm.outer.rounds import Board, RoundKey, RoundResult, RoundTiming, digest, parse_commit, run_round
 from swarm.outer.transfer import StageState, unpack_state, weights_hash
 from swarm.rpc.blobs import TransferError
 
@@ -195,7 +195,7 @@ def test_board_serves_payloads_and_waits_for_the_commit() -> None:
         with pytest.raises(LookupError):
             await board.get(KEY.blob("payload/b"))
         waiting = asyncio.create_task(board.get(KEY.blob("commit")))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # nothing to wait for: the getter must still be waiting a moment later
         assert not waiting.done()
         board.commit(KEY, [("a", digest(b"pa"))])
         assert parse_commit(await waiting) == [("a", digest(b"pa"))]
@@ -286,24 +286,36 @@ class Swarm:
     def rounds(self) -> list[dict]:
         return [e for e in self.events if e["event"] == "outer_round" and e["outcome"] == "done"]
 
-    async def run(self, seconds: float, step_every: dict[str, float]) -> None:
-        """Train each replica at its own pace (one step per ``step_every[name]`` s) with its sync running."""
+    async def run(self, step_every: dict[str, float], until: Callable[[], bool], timeout: float) -> None:
+        """Train each replica at its own pace (one step per ``step_every[name]`` s) with its sync running, until ``until()``."""
         async def trainer(name: str, period: float) -> None:
             while True:
-                await asyncio.sleep(period)
+                await asyncio.sleep(period)  # the pace of this replica's inner steps
                 self.syncs[name].holder.train()
+
+        async def reached() -> None:
+            while not until():
+                await asyncio.sleep(0.01)
 
         tasks = [asyncio.create_task(s.run()) for s in self.syncs.values()]
         tasks += [asyncio.create_task(trainer(name, period)) for name, period in step_every.items()]
-        await asyncio.sleep(seconds)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(reached(), timeout)
+        except asyncio.TimeoutError:
+            pytest.fail(f"not reached within {timeout}s; events: {self.events}")
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def test_replicas_stepping_at_different_paces_hold_identical_global_weights_after_every_round() -> None:
     swarm = Swarm(sync_config(), ["a", "b", "c"])
-    asyncio.run(swarm.run(4.0, {"a": 0.03, "b": 0.05, "c": 0.08}))  # c steps ~3x slower than a: it joins rounds a opens
+
+    def three_rounds_two_with_everyone() -> bool:
+        return len({e["round"] for e in swarm.rounds()}) >= 3 and sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6
+
+    asyncio.run(swarm.run({"a": 0.03, "b": 0.05, "c": 0.08}, three_rounds_two_with_everyone, 60))  # c steps ~3x slower than a
     by_round: dict[int, set[str]] = {}
     for e in swarm.rounds():
         by_round.setdefault(e["round"], set()).add(e["global_hash"])
@@ -314,7 +326,11 @@ def test_replicas_stepping_at_different_paces_hold_identical_global_weights_afte
 
 def test_an_idle_replica_catches_up_by_state_download() -> None:
     swarm = Swarm(sync_config(), ["a", "b", "c"])
-    asyncio.run(swarm.run(2.5, {"a": 0.03, "b": 0.03}))  # c takes no step: it never joins a round
+
+    def c_downloaded_round_2() -> bool:
+        return any(e["event"] == "state_download" and e["peer"] == "c" and e["outer_round"] >= 2 for e in swarm.events)
+
+    asyncio.run(swarm.run({"a": 0.03, "b": 0.03}, c_downloaded_round_2, 60))  # c takes no step: it never joins a round
     downloads = [e for e in swarm.events if e["event"] == "state_download"]
     assert [e for e in downloads if e["peer"] == "c" and e["reason"] == "behind"]
     hash_at = {e["outer_round"]: e["global_hash"] for e in swarm.rounds()}
@@ -342,24 +358,41 @@ def test_groups_split_by_a_race_converge_on_the_smallest_peer_id() -> None:
     assert asyncio.run(b.catch_up()) and b.global_hash == a.global_hash and b.round == 1
 
 
+class PausedNet(MemoryNet):
+    """A network on which a round pauses right after this replica declares: between its snapshot and its install."""
+
+    def __init__(self, hub: Hub, me: str) -> None:
+        super().__init__(hub, me)
+        self.declared, self.resume = asyncio.Event(), asyncio.Event()
+
+    async def declare(self, key: RoundKey, opened_at: float, expiration: float) -> None:
+        await super().declare(key, opened_at, expiration)
+        self.declared.set()
+        await self.resume.wait()
+
+
 def test_progress_made_during_the_exchange_survives_the_install() -> None:
     swarm = Swarm(sync_config(diloco_lr=1.0, diloco_momentum=0.0), ["solo"])  # a group of one with lr 1: θ_global ← θ_snapshot
     sync = swarm.syncs["solo"]
     params = dict(sync.holder.module.named_parameters())
 
-    async def scenario() -> dict[str, torch.Tensor]:
+    async def scenario() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        sync.net = net = PausedNet(swarm.hub, "solo")
         sync.holder.train()
         snapshot = {n: p.detach().clone() for n, p in params.items()}
         round_ = asyncio.create_task(sync.step())
-        await asyncio.sleep(0.1)  # inside the matchmaking window
+        await asyncio.wait_for(net.declared.wait(), timeout=10)  # the round has taken its snapshot and is in the exchange
         sync.holder.train()
+        assert not round_.done() and sync.round == 0  # this step is inside the round: nothing is installed yet
         progress = {n: p.detach() - snapshot[n] for n, p in params.items()}
+        net.resume.set()
         await round_
         return snapshot, progress
 
     snapshot, progress = asyncio.run(scenario())
-    assert sync.round == 1 and sync.global_hash == weights_hash(snapshot)
-    for name, p in params.items():
+    assert sync.round == 1 and sync.global_hash == weights_hash(snapshot)  # the step inside the round is not in the global weights
+    assert all(bool(d.abs().sum() > 0) for d in progress.values())  # that step moved every weight
+    for name, p in params.items():  # and the install kept it: θ = θ_global + the progress made during the exchange
         torch.testing.assert_close(p.detach(), snapshot[name] + progress[name])
 
 

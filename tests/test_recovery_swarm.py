@@ -11,40 +11,35 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import subprocess
-import sys
-import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
-from optim.config import InnerOptimConfig, OuterOptimConfig
-from peer.launch import REPO_ROOT, stop_processes
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
+from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.export import ExportError, download_model, export_sources
-from swarm.dht.membership import RecoveryClaim, StageStatus
-from swarm.model.transformer import ModelConfig
-from swarm.recovery.rebuild import PRIORITY_JOINER, PRIORITY_MOVER, acquire_claim, claim_winner, empty_stages, rebuild_stage, swarm_has_trained
-from swarm.recovery.checkfree import checkfree_merge
-from swarm.pipeline.routing import PathConfig
-from swarm.model.stages import StagesConfig, build_stage
+from swarm.model.stages import build_stage
 from swarm.outer.transfer import StageState, pack_state, unpack_state, weights_hash
+from swarm.pipeline.routing import PathConfig
+from swarm.recovery.checkfree import checkfree_merge
+from swarm.recovery.rebuild import (
+    PRIORITY_JOINER,
+    PRIORITY_MOVER,
+    acquire_claim,
+    claim_winner,
+    empty_stages,
+    rebuild_stage,
+    swarm_has_trained,
+)
 from swarm.rpc.blobs import TransferError
-from swarm_harness import Swarm
 
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
-BATCH, SEQ = 8, 64
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 
 
-def recovery_config(*, steps: int, paths: PathConfig | None = None, n_layers: int = 3) -> SwarmConfig:
-    return SwarmConfig(model=ModelConfig(d_model=64, n_layers=n_layers, n_heads=4, max_seq_len=SEQ), stages=StagesConfig(num_stages=3),
-                       train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
-                       inner=InnerOptimConfig(warmup_steps=5, total_steps=steps), outer=OuterOptimConfig(method="none"),
-                       paths=paths or PathConfig(), timeouts=TIMEOUTS)
+def recovery_config(*, steps: int, paths: PathConfig | None = None) -> SwarmConfig:
+    return tiny_config(stages=3, steps=steps, model={"n_layers": 3}, outer={"method": "none"}, paths=paths, timeouts=TIMEOUTS)
 
 
 # ---- pure parts ----------------------------------------------------------------------------------------
@@ -175,11 +170,12 @@ def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> N
 
 
 def test_a_stage_checkpoint_needs_its_file_and_loads_back_checked(tmp_path: Path) -> None:
-    from swarm.node import NodeOptions
+    from swarm.peer_config import PeerConfig
     from swarm.recovery.rebuild import load_stage_checkpoint
 
-    with pytest.raises(ValueError, match="stage_checkpoint"):
-        NodeOptions(role="stage", stage=2, checkpoint_every=10)
+    with pytest.raises(ValueError, match="stage_checkpoint") as error:
+        PeerConfig(role="stage", stage=2, checkpoint_every=10)
+    assert error.value.field == "checkpoint_every"
     cfg = recovery_config(steps=10)
     path = tmp_path / "stage2.ckpt"
     path.write_bytes(source_blob(cfg, 2, 0.5, 40))
@@ -241,20 +237,17 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
     assert served[0]["first_served_at"] - killed_at < 30
 
     out = tmp_path / "model.pt"  # export the running swarm (the rebuilt stage included) and evaluate it
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    export = subprocess.run([sys.executable, "-m", "peer", "export", *swarm.join, "--config", str(tmp_path / "swarm.toml"), "-o", str(out)],
-                            capture_output=True, text=True, env=env, timeout=120)
+    (export,) = swarmloco(["export", *swarm.join, "--config", str(tmp_path / "swarm.toml"), "-o", str(out)], children=child_processes, timeout=120)
     assert export.returncode == 0 and out.exists(), export.stdout + export.stderr
     assert "stage 2/3" in export.stdout and "wrote" in export.stdout
-    evaluated = subprocess.run([sys.executable, "-m", "peer", "eval", "--checkpoint", str(out), "--data", DATA, "--json"],
-                               capture_output=True, text=True, env=env, timeout=120)
+    (evaluated,) = swarmloco(["eval", "--checkpoint", str(out), "--data", DATA, "--json"], children=child_processes, timeout=120)
     assert evaluated.returncode == 0, evaluated.stderr
     val_loss = json.loads(evaluated.stdout.splitlines()[-1])["val_loss"]
     assert val_loss < 5.0  # trained: a byte-level model starts near ln(256) ≈ 5.5
 
     step_at_export = swarm.progress("trainer-0")[-1]["step"]
     swarm.wait("10 more steps", lambda: swarm.progress("trainer-0")[-1]["step"] >= step_at_export + 10, 60)
-    stop_processes([swarm.procs[n] for n in ("trainer-0", *pair, "stage3-a")])
+    swarm.stop("trainer-0", *pair, "stage3-a")
     last = swarm.progress("trainer-0")[-1]
     assert last["skipped_hops"] > 0 and last["failed"] <= 3, last  # stage 2 was skipped, not fatal
     status = [r for r in swarm.records(mover) if r.get("stage") == 2 and "metrics" in r]
@@ -274,13 +267,14 @@ def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_o
 
     killed_at = swarm.kill("stage3-a")
     swarm.wait("the trainer to skip stage 3", lambda: swarm.progress("trainer-0")[-1]["skipped_hops"] > 0, 60)
-    time.sleep(max(0.0, killed_at + TIMEOUTS.record_ttl_s + 1 - time.time()))  # the dead peer's record has expired
+    with swarm.observer() as membership:  # --role auto takes an empty stage: one whose dead peer's record has expired
+        swarm.wait("the dead peer's record to expire", lambda: not asyncio.run(membership.replicas(3)), 2 * TIMEOUTS.record_ttl_s + 30)
     swarm.spawn("joiner", "--role", "auto")  # --role auto: the empty stage first
     event = swarm.wait("the joiner to rebuild stage 3", lambda: swarm.records("joiner", "recovered"), 90)[0]
     event = check_rebuild(swarm, "joiner", 3, {2: "stage2-a"})
     assert event["kind"] == "copy-swap-partner"
     swarm.wait("a microbatch through the rebuilt stage", lambda: [r for r in swarm.records("joiner") if r.get("backward", 0) > 0], 60)
-    stop_processes([swarm.procs[n] for n in ("trainer-0", "stage1-a", "stage2-a", "joiner")])
+    swarm.stop("trainer-0", "stage1-a", "stage2-a", "joiner")
     last = swarm.progress("trainer-0")[-1]
     assert last["failed"] <= 3, last
     assert event["time"] - killed_at < 90

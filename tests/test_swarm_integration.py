@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
-import os
 import signal
-import subprocess
-import sysconfig
-import time
 from pathlib import Path
 
 import msgpack
@@ -26,65 +21,31 @@ from hivemind.proto import runtime_pb2
 
 from compress.codecs import get_codec
 from compress.config import CodecConfig
-from optim.config import InnerOptimConfig
 from peer.data import load_corpus
-from peer.launch import LocalSwarm, launch_local, spawn_peer, stop_processes, wait_for_address
+from peer.launch import LocalSwarm, launch_local
 from swarm.sim.centralized import evaluate
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
-from swarm.dht.membership import Membership
-from swarm.model.transformer import ModelConfig, Transformer
+from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.model.transformer import Transformer
 import swarm.pipeline.protocol as protocol
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
 from swarm.pipeline.routing import PathConfig
-from swarm.model.stages import StagesConfig
+from swarm_harness import BATCH, DATA, SEQ, Swarm, records, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # ~30 files: loads in a blink
-BATCH, SEQ = 8, 64
+TIMEOUTS = TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0)
 
 
-def tiny_config(*, stages: int = 2, steps: int = 30, paths: PathConfig | None = None, codecs: CodecConfig | None = None) -> SwarmConfig:
-    return SwarmConfig(
-        model=ModelConfig(d_model=64, n_layers=4, n_heads=4, max_seq_len=SEQ),
-        stages=StagesConfig(num_stages=stages),
-        train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
-        inner=InnerOptimConfig(warmup_steps=5, total_steps=steps),
-        codecs=codecs or CodecConfig(),
-        paths=paths or PathConfig(),
-        timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0),
-    )
+def swarm_config(*, stages: int = 2, steps: int = 30, paths: PathConfig | None = None, codecs: CodecConfig | None = None) -> SwarmConfig:
+    return tiny_config(stages=stages, steps=steps, model={"n_layers": 4}, codecs=codecs, paths=paths, timeouts=TIMEOUTS)
 
 
-def records(out: Path, name: str) -> list[dict]:
-    path = out / f"{name}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def start_peers(out: Path, cfg: SwarmConfig, servers: list[tuple[str, int]], trainers: dict[str, int], children: list) -> dict[str, subprocess.Popen]:
-    """Stage servers (the first creates the swarm from ``cfg``), then trainers {name: steps} joining through it."""
-    save_config(cfg, out / "swarm.toml")
-    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(out), "--threads", "1"]
-    procs = {}
-    (first, stage), *others = servers
-    procs[first] = spawn_peer(first, ["--role", "stage", "--stage", str(stage), "--config", str(out / "swarm.toml"), *common], out)
-    children.append(procs[first])
-    join = ["--initial-peers", wait_for_address(procs[first], out / f"{first}.log", 90)]
-    for name, stage in others:
-        procs[name] = spawn_peer(name, ["--role", "stage", "--stage", str(stage), *join, *common], out)
-        children.append(procs[name])
+def start_peers(swarm: Swarm, servers: list[tuple[str, int]], trainers: dict[str, int]) -> None:
+    """Stage servers (the first creates the swarm), then trainers {name: steps} joining through it."""
+    for name, stage in servers:
+        swarm.spawn(name, "--role", "stage", "--stage", str(stage))
     for i, (name, steps) in enumerate(trainers.items()):
-        procs[name] = spawn_peer(name, ["--role", "trainer", "--steps", str(steps), "--seed", str(i), "--data", DATA, *join, *common], out)
-        children.append(procs[name])
-    return procs
-
-
-def wait_exit(proc: subprocess.Popen, out: Path, name: str, timeout: float = 180) -> None:
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{name} still running after {timeout}s:\n{(out / f'{name}.log').read_text()[-3000:]}")
-    assert code == 0, f"{name} exited with {code}:\n{(out / f'{name}.log').read_text()[-3000:]}"
+        swarm.spawn(name, "--role", "trainer", "--steps", str(steps), "--seed", str(i), "--data", DATA)
 
 
 def assert_accounted(record: dict) -> None:
@@ -93,10 +54,11 @@ def assert_accounted(record: dict) -> None:
 
 
 def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path) -> None:
-    cfg = tiny_config(stages=2, steps=30)
+    cfg = swarm_config(stages=2, steps=30)
     val = load_corpus([DATA]).val_batches(batch_size=BATCH, seq_len=SEQ, num_batches=16)
     initial = evaluate(Transformer(cfg.model), val)  # every peer starts from these seeded weights
 
+    # launch_local stops its own peers, in a finally
     code = launch_local(LocalSwarm(peers=6, stages=2, trainers=2, steps=30), out=tmp_path, config=cfg, data=[DATA], echo=lambda line: None)
 
     assert code == 0, (tmp_path / "trainer-0.log").read_text()[-3000:]
@@ -113,33 +75,28 @@ def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path
 
 def test_killed_stage_server_does_not_stop_training(tmp_path: Path, child_processes: list) -> None:
     steps = 150  # the kill comes at step 10-30: most of the run is after it
-    procs = start_peers(tmp_path, tiny_config(stages=2, steps=steps), [("stage1-0", 1), ("stage2-0", 2), ("stage1-1", 1)],
-                        {"trainer-0": steps}, child_processes)
-    deadline = time.monotonic() + 150
-    while not any(r.get("step", 0) >= 10 for r in records(tmp_path, "trainer-0")):  # event records have no step
-        assert time.monotonic() < deadline and procs["trainer-0"].poll() is None, (tmp_path / "trainer-0.log").read_text()[-3000:]
-        time.sleep(0.2)
-    os.killpg(procs["stage1-1"].pid, signal.SIGKILL)  # the whole peer: process, DHT node and libp2p daemon
-    killed_at = time.time()
+    swarm = Swarm(tmp_path, swarm_config(stages=2, steps=steps), child_processes)
+    start_peers(swarm, [("stage1-0", 1), ("stage2-0", 2), ("stage1-1", 1)], {"trainer-0": steps})
+    swarm.wait("10 steps", lambda: any(r["step"] >= 10 for r in swarm.progress("trainer-0")), 150)
+    killed_at = swarm.kill("stage1-1")  # the whole peer: process, DHT node and libp2p daemon
 
-    wait_exit(procs["trainer-0"], tmp_path, "trainer-0")
-    last = records(tmp_path, "trainer-0")[-1]
+    last = swarm.finish("trainer-0", timeout=180)
     assert last["step"] == steps and last["failed"] == 0, last
     assert_accounted(last)
-    stop_processes([procs["stage1-0"], procs["stage2-0"]])
-    survivor = records(tmp_path, "stage1-0")
+    swarm.stop("stage1-0", "stage2-0")
+    survivor = swarm.records("stage1-0")
     before = max((r["backward"] for r in survivor if r["time"] <= killed_at and "backward" in r), default=0)
     assert survivor[-1]["backward"] - before >= steps - 60, (before, survivor[-1])  # the traffic after the kill went to it
 
 
 def test_skip_and_swap_paths_reach_servers_in_sampled_orders(tmp_path: Path, child_processes: list) -> None:
     steps = 30  # one microbatch per step; each path visits round((1 - 1/3) · 3) = 2 of the 3 stages
-    cfg = tiny_config(stages=3, steps=steps, paths=PathConfig(skip_ratio=1 / 3, max_swaps=1, swap_prob=0.5))
-    procs = start_peers(tmp_path, cfg, [("stage1-0", 1), ("stage2-0", 2), ("stage3-0", 3)], {"trainer-0": steps}, child_processes)
-    wait_exit(procs["trainer-0"], tmp_path, "trainer-0")
-    stop_processes([procs[f"stage{i}-0"] for i in (1, 2, 3)])
+    swarm = Swarm(tmp_path, swarm_config(stages=3, steps=steps, paths=PathConfig(skip_ratio=1 / 3, max_swaps=1, swap_prob=0.5)), child_processes)
+    start_peers(swarm, [("stage1-0", 1), ("stage2-0", 2), ("stage3-0", 3)], {"trainer-0": steps})
+    swarm.finish("trainer-0", timeout=180)
+    swarm.stop(*(f"stage{i}-0" for i in (1, 2, 3)))
 
-    edges = {(int(prev), stage): count for stage in (1, 2, 3) for prev, count in records(tmp_path, f"stage{stage}-0")[-1]["from_stage"].items()}
+    edges = {(int(prev), stage): count for stage in (1, 2, 3) for prev, count in swarm.records(f"stage{stage}-0")[-1]["from_stage"].items()}
     assert sum(count for (prev, _), count in edges.items() if prev == 0) == steps  # every path starts at the trainer
     assert sum(edges.values()) == 2 * steps  # two hops per path
     skips = {edge for edge in edges if edge[0] < edge[1] - 1}  # e.g. 0→2 (stage 1 skipped) or 1→3
@@ -149,22 +106,19 @@ def test_skip_and_swap_paths_reach_servers_in_sampled_orders(tmp_path: Path, chi
 
 
 def test_server_refuses_malformed_requests_keeps_serving_and_retires_on_sigterm(tmp_path: Path, child_processes: list, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = dataclasses.replace(tiny_config(stages=2, codecs=CodecConfig(activations="fp32", gradients="fp32")),
+    cfg = dataclasses.replace(swarm_config(stages=2, codecs=CodecConfig(activations="fp32", gradients="fp32")),
                               timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=120.0))  # records outlive the test
-    procs = start_peers(tmp_path, cfg, [("stage1-0", 1)], {}, child_processes)
-    maddr = wait_for_address(procs["stage1-0"], tmp_path / "stage1-0.log", 60)
-    server = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
-    dht = DHT(initial_peers=[maddr], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        asyncio.run(_probe_server(cfg, dht, server, monkeypatch))
-        membership = Membership(dht)
-        assert asyncio.run(membership.join(None, create=False, name=cfg.name)) == cfg  # fetched from the swarm
+    swarm = Swarm(tmp_path, cfg, child_processes)
+    swarm.spawn("stage1-0", "--role", "stage", "--stage", "1")
+    server = PeerID.from_base58(swarm.ids["stage1-0"])
+    with swarm.observer() as membership:
+        asyncio.run(_probe_server(cfg, membership.dht, server, monkeypatch))
+        assert membership.cfg == cfg  # fetched from the swarm
         assert set(asyncio.run(membership.replicas(1))) == {server}
-        procs["stage1-0"].send_signal(signal.SIGTERM)
-        assert procs["stage1-0"].wait(timeout=30) == 0
+        swarm.gone.add("stage1-0")
+        swarm.procs["stage1-0"].send_signal(signal.SIGTERM)
+        assert swarm.procs["stage1-0"].wait(timeout=30) == 0
         assert asyncio.run(membership.replicas(1)) == {}  # retired, long before its TTL
-    finally:
-        dht.shutdown()
 
 
 async def _probe_server(cfg: SwarmConfig, dht: DHT, server: PeerID, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,19 +9,17 @@ import json
 import signal
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from peer.launch import LocalSwarm, Placement, launch_local
 from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, unsupported_reason
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
-from swarm.model.transformer import ModelConfig
-from swarm.model.stages import StagesConfig
+from optim.config import InnerOptimConfig
+from swarm.config import TimeoutConfig
+from swarm_harness import DATA, tiny_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
 REASON = unsupported_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
@@ -106,8 +104,7 @@ def test_cleanup_removes_a_crashed_labs_leftovers() -> None:
 @pytest.mark.timeout(240)
 def test_a_swarm_trains_across_lab_hosts(tmp_path: Path) -> None:
     """``launch_local`` with a placement per peer: each peer in its own capped namespace, talking over the lab bridge."""
-    cfg = SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64), stages=StagesConfig(num_stages=1),
-                      train=TrainConfig(seq_len=64, microbatch_size=8, inner_batch=8), timeouts=TimeoutConfig(announce_period_s=1.0))
+    cfg = tiny_config(inner=InnerOptimConfig(), timeouts=TimeoutConfig(announce_period_s=1.0))  # the default schedule
     layout = LocalSwarm(peers=2, stages=1, trainers=1, steps=3)
     with WanLab(caps_mbit=[50, 50], prefix="slabtest-swarm-") as lab:
         hosts = {name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(["stage1-0", "trainer-0"])}
