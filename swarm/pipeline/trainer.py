@@ -5,7 +5,9 @@ microbatch draws a fresh path (skips and swaps, ``swarm/pipeline/routing.py``) a
 (SWARM's weighted round-robin); several microbatches are in flight at once to hide latency. A
 hop that fails is retried on another replica; a stage with no live replica is skipped on the way
 forward. On the way back a lost forward input is resent (stateless recompute). Every microbatch
-ends as completed or failed, and every failure is counted, so none is lost silently.
+ends as completed or failed, and every failure is counted, so none is lost silently. What a
+microbatch computes (loss weight, accumulation, clip and inner step) is ``swarm/model/step.py``'s,
+the same as in the simulator and the centralized baseline; this module only carries it over the network.
 
 The network is a ``StageCalls`` object: the real ``StageClient`` or, in tests, direct calls.
 
@@ -30,14 +32,14 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from compress.errors import ShapeMismatch, WireError
-from optim.inner import clip_and_step, make_inner_optimizer
 from swarm.config import SwarmConfig
-from swarm.dht.membership import StageStatus
+from swarm.dht.records import StageStatus
+from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
+from swarm.model.step import InnerStep, embed, embed_backward, head_backward
 from swarm.model.transformer import loss_fn
+from swarm.pipeline.boundary import boundary_codecs
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
-from swarm.pipeline.boundary import boundary_codecs
-from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
@@ -94,13 +96,12 @@ class Trainer:
         self.cfg, self.calls, self.router = cfg, calls, router
         self.options = options or TrainerOptions()
         self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE)
-        self.opt, self.sched = make_inner_optimizer(self.edge.parameters(), cfg.inner, start_step=start_step)
+        self.inner = InnerStep(self.edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step)
         self.start_step = start_step  # a trainer that joins mid-run starts at the swarm's point of the lr schedule
         self.act_codec, self.grad_codec = boundary_codecs(cfg)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.wire_bytes: Counter[str] = Counter()  # frame bytes sent + received: activations, gradients, eval
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
-        self.samples_accumulated, self.inner_steps, self.grad_norm = 0, 0, 0.0
         self.tokens = 0  # tokens of completed training microbatches
         self._ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge")
@@ -116,7 +117,7 @@ class Trainer:
             while self.inner_steps < steps:
                 # start microbatches of the current inner step only: none computes on weights that
                 # change before its backward (recompute would then differ from the forward)
-                planned = self.inner_steps * ib + self.samples_accumulated + len(tasks) * mbs
+                planned = self.inner_steps * ib + self.inner.samples + len(tasks) * mbs
                 while len(tasks) < self.options.in_flight and planned < (self.inner_steps + 1) * ib:
                     tasks.add(asyncio.create_task(self.train_microbatch(*next(batches))))
                     planned += mbs
@@ -147,7 +148,7 @@ class Trainer:
         elapsed = time.perf_counter() - started
         return {"role": "trainer", "step": self.inner_steps, "tokens": self.tokens, "elapsed_s": elapsed,
                 "train_loss": sum(losses) / len(losses) if losses else None, "tokens_per_s": self.tokens / max(elapsed, 1e-9),
-                "lr": self.sched.get_last_lr()[0], "grad_norm": self.grad_norm, **self.counters,
+                "lr": self.inner.lr, "grad_norm": self.grad_norm, **self.counters,
                 "wire_bytes": dict(self.wire_bytes), "fp32_bytes": dict(self.fp32_bytes)}
 
     def status(self) -> StageStatus:
@@ -161,7 +162,8 @@ class Trainer:
         try:
             path = self.router.draw_path(self.cfg.paths)
             self.counters["skipped_hops"] += path_length(self.cfg.stages.num_stages, self.cfg.paths) - len(path)
-            h0 = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
+            # the steps of swarm/model/step.py, with an RPC per middle-stage hop
+            h0 = await self._run(embed, self.edge, inputs)  # (B, T, d), holds the embedding's graph
             hops, h = await self._forward_path(mb, path, h0.detach(), inputs)
             loss, grad = await self._run(self._head_backward, h, targets)
             if hops:
@@ -284,32 +286,28 @@ class Trainer:
 
     # torch work, on the single edge thread (serialised with the inner step)
 
-    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            return self.edge.embed(inputs)
-
     @torch.no_grad()
     def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.edge.embed(inputs)
 
     def _head_backward(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
-        h = h.detach().requires_grad_()
-        with torch.enable_grad():
-            loss = loss_fn(self.edge.head(h), targets)
-            # scaled so the gradients summed over an inner batch are those of its mean loss
-            (loss * targets.shape[0] / self.cfg.train.inner_batch).backward()
-        return loss.item(), h.grad
+        return head_backward(self.edge, h, targets, inner_batch=self.cfg.train.inner_batch)
 
     @torch.no_grad()
     def _head_eval(self, h: torch.Tensor, targets: torch.Tensor) -> float:
         return loss_fn(self.edge.head(h), targets).item()
 
     def _embed_backward(self, h0: torch.Tensor, grad: torch.Tensor) -> None:
-        h0.backward(grad)
-        self.samples_accumulated += h0.shape[0]
-        if self.samples_accumulated >= self.cfg.train.inner_batch:
-            self.grad_norm = clip_and_step(self.opt, self.sched, self.cfg.inner.grad_clip)
-            self.samples_accumulated, self.inner_steps = 0, self.inner_steps + 1
+        embed_backward(h0, grad)
+        self.inner.add(h0.shape[0])
+
+    @property
+    def inner_steps(self) -> int:
+        return self.inner.steps
+
+    @property
+    def grad_norm(self) -> float:
+        return self.inner.grad_norm
 
     @property
     def module(self) -> EdgeStage:

@@ -1,7 +1,9 @@
-"""The centralized baseline: the same model trained unsplit in one process.
+"""The centralized baseline: the same model trained in one process, with one optimizer.
 
-Every swarm result is compared against this at equal tokens. The data stream is passed in
-(swarm/ never reads files itself).
+Every swarm result is compared against this at equal tokens. A microbatch takes the swarm's own
+step (``swarm/model/step.py``) through all stages in order, with no codec; the inner step clips
+the whole model's gradient at once (the swarm clips each stage's: the one intended difference).
+The data stream is passed in (swarm/ never reads files itself).
 
     >>> model = train_centralized(cfg, batches, val, steps=300, on_log=print)
 """
@@ -13,8 +15,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from optim.inner import clip_and_step, make_inner_optimizer
 from swarm.config import SwarmConfig
+from swarm.model.stages import split_model
+from swarm.model.step import InnerStep, run_microbatch
 from swarm.model.transformer import Transformer, loss_fn
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
@@ -30,6 +33,12 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[
     return total / count
 
 
+def train_microbatch(model: Transformer, batch: Batch, *, num_stages: int, inner_batch: int) -> float:
+    """The swarm's microbatch step through all ``num_stages`` stages of ``model`` in order; gradients accumulate in ``model``."""
+    edge, *middles = split_model(model, num_stages)
+    return run_microbatch(edge, middles, batch, inner_batch=inner_batch)  # type: ignore[arg-type]
+
+
 def train_centralized(
     cfg: SwarmConfig,
     batches: Iterator[Batch],
@@ -39,23 +48,20 @@ def train_centralized(
     log_every: int = 25,
     on_log: Callable[[dict[str, float]], None] = lambda record: None,
 ) -> Transformer:
-    """AdamW (warmup + cosine over ``steps``) on batches of ``train.inner_batch`` samples."""
+    """``steps`` inner steps of AdamW (``cfg.inner``'s warmup + cosine schedule) on ``train.inner_batch`` samples each."""
     model = Transformer(cfg.model)
-    opt, sched = make_inner_optimizer(model.parameters(), cfg.inner)
-    micro_per_step = cfg.train.inner_batch // cfg.train.microbatch_size
+    inner = InnerStep(model.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
     tokens, start = 0, time.perf_counter()
     for step in range(1, steps + 1):
         model.train()
-        step_loss = 0.0
-        for _ in range(micro_per_step):
+        losses = []
+        while inner.steps < step:
             inputs, targets = next(batches)
-            loss = loss_fn(model(inputs), targets) / micro_per_step
-            loss.backward()
-            step_loss += loss.item()
+            losses.append(train_microbatch(model, (inputs, targets), num_stages=cfg.stages.num_stages, inner_batch=cfg.train.inner_batch))
+            inner.add(inputs.shape[0])
             tokens += inputs.numel()
-        clip_and_step(opt, sched, cfg.inner.grad_clip)
         if step % log_every == 0 or step == steps:
             model.eval()
-            on_log({"step": step, "tokens": tokens, "train_loss": step_loss, "val_loss": evaluate(model, val_batches),
-                    "elapsed_s": time.perf_counter() - start, "lr": sched.get_last_lr()[0]})
+            on_log({"step": step, "tokens": tokens, "train_loss": sum(losses) / len(losses), "val_loss": evaluate(model, val_batches),
+                    "elapsed_s": time.perf_counter() - start, "lr": inner.lr})
     return model

@@ -2,10 +2,11 @@
 
 K replicas of every stage (stage 0 = K trainers, each with its own data stream). Every tick,
 each trainer pushes one microbatch along a freshly drawn path, through a random replica per
-stage, with the activation codec applied at every boundary in both directions. Replicas take
-an inner step per ``train.inner_batch`` samples served; every H ticks the replicas of each stage
-run the outer step (or, with ``mode="ddp"``, average fp32 gradients every tick). Bytes that would
-cross the network are counted by kind.
+stage, with the activation codec applied at every boundary in both directions: the runtime's
+microbatch step (``swarm/model/step.py``). Replicas take an inner step per ``train.inner_batch``
+samples served; every H ticks the replicas of each stage run the outer step (or, with
+``mode="ddp"``, average fp32 gradients every tick). Bytes that would cross the network are
+counted by kind.
 
     >>> result = simulate(cfg, SimulationConfig(replicas=2, tokens=200_000), streams, val_batches)
     >>> result.val_loss, result.bytes_per_token["total"]
@@ -23,15 +24,14 @@ import torch
 from torch import nn
 
 from compress.codecs import Codec
-from optim.inner import clip_and_step, make_inner_optimizer
 from optim.outer import OuterOptimizer, build_outer_optimizer
-from swarm.sim.centralized import Batch, evaluate
-from swarm.pipeline.boundary import boundary_codecs
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
-from swarm.model.transformer import loss_fn
-from swarm.pipeline.routing import sample_path
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
+from swarm.model.step import InnerStep, run_microbatch
+from swarm.pipeline.boundary import boundary_codecs
+from swarm.pipeline.routing import sample_path
+from swarm.sim.centralized import Batch, evaluate
 
 MODES = ("ddp", "outer")
 ROUTINGS = ("random", "sticky")
@@ -63,10 +63,8 @@ class Replica:
     """One copy of one stage with its own inner optimizer (and outer optimizer, if any)."""
 
     module: EdgeStage | MiddleStage
-    optimizer: torch.optim.AdamW
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    inner: InnerStep  # its AdamW, and the samples served since its last inner step
     outer: OuterOptimizer | None
-    pending_samples: int = 0  # served since the last inner step
 
     @property
     def params(self) -> dict[str, nn.Parameter]:
@@ -109,59 +107,37 @@ class Link:
 
 def make_replica(cfg: SwarmConfig, stage: int, total_steps: int, with_outer: bool) -> Replica:
     module = build_stage(cfg.model, cfg.stages.num_stages, stage)
-    opt, sched = make_inner_optimizer(module.parameters(), replace(cfg.inner, total_steps=total_steps))
+    inner = InnerStep(module.parameters(), replace(cfg.inner, total_steps=total_steps), inner_batch=cfg.train.inner_batch)
     outer = build_outer_optimizer(dict(module.named_parameters()), cfg.outer, cfg.codecs) if with_outer else None
-    return Replica(module, opt, sched, outer)
+    return Replica(module, inner, outer)
 
 
-def train_microbatch(trainer: Replica, hops: list[Replica], batch: Batch, link: Link) -> float:
-    """Forward along ``hops`` and back, through the link's codecs; gradients accumulate in place."""
-    inputs, targets = batch
+def train_microbatch(trainer: Replica, hops: list[Replica], batch: Batch, link: Link, *, step_when_due: bool = True) -> float:
+    """One microbatch along ``hops`` and back through the link's codecs, as in the swarm: gradients accumulate,
+    and each replica takes its inner step once it has served an inner batch (unless ``step_when_due`` is off: DDP)."""
     edge: EdgeStage = trainer.module  # type: ignore[assignment]
-    h0 = edge.embed(inputs)  # (B, T, d)
-    h = link.send("activations", h0, inputs)
-    graph = []
-    for replica in hops:
-        h_in = h.requires_grad_()
-        h_out = replica.module(h_in)
-        graph.append((replica, h_in, h_out))
-        h = link.send("activations", h_out, inputs)
-    h_last = h.requires_grad_()
-    loss = loss_fn(edge.head(h_last), targets)
-    loss.backward()
-    grad = link.send("activation_gradients", h_last.grad, inputs)
-    for replica, h_in, h_out in reversed(graph):
-        h_out.backward(grad)
-        replica.pending_samples += inputs.shape[0]
-        grad = link.send("activation_gradients", h_in.grad, inputs)
-    h0.backward(grad)
-    trainer.pending_samples += inputs.shape[0]
-    return loss.item()
+    middles: list[MiddleStage] = [r.module for r in hops]  # type: ignore[misc]
+    loss = run_microbatch(edge, middles, batch, inner_batch=trainer.inner.inner_batch, send=link.send)
+    for replica in [trainer, *hops]:
+        replica.inner.add(batch[0].shape[0], step_when_due=step_when_due)
+    return loss
 
 
-def inner_step(replica: Replica, microbatch_size: int, grad_clip: float) -> None:
-    """Average the accumulated microbatch gradients and step."""
-    scale = microbatch_size / replica.pending_samples
-    for p in replica.module.parameters():
-        if p.grad is not None:
-            p.grad.mul_(scale)
-    clip_and_step(replica.optimizer, replica.scheduler, grad_clip)
-    replica.pending_samples = 0
-
-
-def ddp_step(group: list[Replica], microbatch_size: int, grad_clip: float) -> int:
+def ddp_step(group: list[Replica]) -> int:
     """Average gradients over the whole group (weighted by samples), everyone steps; returns fp32 bytes moved."""
-    served = sum(r.pending_samples for r in group)
+    served = sum(r.inner.samples for r in group)
     if served == 0:
         return 0
+    # each microbatch's gradient carries the weight samples / inner_batch (swarm/model/step.py): the group's
+    # mean gradient is their sum times inner_batch / served, as if the samples served were one inner batch
+    scale = group[0].inner.inner_batch / served
     params = [list(r.module.parameters()) for r in group]
     for column in zip(*params):
-        total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in column) * (microbatch_size / served)
+        total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in column) * scale
         for p in column:
             p.grad = total.clone()
     for r in group:
-        clip_and_step(r.optimizer, r.scheduler, grad_clip)
-        r.pending_samples = 0
+        r.inner.step()
     k, size = len(group), sum(p.numel() * 4 for p in params[0])
     return int(k * size * 2 * (k - 1) / k)  # ring all-reduce: each member sends 2(K−1)/K of the buffer
 
@@ -189,8 +165,8 @@ def simulate(
         raise ValueError(f"need one data stream per trainer: {sim.replicas}, got {len(streams)}")
     torch.manual_seed(sim.seed)
     rng = random.Random(sim.seed)
-    S, K, B = cfg.stages.num_stages, sim.replicas, cfg.train.microbatch_size
-    tokens_per_tick = K * B * cfg.train.seq_len
+    S, K = cfg.stages.num_stages, sim.replicas
+    tokens_per_tick = K * cfg.train.microbatch_size * cfg.train.seq_len
     ticks = max(1, sim.tokens // tokens_per_tick)
     with_outer = sim.mode == "outer" and cfg.outer.method != "none"
     replicas = {s: [make_replica(cfg, s, ticks, with_outer) for _ in range(K)] for s in range(S + 1)}
@@ -204,14 +180,10 @@ def simulate(
             path = sample_path(S, cfg.paths, rng)
             skipped += S - len(path)
             hops = [replicas[s][k] if sim.routing == "sticky" else rng.choice(replicas[s]) for s in path]
-            losses.append(train_microbatch(trainer, hops, next(stream), link))
-            if sim.mode == "outer":
-                for replica in [trainer, *hops]:
-                    if replica.pending_samples >= cfg.train.inner_batch:
-                        inner_step(replica, B, cfg.inner.grad_clip)
+            losses.append(train_microbatch(trainer, hops, next(stream), link, step_when_due=sim.mode == "outer"))
         if sim.mode == "ddp":
             for group in replicas.values():
-                link.bytes["gradients"] += ddp_step(group, B, cfg.inner.grad_clip)
+                link.bytes["gradients"] += ddp_step(group)
         elif with_outer and (tick % cfg.outer.inner_steps == 0 or tick == ticks):
             for group in replicas.values():
                 link.bytes["pseudo_gradients"] += outer_round(group)
