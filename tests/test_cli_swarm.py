@@ -5,47 +5,24 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import pytest
 
-from optim.config import InnerOptimConfig
 from peer.credentials import create_swarm, invite, new_identity, peer_id_of_identity, revoke
-from peer.launch import spawn_peer, wait_for_address
 from peer.status import format_status
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
-from swarm.model.transformer import ModelConfig
-from swarm.model.stages import StagesConfig
+from swarm.config import SwarmConfig, TimeoutConfig, save_config
+from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
 LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
 
 
-def tiny_config(name: str = "demo", seed: int = 0) -> SwarmConfig:
-    return SwarmConfig(name=name, model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
-                       stages=StagesConfig(num_stages=1), train=TrainConfig(seq_len=64, microbatch_size=8, inner_batch=8, seed=seed),
-                       inner=InnerOptimConfig(warmup_steps=2, total_steps=3), timeouts=TimeoutConfig(announce_period_s=1.0, record_ttl_s=10.0))
-
-
-def swarmloco(*commands: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
-    """Run ``swarmloco`` commands side by side (each loads torch and hivemind: seconds apiece); their results, in order."""
-    procs = [subprocess.Popen([sys.executable, "-m", "peer", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args in commands]
-    results = []
-    for args, proc in zip(commands, procs):
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            pytest.fail(f"swarmloco {' '.join(args)} still running after {timeout}s")
-        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
-    return results
+def swarm_config(name: str = "demo", seed: int = 0) -> SwarmConfig:
+    return tiny_config(name=name, steps=3, train={"seed": seed}, inner={"warmup_steps": 2},
+                       timeouts=TimeoutConfig(announce_period_s=1.0, record_ttl_s=10.0))
 
 
 def refused(result: subprocess.CompletedProcess[str], says: str) -> str:
@@ -60,7 +37,7 @@ def refused(result: subprocess.CompletedProcess[str], says: str) -> str:
 def private_swarm(tmp_path: Path) -> Path:
     """A private tiny swarm: certificates for peers a, b, s and r (r then revoked), a stale one for e, none for c."""
     create_swarm("demo", tmp_path, private=True)
-    cfg = tiny_config()
+    cfg = swarm_config()
     save_config(cfg, tmp_path / "swarm.toml")
     for name in "abcers":
         new_identity(tmp_path / f"{name}.id")
@@ -78,10 +55,9 @@ def peer(root: Path, name: str) -> list[str]:
 
 def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: Path, child_processes: list) -> None:
     root = private_swarm
-    first = spawn_peer("a", ["--role", "stage", "--stage", "1", "--config", str(root / "swarm.toml"), *peer(root, "a"),
-                             "--revocations", str(root / "revocations.json"), *LOOPBACK], root)
-    child_processes.append(first)
-    join = ["--initial-peers", address := wait_for_address(first, root / "a.log", 120)]
+    swarm = Swarm(root, swarm_config(), child_processes)
+    first = swarm.spawn("a", "--role", "stage", "--stage", "1", *peer(root, "a"), "--revocations", str(root / "revocations.json"))
+    join, address = swarm.join, swarm.join[1]
 
     trainer, status, uninvited, revoked, expired = swarmloco(
         ["run", "--role", "trainer", "--steps", "3", "--data", DATA, *join, *peer(root, "b"), *LOOPBACK],  # fetches the config by the certificate's swarm
@@ -89,6 +65,7 @@ def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: P
         ["run", "--role", "stage", *join, "--identity", str(root / "c.id"), *LOOPBACK],
         ["run", "--role", "stage", *join, *peer(root, "r"), *LOOPBACK],
         ["run", "--role", "stage", *join, *peer(root, "e"), *LOOPBACK],
+        children=child_processes,
     )
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert "step 3/3" in trainer.stdout and "failed 0" in trainer.stdout, trainer.stdout  # every hop served: the certificate went along
@@ -105,16 +82,13 @@ def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: P
 
 
 def test_public_swarm_status_and_start_up_errors(tmp_path: Path, child_processes: list) -> None:
-    save_config(tiny_config(name="open"), tmp_path / "swarm.toml")
-    save_config(tiny_config(name="open", seed=1), tmp_path / "other.toml")
-    first = spawn_peer("first", ["--role", "stage", "--stage", "1", "--config", str(tmp_path / "swarm.toml"),
-                                 "--identity", str(tmp_path / "first.id"), *LOOPBACK], tmp_path)
-    child_processes.append(first)
-    address = wait_for_address(first, tmp_path / "first.log", 120)
-    join = ["--initial-peers", address]
+    swarm = Swarm(tmp_path, swarm_config(name="open"), child_processes)
+    save_config(swarm_config(name="open", seed=1), tmp_path / "other.toml")
+    first = swarm.spawn("first", "--role", "stage", "--stage", "1", "--identity", str(tmp_path / "first.id"))
+    join, address = swarm.join, swarm.join[1]
     new_identity(tmp_path / "m.id")
     create_swarm("open", tmp_path / "authority", private=True)
-    invite(tmp_path / "authority" / "authority.key", tiny_config(name="open").swarm_id, peer_id_of_identity(tmp_path / "m.id"),
+    invite(tmp_path / "authority" / "authority.key", swarm_config(name="open").swarm_id, peer_id_of_identity(tmp_path / "m.id"),
            days=1, out=tmp_path / "m.cert")
     unreachable = address.replace(address.split("/tcp/")[1].split("/")[0], "1", 1)
 
@@ -124,17 +98,18 @@ def test_public_swarm_status_and_start_up_errors(tmp_path: Path, child_processes
         ["run", "--role", "stage", "--initial-peers", unreachable, *LOOPBACK],
         ["run", "--role", "stage", *join, "--config", str(tmp_path / "other.toml"), *LOOPBACK],
         ["run", "--role", "stage", *join, "--identity", str(tmp_path / "m.id"), "--credentials", str(tmp_path / "m.cert"), *LOOPBACK],
+        children=child_processes,
     )
     assert status.returncode == 0, status.stderr
     result = json.loads(status.stdout)
-    assert result["swarm_id"] == tiny_config(name="open").swarm_id and result["peers"] == 1
+    assert result["swarm_id"] == swarm_config(name="open").swarm_id and result["peers"] == 1
     assert [p["peer"] for p in result["stages"][1]["peers"]] == [address.rsplit("/p2p/", 1)[1]]
     assert f"swarm {result['swarm_id']}: 1 middle stage, 1 peer" in format_status(result)
 
     refused(twin, f"the identity {tmp_path / 'first.id'} is in use by another running peer")
     refused(lost, f"could not reach any initial peer (tried {unreachable})")
-    line = refused(mismatch, f"runs config {tiny_config(name='open').hash()} but this peer's config hashes to")
-    assert tiny_config(name="open", seed=1).hash() in line
+    line = refused(mismatch, f"runs config {swarm_config(name='open').hash()} but this peer's config hashes to")
+    assert swarm_config(name="open", seed=1).hash() in line
     refused(certified, "is public, but this peer runs with --credentials")
     assert first.poll() is None
 
