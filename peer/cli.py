@@ -270,25 +270,23 @@ def run_cmd(
     name: Annotated[str | None, typer.Option(help="This peer's name in logs and metrics.")] = None,
     seed: Annotated[int, typer.Option(help="Trainers: data stream offset (give each trainer its own).")] = 0,
     threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default).")] = 0,
-    rebalance_period: Annotated[float | None, typer.Option(min=0.0, help="Stage servers: seconds between rebalancing checks (± 20%); 0 never moves. Default: 30, or never for a server pinned with --stage.")] = None,
+    rebalance_period_s: Annotated[float | None, typer.Option("--rebalance-period", min=0.0, help="Stage servers: seconds between rebalancing checks (± 20%); 0 never moves. Default: 30, or never for a server pinned with --stage.")] = None,
     stage_checkpoint: Annotated[Path | None, typer.Option(help="Stage servers: a stage state file, loaded on start when the stage has no live replica (rollback instead of a rebuild from the neighbours).")] = None,
     checkpoint_every: Annotated[int, typer.Option(min=0, help="Stage servers: write --stage-checkpoint every N inner steps (0: never write).")] = 0,
     eval_every: Annotated[int, typer.Option(min=0, help="Trainers: validation pass every N inner steps (0: only at the end).")] = 0,
+    faults: Annotated[str | None, typer.Option(help="Tests: PEER@step=N,… — the peer of that --name dies (SIGKILL) at its own inner step N.")] = None,
 ) -> None:
     """Start one peer of a swarm over the network; SIGINT/SIGTERM retire its DHT records and exit."""
+    # every option but the swarm-wide ones is a PeerConfig field (or a trainer option) of the same name
+    per_peer = {option: value for option, value in locals().items() if option not in ("config", "revocations", "swarm")}
     from peer.launch import run_peer
     from swarm.dht.membership import MembershipError
-    from swarm.node import NodeOptions
-    from swarm.pipeline.trainer import TrainerOptions
+    from swarm.peer_config import PeerConfig
 
     creds = swarm_credentials(credentials, identity, revocations, config)
     try:
-        options = NodeOptions(role=role, stage=stage, initial_peers=initial_peers or [], host_maddrs=host_maddrs or ["/ip4/0.0.0.0/tcp/0"],
-                              announce_maddrs=announce_maddrs or [], identity_path=str(identity) if identity else None,
-                              swarm_name=swarm_name(creds, swarm), steps=steps, credentials=creds, rebalance_period_s=rebalance_period,
-                              recovery_dir=str(out) if out else None, stage_checkpoint=str(stage_checkpoint) if stage_checkpoint else None,
-                              checkpoint_every=checkpoint_every, trainer=TrainerOptions(eval_every=eval_every))
-        run_peer(options, config=config, data=data, out=out, name=name, seed=seed, threads=threads, echo=typer.echo)
+        peer = PeerConfig.from_flat({**per_peer, "credentials": creds, "swarm_name": swarm_name(creds, swarm)})
+        run_peer(peer, config=config, echo=typer.echo)
     except (ValueError, MembershipError) as e:
         fail(str(e))
 

@@ -31,38 +31,40 @@ import torch
 
 from peer.data import load_corpus
 from swarm.config import SwarmConfig, load_config, save_config
-from swarm.node import NodeOptions, run_node
 from swarm.model.stages import StagesConfig
+from swarm.node import Node
+from swarm.peer_config import PeerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "swarmloco: join with --initial-peers "
 VAL_BATCHES = 16
 
 
-def run_peer(options: NodeOptions, *, config: Path | None = None, data: Sequence[str] | None = None, out: Path | None = None,
-             name: str | None = None, seed: int = 0, threads: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run one peer until it is done (trainer) or gets SIGINT/SIGTERM; returns its last record."""
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = load_config(config) if config else (None if options.initial_peers else SwarmConfig())
-    name = name or {"trainer": "trainer", "stage": f"stage{options.stage or ''}"}.get(options.role, "peer") + f"-{os.getpid()}"
-    corpus = load_corpus(data) if options.role == "trainer" else None  # fail on bad --data before joining
+def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run one peer (``config``: the swarm.toml of a swarm it creates or checks) until it is done (trainer) or gets
+    SIGINT/SIGTERM; returns its last record."""
+    if peer.threads:
+        torch.set_num_threads(peer.threads)
+    cfg = load_config(config) if config else (None if peer.initial_peers else SwarmConfig())
+    name = peer.name or {"trainer": "trainer", "stage": f"stage{peer.stage or ''}"}.get(peer.role, "peer") + f"-{os.getpid()}"
+    peer = dataclasses.replace(peer, name=name)
+    corpus = load_corpus(peer.data) if peer.role == "trainer" else None  # fail on bad --data before joining
 
     def batches(cfg: SwarmConfig) -> tuple[Any, list[Any]]:
         nonlocal corpus
-        corpus = corpus or load_corpus(data)  # --role auto: only once the peer turns out to be a trainer
+        corpus = corpus or load_corpus(peer.data)  # --role auto: only once the peer turns out to be a trainer
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
-        return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * seed, **kw), corpus.val_batches(num_batches=VAL_BATCHES, **kw)
+        return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * peer.seed, **kw), corpus.val_batches(num_batches=VAL_BATCHES, **kw)
 
     def on_ready(maddrs: list[str]) -> None:
         loopback_last = sorted(maddrs, key=lambda m: "/127.0.0.1/" in m)  # a routable address first
-        echo(f"{name}: {options.role} of swarm ready")
+        echo(f"{name}: {peer.role} of swarm ready")
         echo(READY_PREFIX + " ".join(loopback_last))
 
     metrics: TextIO | None = None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        metrics = (out / f"{name}.jsonl").open("a")
+    if peer.out is not None:
+        peer.out.mkdir(parents=True, exist_ok=True)
+        metrics = (peer.out / f"{name}.jsonl").open("a")
 
     def on_log(record: dict[str, Any]) -> None:
         record = {"time": time.time(), "peer": name, **record}
@@ -70,13 +72,13 @@ def run_peer(options: NodeOptions, *, config: Path | None = None, data: Sequence
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
         if record.get("role") == "trainer":  # progress, not outer-step events
-            echo(progress_line(record, options.steps))
+            echo(progress_line(record, peer.steps))
 
     async def main() -> dict[str, Any]:
-        stop = asyncio.Event()
+        node = Node(peer, cfg, data=batches, on_log=on_log, on_ready=on_ready)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        return await run_node(cfg, options, data=batches, on_log=on_log, on_ready=on_ready, stop=stop)
+            asyncio.get_running_loop().add_signal_handler(sig, lambda: asyncio.ensure_future(node.stop()))
+        return await node.run()
 
     try:
         return asyncio.run(main())

@@ -2,8 +2,13 @@
 
 A schedule is a list of events, each "kill peer P once its step reaches N" or "once T seconds have
 elapsed". It parses from a short spec, prints back to the same spec, and can be drawn at random
-from a seed, so every failure run can be repeated exactly. The injector owns no processes: it is
-given their pids, a clock and a kill function, so its logic is tested without killing anything.
+from a seed, so every failure run can be repeated exactly. Two ways to carry it out:
+
+- inside the peer (``swarmloco run --faults stage2-a@step=40``, ``PeerConfig.faults``): the node
+  named ``stage2-a`` watches its own inner step and dies (``kill_this_peer``) the moment it reaches
+  40, as torchft injects faults keyed by (rank, step). Exact: no records to read, no lag.
+- from a supervisor (``FaultInjector``, e.g. timed faults in the WAN lab): it owns no processes;
+  given their pids, a clock and a kill function, its logic is tested without killing anything.
 
     >>> schedule = FaultSchedule.parse("stage2-a@step=40,stage2-b@step=40,trainer1@t=30s")
     >>> injector = FaultInjector(schedule, {"stage2-a": proc_a, "stage2-b": proc_b, "trainer1": proc_t})
@@ -12,6 +17,7 @@ given their pids, a clock and a kill function, so its logic is tested without ki
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import random
@@ -155,3 +161,22 @@ class FaultInjector:
                 continue
             killed.append(peer)
         return killed
+
+
+def kill_this_peer() -> None:
+    """SIGKILL this process, and its whole process group when it leads one (``spawn_peer`` starts peers so): the
+    DHT and libp2p daemons die with it, as in a power cut, leaving records that only expire."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def wait_for_step(step: int, current: Callable[[], int | None], *, poll_s: float = 0.01) -> int:
+    """Return once ``current()`` (the peer's inner step; None: not started) reaches ``step``: the step it read.
+
+    Polled, not hooked into the step itself, so the peer's loops stay free of test code; at 10 ms a
+    poll sees every step of a CPU-sized model.
+    """
+    while (now := current()) is None or now < step:
+        await asyncio.sleep(poll_s)
+    return now

@@ -182,12 +182,13 @@ TRAINER = """
 import sys
 from pathlib import Path
 from peer.launch import run_peer
-from swarm.node import NodeOptions
+from swarm.peer_config import PeerConfig
 from swarm.pipeline.trainer import TrainerOptions
 initial_peer, out, data = sys.argv[1:]
-options = NodeOptions(role="trainer", initial_peers=[initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], steps=100_000,
-                      trainer=TrainerOptions(log_every=5, eval_every=20))  # `swarmloco run` validates only at the end
-run_peer(options, data=[data], out=Path(out), name="trainer-0", threads=1)
+peer = PeerConfig(role="trainer", initial_peers=[initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], steps=100_000, data=[data],
+                  out=Path(out), name="trainer-0", threads=1,
+                  trainer=TrainerOptions(log_every=5, eval_every=20))  # `swarmloco run` validates only at the end
+run_peer(peer)
 """
 
 

@@ -51,12 +51,13 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from optim.outer import build_outer_optimizer
-from swarm.rpc.auth import CertificateVerifier
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership, StageStatus
-from swarm.outer.rounds import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
+from swarm.dht.membership import Membership
+from swarm.dht.records import StageStatus
 from swarm.model.stages import stage_template
+from swarm.outer.rounds import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
 from swarm.outer.transfer import StageState, download_state, pack_state, state_bytes_bound, weights_hash
+from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class Holder(Protocol):
 
     def settled(self) -> bool:
         """No microbatch is between its forward and its backward here (a swap now changes no gradient in flight)."""
+
+
+async def snapshot_weights(holder: Holder) -> dict[str, torch.Tensor]:
+    """A copy of the holder's weights, taken on its compute thread: no inner step or request tears it."""
+    return await holder.exclusive(lambda: {name: p.detach().clone() for name, p in holder.module.named_parameters()})
 
 
 class ReplicaSync:
@@ -135,7 +141,7 @@ class ReplicaSync:
         """One round: snapshot, encode Δ, meet the group, install the agreed result (or catch up)."""
         key, steps = RoundKey(self.stage, self.round), self.holder.inner_steps
         self._others = await self.replicas()  # a fresh view: whom to wait for (a replica that just joined counts)
-        snapshot = await self.holder.exclusive(lambda: {name: p.detach().clone() for name, p in self.params.items()})
+        snapshot = await snapshot_weights(self.holder)
         payload = await self._on_thread(self.outer.make_payload, snapshot)
         started = time.perf_counter()
         result = await run_round(self.net, self.board, key, payload, self.timing, clock=self.clock, expected=self._expected(),
@@ -193,8 +199,7 @@ class ReplicaSync:
         if name != f"state/{self.stage}":
             raise LookupError(f"this peer holds stage {self.stage}")
         if self.outer is None:  # no outer step: the local weights are the stage's weights
-            params = await self.holder.exclusive(lambda: {n: p.detach().clone() for n, p in self.params.items()})
-            return pack_state(StageState(stage=self.stage, round=0, schedule_step=self.schedule_step, params=params, optimizer=None))
+            return pack_state(await self.local_state())
         if self._exported is None or self._exported[0] != self.round:
             def build() -> tuple[int, bytes]:  # on the outer thread: never torn by a round's apply
                 state = StageState(stage=self.stage, round=self.outer.round, schedule_step=self.schedule_step,
@@ -203,6 +208,12 @@ class ReplicaSync:
 
             self._exported = await self._on_thread(build)
         return self._exported[1]
+
+    async def local_state(self) -> StageState:
+        """This replica's current (local) weights as a stage state, no optimizer: what a rebuild merges, an export saves,
+        a checkpoint keeps (``state/<stage>`` serves the global weights of the last round instead)."""
+        params = await snapshot_weights(self.holder)
+        return StageState(stage=self.stage, round=self.round, schedule_step=self.schedule_step, params=params, optimizer=None)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

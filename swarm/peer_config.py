@@ -1,0 +1,113 @@
+"""The per-peer part of the configuration: who this peer is, where it listens, which role it takes, what it writes.
+
+The swarm-wide part (``SwarmConfig``, hashed and shared by every peer) lives in ``swarm/config.py``;
+this part is each peer's own and never leaves it. One keyword-only dataclass tree, the trainer's
+options nested in it; ``from_flat`` builds it from one flat namespace (the command line's options),
+routing each name to the level that owns it, so a front end maps nothing by hand:
+
+    >>> PeerConfig(role="stage", stage=1, initial_peers=["/ip4/127.0.0.1/tcp/4100/p2p/12D3…"]).rebalance_every_s
+    0.0
+    >>> PeerConfig.from_flat({"role": "trainer", "steps": 20, "eval_every": 5}).trainer.eval_every
+    5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+from swarm.config import SwarmConfig
+from swarm.errors import ConfigError
+from swarm.faults import FaultSchedule
+from swarm.pipeline.trainer import TrainerOptions
+from swarm.rpc.admission import Credentials
+
+Role = Literal["auto", "trainer", "stage"]
+ROLES: tuple[str, ...] = get_args(Role)
+REBALANCE_PERIOD_S = 30.0
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+# flat names given as text that a field holds as an object
+_PARSE: dict[str, Callable[[object], object]] = {"faults": lambda spec: spec if isinstance(spec, FaultSchedule) else FaultSchedule.parse(str(spec))}
+
+
+@dataclass(kw_only=True)
+class PeerConfig:
+    role: Role = "auto"  # auto: what the swarm needs most (``swarm.node.choose_role``)
+    stage: int | None = None  # stage servers: the stage to serve; None = the one with fewest replicas
+    initial_peers: list[str] = field(default_factory=list)  # none: this peer creates the swarm
+    host_maddrs: list[str] = field(default_factory=lambda: list(DEFAULT_HOST_MADDRS))
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: Path | None = None  # libp2p key file (created if missing): a stable peer id
+    credentials: Credentials | None = None  # private swarms: this peer's certificate, and the check of everyone else's
+    swarm_name: str = SwarmConfig().name  # which published config to fetch when none is given
+    name: str | None = None  # this peer's name in logs, metrics and fault schedules (None: its role and pid)
+    out: Path | None = None  # metrics go to OUT/<name>.jsonl; a peer that rebuilds a stage saves the merge there too
+    data: list[str] = field(default_factory=list)  # trainers: corpus files, directories or globs (none: the default corpus)
+    seed: int = 0  # trainers: data stream offset (give each trainer its own)
+    threads: int = 0  # torch threads (0: torch's default)
+    steps: int = 100  # trainers: inner steps of stage 0 to run
+    trainer: TrainerOptions = field(default_factory=TrainerOptions)
+    max_pending: int = 8  # stage servers: requests held at once; more are refused as busy
+    wait_for_stages_s: float = 120.0  # trainers: how long to wait for every stage to have a replica
+    rebalance_period_s: float | None = None  # stage servers: seconds between rebalancing checks (± 20%); 0 = never move
+    stage_checkpoint: Path | None = None  # stage servers: a state file written every checkpoint_every inner steps, and
+    checkpoint_every: int = 0  # loaded on start when the stage has no live replica (rollback); 0 = never write it
+    faults: FaultSchedule = field(default_factory=FaultSchedule)  # tests: this peer dies at its own step N (events naming it)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError("role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role != "stage" and self.stage is not None:
+            raise ConfigError("stage", "a trainer holds stage 0, --role auto picks its own stage; --stage is for --role stage")
+        if self.stage is not None and self.stage < 1:
+            raise ConfigError("stage", f"stage servers serve stages 1..S, got stage {self.stage}")
+        for name in ("steps", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        for name in ("rebalance_period_s", "checkpoint_every", "threads", "wait_for_stages_s"):
+            if (getattr(self, name) or 0) < 0:
+                raise ConfigError(name, f"must be non-negative, got {getattr(self, name)}")
+        if self.checkpoint_every and not self.stage_checkpoint:
+            raise ConfigError("checkpoint_every", "needs a stage_checkpoint file to write")
+        if any(event.at_s is not None for event in self.faults.events):
+            raise ConfigError("faults", "a peer injects its own faults by step (PEER@step=N); timed faults are for a supervisor")
+
+    @property
+    def rebalance_every_s(self) -> float:
+        """The rebalancing period; 0 = never. A server pinned to ``stage`` stays there unless a period is given."""
+        if self.rebalance_period_s is not None:
+            return self.rebalance_period_s
+        return 0.0 if self.stage is not None else REBALANCE_PERIOD_S
+
+    def fault_step(self, name: str) -> int | None:
+        """The first step at which the fault schedule kills the peer called ``name``; None: never."""
+        return min((event.step for event in self.faults.events if event.peer == name and event.step is not None), default=None)
+
+    @classmethod
+    def from_flat(cls, options: Mapping[str, object]) -> PeerConfig:
+        """A config from one flat namespace: each name is a field of this class or of ``trainer``; None means "the default".
+
+        An unknown name is a ConfigError, so a front end cannot silently drop an option.
+        """
+        own = {f.name for f in dataclasses.fields(cls)} - {"trainer"}
+        nested = {f.name for f in dataclasses.fields(TrainerOptions)}
+        unknown = sorted(set(options) - own - nested)
+        if unknown:
+            raise ConfigError(unknown[0], "not a per-peer option")
+        given = {}
+        for key, value in options.items():
+            if value is not None:
+                try:
+                    given[key] = _PARSE[key](value) if key in _PARSE else value
+                except ValueError as e:
+                    raise ConfigError(key, str(e)) from None
+        try:
+            trainer = TrainerOptions(**{key: value for key, value in given.items() if key in nested})
+        except ConfigError as e:
+            raise e.within("trainer") from None
+        except ValueError as e:
+            raise ConfigError("trainer", str(e)) from None
+        return cls(**{key: value for key, value in given.items() if key in own}, trainer=trainer)

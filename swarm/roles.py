@@ -1,0 +1,400 @@
+"""The two roles a peer (``swarm/node.py``) plays: a stage server (``StageRole``) or a trainer (``TrainerRole``).
+
+A role gets its node's shared parts (``PeerParts``: configs, DHT records, P2P, the outer-step
+plumbing) and owns what it builds on them: a stage server its ``StageServer``, replica sync,
+stage RPC service, checkpoints and rebalancing loop (one ``ServedStage`` per stage it serves, a
+new one after each move); a trainer its ``Trainer``, router and replica sync. ``holder`` is the
+replica it holds now (a fault schedule reads its step).
+
+A starting stage server serves a live replica's state, else its own checkpoint (rollback), else,
+if the swarm has trained, the stage rebuilt from its neighbours (CheckFree, ``swarm/recovery/rebuild.py``),
+else the seeded weights. Every ``rebalance_every_s`` (± 20%) it reads the stages' throughput and
+moves if ``plan_move`` names it, downloading (or rebuilding) the new stage's state while still serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hivemind.p2p import P2P, PeerID
+
+from swarm.config import SwarmConfig
+from swarm.dht.membership import Membership
+from swarm.dht.metrics import Meter
+from swarm.dht.records import StageStatus
+from swarm.model.stages import EDGE_STAGE
+from swarm.outer.replica import Holder, PeerSync, ReplicaSync
+from swarm.outer.transfer import StageState, TransferError, pack_state, weights_hash
+from swarm.peer_config import PeerConfig
+from swarm.pipeline.metering import MeteredBackend, MeteredCalls
+from swarm.pipeline.metering import MeteredBackend, MeteredCalls
+from swarm.pipeline.protocol import StageClient, StageServicer
+from swarm.pipeline.routing import Router
+from swarm.pipeline.server import StageServer
+from swarm.pipeline.trainer import Batch, Trainer
+from swarm.recovery.checkfree import RECOVERY_LR_SCALE, NoRecoverySource
+from swarm.recovery.rebalance import Snapshot, StageLoad, next_check_delay, plan_move
+from swarm.recovery.rebuild import (
+    PRIORITY_JOINER,
+    PRIORITY_MOVER,
+    Rebuilt,
+    acquire_claim,
+    empty_stages,
+    load_stage_checkpoint,
+    rebuild_stage,
+    save_rebuild,
+    swarm_has_trained,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+DataFactory = Callable[[SwarmConfig], tuple[Iterator[Batch], Sequence[Batch]]]  # → (train batches, val batches)
+LogFn = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class PeerParts:
+    """What a role uses of the node that runs it."""
+
+    cfg: SwarmConfig
+    config: PeerConfig
+    membership: Membership
+    p2p: P2P
+    client: StageClient
+    peer_sync: PeerSync
+    on_log: LogFn
+    ready: Callable[[], None]  # the role takes calls now (the node tells its caller once)
+    stop: asyncio.Event
+
+
+async def until_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """The result of ``work``, or None if ``stop`` comes first (``work`` is then cancelled)."""
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, stopped):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:
+    """Call ``fn`` now and then every ``period_s``, logging (not raising) its failures."""
+    while True:
+        try:
+            await fn()
+        except Exception as e:
+            logger.warning(f"periodic task failed: {type(e).__name__}: {e}")
+        await asyncio.sleep(period_s)
+
+
+def stage_loads(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> Snapshot:
+    """The rebalancer's view of the DHT records: each middle stage's servers and their throughput."""
+    return {stage: [StageLoad(peer_id=peer.to_base58(), throughput=status.samples_per_s) for peer, status in replicas.get(stage, {}).items()]
+            for stage in range(1, num_stages + 1)}
+
+
+def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
+    """Serve ``local/<stage>``; each blob served is logged with its hash, so a rebuild's inputs can be traced to their replica.
+
+    With an outer step, ``state/<i>`` serves the global weights of the last round (what a newcomer
+    joins from), which lag up to H inner steps behind; a lost neighbour is rebuilt from the latest.
+    """
+    stage = sync.stage
+
+    async def provide(name: str) -> bytes:
+        if name != f"local/{stage}":
+            raise LookupError(f"this peer holds stage {stage}")
+        blob = pack_state(await sync.local_state())
+        parts.on_log({"event": "state_served", "stage": stage, "sha256": hashlib.sha256(blob).hexdigest()[:16]})
+        return blob
+
+    parts.peer_sync.servicer.provide("local", provide)
+
+
+@dataclass(frozen=True)
+class Move:
+    """Rebalancing moves this server to ``stage``; ``state`` was downloaded (or ``rebuilt``) while it still served the old one
+    (None: nobody held it yet)."""
+
+    stage: int
+    state: StageState | None
+    rebuilt: Rebuilt | None = None
+
+
+class StageRole:
+    """A stage server: serves ``stage`` from its current state, moving when rebalancing says so, until ``parts.stop``."""
+
+    def __init__(self, parts: PeerParts, stage: int) -> None:
+        self.parts, self.stage = parts, stage
+        self.holder: Holder | None = None  # the stage server of the stage served now
+        self.recoveries = 0  # stages this peer rebuilt
+
+    async def run(self) -> dict[str, Any]:
+        """Serve until stopped; the final record ({} if stopped before serving)."""
+        initial = await until_stopped(self._initial_state(), self.parts.stop)
+        if initial is None:  # stopped while waiting for another peer's rebuild
+            return {}
+        state, rebuilt = initial
+        while True:
+            self.recoveries += rebuilt is not None
+            outcome = await self._serve(ServedStage(self.parts, self.stage, state, rebuilt, self.recoveries))
+            if not isinstance(outcome, Move):
+                return outcome
+            self.parts.on_log({"event": "move", "from": self.stage, "to": outcome.stage, "downloaded": outcome.state is not None,
+                               "rebuilt": outcome.rebuilt is not None})
+            self.stage, state, rebuilt = outcome.stage, outcome.state, outcome.rebuilt
+
+    async def _initial_state(self) -> tuple[StageState | None, Rebuilt | None]:
+        """What a starting server serves: a live replica's state; else its own checkpoint (rollback); else, if the swarm has
+        trained (the stage was lost), the stage rebuilt from its neighbours; else (a new swarm) None: the seeded weights."""
+        cfg, config, stage, peer_sync = self.parts.cfg, self.parts.config, self.stage, self.parts.peer_sync
+        try:
+            if (state := await peer_sync.download(stage)) is not None:
+                return state, None
+        except TransferError as e:  # the records still list replicas that just died
+            logger.warning(f"stage {stage}: no listed replica delivered its state ({e}); taking the stage as lost")
+        if config.stage_checkpoint and config.stage_checkpoint.exists():
+            state = load_stage_checkpoint(config.stage_checkpoint, cfg, stage)
+            self.parts.on_log({"event": "rollback", "stage": stage, "schedule_step": state.schedule_step, "path": str(config.stage_checkpoint)})
+            return state, None
+        while True:  # a joining peer: it rebuilds the stage unless another peer already claimed it
+            if not swarm_has_trained(await self.parts.membership.all_replicas()):
+                return None, None
+            try:
+                if (rebuilt := await self._claim_and_rebuild(stage, PRIORITY_JOINER)) is not None:
+                    return rebuilt.state, rebuilt
+            except NoRecoverySource as e:  # S = 1: no neighbour to rebuild from
+                logger.warning(f"stage {stage} was lost and {e}; starting from the seeded weights")
+                return None, None
+            await asyncio.sleep(cfg.timeouts.announce_period_s)  # someone else rebuilds it: take its state once it serves
+            if (state := await peer_sync.download(stage)) is not None:
+                return state, None
+
+    async def _claim_and_rebuild(self, stage: int, priority: int) -> Rebuilt | None:
+        """Rebuild ``stage`` if this peer's claim stands; None if another peer's does or the rebuild failed (the claim is then
+        withdrawn); ``NoRecoverySource`` if the stage has no neighbour to be rebuilt from."""
+        timeouts, membership, peer_sync = self.parts.cfg.timeouts, self.parts.membership, self.parts.peer_sync
+        # the claim outlives a slow rebuild (two state downloads) and the first announce of the rebuilt stage
+        if not await acquire_claim(membership, stage, priority=priority, ttl_s=2 * timeouts.rpc_s + timeouts.record_ttl_s,
+                                   settle_s=timeouts.announce_period_s):
+            return None
+        try:
+            if await peer_sync.replicas(stage):  # it came back while we claimed: nothing to rebuild
+                raise TransferError("the stage has a live replica again")
+            fetch = lambda peer, name, max_bytes: peer_sync.client.fetch(peer, name, timeout=timeouts.rpc_s, max_bytes=max_bytes)
+            return await rebuild_stage(self.parts.cfg, stage, peer_sync.replicas, fetch)
+        except (TransferError, NoRecoverySource) as e:
+            logger.warning(f"stage {stage}: not rebuilding it: {e}")
+            with contextlib.suppress(Exception):
+                await membership.withdraw_recovery(stage)
+            if isinstance(e, NoRecoverySource):
+                raise
+            return None
+
+    async def _serve(self, served: ServedStage) -> dict[str, Any] | Move:
+        """Serve one stage until stopped (the final record) or a rebalancing move (returned)."""
+        parts = self.parts
+        self.holder = served.server
+        await served.start()
+        watched = [asyncio.create_task(parts.stop.wait())]  # serving happens in the P2P handlers; this waits for the end or a move
+        if parts.config.rebalance_every_s:
+            watched.append(asyncio.create_task(self._next_move(parts.config.rebalance_every_s)))
+        parts.ready()
+        move = None
+        try:
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            move = None if parts.stop.is_set() else watched[1].result()
+        finally:
+            for task in watched:
+                task.cancel()
+            await served.close(retire=move is not None)  # the new stage is announced as soon as it serves
+        if move is not None:
+            return move
+        parts.on_log(served.record())
+        return served.record()
+
+    async def _next_move(self, period_s: float) -> Move:
+        """Wait until rebalancing moves this server: its target stage, with that stage's state downloaded or rebuilt.
+
+        Throughput is compared every ``period_s`` (± 20%); a stage with no replica is looked for every
+        announce period, since every path skips it until someone fills it. A hole in a swarm that has
+        trained is a lost stage: the mover claims and rebuilds it (``swarm/recovery/rebuild.py``).
+        """
+        membership, num_stages = self.parts.membership, self.parts.cfg.stages.num_stages
+        me, rng = membership.peer_id.to_base58(), random.Random(f"rebalance/{membership.peer_id}")
+        hole_check_s = min(period_s, self.parts.cfg.timeouts.announce_period_s)
+        next_balance = time.monotonic() + next_check_delay(period_s, rng)
+        while True:
+            await asyncio.sleep(next_check_delay(hole_check_s, rng))
+            try:
+                replicas = await membership.all_replicas()
+                holes = empty_stages(replicas, num_stages)
+                if not holes and time.monotonic() < next_balance:
+                    continue
+                next_balance = time.monotonic() + next_check_delay(period_s, rng)
+                if (target := plan_move(stage_loads(replicas, num_stages), me)) is None:
+                    continue
+                if target in holes and swarm_has_trained(replicas):
+                    if (rebuilt := await self._claim_and_rebuild(target, PRIORITY_MOVER)) is not None:
+                        return Move(target, rebuilt.state, rebuilt)
+                    continue
+                state = await self.parts.peer_sync.download(target)
+                # the download took a while: move only if that is still the plan
+                if plan_move(stage_loads(await membership.all_replicas(), num_stages), me) == target:
+                    return Move(target, state)
+            except (ValueError, TransferError) as e:  # a server caught mid-move in two stages, or no state to be had
+                logger.info(f"rebalancing: staying on stage {self.stage} for now: {e}")
+
+
+class ServedStage:
+    """One stage as this peer serves it, from its first request to a move or the end: server, replica sync, RPC service, meter.
+
+    A ``rebuilt`` stage gets a fresh inner optimizer at lr × 1.1 (CheckFree) and announces itself ``recovered``.
+    """
+
+    def __init__(self, parts: PeerParts, stage: int, state: StageState | None, rebuilt: Rebuilt | None, recoveries: int) -> None:
+        cfg, config = parts.cfg, parts.config
+        self.parts, self.stage, self.state, self.rebuilt = parts, stage, state, rebuilt
+        self.server = StageServer(cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0)
+        self.sync = parts.peer_sync.sync(stage, self.server, parts.on_log)
+        self.meter = Meter(role="stage", stage=stage, state="serving")
+        self.meter.recoveries = recoveries
+        self.servicer = StageServicer(MeteredBackend(self.server, self.meter.traffic), stage=stage, max_request_bytes=self.server.max_request_bytes,
+                                      max_pending=config.max_pending, stream_timeout_s=cfg.timeouts.rpc_s,
+                                      verifier=config.credentials.verifier if config.credentials else None)
+        self.started = time.perf_counter()
+        self.background: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Install the state, take requests, and start announcing (and checkpointing)."""
+        parts, sync, server = self.parts, self.sync, self.server
+        provide_local_state(parts, sync)
+        if self.state is not None:
+            await sync.adopt(self.state)
+        if self.rebuilt is not None:
+            installed = await server.exclusive(lambda: weights_hash(dict(server.module.named_parameters())))
+            out, me = parts.config.out, parts.membership.peer_id.to_base58()[-8:]
+            dump = str(save_rebuild(self.rebuilt, out, me)) if out else None
+            parts.on_log({"event": "recovered", **self.rebuilt.event(), "installed_hash": installed, "lr_scale": RECOVERY_LR_SCALE, "saved": dump})
+        await self.servicer.add_p2p_handlers(parts.p2p, namespace=parts.cfg.swarm_id)
+        self.started = time.perf_counter()
+        self.background = [asyncio.create_task(every(parts.cfg.timeouts.announce_period_s, self.announce)), asyncio.create_task(sync.run())]
+        if parts.config.checkpoint_every:
+            self.background.append(asyncio.create_task(self.checkpoints()))
+        parts.on_log({"event": "serving", "stage": self.stage, "outer_round": sync.round, "global_hash": sync.global_hash})
+
+    def record(self) -> dict[str, Any]:
+        return {"role": "stage", "stage": self.stage, "elapsed_s": time.perf_counter() - self.started, "queue": self.servicer.pending,
+                "refused": self.servicer.refused, **self.server.info(), **self.sync.info()}
+
+    async def announce(self) -> None:
+        membership, server = self.parts.membership, self.server
+        status = server.status(queue=self.servicer.pending).copy(update={**self.sync.status_fields(), "recovered": self.rebuilt is not None})
+        await membership.announce(self.stage, status)
+        await membership.publish_config()
+        microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
+        await membership.publish_metrics(self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens))
+        self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
+
+    async def checkpoints(self) -> None:
+        """Write the stage's local weights to the checkpoint file every ``checkpoint_every`` inner steps (the rollback baseline)."""
+        path, every_steps = self.parts.config.stage_checkpoint, self.parts.config.checkpoint_every
+        assert path is not None  # PeerConfig checks that checkpoint_every comes with a file
+        written = self.server.inner_steps
+        while True:
+            await asyncio.sleep(self.parts.cfg.timeouts.announce_period_s)
+            if self.server.inner_steps < written + every_steps:
+                continue
+            written = self.server.inner_steps
+            blob = pack_state(await self.sync.local_state())
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            await asyncio.get_running_loop().run_in_executor(None, tmp.write_bytes, blob)
+            tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint
+            self.parts.on_log({"event": "stage_checkpoint", "stage": self.stage, "inner_steps": written, "path": str(path)})
+
+    async def close(self, *, retire: bool) -> None:
+        """Stop serving; ``retire`` the stage's record (a move: the next stage is announced as soon as it serves)."""
+        for task in self.background:
+            task.cancel()
+        await self.servicer.remove_p2p_handlers(self.parts.p2p, namespace=self.parts.cfg.swarm_id)
+        if retire:
+            await self.parts.membership.retire(self.stage)
+        self.server.shutdown()
+        self.sync.close()
+
+
+class TrainerRole:
+    """A trainer: stage 0 (data, embedding, loss), routing microbatches through the middle stages' replicas."""
+
+    def __init__(self, parts: PeerParts, data: DataFactory) -> None:
+        self.parts, self.data = parts, data
+        self.holder: Holder | None = None  # the trainer, once built
+
+    async def run(self) -> dict[str, Any]:
+        """Train ``config.steps`` inner steps; the last record ({} if stopped first)."""
+        self.parts.ready()
+        return await until_stopped(self._train(), self.parts.stop) or {}
+
+    async def _train(self) -> dict[str, Any]:
+        cfg, config, membership, peer_sync = self.parts.cfg, self.parts.config, self.parts.membership, self.parts.peer_sync
+        router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{membership.peer_id}"))
+        meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining")
+        state = await peer_sync.download(EDGE_STAGE)  # a trainer joining mid-run starts from the other trainers' stage 0
+        trainer = Trainer(cfg, MeteredCalls(self.parts.client, meter.traffic), router, options=config.trainer,
+                          start_step=state.schedule_step if state else 0)
+        self.holder = trainer
+        sync = peer_sync.sync(EDGE_STAGE, trainer, self.parts.on_log)
+        provide_local_state(self.parts, sync)  # what `swarmloco export` takes stage 0 from
+        if state is not None:
+            await sync.adopt(state)
+        batches, val_batches = self.data(cfg)
+
+        async def refresh() -> None:
+            banned = 0
+            for stage, replicas in (await membership.all_replicas()).items():
+                if stage != EDGE_STAGE:
+                    router.update(stage, list(replicas))
+                    banned += len(replicas) - len(router.balancers[stage].live_peers())
+            status = trainer.status().copy(update=sync.status_fields())
+            await membership.announce(EDGE_STAGE, status)
+            await membership.publish_config()
+            await membership.publish_metrics(meter.sample(status, tokens=trainer.tokens, bans=banned))
+
+        def log(record: dict[str, Any]) -> None:
+            meter.observe(record)
+            self.parts.on_log({**record, **sync.info(), "metrics": meter.last and meter.last.dict()})  # the record published last
+
+        refresher = asyncio.create_task(every(cfg.timeouts.announce_period_s, refresh))
+        syncer = asyncio.create_task(sync.run())
+        try:
+            await wait_for_stages(router, cfg.stages.num_stages, config.wait_for_stages_s)
+            meter.state = "training"
+            return await trainer.train(batches, steps=config.steps, val_batches=val_batches, on_log=log)
+        finally:
+            refresher.cancel()
+            syncer.cancel()
+            trainer.shutdown()
+            sync.close()
+
+
+async def wait_for_stages(router: Router, num_stages: int, timeout_s: float) -> None:
+    """Start training once every middle stage has a replica (or train on with skips after ``timeout_s``)."""
+    deadline, last_missing = time.monotonic() + timeout_s, None
+    while (missing := sorted(set(range(1, num_stages + 1)) - set(router.live_stages()))) and time.monotonic() < deadline:
+        if missing != last_missing:
+            logger.warning(f"waiting for servers of stages {missing}")
+            last_missing = missing
+        await asyncio.sleep(0.5)
+    if missing:
+        logger.warning(f"no server for stages {missing} after {timeout_s:.0f}s: training skips them")
