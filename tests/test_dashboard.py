@@ -9,9 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,18 +18,13 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import PeerID
 
-from optim.config import InnerOptimConfig
-from peer.launch import READY_PREFIX, spawn_peer, wait_for_address
+from peer.launch import REPO_ROOT
 from scripts.dashboard import PROMETHEUS_TYPE, History, main, make_handler, prometheus_text, swarm_info, watch
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
-from swarm.dht.metrics import PeerMetrics
-from swarm.model.transformer import ModelConfig
-from swarm.model.stages import StagesConfig
+from swarm.config import TimeoutConfig
+from swarm.dht.records import PeerMetrics
+from swarm_harness import DATA, Swarm, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
-CFG = SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64), stages=StagesConfig(num_stages=2),
-                  train=TrainConfig(seq_len=64, microbatch_size=8, inner_batch=8), inner=InnerOptimConfig(warmup_steps=5, total_steps=2000),
-                  timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0))
+CFG = tiny_config(stages=2, steps=2000, timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0))
 
 
 def record(**fields: object) -> PeerMetrics:
@@ -177,7 +170,6 @@ def test_credentials_without_an_identity_is_a_clear_error(capsys: pytest.Capture
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--hide-scrollbars", "--window-size=1440,1150", "--virtual-time-budget=4000"]
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
 TRAINER = """
 import sys
 from pathlib import Path
@@ -192,23 +184,6 @@ run_peer(peer)
 """
 
 
-def spawn(name: str, command: list[str], out: Path, children: list) -> subprocess.Popen:
-    """A process in its own process group (the ``child_processes`` fixture stops it), output to ``out/<name>.log``."""
-    with (out / f"{name}.log").open("w") as log:
-        children.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True))
-    return children[-1]
-
-
-def wait_for(condition, what: str, timeout_s: float, logs: Path) -> object:
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {log.name}\n{log.read_text()[-1500:]}" for log in sorted(logs.glob("*.log")))
-            pytest.fail(f"no {what} within {timeout_s:.0f}s\n{tails}")
-        time.sleep(0.5)
-    return result
-
-
 def chromium(url: str, profile: Path, *args: str) -> str:
     result = subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -219,25 +194,24 @@ def chromium(url: str, profile: Path, *args: str) -> str:
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (.ci/run installs Debian's chromium package)")
 def test_the_page_shows_a_live_swarm_in_a_browser(tmp_path: Path, child_processes: list) -> None:
-    save_config(CFG, tmp_path / "swarm.toml")
-    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(tmp_path), "--threads", "1"]
-    first = spawn_peer("stage1-0", ["--role", "stage", "--stage", "1", "--config", str(tmp_path / "swarm.toml"), *common], tmp_path)
-    child_processes.append(first)
-    initial_peer = wait_for_address(first, tmp_path / "stage1-0.log", 90)
-    child_processes.append(spawn_peer("stage2-0", ["--role", "stage", "--stage", "2", "--initial-peers", initial_peer, *common], tmp_path))
-    spawn("trainer-0", [sys.executable, "-u", "-c", TRAINER, initial_peer, str(tmp_path), DATA], tmp_path, child_processes)
-    spawn("dashboard", [sys.executable, "scripts/dashboard.py", "--initial-peers", initial_peer, "--port", "0"], tmp_path, child_processes)
+    swarm = Swarm(tmp_path, CFG, child_processes)
+    swarm.spawn("stage1-0", "--role", "stage", "--stage", "1")
+    swarm.spawn("stage2-0", "--role", "stage", "--stage", "2")
+    initial_peer = swarm.join[1]
+    swarm.spawn_command("trainer-0", [sys.executable, "-u", "-c", TRAINER, initial_peer, str(tmp_path), DATA])
+    swarm.spawn_command("dashboard", [sys.executable, "scripts/dashboard.py", "--initial-peers", initial_peer, "--port", "0"])
 
-    url = wait_for(lambda: re.search(r"http://127\.0\.0\.1:\d+/", (tmp_path / "dashboard.log").read_text()), "dashboard URL", 60, tmp_path)[0]
-    peers = {name: wait_for(lambda: re.search(f"^{READY_PREFIX}\\S+/p2p/(\\w+)", (tmp_path / f"{name}.log").read_text(), re.M),
-                            f"address of {name}", 60, tmp_path)[1] for name in ("stage1-0", "stage2-0", "trainer-0")}
+    url = swarm.wait("dashboard URL", lambda: re.search(r"http://127\.0\.0\.1:\d+/", swarm.log("dashboard", 10**6)), 60)[0]
+    for name in ("stage1-0", "stage2-0", "trainer-0"):
+        swarm.ready(name)
+    peers = dict(swarm.ids)
 
     def ready() -> dict | None:
         state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
         loss, val = (state[series].get(peers["trainer-0"], []) for series in ("loss", "val_loss"))
         return state if {p["id"] for p in state["peers"]} == set(peers.values()) and len(loss) >= 4 and val else None
 
-    state = wait_for(ready, "loss and validation points of all three peers", 75, tmp_path)
+    state = swarm.wait("loss and validation points of all three peers", ready, 75)
     assert {p["id"]: p["state"] for p in state["peers"]} == {peers["stage1-0"]: "serving", peers["stage2-0"]: "serving", peers["trainer-0"]: "training"}
 
     dom = chromium(url, tmp_path / "profile", "--dump-dom")
@@ -251,8 +225,8 @@ def test_the_page_shows_a_live_swarm_in_a_browser(tmp_path: Path, child_processe
     chromium(url, tmp_path / "profile", f"--screenshot={screenshot}")
     assert screenshot.read_bytes().startswith(b"\x89PNG") and screenshot.stat().st_size > 20_000
     if os.environ.get("SWARMLOCO_UPDATE_DOCS"):
-        (REPO / "docs").mkdir(exist_ok=True)
-        shutil.copy(screenshot, REPO / "docs" / "dashboard.png")
+        (REPO_ROOT / "docs").mkdir(exist_ok=True)
+        shutil.copy(screenshot, REPO_ROOT / "docs" / "dashboard.png")
 
     # what each server published is, to the byte, a line of its JSONL log
     for name in ("stage1-0", "stage2-0"):
