@@ -217,16 +217,20 @@ def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, s
 def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_swarm_exports(tmp_path: Path, child_processes: list) -> None:
     steps = 5000  # trains on while the test looks (it must not finish first, however fast it runs); stopped at the end
     swarm = Swarm(tmp_path, recovery_config(steps=steps), child_processes)
+    faults = ["--faults", "stage2-a@step=10"]  # every peer gets the schedule; stage2-a SIGKILLs itself at its own inner step 10
+    swarm.gone.add("stage2-a")
     for name, stage in (("stage3-a", 3), ("stage2-a", 2)):
-        swarm.spawn(name, "--role", "stage", "--stage", str(stage))
+        swarm.spawn(name, "--role", "stage", "--stage", str(stage), *faults)
     swarm.wait("stage 2 to serve", lambda: swarm.records("stage2-a", "serving"), 90)  # else stage 1's movers would fill it
     pair = ["stage1-a", "stage1-b"]  # stage 1 has a replica to spare: the less loaded one moves (600 s: no throughput moves)
     for name in pair:
-        swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "600")
+        swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "600", *faults)
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", str(steps), "--data", DATA)
-    swarm.wait("10 steps", lambda: any(r["step"] >= 10 for r in swarm.progress("trainer-0")), 120)
 
-    killed_at = swarm.kill("stage2-a")
+    (fault,) = swarm.wait("stage2-a to die at its step 10", lambda: swarm.records("stage2-a", "fault"), 120)
+    assert fault["step"] >= 10 and fault["stage"] == 2 and fault["action"] == "kill", fault
+    swarm.wait("stage2-a's process to be gone", lambda: swarm.procs["stage2-a"].poll() is not None, 10)
+    killed_at = fault["time"]
     ((mover, move),) = swarm.wait("a stage-1 server to move", lambda: [(n, r) for n in pair for r in swarm.records(n, "move")], 60)
     assert move["from"] == 1 and move["to"] == 2 and move["rebuilt"], move
     stayer = next(n for n in pair if n != mover)  # a merge source: stage 1 kept a replica
