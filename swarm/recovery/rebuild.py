@@ -4,7 +4,7 @@ The math is ``swarm/recovery/checkfree.py``; this module moves it onto the netwo
 
 - **Detection.** A middle stage with no live record in the DHT has lost every replica (records
   expire ``record_ttl_s`` after their peer's last announce). A joining peer sees it in
-  ``choose_role``/``_serve`` (``swarm/node.py``); a stage server that rebalances looks for such
+  ``choose_role`` (``swarm/node.py``) and ``StageRole`` (``swarm/roles.py``); a stage server that rebalances looks for such
   holes every announce period, and ``plan_move`` names the one server that may fill it (the
   least-loaded member of the most over-served stage, never the only replica of its stage).
 - **Fresh swarm or lost stage?** A stage nobody has served yet starts from the seeded weights;
