@@ -2,39 +2,28 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from swarm.config import SwarmConfig, TrainConfig, save_config
-from swarm.model.transformer import ModelConfig
-from swarm.model.stages import StagesConfig
-from optim.config import InnerOptimConfig, OuterOptimConfig
-
-
-def swarmloco(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+from optim.config import OuterOptimConfig
+from swarm.config import save_config
+from swarm_harness import swarmloco, tiny_config
 
 
 @pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = SwarmConfig(
-        model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
-        stages=StagesConfig(num_stages=2),
-        train=TrainConfig(seq_len=64, microbatch_size=8, inner_batch=8),
-        inner=InnerOptimConfig(lr=1e-2, warmup_steps=5),
-        outer=OuterOptimConfig(method="sparseloco", inner_steps=10),
-    )
+def tiny_toml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = tiny_config(stages=2, inner={"lr": 1e-2}, outer=OuterOptimConfig(method="sparseloco", inner_steps=10))
     path = tmp_path_factory.mktemp("cfg") / "tiny.toml"
     save_config(cfg, path)
     return path
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(tiny_toml: Path, tmp_path_factory: pytest.TempPathFactory, module_child_processes: list[subprocess.Popen]) -> Path:
     out = tmp_path_factory.mktemp("run")
-    result = swarmloco("train-local", "--config", str(tiny_config), "--steps", "60", "--log-every", "20", "--out", str(out))
+    (result,) = swarmloco(["train-local", "--config", str(tiny_toml), "--steps", "60", "--log-every", "20", "--out", str(out)],
+                          children=module_child_processes)
     assert result.returncode == 0, result.stderr
     assert "step 60/60" in result.stdout
     return out
@@ -48,12 +37,12 @@ def test_train_local_writes_metrics_with_falling_validation_loss(trained: Path) 
     assert records[-1]["val_loss"] < records[0]["val_loss"] < 5.55  # ln(256): uniform over bytes
 
 
-def test_eval_and_sample_load_the_checkpoint(trained: Path) -> None:
-    result = swarmloco("eval", "--checkpoint", str(trained / "model.pt"), "--json")
+def test_eval_and_sample_load_the_checkpoint(trained: Path, child_processes: list) -> None:
+    (result,) = swarmloco(["eval", "--checkpoint", str(trained / "model.pt"), "--json"], children=child_processes)
     assert result.returncode == 0, result.stderr
     last = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])
     assert json.loads(result.stdout)["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
-    result = swarmloco("sample", "--checkpoint", str(trained / "model.pt"), "--prompt", "import ", "--tokens", "40")
+    (result,) = swarmloco(["sample", "--checkpoint", str(trained / "model.pt"), "--prompt", "import ", "--tokens", "40"], children=child_processes)
     assert result.returncode == 0 and result.stdout.startswith("import ") and len(result.stdout) > len("import ") + 10
 
 
@@ -62,25 +51,25 @@ def test_eval_and_sample_load_the_checkpoint(trained: Path) -> None:
     (["train-local", "--data", "/no/such/dir", "--steps", "1"], "/no/such/dir"),
     (["train-local", "--config", "/no/such.toml", "--steps", "1"], "does not exist"),
 ])
-def test_user_errors_are_one_clear_line(args: list[str], message: str) -> None:
-    result = swarmloco(*args)
+def test_user_errors_are_one_clear_line(args: list[str], message: str, child_processes: list) -> None:
+    (result,) = swarmloco(args, children=child_processes)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_help_lists_the_commands() -> None:
-    result = swarmloco("--help")
+def test_help_lists_the_commands(child_processes: list) -> None:
+    (result,) = swarmloco(["--help"], children=child_processes)
     assert result.returncode == 0
     assert all(cmd in result.stdout for cmd in ("train-local", "eval", "sample"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_in_outer_rounds(tiny_config: Path, trained: Path,
-                                                                                                 tmp_path: Path) -> None:
+def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_in_outer_rounds(tiny_toml: Path, trained: Path,
+                                                                                                 tmp_path: Path, child_processes: list) -> None:
     """The main job as a newcomer runs it (default, relative --out); one replica per stage crosses outer rounds
     (H = 10, 60 steps) and ends where one process on the same tokens ends."""
-    result = swarmloco("local", "--config", str(tiny_config), "--steps", "60", cwd=tmp_path)
+    (result,) = swarmloco(["local", "--config", str(tiny_toml), "--steps", "60"], children=child_processes, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     out = tmp_path / "runs" / "local"
     assert (out / "swarm.toml").exists() and "bytes on the wire: activations" in result.stdout

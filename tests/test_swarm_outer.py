@@ -7,35 +7,28 @@ seconds apart; the ``child_processes`` fixture stops every peer whatever happens
 
 from __future__ import annotations
 
-import sysconfig
 import time
 from pathlib import Path
 
 import pytest
 from hivemind.p2p import PeerID
+from swarm_harness import DATA, Swarm, tiny_config
 
 from compress.config import CodecConfig
-from optim.config import InnerOptimConfig, OuterOptimConfig
-from peer.launch import stop_processes
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig
-from swarm.dht.membership import StageStatus
-from swarm.model.transformer import ModelConfig
+from optim.config import OuterOptimConfig
+from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.dht.records import StageStatus
 from swarm.node import choose_role, stage_loads
 from swarm.outer.rounds import RoundTiming
 from swarm.recovery.rebalance import StageLoad
-from swarm.model.stages import StagesConfig
-from swarm_harness import Swarm
 
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
-BATCH, SEQ, H = 8, 64, 5
+H = 5
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 MAX_ROUND_S = RoundTiming.of(TIMEOUTS).max_round_s
 
 
 def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
-    return SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ), stages=StagesConfig(num_stages=stages),
-                       train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
-                       inner=InnerOptimConfig(warmup_steps=5, total_steps=steps), outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
+    return tiny_config(stages=stages, steps=steps, outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
                        codecs=CodecConfig(pseudo_gradients="sparseloco"), timeouts=TIMEOUTS)
 
 
@@ -81,7 +74,7 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
     for name in survivors:
         last = swarm.finish(name)
         assert last["step"] == 300 and last["failed"] == 0, last
-    stop_processes([swarm.procs["stage1-a"]])
+    swarm.stop("stage1-a")
 
     groups = assert_groups_agree(swarm, [*trainers, "stage1-a"])
     assert sum(len(members) == 3 for (stage, _, _), members in groups.items() if stage == 0) >= 2, groups
@@ -112,7 +105,7 @@ def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves
         return [r for r in swarm.rounds("late") if r["contributors"] == 2 and (r["round"], r["leader"]) in theirs]
 
     swarm.wait("a round of the late peer and stage1-a together", together, 60)
-    stop_processes(list(swarm.procs.values()))
+    swarm.stop(*swarm.procs)
     assert swarm.records("trainer-0")[-1]["failed"] == 0
     groups = assert_groups_agree(swarm, ["stage1-a", "late"])
     assert [key for key, members in groups.items() if sorted(members) == ["late", "stage1-a"]]  # rounds in one group: the same weights
@@ -136,7 +129,7 @@ def test_a_server_moves_to_an_unserved_stage_and_leaves_none_empty(tmp_path: Pat
     assert mover == min(both, key=lambda n: swarm.ids[n])  # plan_move's tie-break: no throughput yet, so the smaller id
     last = swarm.finish("trainer-0")
     assert last["step"] == 30, last
-    stop_processes([swarm.procs[n] for n in both])
+    swarm.stop(*both)
     stayer = next(n for n in both if n != mover)
     assert not swarm.records(stayer, "move") and all(r["stage"] == 1 for r in swarm.records(stayer) if "stage" in r and "role" in r)
     after = [r for r in swarm.records(mover) if r.get("role") == "stage" and r["time"] > move["time"]]
