@@ -114,16 +114,18 @@ class Node:
 
         Whatever ends it, the node then retires its records and shuts its DHT down.
         """
-        if self.role is None:
-            await self.start()
-        assert self.role is not None
-        self._running = True
-        fault = asyncio.create_task(self._inject_fault()) if self._fault_step() is not None else None
+        self._running = True  # a stop() from now on (a signal while joining, say) lets run end, and waits for it
         try:
-            return await self.role.run()
+            if self.role is None:
+                await self.start()
+            assert self.role is not None
+            fault = asyncio.create_task(self._inject_fault()) if self._fault_step() is not None else None
+            try:
+                return await self.role.run()
+            finally:
+                if fault is not None:
+                    fault.cancel()
         finally:
-            if fault is not None:
-                fault.cancel()
             await self._shut_down()
             self._finished.set()
 

@@ -35,7 +35,6 @@ from swarm.outer.replica import Holder, PeerSync, ReplicaSync
 from swarm.outer.transfer import StageState, TransferError, pack_state, weights_hash
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.metering import MeteredBackend, MeteredCalls
-from swarm.pipeline.metering import MeteredBackend, MeteredCalls
 from swarm.pipeline.protocol import StageClient, StageServicer
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
