@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 from swarm.config import SwarmConfig
@@ -71,6 +71,12 @@ class BackgroundNode:
         assert self._result is not None
         return self._result
 
+    def call(self, fn: Callable[[Node], Awaitable[T]], timeout: float = 30.0) -> T:
+        """``await fn(node)`` on the node's own loop, e.g. ``call(lambda node: node.membership.replicas(1))``."""
+        assert self._loop is not None and self.node is not None, "the node is not running"
+        node = self.node
+        return asyncio.run_coroutine_threadsafe(_awaited(fn(node)), self._loop).result(timeout)
+
     @property
     def done(self) -> bool:
         return self._done.is_set()
@@ -110,3 +116,7 @@ class BackgroundNode:
             self._error = e
         finally:
             self._done.set()
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
