@@ -35,6 +35,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.config import SwarmConfig, save_config
 from swarm.rpc.auth import (
     Certificate,
     CertificateAuthorizer,
@@ -45,7 +46,6 @@ from swarm.rpc.auth import (
     encode_public_key,
     peer_id_of_public_key,
 )
-from swarm.config import SwarmConfig, save_config
 
 AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, REVOCATIONS = "authority.key", "authority.pub", "swarm.toml", "revocations.json"
 DAY_S = 86_400

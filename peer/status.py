@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from swarm.rpc.admission import Credentials, start_dht
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
+from swarm.rpc.admission import Credentials, start_dht
 
 
 async def read_status(initial_peers: list[str], cfg: SwarmConfig | None, *, name: str, identity_path: str | None = None,

@@ -39,8 +39,8 @@ from compress.wire import decode_frame
 from optim.inner import clip_and_step, make_inner_optimizer
 from peer.data import load_corpus
 from swarm.config import SwarmConfig
-from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
 from swarm.model.stages import split_layers
+from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
 
 Tensors = dict[str, torch.Tensor]
 Encode = Callable[[str, torch.Tensor], bytes]

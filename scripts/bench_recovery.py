@@ -41,8 +41,8 @@ from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
 from swarm.faults import FaultInjector, FaultSchedule
-from swarm.model.transformer import ModelConfig
 from swarm.model.stages import StagesConfig
+from swarm.model.transformer import ModelConfig
 
 SCENARIOS = ("none", "checkfree", "checkpoint")
 TARGET_RECOVERY_S = 30.0

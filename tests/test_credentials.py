@@ -18,8 +18,8 @@ from peer.credentials import (
     peer_id_of_identity,
     revoke,
 )
-from swarm.rpc.auth import AccessDenied, Certificate, CredentialError, RevocationList, decode_public_key
 from swarm.config import SwarmConfig, load_config
+from swarm.rpc.auth import AccessDenied, Certificate, CredentialError, RevocationList, decode_public_key
 
 NOW = 1_700_000_000.0
 

@@ -20,15 +20,15 @@ from hypothesis import strategies as st
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec
+from optim.config import InnerOptimConfig
 from optim.outer import MAX_NORM_RATIO, DiLoCo, OuterOptimizer, SparseLoCo
-from swarm.config import SwarmConfig, TrainConfig
-from swarm.model.stages import StagesConfig
-from swarm.model.transformer import ModelConfig
+from swarm.config import SwarmConfig
 from swarm.pipeline.protocol import Forward, RemoteError, RequestError, StageClient, StageServicer, pack, parse_reply
 from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import BlobRequest, BlobServicer
 from swarm.rpc.defences import PeerGuard, PeerLimits
 from swarm.rpc.servicer import pack_envelope
+from swarm_harness import tiny_config
 
 B, T, D = 2, 8, 16
 FP32 = get_codec("fp32")
@@ -90,8 +90,8 @@ def test_limits_are_validated(bad: dict) -> None:
 # ---- the servicer, in-process ----
 
 def tiny() -> SwarmConfig:
-    return SwarmConfig(model=ModelConfig(d_model=D, n_layers=2, n_heads=2, max_seq_len=T), stages=StagesConfig(num_stages=1),
-                       train=TrainConfig(seq_len=T, microbatch_size=B, inner_batch=B), codecs=CodecConfig(activations="fp32", gradients="fp32"))
+    return tiny_config(model={"d_model": D, "n_heads": 2, "max_seq_len": T}, train={"seq_len": T, "microbatch_size": B, "inner_batch": B},
+                       inner=InnerOptimConfig(), codecs=CodecConfig(activations="fp32", gradients="fp32"))
 
 
 @pytest.fixture

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from compress.codecs import get_codec
 from optim.config import InnerOptimConfig
 from optim.inner import clip_and_step, make_inner_optimizer
-from compress.codecs import get_codec
-from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
 from swarm.model.stages import EdgeStage, MiddleStage, assemble_model, build_stage, run_path, split_layers, split_model
+from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
 
 TINY = dict(d_model=64, n_layers=6, n_heads=4, max_seq_len=32)
 

@@ -19,10 +19,8 @@ import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.errors import BadMagic, LimitExceeded
-from optim.config import InnerOptimConfig
-from swarm.config import SwarmConfig, TrainConfig
-from swarm.model.stages import StagesConfig, build_stage
-from swarm.model.transformer import ModelConfig
+from swarm.config import SwarmConfig
+from swarm.model.stages import build_stage
 from swarm.pipeline.protocol import (
     Backward,
     Forward,
@@ -37,6 +35,7 @@ from swarm.pipeline.routing import PathConfig, Router
 from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer
 from swarm.pipeline.trainer import Trainer, TrainerOptions
 from swarm.sim.centralized import evaluate, train_centralized
+from swarm_harness import tiny_config
 
 B, T, D = 4, 16, 32
 CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")
@@ -44,9 +43,9 @@ FP32 = CodecConfig(activations="fp32", gradients="fp32")
 
 
 def tiny(*, stages: int = 2, steps: int = 8, codecs: CodecConfig = FP32, clip: float = 1.0, paths: PathConfig | None = None) -> SwarmConfig:
-    return SwarmConfig(model=ModelConfig(d_model=D, n_layers=2 * stages, n_heads=2, max_seq_len=T), stages=StagesConfig(num_stages=stages),
-                       train=TrainConfig(seq_len=T, microbatch_size=B, inner_batch=2 * B), codecs=codecs,
-                       inner=InnerOptimConfig(total_steps=steps, warmup_steps=2, grad_clip=clip), paths=paths or PathConfig())
+    return tiny_config(stages=stages, steps=steps, model={"d_model": D, "n_layers": 2 * stages, "n_heads": 2, "max_seq_len": T},
+                       train={"seq_len": T, "microbatch_size": B, "inner_batch": 2 * B}, inner={"warmup_steps": 2, "grad_clip": clip},
+                       codecs=codecs, paths=paths)
 
 
 def batches(seed: int = 0):
@@ -151,7 +150,8 @@ def test_servicer_refuses_requests_beyond_max_pending() -> None:
         good = request(pack(Forward(mb="m", stage=1, prev_stage=0, x=b"y")))
         backend.gate.clear()
         held = [asyncio.create_task(servicer.rpc_forward(good, CONTEXT)) for _ in range(2)]
-        await asyncio.sleep(0.01)
+        while servicer.pending < 2 and not any(task.done() for task in held):  # until both reach the gated backend
+            await asyncio.sleep(0)
         assert servicer.pending == 2
         assert reply_of(await servicer.rpc_forward(good, CONTEXT))["error"] == RequestError.BUSY
         backend.gate.set()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from optim.config import InnerOptimConfig
+from swarm.model.stages import build_stage, split_layers
 from swarm.model.transformer import ModelConfig
 from swarm.recovery.checkfree import (
     RECOVERY_LR_SCALE,
@@ -18,7 +19,6 @@ from swarm.recovery.checkfree import (
     make_recovery_optimizer,
     recovery_source,
 )
-from swarm.model.stages import build_stage, split_layers
 
 
 def stage_state(*blocks: list[float]) -> dict[str, torch.Tensor]:

@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.errors import ConfigError
-from swarm.pipeline.routing import NoLiveReplica, PathConfig, Router, StageBalancer, is_valid_path, path_length, sample_path
+from swarm.pipeline.routing import (
+    NoLiveReplica,
+    PathConfig,
+    Router,
+    StageBalancer,
+    is_valid_path,
+    path_length,
+    sample_path,
+)
 
 
 class FakeClock:

@@ -8,27 +8,23 @@ import pytest
 import torch
 
 from compress.config import CodecConfig
-from optim.config import InnerOptimConfig, OuterOptimConfig
+from optim.config import OuterOptimConfig
 from peer.data import load_corpus
+from swarm.config import SwarmConfig
+from swarm.model.stages import StagesConfig
 from swarm.pipeline.boundary import boundary_codecs
-from swarm.config import SwarmConfig, TrainConfig
-from swarm.model.transformer import ModelConfig
 from swarm.pipeline.routing import PathConfig, path_length
 from swarm.sim.simulate import SimulationConfig, SimulationResult, simulate
-from swarm.model.stages import StagesConfig
+from swarm_harness import tiny_config
 
 SEQ, MICRO = 32, 4
 
 
 def tiny(**changes) -> SwarmConfig:
-    base = SwarmConfig(
-        model=ModelConfig(d_model=32, n_layers=3, n_heads=2, max_seq_len=SEQ),
-        stages=StagesConfig(num_stages=3),
-        train=TrainConfig(seq_len=SEQ, microbatch_size=MICRO, inner_batch=MICRO),
-        inner=InnerOptimConfig(lr=1e-2, warmup_steps=2),
-        codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients="fp32"),
-        outer=OuterOptimConfig(method="diloco", inner_steps=3),
-    )
+    base = tiny_config(stages=3, model={"d_model": 32, "n_layers": 3, "n_heads": 2, "max_seq_len": SEQ},
+                       train={"seq_len": SEQ, "microbatch_size": MICRO, "inner_batch": MICRO}, inner={"lr": 1e-2, "warmup_steps": 2},
+                       codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients="fp32"),
+                       outer=OuterOptimConfig(method="diloco", inner_steps=3))
     return dataclasses.replace(base, **changes)
 
 
