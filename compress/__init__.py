@@ -6,6 +6,15 @@ from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor, 
 from compress.wire import DEFAULT_LIMITS, WireLimits, decode_frame, encode_frame
 
 __all__ = [
-    "Codec", "get_codec", "WireError", "SparseLoCoCodec", "SparseLoCoState", "SparseTensor",
-    "aggregate_mean", "DEFAULT_LIMITS", "WireLimits", "decode_frame", "encode_frame",
+    "Codec",
+    "get_codec",
+    "WireError",
+    "SparseLoCoCodec",
+    "SparseLoCoState",
+    "SparseTensor",
+    "aggregate_mean",
+    "DEFAULT_LIMITS",
+    "WireLimits",
+    "decode_frame",
+    "encode_frame",
 ]

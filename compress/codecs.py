@@ -66,10 +66,14 @@ class Codec(ABC):
         meta, body = self.pack(x.detach().cpu(), tokens)
         return encode_frame(self.codec_id, body, dtype=x.dtype, shape=tuple(x.shape), meta=meta)
 
-    def decode(self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False) -> torch.Tensor:
+    def decode(
+        self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False
+    ) -> torch.Tensor:
         return self.decode_with_tokens(data, limits=limits, allow_nonfinite=allow_nonfinite)[0]
 
-    def decode_with_tokens(self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode_with_tokens(
+        self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tensor and, for subspace activations, the token ids the frame carries (else None)."""
         return self.from_frame(decode_frame(data, limits=limits), allow_nonfinite=allow_nonfinite)
 
@@ -107,7 +111,11 @@ class FloatCodec(Codec):
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.name, self.codec_id = {torch.float32: ("fp32", CodecId.FP32), torch.float16: ("fp16", CodecId.FP16), torch.bfloat16: ("bf16", CodecId.BF16)}[dtype]
+        self.name, self.codec_id = {
+            torch.float32: ("fp32", CodecId.FP32),
+            torch.float16: ("fp16", CodecId.FP16),
+            torch.bfloat16: ("bf16", CodecId.BF16),
+        }[dtype]
 
     def pack(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[bytes, bytes]:
         y = x.to(self.dtype)
@@ -157,12 +165,16 @@ class IntCodec(Codec):
 
     def unpack(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not frame.shape or len(frame.meta) != 4:
-            raise ShapeMismatch(f"{self.name} frame needs ≥ 1 dim and 4 meta bytes, got shape {frame.shape}, {len(frame.meta)} meta bytes")
+            raise ShapeMismatch(
+                f"{self.name} frame needs ≥ 1 dim and 4 meta bytes, got shape {frame.shape}, {len(frame.meta)} meta bytes"
+            )
         d = frame.shape[-1]
         n = math.prod(frame.shape[:-1])
         top = torch.tensor(struct.unpack("<f", frame.meta)[0])
         steps = from_bytes(frame.body[:n], torch.uint8, n, f"{self.name} scales")
-        q = from_bytes(frame.body[n:], torch.uint8, n * self.row_bytes(d), f"{self.name} values").view(n, self.row_bytes(d))
+        q = from_bytes(frame.body[n:], torch.uint8, n * self.row_bytes(d), f"{self.name} values").view(
+            n, self.row_bytes(d)
+        )
         if self.bits == 8:
             q = q.view(torch.int8)
         else:
@@ -184,11 +196,21 @@ class SubspaceCodec(Codec):
     U and T, so a receiver with a different basis gets ``ShapeMismatch`` instead of garbage.
     """
 
-    def __init__(self, basis: torch.Tensor, table: torch.Tensor | None, *, inner: Codec, kind: Kind = "activation", tol: float = 1e-3) -> None:
+    def __init__(
+        self,
+        basis: torch.Tensor,
+        table: torch.Tensor | None,
+        *,
+        inner: Codec,
+        kind: Kind = "activation",
+        tol: float = 1e-3,
+    ) -> None:
         if basis.ndim != 2 or basis.shape[1] > basis.shape[0]:
             raise ValueError(f"subspace basis must be U of shape (d, k) with k ≤ d, got {tuple(basis.shape)}")
         if kind == "activation" and (table is None or table.ndim != 2 or table.shape[1] != basis.shape[0]):
-            raise ValueError(f"subspace activations need the token table T of shape (vocab, d={basis.shape[0]}), got {None if table is None else tuple(table.shape)}")
+            raise ValueError(
+                f"subspace activations need the token table T of shape (vocab, d={basis.shape[0]}), got {None if table is None else tuple(table.shape)}"
+            )
         if isinstance(inner, SubspaceCodec):
             raise ValueError("subspace cannot be nested in subspace")
         self.basis = basis.float().contiguous()  # (d, k)
@@ -197,7 +219,11 @@ class SubspaceCodec(Codec):
         self.d, self.k = self.basis.shape
         self.codec_id = CodecId.SUBSPACE if kind == "activation" else CodecId.SUBSPACE_GRAD
         self.name = "subspace" if inner.codec_id == CodecId.FP32 else f"subspace+{inner.name}"
-        self.fingerprint = zlib.crc32(to_bytes(self.table), zlib.crc32(to_bytes(self.basis))) if self.table is not None else zlib.crc32(to_bytes(self.basis))
+        self.fingerprint = (
+            zlib.crc32(to_bytes(self.table), zlib.crc32(to_bytes(self.basis)))
+            if self.table is not None
+            else zlib.crc32(to_bytes(self.basis))
+        )
         vocab = 0 if self.table is None else len(self.table)
         self.token_dtype = torch.uint8 if vocab <= 256 else torch.int16 if vocab <= 2**15 else torch.int32
 
@@ -210,12 +236,16 @@ class SubspaceCodec(Codec):
             tok_bytes = b""
         else:
             if tokens is None or tokens.shape != x.shape[:-1] or tokens.dtype.is_floating_point:
-                raise ValueError(f"subspace activations need integer token ids of shape {tuple(x.shape[:-1])}, got {None if tokens is None else (tuple(tokens.shape), tokens.dtype)}")
+                raise ValueError(
+                    f"subspace activations need integer token ids of shape {tuple(x.shape[:-1])}, got {None if tokens is None else (tuple(tokens.shape), tokens.dtype)}"
+                )
             if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < len(self.table):
                 raise ValueError(f"token ids must be in [0, {len(self.table)})")
             base = F.embedding(tokens, self.table)  # (..., d)
             z = (x - base) @ self.basis  # (..., k)
-            residual = float(torch.linalg.vector_norm(x - base - z @ self.basis.T)) / max(float(torch.linalg.vector_norm(x)), 1e-30)
+            residual = float(torch.linalg.vector_norm(x - base - z @ self.basis.T)) / max(
+                float(torch.linalg.vector_norm(x)), 1e-30
+            )
             if not residual <= self.tol:
                 raise ValueError(
                     f"activations are not in the subspace (relative residual {residual:.3g} > {self.tol:g}): the model is not "
@@ -233,9 +263,13 @@ class SubspaceCodec(Codec):
             raise ShapeMismatch(f"{self.name} frame needs ≥ 1 dim and a {_SUBSPACE_META.size}-byte meta header")
         _, k, fingerprint = _SUBSPACE_META.unpack_from(frame.meta)
         if k != self.k or frame.shape[-1] != self.d:
-            raise ShapeMismatch(f"frame was coded with d={frame.shape[-1]}, k={k}; this codec's basis has d={self.d}, k={self.k}")
+            raise ShapeMismatch(
+                f"frame was coded with d={frame.shape[-1]}, k={k}; this codec's basis has d={self.d}, k={self.k}"
+            )
         if fingerprint != self.fingerprint:
-            raise ShapeMismatch("frame was coded with a different subspace basis or token table (another subspace_seed?)")
+            raise ShapeMismatch(
+                "frame was coded with a different subspace basis or token table (another subspace_seed?)"
+            )
         n = math.prod(frame.shape[:-1])
         n_tok = 0 if self.table is None else n * self.token_dtype.itemsize
         tokens = None
@@ -243,7 +277,13 @@ class SubspaceCodec(Codec):
             tokens = from_bytes(frame.body[:n_tok], self.token_dtype, n, "token ids").long()
             if n and not 0 <= int(tokens.min()) <= int(tokens.max()) < len(self.table):
                 raise MalformedFrame(f"token ids outside [0, {len(self.table)})")
-        inner = replace(frame, codec_id=self.inner.codec_id, shape=(*frame.shape[:-1], self.k), meta=frame.meta[_SUBSPACE_META.size :], body=frame.body[n_tok:])
+        inner = replace(
+            frame,
+            codec_id=self.inner.codec_id,
+            shape=(*frame.shape[:-1], self.k),
+            meta=frame.meta[_SUBSPACE_META.size :],
+            body=frame.body[n_tok:],
+        )
         z, _ = self.inner.unpack(inner)  # (..., k)
         h = z @ self.basis.T
         if tokens is None:
@@ -262,13 +302,27 @@ FlatCodecName = Literal[FloatCodecName, "int8", "int4"]
 CodecName = Literal[FlatCodecName, "subspace", "subspace+fp16", "subspace+bf16", "subspace+int8", "subspace+int4"]
 PseudoGradientCodecName = Literal[FloatCodecName, "sparseloco"]  # DiLoCo sends a float codec; SparseLoCo its own
 
-_FLAT: dict[str, Codec] = {c.name: c for c in (FloatCodec(torch.float32), FloatCodec(torch.float16), FloatCodec(torch.bfloat16), IntCodec(8), IntCodec(4))}
+_FLAT: dict[str, Codec] = {
+    c.name: c
+    for c in (
+        FloatCodec(torch.float32),
+        FloatCodec(torch.float16),
+        FloatCodec(torch.bfloat16),
+        IntCodec(8),
+        IntCodec(4),
+    )
+}
 CODEC_NAMES: tuple[CodecName, ...] = get_args(CodecName)
-if CODEC_NAMES != (*_FLAT, *(f"subspace+{n}" if n != "fp32" else "subspace" for n in _FLAT)):  # the aliases name what the registry holds
+if CODEC_NAMES != (
+    *_FLAT,
+    *(f"subspace+{n}" if n != "fp32" else "subspace" for n in _FLAT),
+):  # the aliases name what the registry holds
     raise ImportError(f"compress.codecs: CodecName {CODEC_NAMES} disagrees with the codec registry {tuple(_FLAT)}")
 
 
-def get_codec(name: str, *, basis: torch.Tensor | None = None, table: torch.Tensor | None = None, kind: Kind = "activation") -> Codec:
+def get_codec(
+    name: str, *, basis: torch.Tensor | None = None, table: torch.Tensor | None = None, kind: Kind = "activation"
+) -> Codec:
     """A codec by name: fp32, fp16, bf16, int8, int4, subspace, subspace+{fp16,bf16,int8,int4}.
 
     Subspace codecs need the model's basis U (d×k) and, for ``kind="activation"``, its token
@@ -283,6 +337,7 @@ def get_codec(name: str, *, basis: torch.Tensor | None = None, table: torch.Tens
     if head != "subspace" or name not in CODEC_NAMES:
         raise ValueError(f"unknown codec {name!r}; choose from {', '.join(CODEC_NAMES)}")
     if basis is None:
-        raise ValueError(f"codec {name!r} needs the model's subspace basis (swarm.model.subspace_basis(cfg)); is model.subspace_rank set?")
+        raise ValueError(
+            f"codec {name!r} needs the model's subspace basis (swarm.model.subspace_basis(cfg)); is model.subspace_rank set?"
+        )
     return SubspaceCodec(basis, table, inner=_FLAT[inner or "fp32"], kind=kind)
-

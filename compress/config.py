@@ -58,7 +58,9 @@ def check_non_negative(section: object, *names: str) -> None:
 class CodecConfig:
     activations: CodecName = "int8"  # forward activations between stages
     gradients: CodecName = "int8"  # activation-gradients on the way back
-    pseudo_gradients: PseudoGradientCodecName = "sparseloco"  # outer-step exchange (sparseloco needs outer.method = sparseloco)
+    pseudo_gradients: PseudoGradientCodecName = (
+        "sparseloco"  # outer-step exchange (sparseloco needs outer.method = sparseloco)
+    )
     topk: int = 64  # SparseLoCo: values kept per chunk
     chunk_size: int = SPARSELOCO_CHUNK  # SparseLoCo: elements per chunk (2-D tensors as 64×64 tiles)
     error_decay: float = 0.95  # SparseLoCo: β of the error-feedback buffer

@@ -19,8 +19,8 @@ from __future__ import annotations
 class ConfigError(ValueError):
     """A config value is invalid: ``field`` is its dotted path in the config tree, ``message`` what is wrong.
 
-        >>> err = ConfigError("topk", "must be in [1, 4096], got 0").within("codecs")
-        >>> err.field, str(err)  # ('codecs.topk', "config field 'codecs.topk': must be in [1, 4096], got 0")
+    >>> err = ConfigError("topk", "must be in [1, 4096], got 0").within("codecs")
+    >>> err.field, str(err)  # ('codecs.topk', "config field 'codecs.topk': must be in [1, 4096], got 0")
     """
 
     def __init__(self, field: str, message: str) -> None:

@@ -160,7 +160,9 @@ class SparseLoCoCodec:
         delta = delta.detach().float().cpu()
         e = state.errors.get(name)
         if e is not None and e.shape != delta.shape:
-            raise ValueError(f"pseudo-gradient {name!r} has shape {tuple(delta.shape)}, its error buffer {tuple(e.shape)}")
+            raise ValueError(
+                f"pseudo-gradient {name!r} has shape {tuple(delta.shape)}, its error buffer {tuple(e.shape)}"
+            )
         e = delta.clone() if e is None else torch.add(delta, e, alpha=self.error_decay)  # β·e + Δ, a new buffer
         tiling, err = _Tiling.of(tuple(e.shape), self.tile, self.topk), e.numpy().reshape(-1)  # err: a view of e
         keys = tiling.magnitude_keys(err)  # (C, L)
@@ -175,19 +177,27 @@ class SparseLoCoCodec:
         deltas = local.astype("<u2")  # < 2**16: tiles are at most 256×256; the first of a chunk counts from 0
         deltas[:, 1:] = np.diff(local, axis=1)
         body = b"".join((deltas.view(np.uint8).reshape(-1, 2).T.tobytes(), _pack2(codes).tobytes(), levels.tobytes()))
-        return encode_frame(self.codec_id, body, dtype=delta.dtype, shape=tuple(delta.shape), meta=_META.pack(self.topk, self.tile))
+        return encode_frame(
+            self.codec_id, body, dtype=delta.dtype, shape=tuple(delta.shape), meta=_META.pack(self.topk, self.tile)
+        )
 
-    def decode(self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False) -> SparseTensor:
+    def decode(
+        self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False
+    ) -> SparseTensor:
         frame = decode_frame(data, limits=limits)
         if frame.codec_id != self.codec_id:
             raise UnknownCodec(f"frame has codec id {frame.codec_id}, expected SparseLoCo (id {int(self.codec_id)})")
         if frame.meta != _META.pack(self.topk, self.tile):
-            raise ShapeMismatch(f"frame was coded with meta {frame.meta.hex()} (topk, tile), this codec uses ({self.topk}, {self.tile})")
+            raise ShapeMismatch(
+                f"frame was coded with meta {frame.meta.hex()} (topk, tile), this codec uses ({self.topk}, {self.tile})"
+            )
         tiling = _Tiling.of(frame.shape, self.tile, self.topk)
         m, n_groups = tiling.n_chunks * tiling.k, tiling.n_groups
         n_codes = -(-m // 4)
         if len(frame.body) != 2 * m + n_codes + 4 * n_groups:
-            raise ShapeMismatch(f"SparseLoCo body holds {len(frame.body)} bytes; shape {frame.shape} needs {2 * m + n_codes + 4 * n_groups}")
+            raise ShapeMismatch(
+                f"SparseLoCo body holds {len(frame.body)} bytes; shape {frame.shape} needs {2 * m + n_codes + 4 * n_groups}"
+            )
         planes = np.frombuffer(frame.body, np.uint8, 2 * m).reshape(2, m)
         deltas = (planes[0] | planes[1].astype(np.int64) << 8).reshape(tiling.n_chunks, tiling.k)
         if (deltas[:, 1:] == 0).any():

@@ -32,7 +32,15 @@ from enum import IntEnum
 import torch
 import zstandard
 
-from compress.errors import BadMagic, ChecksumMismatch, LimitExceeded, MalformedFrame, ShapeMismatch, TruncatedFrame, UnsupportedVersion
+from compress.errors import (
+    BadMagic,
+    ChecksumMismatch,
+    LimitExceeded,
+    MalformedFrame,
+    ShapeMismatch,
+    TruncatedFrame,
+    UnsupportedVersion,
+)
 
 MAGIC = b"SWLC"
 VERSION = 1
@@ -42,7 +50,18 @@ _FLAG_ZSTD = 1
 _ZSTD_LEVEL = 1  # cheap; level 3 shrinks SparseLoCo's index planes by under 1%
 
 # wire code of a tensor dtype = its position here (never reorder: old frames depend on it)
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 
 
 class CodecId(IntEnum):
@@ -109,7 +128,9 @@ def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple
     if len(payload) >= len(body):
         payload, flags = body, 0
     tail = struct.pack(f"<{len(shape)}I", *shape) + meta
-    header = _HEADER.pack(MAGIC, VERSION, codec_id, DTYPES.index(dtype), flags, len(shape), len(meta), len(body), len(payload), 0)
+    header = _HEADER.pack(
+        MAGIC, VERSION, codec_id, DTYPES.index(dtype), flags, len(shape), len(meta), len(body), len(payload), 0
+    )
     crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(header[:_CRC_OFFSET])))
     return b"".join((header[:_CRC_OFFSET], struct.pack("<I", crc), tail, payload))
 
@@ -157,7 +178,13 @@ def decode_frame(data: bytes, *, limits: WireLimits = DEFAULT_LIMITS) -> Frame:
     body = _decompress(payload, body_len) if flags & _FLAG_ZSTD else payload
     if len(body) != body_len:
         raise ShapeMismatch(f"body holds {len(body)} bytes, header declares {body_len}")
-    return Frame(codec_id=codec_id, dtype=DTYPES[dtype_code], shape=shape, meta=bytes(data[shape_end : shape_end + meta_len]), body=body)
+    return Frame(
+        codec_id=codec_id,
+        dtype=DTYPES[dtype_code],
+        shape=shape,
+        meta=bytes(data[shape_end : shape_end + meta_len]),
+        body=body,
+    )
 
 
 _thread_local = threading.local()

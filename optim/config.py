@@ -1,7 +1,7 @@
 """Inner and outer optimizer hyper-parameters (part of the swarm config).
 
-    >>> OuterOptimConfig(method="diloco", inner_steps=20).method  # 'diloco'
-    >>> OuterOptimConfig(method="adam")  # ConfigError: config field 'method': unknown value 'adam'; choose from none, diloco, sparseloco
+>>> OuterOptimConfig(method="diloco", inner_steps=20).method  # 'diloco'
+>>> OuterOptimConfig(method="adam")  # ConfigError: config field 'method': unknown value 'adam'; choose from none, diloco, sparseloco
 """
 
 from __future__ import annotations

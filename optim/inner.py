@@ -1,7 +1,7 @@
 """Inner optimizer: AdamW with linear warmup and cosine decay, built from the swarm config.
 
-    >>> opt, sched = make_inner_optimizer(model.parameters(), InnerOptimConfig())
-    >>> loss.backward(); clip_and_step(opt, sched, cfg.grad_clip)
+>>> opt, sched = make_inner_optimizer(model.parameters(), InnerOptimConfig())
+>>> loss.backward(); clip_and_step(opt, sched, cfg.grad_clip)
 """
 
 from __future__ import annotations

@@ -93,7 +93,9 @@ class OuterOptimizer(ABC, Generic[Part]):
     Subclasses say how one parameter's Δ is encoded, decoded (and validated) and combined.
     """
 
-    def __init__(self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    ) -> None:
         if not params:
             raise ValueError("outer optimizer needs at least one parameter")
         self._global = {name: p.detach().clone() for name, p in params.items()}
@@ -216,14 +218,22 @@ class OuterOptimizer(ABC, Generic[Part]):
         finite = [(member, norm) for member, norm in zip(members, norms) if math.isfinite(norm)]
         norm_of = [norm for _, norm in finite]
         reference = statistics.median(norm_of) if len(finite) >= 3 else min(norm_of, default=0.0)
-        limit = MAX_NORM_RATIO * reference if len(finite) >= 2 and reference > 0 else math.inf  # else nothing to compare with
+        limit = (
+            MAX_NORM_RATIO * reference if len(finite) >= 2 and reference > 0 else math.inf
+        )  # else nothing to compare with
         if len(finite) == 2:
             screened = [self._scale_member(member, limit / norm) if norm > limit else member for member, norm in finite]
         else:
             screened = [member for member, norm in finite if norm <= limit]
         if len(screened) < len(members):
-            logger.warning("outer round %d: dropped %d of %d pseudo-gradients (‖Δ‖ over %.3g or not finite; norms %s)", round_,
-                           len(members) - len(screened), len(members), limit, ", ".join(f"{norm:.3g}" for norm in norms))
+            logger.warning(
+                "outer round %d: dropped %d of %d pseudo-gradients (‖Δ‖ over %.3g or not finite; norms %s)",
+                round_,
+                len(members) - len(screened),
+                len(members),
+                limit,
+                ", ".join(f"{norm:.3g}" for norm in norms),
+            )
         elif any(norm > limit for norm in norms):
             logger.warning("outer round %d: clipped a pseudo-gradient from ‖Δ‖ %.3g to %.3g", round_, max(norms), limit)
         return screened
@@ -246,7 +256,9 @@ class OuterOptimizer(ABC, Generic[Part]):
     def _check_names(self, tensors: NamedTensors) -> None:
         if list(tensors) != list(self._global):
             missing, extra = set(self._global) - set(tensors), set(tensors) - set(self._global)
-            raise KeyError(f"parameter names differ from the outer optimizer's (missing {sorted(missing)}, extra {sorted(extra)})")
+            raise KeyError(
+                f"parameter names differ from the outer optimizer's (missing {sorted(missing)}, extra {sorted(extra)})"
+            )
         for name, t in tensors.items():
             self._check_shape(name, t.shape)
 

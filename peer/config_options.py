@@ -34,7 +34,9 @@ def field_type(path: str, root: type = SwarmConfig) -> object:
     """The declared type of the leaf at dotted ``path`` in the dataclass tree under ``root``."""
     section: object = root
     for name in path.split("."):
-        if not (isinstance(section, type) and dataclasses.is_dataclass(section)) or name not in {f.name for f in dataclasses.fields(section)}:
+        if not (isinstance(section, type) and dataclasses.is_dataclass(section)) or name not in {
+            f.name for f in dataclasses.fields(section)
+        }:
             raise ValueError(f"{path!r} names no field of {root.__name__}")
         section = typing.get_type_hints(section)[name]
     return section
@@ -44,7 +46,7 @@ def field_type(path: str, root: type = SwarmConfig) -> object:
 class ConfigOption:
     """One command-line option that sets the swarm-config field ``field`` (dotted path).
 
-        >>> ConfigOption(field="paths.skip_ratio", flags=("--skip",), help="Skip ratio.", limits={"min": 0.0, "max": 0.99}).param  # 'skip'
+    >>> ConfigOption(field="paths.skip_ratio", flags=("--skip",), help="Skip ratio.", limits={"min": 0.0, "max": 0.99}).param  # 'skip'
     """
 
     field: str
@@ -61,7 +63,9 @@ class ConfigOption:
 
     def annotation(self) -> object:
         kind = field_type(self.field)
-        return Annotated[kind if self.default is not None else kind | None, typer.Option(*self.flags, help=self.help, **self.limits)]  # type: ignore[operator]
+        return Annotated[
+            kind if self.default is not None else kind | None, typer.Option(*self.flags, help=self.help, **self.limits)
+        ]  # type: ignore[operator]
 
 
 def config_options(*options: ConfigOption) -> Callable[[F], F]:
@@ -71,7 +75,10 @@ def config_options(*options: ConfigOption) -> Callable[[F], F]:
         signature = inspect.signature(command)
         if OVERRIDES_PARAM not in signature.parameters:
             raise TypeError(f"{command.__name__} needs an {OVERRIDES_PARAM!r} parameter to receive its config options")
-        added = [inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation()) for o in options]
+        added = [
+            inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation())
+            for o in options
+        ]
         params: list[inspect.Parameter] = []
         for p in signature.parameters.values():  # typer passes every option by keyword
             params += added if p.name == OVERRIDES_PARAM else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]

@@ -47,7 +47,12 @@ from swarm.rpc.auth import (
     peer_id_of_public_key,
 )
 
-AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, REVOCATIONS = "authority.key", "authority.pub", "swarm.toml", "revocations.json"
+AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, REVOCATIONS = (
+    "authority.key",
+    "authority.pub",
+    "swarm.toml",
+    "revocations.json",
+)
 DAY_S = 86_400
 
 
@@ -57,12 +62,16 @@ def create_swarm(name: str, out: Path, *, private: bool) -> SwarmConfig:
     targets = [out / CONFIG_FILE] + ([out / AUTHORITY_KEY, out / AUTHORITY_PUB] if private else [])
     for path in targets:
         if path.exists():
-            raise CredentialError(f"{path} already exists; choose another --out (an overwritten authority key is a lost swarm)")
+            raise CredentialError(
+                f"{path} already exists; choose another --out (an overwritten authority key is a lost swarm)"
+            )
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / CONFIG_FILE)
     if private:
         key = Ed25519PrivateKey.generate()
-        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         _write_new(out / AUTHORITY_KEY, pem, mode=0o600)
         _write_new(out / AUTHORITY_PUB, f"{encode_public_key(key.public_key())}\n".encode(), mode=0o644)
     return cfg
@@ -72,8 +81,9 @@ def load_authority(path: Path) -> Ed25519PrivateKey:
     data = _read(path)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
-        raise CredentialError(f"{path} is readable by others (mode {mode:o}); anyone who reads it can admit peers. "
-                              f"Run `chmod 600 {path}`")
+        raise CredentialError(
+            f"{path} is readable by others (mode {mode:o}); anyone who reads it can admit peers. Run `chmod 600 {path}`"
+        )
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except ValueError as e:
@@ -83,21 +93,28 @@ def load_authority(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-def invite(authority: Path, swarm_id: str, peer_id: str, *, days: float, out: Path,
-           clock: Callable[[], float] = time.time) -> Certificate:
+def invite(
+    authority: Path, swarm_id: str, peer_id: str, *, days: float, out: Path, clock: Callable[[], float] = time.time
+) -> Certificate:
     """Sign a certificate admitting ``peer_id`` to the swarm for ``days`` and write it to ``out``."""
     if days <= 0:
         raise CredentialError(f"--days must be positive, got {days}")
     key = load_authority(authority)
     now = int(clock())
-    cert = Certificate(authority=encode_public_key(key.public_key()), swarm_id=swarm_id, peer_id=check_peer_id(peer_id),
-                       issued_at=now, expires_at=now + round(days * DAY_S))
+    cert = Certificate(
+        authority=encode_public_key(key.public_key()),
+        swarm_id=swarm_id,
+        peer_id=check_peer_id(peer_id),
+        issued_at=now,
+        expires_at=now + round(days * DAY_S),
+    )
     _replace(out, cert.sign(key) + b"\n")  # overwriting renews: a running peer re-reads it when the old one expires
     return cert
 
 
-def revoke(authority: Path, swarm_id: str, peer_id: str, *, revocations: Path,
-           clock: Callable[[], float] = time.time) -> RevocationList:
+def revoke(
+    authority: Path, swarm_id: str, peer_id: str, *, revocations: Path, clock: Callable[[], float] = time.time
+) -> RevocationList:
     """Add ``peer_id`` to the signed revocation list (created if absent): its certificates issued until now are void."""
     key = load_authority(authority)
     current = RevocationList(swarm_id=swarm_id)
@@ -119,7 +136,9 @@ class IdentityKey(RSAPrivateKey):
 def new_identity(path: Path) -> str:
     """Create a libp2p identity file the way hivemind does (RSA, mode 0400); returns its peer id."""
     if path.exists():
-        raise CredentialError(f"{path} already exists; refusing to overwrite an identity (its peer id may hold certificates)")
+        raise CredentialError(
+            f"{path} already exists; refusing to overwrite an identity (its peer id may hold certificates)"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     P2P.generate_identity(str(path))
     return peer_id_of_identity(path)
@@ -147,7 +166,9 @@ def check_peer_id(peer_id: str) -> str:
     try:
         multihash.decode(base58.b58decode(peer_id))
     except ValueError:
-        raise CredentialError(f"{peer_id!r} is not a libp2p peer id (base58, as `swarmloco swarm identity` prints)") from None
+        raise CredentialError(
+            f"{peer_id!r} is not a libp2p peer id (base58, as `swarmloco swarm identity` prints)"
+        ) from None
     return peer_id
 
 
@@ -167,15 +188,23 @@ class PeerCredentials:
         return CertificateAuthorizer(load_identity_key(self.identity), self.certificate_bytes, self.verifier)
 
 
-def load_credentials(identity: Path, certificate: Path, swarm_id: str, *, revocations: Path | None = None,
-                     clock: Callable[[], float] = time.time) -> PeerCredentials:
+def load_credentials(
+    identity: Path,
+    certificate: Path,
+    swarm_id: str,
+    *,
+    revocations: Path | None = None,
+    clock: Callable[[], float] = time.time,
+) -> PeerCredentials:
     """Read a peer's credentials and check its own certificate: AccessDenied says what to fix before joining."""
     data = _read(certificate)
     with _about(certificate):
         cert = Certificate.decode(data)  # names the authority to trust; checked below
     signed_list = _read(revocations) if revocations else None
     with _about(revocations):
-        verifier = CertificateVerifier(decode_public_key(cert.authority), swarm_id, revocations=signed_list, clock=clock)
+        verifier = CertificateVerifier(
+            decode_public_key(cert.authority), swarm_id, revocations=signed_list, clock=clock
+        )
     verifier.check(peer_id_of_identity(identity), data)
     return PeerCredentials(identity=identity, certificate=certificate, verifier=verifier)
 

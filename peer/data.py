@@ -90,7 +90,9 @@ class Corpus:
     val: torch.Tensor  # (M,) uint8
     num_files: int
 
-    def sample_batches(self, split: str, *, batch_size: int, seq_len: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def sample_batches(
+        self, split: str, *, batch_size: int, seq_len: int, seed: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Infinite stream of random (inputs, targets) windows, (B, T) int64 each; one stream per seed."""
         data = self._split(split, seq_len)
         g = torch.Generator().manual_seed(seed)
@@ -98,7 +100,9 @@ class Corpus:
             starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=g)
             yield self._windows(data, starts, seq_len)
 
-    def val_batches(self, *, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(
+        self, *, batch_size: int, seq_len: int, num_batches: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A fixed held-out set: evenly spaced windows over the validation split (same on every peer)."""
         data = self._split("val", seq_len)
         count = batch_size * num_batches
@@ -110,7 +114,9 @@ class Corpus:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         data = self.train if split == "train" else self.val
         if len(data) < seq_len + 2:
-            raise DataError(f"the {split} split has {len(data)} bytes, fewer than one window of {seq_len + 1}; add more text")
+            raise DataError(
+                f"the {split} split has {len(data)} bytes, fewer than one window of {seq_len + 1}; add more text"
+            )
         return data
 
     @staticmethod

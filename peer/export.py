@@ -22,19 +22,36 @@ from swarm.rpc.admission import Credentials, start_dht
 from swarm.rpc.blobs import BlobClient
 
 
-async def export_swarm(initial_peers: list[str], cfg: SwarmConfig | None, out: Path, *, name: str, identity_path: str | None = None,
-                       credentials: Credentials | None = None, timeout_s: float = 60.0,
-                       on_progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+async def export_swarm(
+    initial_peers: list[str],
+    cfg: SwarmConfig | None,
+    out: Path,
+    *,
+    name: str,
+    identity_path: str | None = None,
+    credentials: Credentials | None = None,
+    timeout_s: float = 60.0,
+    on_progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
     """Write the swarm's current model to ``out``; returns the checkpoint's metadata."""
-    dht = await start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=identity_path,
-                          credentials=credentials, client_mode=True)
+    dht = await start_dht(
+        initial_peers=initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        identity_path=identity_path,
+        credentials=credentials,
+        client_mode=True,
+    )
     try:
         membership = Membership(dht)
         cfg = await membership.join(cfg, create=False, name=name)
-        on_progress(f"swarm {cfg.swarm_id}: {cfg.stages.num_stages} middle stages + stage 0, {cfg.model.n_layers} blocks")
+        on_progress(
+            f"swarm {cfg.swarm_id}: {cfg.stages.num_stages} middle stages + stage 0, {cfg.model.n_layers} blocks"
+        )
         sources = export_sources(await membership.all_replicas(), cfg.stages.num_stages)
         p2p = await dht.replicate_p2p()
-        certificate = StageClient(p2p, namespace=cfg.swarm_id, credentials=credentials).certificate  # private swarms: sent with each request
+        certificate = StageClient(
+            p2p, namespace=cfg.swarm_id, credentials=credentials
+        ).certificate  # private swarms: sent with each request
         client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
         fetch = lambda peer, blob, max_bytes: client.fetch(peer, blob, timeout=timeout_s, max_bytes=max_bytes)
         model, meta = await download_model(cfg, sources, fetch, on_progress=on_progress)

@@ -46,7 +46,10 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
     if peer.threads:
         torch.set_num_threads(peer.threads)
     cfg = load_config(config) if config else (None if peer.initial_peers else SwarmConfig())
-    name = peer.name or {"trainer": "trainer", "stage": f"stage{peer.stage or ''}"}.get(peer.role, "peer") + f"-{os.getpid()}"
+    name = (
+        peer.name
+        or {"trainer": "trainer", "stage": f"stage{peer.stage or ''}"}.get(peer.role, "peer") + f"-{os.getpid()}"
+    )
     peer = dataclasses.replace(peer, name=name)
     corpus = load_corpus(peer.data) if peer.role == "trainer" else None  # fail on bad --data before joining
 
@@ -54,7 +57,9 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         nonlocal corpus
         corpus = corpus or load_corpus(peer.data)  # --role auto: only once the peer turns out to be a trainer
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
-        return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * peer.seed, **kw), corpus.val_batches(num_batches=VAL_BATCHES, **kw)
+        return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * peer.seed, **kw), corpus.val_batches(
+            num_batches=VAL_BATCHES, **kw
+        )
 
     def on_ready(maddrs: list[str]) -> None:
         loopback_last = sorted(maddrs, key=lambda m: "/127.0.0.1/" in m)  # a routable address first
@@ -90,9 +95,11 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
 def progress_line(record: dict[str, Any], steps: int) -> str:
     loss = "-" if record.get("train_loss") is None else f"{record['train_loss']:.3f}"
     val = f"  val {record['val_loss']:.3f}" if "val_loss" in record else ""
-    return (f"[{record['peer']}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
-            f"done {record.get('completed', 0)} failed {record.get('failed', 0)} skipped hops {record.get('skipped_hops', 0)}  "
-            f"{record['elapsed_s']:.0f}s")
+    return (
+        f"[{record['peer']}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
+        f"done {record.get('completed', 0)} failed {record.get('failed', 0)} skipped hops {record.get('skipped_hops', 0)}  "
+        f"{record['elapsed_s']:.0f}s"
+    )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -116,12 +123,17 @@ class LocalSwarm:
         if self.joiners < 0 or self.join_after_s < 0:
             raise ValueError("joiners and join_after_s must be non-negative")
         if self.peers - self.trainers < self.stages:
-            raise ValueError(f"{self.peers} peers with {self.trainers} trainer(s) leave {self.peers - self.trainers} servers "
-                             f"for {self.stages} stages; use --peers {self.trainers + self.stages} or more")
+            raise ValueError(
+                f"{self.peers} peers with {self.trainers} trainer(s) leave {self.peers - self.trainers} servers "
+                f"for {self.stages} stages; use --peers {self.trainers + self.stages} or more"
+            )
 
     def servers(self) -> list[tuple[str, int]]:
         """(name, stage) of every stage server, replicas spread round-robin."""
-        return [(f"stage{k % self.stages + 1}-{k // self.stages}", k % self.stages + 1) for k in range(self.peers - self.trainers)]
+        return [
+            (f"stage{k % self.stages + 1}-{k // self.stages}", k % self.stages + 1)
+            for k in range(self.peers - self.trainers)
+        ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,13 +148,24 @@ LOOPBACK = Placement()
 
 
 def local_config(base: SwarmConfig, layout: LocalSwarm) -> SwarmConfig:
-    return dataclasses.replace(base, stages=StagesConfig(num_stages=layout.stages),
-                               inner=dataclasses.replace(base.inner, total_steps=layout.steps))
+    return dataclasses.replace(
+        base,
+        stages=StagesConfig(num_stages=layout.stages),
+        inner=dataclasses.replace(base.inner, total_steps=layout.steps),
+    )
 
 
-def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = None, data: Sequence[str] | None = None,
-                 extra_args: Sequence[str] = (), echo: Callable[[str], None] = print, ready_timeout_s: float = 120.0,
-                 place: Callable[[str], Placement] = lambda name: LOOPBACK) -> int:
+def launch_local(
+    layout: LocalSwarm,
+    *,
+    out: Path,
+    config: SwarmConfig | None = None,
+    data: Sequence[str] | None = None,
+    extra_args: Sequence[str] = (),
+    echo: Callable[[str], None] = print,
+    ready_timeout_s: float = 120.0,
+    place: Callable[[str], Placement] = lambda name: LOOPBACK,
+) -> int:
     """Run a whole swarm until its trainers finish; 0 if every trainer succeeded.
 
     Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
@@ -159,12 +182,17 @@ def launch_local(layout: LocalSwarm, *, out: Path, config: SwarmConfig | None = 
     def spawn(name: str, args: list[str]) -> subprocess.Popen:
         where = place(name)
         return spawn_peer(name, [*args, "--host-maddrs", f"/ip4/{where.host}/tcp/0", *common], out, prefix=where.prefix)
-    echo(f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "
-         f"{layout.stages} stages, {layout.steps} steps, {layout.joiners} late joiner(s); logs and metrics in {out}")
+
+    echo(
+        f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "
+        f"{layout.stages} stages, {layout.steps} steps, {layout.joiners} late joiner(s); logs and metrics in {out}"
+    )
     procs: dict[str, subprocess.Popen] = {}
     try:
         (first, first_stage), *others = layout.servers()
-        procs[first] = spawn(first, ["--role", "stage", "--stage", str(first_stage), "--config", str(out / "swarm.toml")])
+        procs[first] = spawn(
+            first, ["--role", "stage", "--stage", str(first_stage), "--config", str(out / "swarm.toml")]
+        )
         join = ["--initial-peers", wait_for_address(procs[first], out / f"{first}.log", ready_timeout_s)]
         for name, stage in others:
             procs[name] = spawn(name, ["--role", "stage", "--stage", str(stage), *join])
@@ -212,7 +240,9 @@ def summary(out: Path, names: Iterable[str]) -> list[str]:
     traffic; pseudo-gradient bytes are what each replica received in its outer rounds.
     """
     records = last_records(out, names)
-    lines = [f"{'peer':<12} {'role':<8} {'val_loss':>8} {'tokens':>9} {'tok/s':>7} {'failed':>6} {'skipped':>7} {'outer rounds':>12}"]
+    lines = [
+        f"{'peer':<12} {'role':<8} {'val_loss':>8} {'tokens':>9} {'tok/s':>7} {'failed':>6} {'skipped':>7} {'outer rounds':>12}"
+    ]
     wire: Counter[str] = Counter()
     fp32: Counter[str] = Counter()
     for name, r in records.items():
@@ -230,7 +260,11 @@ def summary(out: Path, names: Iterable[str]) -> list[str]:
         wire["pseudo_gradients"] += r.get("pseudo_grad_bytes", 0)
         fp32["pseudo_gradients"] += r.get("pseudo_grad_fp32_bytes", 0)
     kinds = []
-    for kind, label in (("activations", "activations"), ("gradients", "activation gradients"), ("pseudo_gradients", "pseudo-gradients")):
+    for kind, label in (
+        ("activations", "activations"),
+        ("gradients", "activation gradients"),
+        ("pseudo_gradients", "pseudo-gradients"),
+    ):
         against = f" ({fp32[kind] / wire[kind]:.1f}× less than fp32's {fp32[kind] / 1e6:.1f} MB)" if wire[kind] else ""
         kinds.append(f"{label} {wire[kind] / 1e6:.1f} MB{against}")
     return [*lines, "bytes on the wire: " + "; ".join(kinds)]
@@ -258,8 +292,14 @@ def spawn_peer(name: str, args: list[str], out: Path, *, prefix: Sequence[str] =
     with (out / f"{name}.jsonl").open("a") as metrics:
         metrics.write(json.dumps({"time": time.time(), "peer": name, "event": "spawned"}) + "\n")
     with (out / f"{name}.log").open("w") as log:
-        return subprocess.Popen([*prefix, sys.executable, "-m", "peer", "run", "--name", name, *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=out, start_new_session=True)
+        return subprocess.Popen(
+            [*prefix, sys.executable, "-m", "peer", "run", "--name", name, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=out,
+            start_new_session=True,
+        )
 
 
 def wait_for_address(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
@@ -268,15 +308,21 @@ def wait_for_address(proc: subprocess.Popen, log: Path, timeout_s: float) -> str
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
             if line.startswith(READY_PREFIX):
-                return line[len(READY_PREFIX):].split()[0]
+                return line[len(READY_PREFIX) :].split()[0]
         if proc.poll() is not None:
-            raise RuntimeError(f"the first peer exited with status {proc.returncode} before it was ready:\n{log.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"the first peer exited with status {proc.returncode} before it was ready:\n{log.read_text()[-2000:]}"
+            )
         time.sleep(0.2)
     raise TimeoutError(f"the first peer printed no address within {timeout_s:.0f}s; see {log}")
 
 
-def follow_trainers(trainers: dict[str, subprocess.Popen], out: Path, echo: Callable[[str], None],
-                    tick: Callable[[], None] = lambda: None) -> dict[str, int]:
+def follow_trainers(
+    trainers: dict[str, subprocess.Popen],
+    out: Path,
+    echo: Callable[[str], None],
+    tick: Callable[[], None] = lambda: None,
+) -> dict[str, int]:
     """Echo the trainers' progress lines until they all exit, calling ``tick`` every half second; their exit statuses."""
     offsets = dict.fromkeys(trainers, 0)
     while True:

@@ -85,20 +85,33 @@ def measure(ts: TensorSet, codecs: list[tuple[str, Encode, Decode]], repeats: in
     ref = sum(float(view(x.float()).norm() ** 2) for x in ts.tensors.values())
     records = []
     for name, _, dec in codecs:
-        err = sum(float((view(dec(n, f).reshape(ts.tensors[n].shape)) - view(ts.tensors[n].float())).norm() ** 2) for n, f in frames[name].items())
+        err = sum(
+            float((view(dec(n, f).reshape(ts.tensors[n].shape)) - view(ts.tensors[n].float())).norm() ** 2)
+            for n, f in frames[name].items()
+        )
         wire = sum(len(f) for f in frames[name].values())
         mb, (enc_s, dec_s) = 4 * numel / 1e6, map(statistics.median, times[name])
-        records.append(Record(name, ts.name, 4 * numel / wire, math.sqrt(err / ref), 8 * wire / numel, mb / enc_s, mb / dec_s))
+        records.append(
+            Record(name, ts.name, 4 * numel / wire, math.sqrt(err / ref), 8 * wire / numel, mb / enc_s, mb / dec_s)
+        )
     return records
 
 
-def ours(name: str, ts: TensorSet, basis: torch.Tensor | None = None, table: torch.Tensor | None = None, kind: str = "activation") -> tuple[str, Encode, Decode]:
+def ours(
+    name: str,
+    ts: TensorSet,
+    basis: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    kind: str = "activation",
+) -> tuple[str, Encode, Decode]:
     codec = get_codec(name, basis=basis, table=table, kind=kind)
     return name, lambda n, x: codec.encode(x, tokens=ts.tokens), lambda n, f: codec.decode(f)
 
 
 def baselines() -> list[tuple[str, Encode, Decode]]:
-    def hivemind(comp: Float16Compression | Uniform8BitQuantization, extract: Callable[[runtime_pb2.Tensor], torch.Tensor]) -> tuple[Encode, Decode]:
+    def hivemind(
+        comp: Float16Compression | Uniform8BitQuantization, extract: Callable[[runtime_pb2.Tensor], torch.Tensor]
+    ) -> tuple[Encode, Decode]:
         enc = lambda n, x: comp.compress(x, CompressionInfo.from_tensor(x)).SerializeToString()
         return enc, lambda n, f: extract(runtime_pb2.Tensor.FromString(f))
 
@@ -111,7 +124,9 @@ def baselines() -> list[tuple[str, Encode, Decode]]:
         return codebook[indices.long()].reshape(tuple(msg.size))
 
     zstd_enc = lambda n, x: zstandard.ZstdCompressor(level=3).compress(to_bytes(x.float()))
-    zstd_dec = lambda n, f: torch.frombuffer(bytearray(zstandard.decompress(f)), dtype=torch.float32)  # flat; measure() reshapes
+    zstd_dec = lambda n, f: torch.frombuffer(
+        bytearray(zstandard.decompress(f)), dtype=torch.float32
+    )  # flat; measure() reshapes
     f16 = Float16Compression()
     return [
         ("zstd-fp32", zstd_enc, zstd_dec),
@@ -153,7 +168,9 @@ def sparseloco_detail(pseudo: Tensors) -> dict[str, float]:
         frame = codec.encode(name, delta, codec.new_state())
         sparse = codec.decode(frame)
         m = len(sparse.indices)
-        index_bits += 8 * len(zstandard.ZstdCompressor(level=1).compress(decode_frame(frame).body[: 2 * m]))  # the delta byte planes
+        index_bits += 8 * len(
+            zstandard.ZstdCompressor(level=1).compress(decode_frame(frame).body[: 2 * m])
+        )  # the delta byte planes
         kept += m
         exact = delta.reshape(-1)[sparse.indices]
         if delta.ndim >= 2:
@@ -165,7 +182,9 @@ def sparseloco_detail(pseudo: Tensors) -> dict[str, float]:
         err["bucket_mean_per_tensor"] += float((bucket_means(exact, torch.zeros_like(tile)) - exact).norm() ** 2)
         err["bucket_mean_per_tile"] += float((bucket_means(exact, tile) - exact).norm() ** 2)
         ref += float(exact.norm() ** 2)
-    return {"bits_per_index": index_bits / kept, "bits_per_index_fixed": 12.0} | {f"value_rel_error_{k}": math.sqrt(v / ref) for k, v in err.items()}
+    return {"bits_per_index": index_bits / kept, "bits_per_index_fixed": 12.0} | {
+        f"value_rel_error_{k}": math.sqrt(v / ref) for k, v in err.items()
+    }
 
 
 def bucket_means(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -189,11 +208,15 @@ def main() -> None:
     torch.manual_seed(0)
 
     corpus, swarm = load_corpus(), SwarmConfig()
-    batches = corpus.sample_batches("train", batch_size=swarm.train.microbatch_size, seq_len=swarm.train.seq_len, seed=0)
+    batches = corpus.sample_batches(
+        "train", batch_size=swarm.train.microbatch_size, seq_len=swarm.train.seq_len, seed=0
+    )
     default, pseudo = train(swarm.model, batches, args.steps)
     sub_cfg = ModelConfig(subspace_rank=16)
     constrained, _ = train(sub_cfg, batches, args.steps)
-    x, y = next(corpus.sample_batches("val", batch_size=swarm.train.microbatch_size, seq_len=swarm.train.seq_len, seed=1))
+    x, y = next(
+        corpus.sample_batches("val", batch_size=swarm.train.microbatch_size, seq_len=swarm.train.seq_len, seed=1)
+    )
     h, g = boundary(default, x, y)
     hs, gs = boundary(constrained, x, y)
     basis, table = subspace_basis(sub_cfg)
@@ -201,21 +224,40 @@ def main() -> None:
     act, grad = TensorSet("act/default", {"h": h}), TensorSet("grad/default", {"g": g})
     act_s, grad_s = TensorSet("act/subspace", {"h": hs}, tokens=x), TensorSet("grad/subspace", {"g": gs}, project=basis)
     pseudo_set = TensorSet("pseudo/default", pseudo)
-    sparse, sparse_state = SparseLoCoCodec(), SparseLoCoState()  # the first encode (the measured frames) starts from e = 0
+    sparse, sparse_state = (
+        SparseLoCoCodec(),
+        SparseLoCoState(),
+    )  # the first encode (the measured frames) starts from e = 0
     plan = [
         (act, [ours(n, act) for n in ("fp32", "fp16", "bf16", "int8", "int4")] + baselines()),
         (grad, [ours(n, grad) for n in ("fp16", "bf16", "int8", "int4")] + baselines()),
-        (act_s, [ours(n, act_s, basis, table) for n in ("int8", "subspace", "subspace+int8", "subspace+int4")] + baselines()),
-        (grad_s, [ours(n, grad_s, basis, kind="gradient") for n in ("int8", "subspace", "subspace+int8", "subspace+int4")] + baselines()),
-        (pseudo_set, [("sparseloco", lambda n, d: sparse.encode(n, d, sparse_state), lambda n, f: sparse.decode(f).to_dense())]
-         + [ours(n, pseudo_set) for n in ("fp16", "bf16")] + baselines()),
+        (
+            act_s,
+            [ours(n, act_s, basis, table) for n in ("int8", "subspace", "subspace+int8", "subspace+int4")]
+            + baselines(),
+        ),
+        (
+            grad_s,
+            [ours(n, grad_s, basis, kind="gradient") for n in ("int8", "subspace", "subspace+int8", "subspace+int4")]
+            + baselines(),
+        ),
+        (
+            pseudo_set,
+            [("sparseloco", lambda n, d: sparse.encode(n, d, sparse_state), lambda n, f: sparse.decode(f).to_dense())]
+            + [ours(n, pseudo_set) for n in ("fp16", "bf16")]
+            + baselines(),
+        ),
     ]
     records = [r for ts, codecs in plan for r in measure(ts, codecs, args.repeats)]
     detail = sparseloco_detail(pseudo)
 
-    print(f"{'tensor':<15} {'codec':<15} {'ratio':>8} {'rel_error':>10} {'bits/param':>10} {'enc MB/s':>9} {'dec MB/s':>9}")
+    print(
+        f"{'tensor':<15} {'codec':<15} {'ratio':>8} {'rel_error':>10} {'bits/param':>10} {'enc MB/s':>9} {'dec MB/s':>9}"
+    )
     for r in records:
-        print(f"{r.tensor:<15} {r.codec:<15} {r.ratio:8.2f} {r.rel_error:10.2e} {r.bits_per_param:10.3f} {r.encode_MBps:9.1f} {r.decode_MBps:9.1f}")
+        print(
+            f"{r.tensor:<15} {r.codec:<15} {r.ratio:8.2f} {r.rel_error:10.2e} {r.bits_per_param:10.3f} {r.encode_MBps:9.1f} {r.decode_MBps:9.1f}"
+        )
     print("SparseLoCo detail:", ", ".join(f"{k}={v:.3f}" for k, v in detail.items()))
     if args.json:
         args.json.write_text(json.dumps({"records": [asdict(r) for r in records], "sparseloco": detail}, indent=1))

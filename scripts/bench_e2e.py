@@ -63,25 +63,44 @@ def plan(bandwidths: list[float | None]) -> list[Run]:
 
 def run_config(base: SwarmConfig, run: Run, layout: LocalSwarm, inner_steps: int) -> SwarmConfig:
     codec = "fp32" if run.act_codec == "none" else run.act_codec
-    overrides = {"codecs.activations": codec, "codecs.pseudo_gradients": "fp32", "outer.inner_steps": inner_steps, "paths.skip_ratio": run.skip}
+    overrides = {
+        "codecs.activations": codec,
+        "codecs.pseudo_gradients": "fp32",
+        "outer.inner_steps": inner_steps,
+        "paths.skip_ratio": run.skip,
+    }
     return derive_config(local_config(base, layout), overrides, outer=run.outer)
 
 
-def measure(run: Run, layout: LocalSwarm, base: SwarmConfig, inner_steps: int, data: list[str] | None, out: Path) -> dict[str, Any]:
+def measure(
+    run: Run, layout: LocalSwarm, base: SwarmConfig, inner_steps: int, data: list[str] | None, out: Path
+) -> dict[str, Any]:
     cfg = run_config(base, run, layout, inner_steps)
     names = [name for name, _ in layout.servers()] + [f"trainer-{i}" for i in range(layout.trainers)]
     with WanLab(caps_mbit=[run.bandwidth_mbit] * len(names)) as lab:
-        hosts = {name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)}
+        hosts = {
+            name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)
+        }
         swarm = run_swarm(cfg, layout, data, out, place=hosts.__getitem__)
     tokens_per_step = layout.trainers * cfg.train.inner_batch * cfg.train.seq_len  # one inner step of every trainer
     pseudo = swarm["pseudo_grad_bytes_per_token"]
     return {
-        "name": run.name, **dataclasses.asdict(run),
-        "tokens_per_s": swarm["tokens_per_s"], "val_loss": swarm["val_loss"], "tokens": swarm["tokens"],
+        "name": run.name,
+        **dataclasses.asdict(run),
+        "tokens_per_s": swarm["tokens_per_s"],
+        "val_loss": swarm["val_loss"],
+        "tokens": swarm["tokens"],
         "step_s": tokens_per_step / swarm["tokens_per_s"],
-        "bytes_per_token": {**swarm["bytes_per_token"], "pseudo_gradients": pseudo, "total": swarm["bytes_per_token"]["total"] + pseudo},
-        "fp32_bytes_per_token": swarm["fp32_bytes_per_token"], "outer_rounds": swarm["outer_rounds"],
-        "failed_hops": swarm["failed_hops"], "skipped_hops": swarm["skipped_hops"], "wall_s": swarm["wall_s"],
+        "bytes_per_token": {
+            **swarm["bytes_per_token"],
+            "pseudo_gradients": pseudo,
+            "total": swarm["bytes_per_token"]["total"] + pseudo,
+        },
+        "fp32_bytes_per_token": swarm["fp32_bytes_per_token"],
+        "outer_rounds": swarm["outer_rounds"],
+        "failed_hops": swarm["failed_hops"],
+        "skipped_hops": swarm["skipped_hops"],
+        "wall_s": swarm["wall_s"],
     }
 
 
@@ -101,21 +120,34 @@ def check_targets(records: list[dict[str, Any]], low: float | None) -> dict[str,
     """The issue's targets, each with the numbers it was judged on (None where the plan lacks a run)."""
     targets: dict[str, Any] = {}
     for codec in ("none", "int8", "subspace") if low is not None else ():
-        capped, free = find(records, bandwidth_mbit=low, act_codec=codec, outer="sparseloco", skip=0.0), \
-            find(records, bandwidth_mbit=None, act_codec=codec, outer="sparseloco", skip=0.0)
+        capped, free = (
+            find(records, bandwidth_mbit=low, act_codec=codec, outer="sparseloco", skip=0.0),
+            find(records, bandwidth_mbit=None, act_codec=codec, outer="sparseloco", skip=0.0),
+        )
         if capped and free:
             targets[f"keep_at_{low:g}mbit/{codec}"] = capped["tokens_per_s"] / free["tokens_per_s"]
     for bw in (low, None):
-        plain, skip = find(records, bandwidth_mbit=bw, act_codec="int8", outer="sparseloco", skip=0.0), \
-            find(records, bandwidth_mbit=bw, act_codec="int8", outer="sparseloco", skip=0.33)
+        plain, skip = (
+            find(records, bandwidth_mbit=bw, act_codec="int8", outer="sparseloco", skip=0.0),
+            find(records, bandwidth_mbit=bw, act_codec="int8", outer="sparseloco", skip=0.33),
+        )
         if plain and skip:
             label = "unlimited" if bw is None else f"{bw:g}mbit"
             targets[f"skip_step_cut/{label}"] = 1 - skip["step_s"] / plain["step_s"]
             targets[f"skip_loss_cost/{label}"] = skip["val_loss"] / plain["val_loss"] - 1
-    met = {k: (None if k.endswith("/none") else  # uncompressed: shown for contrast, no target
-               v >= TARGET_KEEP if k.startswith("keep_at") else
-               v >= TARGET_SKIP_STEP_CUT if k.startswith("skip_step_cut") else v <= TARGET_SKIP_LOSS)
-           for k, v in targets.items()}
+    met = {
+        k: (
+            None
+            if k.endswith("/none")
+            # uncompressed: shown for contrast, no target
+            else v >= TARGET_KEEP
+            if k.startswith("keep_at")
+            else v >= TARGET_SKIP_STEP_CUT
+            if k.startswith("skip_step_cut")
+            else v <= TARGET_SKIP_LOSS
+        )
+        for k, v in targets.items()
+    }
     return {"values": targets, "met": met}
 
 
@@ -126,13 +158,16 @@ def print_table(records: list[dict[str, Any]]) -> None:
         free = find(records, bandwidth_mbit=None, act_codec=r["act_codec"], outer=r["outer"], skip=r["skip"])
         rel = f"{r['tokens_per_s'] / free['tokens_per_s']:.2f}" if free else "-"
         b = r["bytes_per_token"]
-        print(f"{r['name']:<34} {r['tokens_per_s']:7.0f} {rel:>11} {r['step_s']:7.2f} {r['val_loss']:8.4f} {b['total']:9.1f} "
-              f"{b['activations']:8.1f} {b['gradients']:8.1f} {b['pseudo_gradients']:7.2f}")
+        print(
+            f"{r['name']:<34} {r['tokens_per_s']:7.0f} {rel:>11} {r['step_s']:7.2f} {r['val_loss']:8.4f} {b['total']:9.1f} "
+            f"{b['activations']:8.1f} {b['gradients']:8.1f} {b['pseudo_gradients']:7.2f}"
+        )
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     """Tokens/s against bandwidth, one line per configuration; uncapped drawn at the right edge."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -140,7 +175,11 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     free_x = caps[-1] * 4 if caps else 1.0
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for config in sorted({(r["act_codec"], r["outer"], r["skip"]) for r in records}):
-        rows = sorted((r["bandwidth_mbit"] or free_x, r["tokens_per_s"]) for r in records if (r["act_codec"], r["outer"], r["skip"]) == config)
+        rows = sorted(
+            (r["bandwidth_mbit"] or free_x, r["tokens_per_s"])
+            for r in records
+            if (r["act_codec"], r["outer"], r["skip"]) == config
+        )
         ax.plot(*zip(*rows), marker="o", label=f"{config[0]} / {config[1]} / skip {config[2]:g}")
     ax.set_xscale("log")
     ax.set_xticks([*caps, free_x], [*(f"{c:g}" for c in caps), "uncapped"])
@@ -161,11 +200,25 @@ def parse_bandwidths(text: str) -> list[float | None]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50, help="inner steps per trainer in every run")
-    parser.add_argument("--microbatch", type=int, help="samples per microbatch (default: the config's, = the inner batch: one microbatch in flight "
-                        "per trainer); smaller ones pipeline, several in flight, so transfers overlap compute")
-    parser.add_argument("-H", "--inner-steps", type=int, default=10,
-                        help="H: inner steps between outer steps; short runs need several rounds for SparseLoCo's error feedback to pay back")
-    parser.add_argument("--bandwidths", type=parse_bandwidths, default=[20.0, 100.0, None], help="Mbit/s per peer, comma separated; 'none' is uncapped")
+    parser.add_argument(
+        "--microbatch",
+        type=int,
+        help="samples per microbatch (default: the config's, = the inner batch: one microbatch in flight "
+        "per trainer); smaller ones pipeline, several in flight, so transfers overlap compute",
+    )
+    parser.add_argument(
+        "-H",
+        "--inner-steps",
+        type=int,
+        default=10,
+        help="H: inner steps between outer steps; short runs need several rounds for SparseLoCo's error feedback to pay back",
+    )
+    parser.add_argument(
+        "--bandwidths",
+        type=parse_bandwidths,
+        default=[20.0, 100.0, None],
+        help="Mbit/s per peer, comma separated; 'none' is uncapped",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
     parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
@@ -189,10 +242,15 @@ def main() -> int:
             for k, run in enumerate(runs):
                 print(f"[{repeat + 1}/{args.repeats}] run {k + 1}/{len(runs)}: {run.name}", flush=True)
                 started = time.perf_counter()
-                record = measure(run, layout, base, args.inner_steps, args.data, root / f"{repeat}" / run.name.replace("/", "_"))
+                record = measure(
+                    run, layout, base, args.inner_steps, args.data, root / f"{repeat}" / run.name.replace("/", "_")
+                )
                 results[run.name].append(record)
-                print(f"    {record['tokens_per_s']:.0f} tok/s  step {record['step_s']:.2f}s  val {record['val_loss']:.4f}  "
-                      f"{record['bytes_per_token']['total']:.0f} B/token  ({time.perf_counter() - started:.0f}s)", flush=True)
+                print(
+                    f"    {record['tokens_per_s']:.0f} tok/s  step {record['step_s']:.2f}s  val {record['val_loss']:.4f}  "
+                    f"{record['bytes_per_token']['total']:.0f} B/token  ({time.perf_counter() - started:.0f}s)",
+                    flush=True,
+                )
     records = [median_record(rs) for rs in results.values()]
     print_table(records)
     low = min((bw for bw in args.bandwidths if bw is not None), default=None)
@@ -200,7 +258,20 @@ def main() -> int:
     for key, value in targets["values"].items():
         print(f"  {key:<32} {value:+.3f}  met: {targets['met'][key]}")
     if args.json:
-        args.json.write_text(json.dumps({"steps": args.steps, "inner_steps": args.inner_steps, "train": dataclasses.asdict(base.train), "repeats": args.repeats, "layout": LAYOUT, "records": records, "targets": targets}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "inner_steps": args.inner_steps,
+                    "train": dataclasses.asdict(base.train),
+                    "repeats": args.repeats,
+                    "layout": LAYOUT,
+                    "records": records,
+                    "targets": targets,
+                },
+                indent=1,
+            )
+        )
         print(f"wrote {args.json}")
     if args.plot:
         plot(records, args.plot)

@@ -54,15 +54,21 @@ def run(variant: str, seed: int, tokens: int, inner_steps: int, corpus) -> float
     if variant.endswith("-step"):
         simulate_module.outer_round = outer_step_on_own_delta
     try:
-        return simulate(cfg, SimulationConfig(replicas=1, tokens=tokens, seed=seed, log_every=10**9), [stream], val).val_loss
+        return simulate(
+            cfg, SimulationConfig(replicas=1, tokens=tokens, seed=seed, log_every=10**9), [stream], val
+        ).val_loss
     finally:
         simulate_module.outer_round = original
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=204_800, help="training tokens per run (the default swarmloco local's)")
-    parser.add_argument("-H", "--inner-steps", type=int, default=SwarmConfig().outer.inner_steps, help="outer interval H")
+    parser.add_argument(
+        "--tokens", type=int, default=204_800, help="training tokens per run (the default swarmloco local's)"
+    )
+    parser.add_argument(
+        "-H", "--inner-steps", type=int, default=SwarmConfig().outer.inner_steps, help="outer interval H"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=list(VARIANTS), help="run only these variants")
     parser.add_argument("--data", nargs="*", help="corpus (default: the standard library's sources)")
@@ -86,7 +92,9 @@ def main() -> None:
         print(f"{variant:<16} {mean:13.4f} {sd:7.4f} {ratio:8.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tokens": args.tokens, "inner_steps": args.inner_steps, "seeds": args.seeds, "rows": rows}, f, indent=1)
+            json.dump(
+                {"tokens": args.tokens, "inner_steps": args.inner_steps, "seeds": args.seeds, "rows": rows}, f, indent=1
+            )
         print(f"wrote {args.json}")
 
 

@@ -54,50 +54,88 @@ VICTIM = "stage2-a"
 def bench_config(steps: int, outer_every: int) -> SwarmConfig:
     # Outer step: plain averaging of the replicas every H steps (DiLoCo with outer lr 1, no momentum, fp32): it keeps stage 1's
     # two replicas in agreement and leaves a stage with one replica exactly as plain training would
-    outer = OuterOptimConfig(method="diloco", inner_steps=outer_every, diloco_lr=1.0, diloco_momentum=0.0) if outer_every else OuterOptimConfig(method="none")
-    return SwarmConfig(model=ModelConfig(d_model=128, n_layers=6, n_heads=4, max_seq_len=128), stages=StagesConfig(num_stages=3),
-                       train=TrainConfig(seq_len=128, microbatch_size=8, inner_batch=8),
-                       inner=InnerOptimConfig(warmup_steps=20, total_steps=steps), outer=outer, codecs=CodecConfig(pseudo_gradients="fp32"),
-                       timeouts=TimeoutConfig(rpc_s=10.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0))
+    outer = (
+        OuterOptimConfig(method="diloco", inner_steps=outer_every, diloco_lr=1.0, diloco_momentum=0.0)
+        if outer_every
+        else OuterOptimConfig(method="none")
+    )
+    return SwarmConfig(
+        model=ModelConfig(d_model=128, n_layers=6, n_heads=4, max_seq_len=128),
+        stages=StagesConfig(num_stages=3),
+        train=TrainConfig(seq_len=128, microbatch_size=8, inner_batch=8),
+        inner=InnerOptimConfig(warmup_steps=20, total_steps=steps),
+        outer=outer,
+        codecs=CodecConfig(pseudo_gradients="fp32"),
+        timeouts=TimeoutConfig(rpc_s=10.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0),
+    )
 
 
 def records(out: Path, name: str) -> list[dict[str, Any]]:
     path = out / f"{name}.jsonl"
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []  # the last line may be half written
+    return (
+        [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
+    )  # the last line may be half written
 
 
 def run_scenario(scenario: str, cfg: SwarmConfig, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "swarm.toml")
     common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(out), "--threads", "1"]
-    checkpoint = ["--stage-checkpoint", str(out / "stage2.ckpt"), "--checkpoint-every", str(args.checkpoint_every)] if scenario == "checkpoint" else []
+    checkpoint = (
+        ["--stage-checkpoint", str(out / "stage2.ckpt"), "--checkpoint-every", str(args.checkpoint_every)]
+        if scenario == "checkpoint"
+        else []
+    )
     procs: dict[str, subprocess.Popen] = {}
     try:
         # The stage-1 servers may move only where CheckFree is the recovery (elsewhere they would rebuild the lost stage):
         # the least-loaded of the two does. 600 s: no throughput moves within a run; holes are looked for every second.
         movable = ["--rebalance-period", "600" if scenario != "checkpoint" else "0"]
-        procs["stage3-a"] = spawn_peer("stage3-a", ["--role", "stage", "--stage", "3", "--config", str(out / "swarm.toml"), *common], out)
+        procs["stage3-a"] = spawn_peer(
+            "stage3-a", ["--role", "stage", "--stage", "3", "--config", str(out / "swarm.toml"), *common], out
+        )
         join = ["--initial-peers", wait_for_address(procs["stage3-a"], out / "stage3-a.log", 120)]
         procs[VICTIM] = spawn_peer(VICTIM, ["--role", "stage", "--stage", "2", *checkpoint, *join, *common], out)
         wait_for_address(procs[VICTIM], out / f"{VICTIM}.log", 120)  # serving before stage 1's movers look for holes
         procs["stage1-a"] = spawn_peer("stage1-a", ["--role", "stage", "--stage", "1", *movable, *join, *common], out)
         procs["spare"] = spawn_peer("spare", ["--role", "stage", "--stage", "1", *movable, *join, *common], out)
         data = [arg for spec in args.data or () for arg in ("--data", spec)]
-        procs["trainer-0"] = spawn_peer("trainer-0", ["--role", "trainer", "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                                                      *data, *join, *common], out)
+        procs["trainer-0"] = spawn_peer(
+            "trainer-0",
+            [
+                "--role",
+                "trainer",
+                "--steps",
+                str(args.steps),
+                "--eval-every",
+                str(args.eval_every),
+                *data,
+                *join,
+                *common,
+            ],
+            out,
+        )
         schedule = FaultSchedule.parse(f"{VICTIM}@step={args.kill_at}" if scenario != "none" else "")
-        injector = FaultInjector(schedule, {VICTIM: procs[VICTIM]}, kill=lambda pid, sig: os.killpg(pid, sig))  # the whole peer
+        injector = FaultInjector(
+            schedule, {VICTIM: procs[VICTIM]}, kill=lambda pid, sig: os.killpg(pid, sig)
+        )  # the whole peer
         killed_at = None
         while procs["trainer-0"].poll() is None:
             steps = [r["inner_steps"] for r in records(out, VICTIM) if r.get("role") == "stage" and "inner_steps" in r]
             if injector.poll({VICTIM: steps[-1]} if steps else {}):
                 killed_at = time.time()
                 print(f"  {scenario}: killed {VICTIM} at its step {steps[-1]}", flush=True)
-                if scenario == "checkpoint":  # restarted at once; it loads the checkpoint once the stage has no live record
-                    procs["stage2-b"] = spawn_peer("stage2-b", ["--role", "stage", "--stage", "2", *checkpoint, *join, *common], out)
+                if (
+                    scenario == "checkpoint"
+                ):  # restarted at once; it loads the checkpoint once the stage has no live record
+                    procs["stage2-b"] = spawn_peer(
+                        "stage2-b", ["--role", "stage", "--stage", "2", *checkpoint, *join, *common], out
+                    )
             time.sleep(0.2)
         if procs["trainer-0"].returncode != 0:
-            raise RuntimeError(f"{scenario}: the trainer exited with {procs['trainer-0'].returncode}; see {out / 'trainer-0.log'}")
+            raise RuntimeError(
+                f"{scenario}: the trainer exited with {procs['trainer-0'].returncode}; see {out / 'trainer-0.log'}"
+            )
     finally:
         stop_processes(procs.values())
     return summarise(scenario, out, killed_at)
@@ -106,16 +144,36 @@ def run_scenario(scenario: str, cfg: SwarmConfig, args: argparse.Namespace, out:
 def summarise(scenario: str, out: Path, killed_at: float | None) -> dict[str, Any]:
     progress = [r for r in records(out, "trainer-0") if r.get("role") == "trainer"]
     started = progress[0]["time"] - progress[0]["elapsed_s"]  # training start, after every stage had a server
-    evals = [{"step": r["step"], "tokens": r["tokens"], "t_s": r["time"] - started, "val_loss": r["val_loss"]} for r in progress if "val_loss" in r]
+    evals = [
+        {"step": r["step"], "tokens": r["tokens"], "t_s": r["time"] - started, "val_loss": r["val_loss"]}
+        for r in progress
+        if "val_loss" in r
+    ]
     last = progress[-1]
-    result: dict[str, Any] = {"scenario": scenario, "val_loss": last["val_loss"], "tokens": last["tokens"], "steps": last["step"],
-                              "wall_s": last["time"] - started, "failed": last["failed"], "skipped_hops": last["skipped_hops"], "evals": evals}
+    result: dict[str, Any] = {
+        "scenario": scenario,
+        "val_loss": last["val_loss"],
+        "tokens": last["tokens"],
+        "steps": last["step"],
+        "wall_s": last["time"] - started,
+        "failed": last["failed"],
+        "skipped_hops": last["skipped_hops"],
+        "evals": evals,
+    }
     if killed_at is not None:
         result["killed_at_s"] = killed_at - started
-        for peer in ("stage1-a", "spare", "stage2-b"):  # whoever rebuilt stage 2 (CheckFree) or rolled it back (restart)
+        for peer in (
+            "stage1-a",
+            "spare",
+            "stage2-b",
+        ):  # whoever rebuilt stage 2 (CheckFree) or rolled it back (restart)
             if events := [r for r in records(out, peer) if r.get("event") in ("recovered", "rollback")]:
-                served = [r["first_served_at"] for r in records(out, peer) if r.get("stage") == 2 and r.get("first_served_at")]
-                result.update(recovered_by=peer, recovery=events[0], recovery_s=served[0] - killed_at if served else None)
+                served = [
+                    r["first_served_at"] for r in records(out, peer) if r.get("stage") == 2 and r.get("first_served_at")
+                ]
+                result.update(
+                    recovered_by=peer, recovery=events[0], recovery_s=served[0] - killed_at if served else None
+                )
     return result
 
 
@@ -127,13 +185,24 @@ def to_target(result: dict[str, Any], target: float, key: str) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="trainer inner steps per run")
-    parser.add_argument("--kill-at", type=int, default=130, help="the stage-2 server's inner step at which it is killed")
-    parser.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint scenario: stage-2 checkpoint period in inner steps")
+    parser.add_argument(
+        "--kill-at", type=int, default=130, help="the stage-2 server's inner step at which it is killed"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=50, help="checkpoint scenario: stage-2 checkpoint period in inner steps"
+    )
     parser.add_argument("--eval-every", type=int, default=20, help="validation pass every N steps (a multiple of 10)")
-    parser.add_argument("--outer-every", type=int, default=10, help="H: replicas of a stage average their weights every H steps (0: never)")
+    parser.add_argument(
+        "--outer-every",
+        type=int,
+        default=10,
+        help="H: replicas of a stage average their weights every H steps (0: never)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per scenario; the table shows medians")
     parser.add_argument("--data", action="append", help="corpus (default: this Python's standard library)")
-    parser.add_argument("--out", type=Path, default=None, help="keep the peers' logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="keep the peers' logs here (default: a temporary directory)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the records here")
     args = parser.parse_args()
     if not 0 < args.kill_at < args.steps:
@@ -151,33 +220,55 @@ def main() -> None:
     for scenario, results in runs.items():
         for repeat, result in enumerate(results):
             # steps_to_target as well: on a shared machine the wall clock also measures the neighbours' load
-            records_out.append({**result, "repeat": repeat, "target_val_loss": target, "time_to_target_s": to_target(result, target, "t_s"),
-                                "steps_to_target": to_target(result, target, "step"), "tokens_per_s": result["tokens"] / result["wall_s"],
-                                "kill_at": args.kill_at if scenario != "none" else None, "config_hash": cfg.hash()})
+            records_out.append(
+                {
+                    **result,
+                    "repeat": repeat,
+                    "target_val_loss": target,
+                    "time_to_target_s": to_target(result, target, "t_s"),
+                    "steps_to_target": to_target(result, target, "step"),
+                    "tokens_per_s": result["tokens"] / result["wall_s"],
+                    "kill_at": args.kill_at if scenario != "none" else None,
+                    "config_hash": cfg.hash(),
+                }
+            )
     none_loss = statistics.median(r["val_loss"] for r in records_out if r["scenario"] == "none")
-    print(f"\ntarget val loss {target:.4f} (no-failure run at step {int(at)}); kill at step {args.kill_at}; "
-          f"checkpoint every {args.checkpoint_every} steps; medians of {args.repeats} run(s)")
-    print(f"{'scenario':<11} {'recovery_s':>10} {'val_loss':>9} {'vs none':>8} {'time_to_target_s':>17} {'steps_to_target':>15} "
-          f"{'wall_s':>7} {'tok/s':>6} {'failed':>6} {'skipped':>7}")
+    print(
+        f"\ntarget val loss {target:.4f} (no-failure run at step {int(at)}); kill at step {args.kill_at}; "
+        f"checkpoint every {args.checkpoint_every} steps; medians of {args.repeats} run(s)"
+    )
+    print(
+        f"{'scenario':<11} {'recovery_s':>10} {'val_loss':>9} {'vs none':>8} {'time_to_target_s':>17} {'steps_to_target':>15} "
+        f"{'wall_s':>7} {'tok/s':>6} {'failed':>6} {'skipped':>7}"
+    )
     for scenario in SCENARIOS:
         rs = [r for r in records_out if r["scenario"] == scenario]
-        med = lambda key: (statistics.median(v) if (v := [r[key] for r in rs if r.get(key) is not None]) else None)
+        med = lambda key: statistics.median(v) if (v := [r[key] for r in rs if r.get(key) is not None]) else None
         fmt = lambda v, spec: format("-", f">{spec.split('.')[0]}") if v is None else format(v, spec)
         loss = med("val_loss")
-        print(f"{scenario:<11} {fmt(med('recovery_s'), '10.1f')} {loss:9.4f} {100 * (loss / none_loss - 1):+7.2f}% "
-              f"{fmt(med('time_to_target_s'), '17.1f')} {fmt(med('steps_to_target'), '15.0f')} {med('wall_s'):7.1f} {med('tokens_per_s'):6.0f} "
-              f"{fmt(med('failed'), '6.0f')} {fmt(med('skipped_hops'), '7.0f')}")
+        print(
+            f"{scenario:<11} {fmt(med('recovery_s'), '10.1f')} {loss:9.4f} {100 * (loss / none_loss - 1):+7.2f}% "
+            f"{fmt(med('time_to_target_s'), '17.1f')} {fmt(med('steps_to_target'), '15.0f')} {med('wall_s'):7.1f} {med('tokens_per_s'):6.0f} "
+            f"{fmt(med('failed'), '6.0f')} {fmt(med('skipped_hops'), '7.0f')}"
+        )
     cf = [r for r in records_out if r["scenario"] == "checkfree"]
     ck = [r for r in records_out if r["scenario"] == "checkpoint"]
     med_of = lambda rs, key: statistics.median(r[key] if r.get(key) is not None else float("inf") for r in rs)
-    checks = {"recovery within 30 s": med_of(cf, "recovery_s") <= TARGET_RECOVERY_S,
-              "checkfree reaches the target sooner than rollback": med_of(cf, "time_to_target_s") < med_of(ck, "time_to_target_s"),
-              "checkfree val loss within 3% of no failure": med_of(cf, "val_loss") <= (1 + TARGET_LOSS_GAP) * none_loss}
+    checks = {
+        "recovery within 30 s": med_of(cf, "recovery_s") <= TARGET_RECOVERY_S,
+        "checkfree reaches the target sooner than rollback": med_of(cf, "time_to_target_s")
+        < med_of(ck, "time_to_target_s"),
+        "checkfree val loss within 3% of no failure": med_of(cf, "val_loss") <= (1 + TARGET_LOSS_GAP) * none_loss,
+    }
     for what, ok in checks.items():
         print(f"{'PASS' if ok else 'MISS'}  {what}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"records": records_out, "checks": checks, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"records": records_out, "checks": checks, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1
+            )
+        )
         print(f"wrote {args.json}; peer logs in {root}")
 
 

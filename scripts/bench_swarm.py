@@ -47,13 +47,20 @@ TARGET_JOIN_S = 30.0  # a late peer serves its first request within 30 s of its 
 
 
 def read_peers(out: Path) -> dict[str, list[dict[str, Any]]]:
-    return {path.stem: [json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("*.jsonl"))}
+    return {
+        path.stem: [json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("*.jsonl"))
+    }
 
 
 def outer_summary(peers: dict[str, list[dict[str, Any]]], tokens: int) -> dict[str, Any]:
     """Outer rounds, their duration and the pseudo-gradient traffic, over every peer."""
-    done = [r for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"]
-    last = [next((r for r in reversed(records) if "outer_round" in r and "event" not in r), {}) for records in peers.values()]  # final counters
+    done = [
+        r for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"
+    ]
+    last = [
+        next((r for r in reversed(records) if "outer_round" in r and "event" not in r), {})
+        for records in peers.values()
+    ]  # final counters
     sent, fp32 = sum(r.get("pseudo_grad_bytes", 0) for r in last), sum(r.get("pseudo_grad_fp32_bytes", 0) for r in last)
     rounds: dict[str, int] = {}
     for r in done:
@@ -62,7 +69,12 @@ def outer_summary(peers: dict[str, list[dict[str, Any]]], tokens: int) -> dict[s
         "outer_rounds": rounds,  # per stage: rounds completed
         "round_s": statistics.median(r["round_s"] for r in done) if done else None,  # declaration to install
         "round_members": statistics.mean(r["contributors"] for r in done) if done else None,
-        "outer_failed_or_late": sum(1 for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] != "done"),
+        "outer_failed_or_late": sum(
+            1
+            for records in peers.values()
+            for r in records
+            if r.get("event") == "outer_round" and r["outcome"] != "done"
+        ),
         "state_downloads": sum(1 for records in peers.values() for r in records if r.get("event") == "state_download"),
         "pseudo_grad_bytes_per_token": sent / tokens,
         "fp32_pseudo_grad_bytes_per_token": fp32 / tokens,
@@ -75,19 +87,31 @@ def join_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     spawned = next(r["time"] for r in records if r.get("event") == "spawned")
     serving = next((r for r in records if r.get("event") == "serving"), None)
     served = next((r["first_served_at"] for r in records if r.get("first_served_at")), None)
-    return {"join_role": "stage" if serving else "trainer", "join_stage": serving and serving["stage"], "join_round": serving and serving["outer_round"],
-            "join_ready_s": serving and serving["time"] - spawned, "join_s": served and served - spawned}
+    return {
+        "join_role": "stage" if serving else "trainer",
+        "join_stage": serving and serving["stage"],
+        "join_round": serving and serving["outer_round"],
+        "join_ready_s": serving and serving["time"] - spawned,
+        "join_s": served and served - spawned,
+    }
 
 
-def run_swarm(cfg: SwarmConfig, layout: LocalSwarm, data: list[str] | None, out: Path,
-              place: Callable[[str], Placement] = lambda name: LOOPBACK) -> dict[str, Any]:
+def run_swarm(
+    cfg: SwarmConfig,
+    layout: LocalSwarm,
+    data: list[str] | None,
+    out: Path,
+    place: Callable[[str], Placement] = lambda name: LOOPBACK,
+) -> dict[str, Any]:
     """Run the swarm to the end; its loss, throughput and traffic from the peers' metrics (``place``: see ``launch_local``)."""
     started = time.perf_counter()
     code = launch_local(layout, out=out, config=cfg, data=data, place=place)
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")
     peers = read_peers(out)
-    trainers = [next(r for r in reversed(peers[f"trainer-{i}"]) if r.get("role") == "trainer") for i in range(layout.trainers)]
+    trainers = [
+        next(r for r in reversed(peers[f"trainer-{i}"]) if r.get("role") == "trainer") for i in range(layout.trainers)
+    ]
     last = trainers[0]
     tokens = sum(t["tokens"] for t in trainers)
     training = ("activations", "gradients")  # validation traffic is counted apart ("eval"), not per training token
@@ -99,8 +123,12 @@ def run_swarm(cfg: SwarmConfig, layout: LocalSwarm, data: list[str] | None, out:
         "tokens_per_s": sum(t["tokens_per_s"] for t in trainers),  # while training, startup excluded
         "wall_s": time.perf_counter() - started,  # startup and shutdown of every process included
         "bytes_per_token": {kind: wire[kind] / tokens for kind in training} | {"total": sum(wire.values()) / tokens},
-        "fp32_bytes_per_token": {kind: fp32[kind] / tokens for kind in training} | {"total": sum(fp32.values()) / tokens},
-        "failed_hops": sum(t["hop_failures"] + t["hop_timeouts"] + sum(v for k, v in t.items() if k.startswith("hop_refused_")) for t in trainers),
+        "fp32_bytes_per_token": {kind: fp32[kind] / tokens for kind in training}
+        | {"total": sum(fp32.values()) / tokens},
+        "failed_hops": sum(
+            t["hop_failures"] + t["hop_timeouts"] + sum(v for k, v in t.items() if k.startswith("hop_refused_"))
+            for t in trainers
+        ),
         "skipped_hops": sum(t["skipped_hops"] for t in trainers),
         "resent_inputs": sum(t["resent_inputs"] for t in trainers),
         "microbatches": {k: sum(t[k] for t in trainers) for k in ("started", "completed", "failed", "cancelled")},
@@ -120,10 +148,16 @@ def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[s
     log: list[dict[str, float]] = []
     cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, total_steps=steps))
     train_centralized(cfg, batches, val, steps=steps, log_every=steps, on_log=log.append)
-    return {"val_loss": log[-1]["val_loss"], "tokens": log[-1]["tokens"], "tokens_per_s": log[-1]["tokens"] / log[-1]["elapsed_s"]}
+    return {
+        "val_loss": log[-1]["val_loss"],
+        "tokens": log[-1]["tokens"],
+        "tokens_per_s": log[-1]["tokens"] / log[-1]["elapsed_s"],
+    }
 
 
-def bench_config(base: SwarmConfig, outer: OuterMethod | None, inner_steps: int | None, codec: str | None) -> SwarmConfig:
+def bench_config(
+    base: SwarmConfig, outer: OuterMethod | None, inner_steps: int | None, codec: str | None
+) -> SwarmConfig:
     """The config with the outer method (DiLoCo exchanges fp32), H and the activation/gradient codec changed where given."""
     overrides: dict[str, ConfigValue] = {"codecs.pseudo_gradients": "fp32"} if outer == "diloco" else {}
     if inner_steps:
@@ -135,30 +169,59 @@ def bench_config(base: SwarmConfig, outer: OuterMethod | None, inner_steps: int 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="inner steps per trainer (each train.inner_batch samples)")
+    parser.add_argument(
+        "--steps", type=int, default=100, help="inner steps per trainer (each train.inner_batch samples)"
+    )
     parser.add_argument("--stages", type=int, default=2, help="middle stages")
     parser.add_argument("--trainers", type=int, default=1, help="trainers (stage 0 replicas)")
     parser.add_argument("--replicas", type=int, default=1, help="stage servers per middle stage")
-    parser.add_argument("--outer", choices=OUTER_METHODS, help="outer step (default: the config's); diloco exchanges fp32")
-    parser.add_argument("-H", "--inner-steps", type=int, help="H: inner steps between outer steps (default: the config's)")
+    parser.add_argument(
+        "--outer", choices=OUTER_METHODS, help="outer step (default: the config's); diloco exchanges fp32"
+    )
+    parser.add_argument(
+        "-H", "--inner-steps", type=int, help="H: inner steps between outer steps (default: the config's)"
+    )
     parser.add_argument("--join", action="store_true", help="start one more peer mid-run with --role auto")
     parser.add_argument("--join-after", type=float, default=30.0, help="seconds after the trainers start that it joins")
     parser.add_argument("--codec", choices=CODEC_NAMES, help="activation and gradient codec (default: the config's)")
     parser.add_argument("--config", type=Path, help="swarm config TOML (default: the built-in model)")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
     parser.add_argument("--out", type=Path, help="keep the swarm's logs and metrics here")
-    parser.add_argument("--seeds", type=int, default=1, help="repeat with train.seed 0..N-1 (data order, routing) and report mean and spread")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="repeat with train.seed 0..N-1 (data order, routing) and report mean and spread",
+    )
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
 
-    layout = LocalSwarm(peers=args.trainers + args.replicas * args.stages, stages=args.stages, trainers=args.trainers, steps=args.steps,
-                        joiners=int(args.join), join_after_s=args.join_after)
-    cfg = bench_config(local_config(load_config(args.config) if args.config else SwarmConfig(), layout), args.outer, args.inner_steps, args.codec)
-    results = [measure(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed)), layout, args) for seed in range(args.seeds)]
+    layout = LocalSwarm(
+        peers=args.trainers + args.replicas * args.stages,
+        stages=args.stages,
+        trainers=args.trainers,
+        steps=args.steps,
+        joiners=int(args.join),
+        join_after_s=args.join_after,
+    )
+    cfg = bench_config(
+        local_config(load_config(args.config) if args.config else SwarmConfig(), layout),
+        args.outer,
+        args.inner_steps,
+        args.codec,
+    )
+    results = [
+        measure(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed)), layout, args)
+        for seed in range(args.seeds)
+    ]
     if args.seeds > 1:
         print_seeds(results)
     if args.json:
-        args.json.write_text(json.dumps(results[0] if args.seeds == 1 else {"seeds": args.seeds, "runs": results, **spread(results)}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                results[0] if args.seeds == 1 else {"seeds": args.seeds, "runs": results, **spread(results)}, indent=1
+            )
+        )
         print(f"wrote {args.json}")
 
 
@@ -167,35 +230,72 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
         swarm = run_swarm(cfg, layout, args.data, args.out / f"seed{cfg.train.seed}" if args.out else Path(tmp))
     tokens_per_step = cfg.train.inner_batch * cfg.train.seq_len
-    baseline = run_baseline(cfg, swarm["tokens"] // tokens_per_step, args.data)  # as many tokens as all trainers together
+    baseline = run_baseline(
+        cfg, swarm["tokens"] // tokens_per_step, args.data
+    )  # as many tokens as all trainers together
     assert swarm["tokens"] == baseline["tokens"], (swarm["tokens"], baseline["tokens"])
 
     gap = swarm["val_loss"] / baseline["val_loss"] - 1
     compression = swarm["fp32_bytes_per_token"]["total"] / swarm["bytes_per_token"]["total"]
-    targets = {"val_loss_within_5pct": gap <= TARGET_LOSS_GAP, "bytes_4x_below_fp32": compression >= TARGET_COMPRESSION,
-               "no_unaccounted_microbatches": swarm["unaccounted_microbatches"] == 0}
+    targets = {
+        "val_loss_within_5pct": gap <= TARGET_LOSS_GAP,
+        "bytes_4x_below_fp32": compression >= TARGET_COMPRESSION,
+        "no_unaccounted_microbatches": swarm["unaccounted_microbatches"] == 0,
+    }
     if cfg.outer.method == "sparseloco" and swarm["pseudo_grad_compression_vs_fp32"]:
-        targets["pseudo_grads_100x_below_fp32"] = swarm["pseudo_grad_compression_vs_fp32"] >= TARGET_PSEUDO_GRAD_COMPRESSION
+        targets["pseudo_grads_100x_below_fp32"] = (
+            swarm["pseudo_grad_compression_vs_fp32"] >= TARGET_PSEUDO_GRAD_COMPRESSION
+        )
     if args.join:
         targets["join_within_30s"] = swarm.get("join_s") is not None and swarm["join_s"] <= TARGET_JOIN_S
     result = {
-        "peers": layout.peers + layout.joiners, "stages": layout.stages, "trainers": layout.trainers, "replicas": args.replicas,
-        "steps": args.steps, "seed": cfg.train.seed, "tokens": swarm["tokens"], "config_hash": cfg.hash(), "data": args.data,
-        "codecs": {"activations": cfg.codecs.activations, "gradients": cfg.codecs.gradients, "pseudo_gradients": cfg.codecs.pseudo_gradients},
-        "outer": {"method": cfg.outer.method, "inner_steps": cfg.outer.inner_steps, "matchmaking_s": cfg.timeouts.matchmaking_s},
-        "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
-        "tokens_per_s": swarm["tokens_per_s"], "baseline_tokens_per_s": baseline["tokens_per_s"],
-        "val_loss": swarm["val_loss"], "baseline_val_loss": baseline["val_loss"], "val_loss_gap": gap,
+        "peers": layout.peers + layout.joiners,
+        "stages": layout.stages,
+        "trainers": layout.trainers,
+        "replicas": args.replicas,
+        "steps": args.steps,
+        "seed": cfg.train.seed,
+        "tokens": swarm["tokens"],
+        "config_hash": cfg.hash(),
+        "data": args.data,
+        "codecs": {
+            "activations": cfg.codecs.activations,
+            "gradients": cfg.codecs.gradients,
+            "pseudo_gradients": cfg.codecs.pseudo_gradients,
+        },
+        "outer": {
+            "method": cfg.outer.method,
+            "inner_steps": cfg.outer.inner_steps,
+            "matchmaking_s": cfg.timeouts.matchmaking_s,
+        },
+        "model": dataclasses.asdict(cfg.model),
+        "train": dataclasses.asdict(cfg.train),
+        "tokens_per_s": swarm["tokens_per_s"],
+        "baseline_tokens_per_s": baseline["tokens_per_s"],
+        "val_loss": swarm["val_loss"],
+        "baseline_val_loss": baseline["val_loss"],
+        "val_loss_gap": gap,
         "compression_vs_fp32": compression,
         **{k: v for k, v in swarm.items() if k not in ("val_loss", "tokens", "tokens_per_s")},
         "targets": targets,
     }
-    print(f"seed {cfg.train.seed}: swarm    val {swarm['val_loss']:.4f}  {swarm['tokens_per_s']:.0f} tok/s  {swarm['bytes_per_token']['total']:.0f} B/token "
-          f"({compression:.1f}x below fp32)  failed hops {swarm['failed_hops']}  skipped {swarm['skipped_hops']}")
-    print(f"outer    {cfg.outer.method} H={cfg.outer.inner_steps}: rounds {swarm['outer_rounds']}  median {swarm['round_s'] or 0:.2f}s  "
-          f"{swarm['pseudo_grad_bytes_per_token']:.3f} pseudo-grad B/token (fp32 would be {swarm['fp32_pseudo_grad_bytes_per_token']:.1f})"
-          + (f"  joiner: {swarm['join_role']} of stage {swarm['join_stage']}, serving {swarm['join_s']:.1f}s after start" if swarm.get("join_s") else ""))
-    print(f"baseline val {baseline['val_loss']:.4f}  {baseline['tokens_per_s']:.0f} tok/s   gap {100 * gap:+.2f}%   targets {targets}", flush=True)
+    print(
+        f"seed {cfg.train.seed}: swarm    val {swarm['val_loss']:.4f}  {swarm['tokens_per_s']:.0f} tok/s  {swarm['bytes_per_token']['total']:.0f} B/token "
+        f"({compression:.1f}x below fp32)  failed hops {swarm['failed_hops']}  skipped {swarm['skipped_hops']}"
+    )
+    print(
+        f"outer    {cfg.outer.method} H={cfg.outer.inner_steps}: rounds {swarm['outer_rounds']}  median {swarm['round_s'] or 0:.2f}s  "
+        f"{swarm['pseudo_grad_bytes_per_token']:.3f} pseudo-grad B/token (fp32 would be {swarm['fp32_pseudo_grad_bytes_per_token']:.1f})"
+        + (
+            f"  joiner: {swarm['join_role']} of stage {swarm['join_stage']}, serving {swarm['join_s']:.1f}s after start"
+            if swarm.get("join_s")
+            else ""
+        )
+    )
+    print(
+        f"baseline val {baseline['val_loss']:.4f}  {baseline['tokens_per_s']:.0f} tok/s   gap {100 * gap:+.2f}%   targets {targets}",
+        flush=True,
+    )
     return result
 
 
@@ -213,8 +313,10 @@ def print_seeds(results: list[dict[str, Any]]) -> None:
     for r in results:
         print(f"{r['seed']:>4} {r['val_loss']:9.4f} {r['baseline_val_loss']:12.4f} {100 * r['val_loss_gap']:+6.2f}%")
     s = spread(results)
-    print(f"mean {s['val_loss']['mean']:9.4f} {s['baseline_val_loss']['mean']:12.4f} {100 * s['val_loss_gap']['mean']:+6.2f}%"
-          f"   (stdev {s['val_loss']['stdev']:.4f} / {s['baseline_val_loss']['stdev']:.4f} / {100 * s['val_loss_gap']['stdev']:.2f} pt)")
+    print(
+        f"mean {s['val_loss']['mean']:9.4f} {s['baseline_val_loss']['mean']:12.4f} {100 * s['val_loss_gap']['mean']:+6.2f}%"
+        f"   (stdev {s['val_loss']['stdev']:.4f} / {s['baseline_val_loss']['stdev']:.4f} / {100 * s['val_loss_gap']['stdev']:.2f} pt)"
+    )
 
 
 if __name__ == "__main__":

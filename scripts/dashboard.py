@@ -47,8 +47,11 @@ from swarm.rpc.auth import AccessDenied, CredentialError
 
 logger = logging.getLogger("dashboard")
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
-ASSETS = {"/": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js", "text/javascript; charset=utf-8"),
-          "/style.css": ("style.css", "text/css; charset=utf-8")}
+ASSETS = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/style.css": ("style.css", "text/css; charset=utf-8"),
+}
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Point = tuple[float, int, float]  # (unix time seen, inner step, value)
 
@@ -77,24 +80,31 @@ def _rates(start: dict[str, int], end: dict[str, int], seconds: float) -> dict[s
     """Bytes/s by kind ({} over no time); a counter that went back (the peer restarted) counts from zero."""
     if seconds <= 0:
         return {}
-    return {kind: (count - start.get(kind, 0) if count >= start.get(kind, 0) else count) / seconds for kind, count in end.items()}
+    return {
+        kind: (count - start.get(kind, 0) if count >= start.get(kind, 0) else count) / seconds
+        for kind, count in end.items()
+    }
 
 
 class History:
     """The swarm over time, from one metrics snapshot per poll; safe to read from the HTTP threads.
 
-        >>> history = History(leave_after_s=3.0)
-        >>> history.update({"12D3…": PeerMetrics(role="stage", stage=1, state="serving", step=0, version=1)}, now=time.time())
-        >>> history.state(time.time())["events"]  # [{"kind": "join", "text": "joined stage 1 (serving)", …}]
+    >>> history = History(leave_after_s=3.0)
+    >>> history.update({"12D3…": PeerMetrics(role="stage", stage=1, state="serving", step=0, version=1)}, now=time.time())
+    >>> history.state(time.time())["events"]  # [{"kind": "join", "text": "joined stage 1 (serving)", …}]
     """
 
-    def __init__(self, *, leave_after_s: float, max_points: int = 2000, max_events: int = 500, rate_polls: int = 10) -> None:
+    def __init__(
+        self, *, leave_after_s: float, max_points: int = 2000, max_events: int = 500, rate_polls: int = 10
+    ) -> None:
         self.leave_after_s = leave_after_s  # absent from the snapshots this long: the peer left
         self.peers: dict[str, PeerView] = {}
         self.loss: dict[str, deque[Point]] = {}  # per trainer, a point whenever its published loss changes
         self.val_loss: dict[str, deque[Point]] = {}
         self.throughput: deque[tuple[float, float]] = deque(maxlen=max_points)  # (time, tokens/s of all trainers)
-        self.rounds: dict[int, deque[tuple[float, int]]] = {}  # stage → (time, round) whenever a replica first reports a higher round
+        self.rounds: dict[
+            int, deque[tuple[float, int]]
+        ] = {}  # stage → (time, round) whenever a replica first reports a higher round
         self.events: deque[Event] = deque(maxlen=max_events)
         self.event_counts: Counter[str] = Counter()
         self._max_points, self._rate_polls = max_points, rate_polls
@@ -115,7 +125,9 @@ class History:
     def _observe(self, peer: str, metrics: PeerMetrics, now: float) -> None:
         view = self.peers.get(peer)
         if view is None:
-            view = self.peers[peer] = PeerView(metrics, first_seen=now, last_seen=now, traffic=deque(maxlen=self._rate_polls))
+            view = self.peers[peer] = PeerView(
+                metrics, first_seen=now, last_seen=now, traffic=deque(maxlen=self._rate_polls)
+            )
             self._event(now, "join", peer, f"joined {_where(metrics)} ({metrics.state})")
         else:
             old = view.metrics
@@ -165,8 +177,14 @@ class History:
     @staticmethod
     def _peer_state(peer: str, view: PeerView) -> dict[str, Any]:
         (start, sent0, received0), (end, sent, received) = view.traffic[0], view.traffic[-1]  # over the last polls
-        return {"id": peer, **view.metrics.dict(), "rate_sent": _rates(sent0, sent, end - start),
-                "rate_received": _rates(received0, received, end - start), "first_seen": view.first_seen, "last_seen": view.last_seen}
+        return {
+            "id": peer,
+            **view.metrics.dict(),
+            "rate_sent": _rates(sent0, sent, end - start),
+            "rate_received": _rates(received0, received, end - start),
+            "first_seen": view.first_seen,
+            "last_seen": view.last_seen,
+        }
 
 
 def _labels(labels: Mapping[str, Any]) -> str:
@@ -198,18 +216,42 @@ def prometheus_text(state: Mapping[str, Any]) -> str:
     family("peers", "gauge", "Live peers by role.", [({"role": role}, roles[role]) for role in ("trainer", "stage")])
     for field, (name, help_text) in PEER_GAUGES.items():
         family(name, "gauge", help_text, [(who(peer), peer[field]) for peer in peers if peer[field] is not None])
-    family("recoveries_total", "counter", "Stages a peer rebuilt from their neighbours.", [(who(peer), peer["recoveries"]) for peer in peers])
+    family(
+        "recoveries_total",
+        "counter",
+        "Stages a peer rebuilt from their neighbours.",
+        [(who(peer), peer["recoveries"]) for peer in peers],
+    )
     for direction in ("sent", "received"):
-        family(f"bytes_{direction}_total", "counter", f"Wire bytes {direction} since the peer started, by kind.",
-               [({**who(peer), "kind": kind}, count) for peer in peers for kind, count in sorted(peer[f"bytes_{direction}"].items())])
-    family("events_total", "counter", "Swarm events the dashboard saw, by kind.", [({"kind": kind}, n) for kind, n in sorted(state["event_counts"].items())])
+        family(
+            f"bytes_{direction}_total",
+            "counter",
+            f"Wire bytes {direction} since the peer started, by kind.",
+            [
+                ({**who(peer), "kind": kind}, count)
+                for peer in peers
+                for kind, count in sorted(peer[f"bytes_{direction}"].items())
+            ],
+        )
+    family(
+        "events_total",
+        "counter",
+        "Swarm events the dashboard saw, by kind.",
+        [({"kind": kind}, n) for kind, n in sorted(state["event_counts"].items())],
+    )
     return "\n".join(lines) + "\n"
 
 
 def swarm_info(cfg: SwarmConfig) -> dict[str, Any]:
     blocks = split_layers(cfg.model.n_layers, cfg.stages.num_stages)
-    return {"id": cfg.swarm_id, "name": cfg.name, "num_stages": cfg.stages.num_stages,
-            "blocks": [[r.start, r.stop - 1] for r in blocks], "outer_method": cfg.outer.method, "inner_steps": cfg.outer.inner_steps}
+    return {
+        "id": cfg.swarm_id,
+        "name": cfg.name,
+        "num_stages": cfg.stages.num_stages,
+        "blocks": [[r.start, r.stop - 1] for r in blocks],
+        "outer_method": cfg.outer.method,
+        "inner_steps": cfg.outer.inner_steps,
+    }
 
 
 def make_handler(state: Callable[[], dict[str, Any]]) -> type[BaseHTTPRequestHandler]:
@@ -241,7 +283,9 @@ def make_handler(state: Callable[[], dict[str, Any]]) -> type[BaseHTTPRequestHan
     return Handler
 
 
-async def watch(read: Callable[[], Awaitable[Mapping[PeerID, PeerMetrics]]], history: History, period_s: float, stop: asyncio.Event) -> None:
+async def watch(
+    read: Callable[[], Awaitable[Mapping[PeerID, PeerMetrics]]], history: History, period_s: float, stop: asyncio.Event
+) -> None:
     """Every ``period_s`` until ``stop``: ``await read()`` → {PeerID: PeerMetrics} into ``history``."""
     while not stop.is_set():
         try:
@@ -256,15 +300,22 @@ async def watch(read: Callable[[], Awaitable[Mapping[PeerID, PeerMetrics]]], his
 
 async def serve(args: argparse.Namespace, cfg: SwarmConfig | None, credentials: PeerCredentials | None) -> None:
     """Join as a client, serve the page, and poll the swarm until SIGINT/SIGTERM."""
-    dht = await start_dht(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
-                          identity_path=str(args.identity) if args.identity else None, credentials=credentials)
+    dht = await start_dht(
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        client_mode=True,
+        identity_path=str(args.identity) if args.identity else None,
+        credentials=credentials,
+    )
     try:
         membership = Membership(dht)
         cfg = await membership.join(cfg, create=False, name=swarm_name(credentials, args.name))
         period_s = args.poll_s or cfg.timeouts.announce_period_s
         history = History(leave_after_s=2.5 * period_s)
         info = swarm_info(cfg)
-        server = ThreadingHTTPServer((args.host, args.port), make_handler(lambda: {"swarm": info, **history.state(time.time())}))
+        server = ThreadingHTTPServer(
+            (args.host, args.port), make_handler(lambda: {"swarm": info, **history.state(time.time())})
+        )
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
         print(f"dashboard of swarm {cfg.swarm_id}: http://{args.host}:{server.server_port}/", flush=True)
         stop = asyncio.Event()
@@ -284,11 +335,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--initial-peers", nargs="+", required=True, help="Multiaddrs of peers in the swarm.")
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free one; the URL is printed).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to serve on (0.0.0.0: every interface).")
-    parser.add_argument("--config", type=Path, help="The swarm's swarm.toml (default: fetch the config published under --name).")
+    parser.add_argument(
+        "--config", type=Path, help="The swarm's swarm.toml (default: fetch the config published under --name)."
+    )
     parser.add_argument("--name", default=SwarmConfig().name, help="Name of the swarm whose config to fetch.")
-    parser.add_argument("--poll-s", type=float, help="Seconds between snapshots (default: the swarm's announce period).")
-    parser.add_argument("--identity", type=Path, help="libp2p key file of this dashboard (a private swarm's certificate names its peer id).")
-    parser.add_argument("--credentials", type=Path, help="Private swarms: this dashboard's certificate (`swarmloco swarm invite`); needs --identity.")
+    parser.add_argument(
+        "--poll-s", type=float, help="Seconds between snapshots (default: the swarm's announce period)."
+    )
+    parser.add_argument(
+        "--identity",
+        type=Path,
+        help="libp2p key file of this dashboard (a private swarm's certificate names its peer id).",
+    )
+    parser.add_argument(
+        "--credentials",
+        type=Path,
+        help="Private swarms: this dashboard's certificate (`swarmloco swarm invite`); needs --identity.",
+    )
     parser.add_argument("--revocations", type=Path, help="Private swarms: the authority's signed revocation list.")
     return parser.parse_args(argv)
 
@@ -297,7 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        credentials = swarm_credentials(args.credentials, args.identity, args.revocations, args.config)  # as `swarmloco run` checks them
+        credentials = swarm_credentials(
+            args.credentials, args.identity, args.revocations, args.config
+        )  # as `swarmloco run` checks them
         asyncio.run(serve(args, load_config(args.config) if args.config else None, credentials))
     except typer.Exit as e:  # swarm_credentials said what is wrong
         raise SystemExit(e.exit_code) from None

@@ -106,6 +106,7 @@ def lab_namespaces(prefix: str) -> list[str]:
 
 def remove_namespaces(names: Sequence[str], grace_s: float = 5.0) -> None:
     """SIGTERM every process inside ``names``, SIGKILL what outlives ``grace_s``, then delete the namespaces (and their links)."""
+
     def pids() -> list[int]:
         return [int(p) for ns in names for p in sh("ip", "netns", "pids", ns).split()]
 
@@ -125,7 +126,9 @@ def remove_namespaces(names: Sequence[str], grace_s: float = 5.0) -> None:
 def cleanup(prefix: str | None = None) -> list[str]:
     """Remove the namespaces starting with ``prefix``; with none, those of labs whose owner process is gone. Returns their names."""
     if prefix is None:
-        names = [ns for ns in lab_namespaces(NAME_ROOT) if (m := OWNED_NAME.match(ns)) and not pid_alive(int(m.group(1)))]
+        names = [
+            ns for ns in lab_namespaces(NAME_ROOT) if (m := OWNED_NAME.match(ns)) and not pid_alive(int(m.group(1)))
+        ]
     else:
         names = lab_namespaces(prefix)
     remove_namespaces(names)
@@ -157,8 +160,10 @@ class WanLab:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
             raise ValueError(f"prefix {self.prefix!r}: use up to 64 letters, digits, '_', '.', '-'")
         self.hub = f"{self.prefix}hub"
-        self.hosts = [Host(index=i, netns=f"{self.prefix}p{i}", address=str(SUBNET[i + 1]), cap_mbit=cap)
-                      for i, cap in enumerate(caps_mbit)]
+        self.hosts = [
+            Host(index=i, netns=f"{self.prefix}p{i}", address=str(SUBNET[i + 1]), cap_mbit=cap)
+            for i, cap in enumerate(caps_mbit)
+        ]
         self.grace_s = grace_s
         self._procs: list[subprocess.Popen] = []
         self._sigterm: Any = None
@@ -200,7 +205,9 @@ class WanLab:
     def _shape(self, i: int, mbit: float | None) -> None:
         for ns, dev in ((self.hosts[i].netns, "eth0"), (self.hub, f"p{i}")):  # what host i sends, what it receives
             if mbit is None:
-                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)  # fails if uncapped already
+                subprocess.run(
+                    ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True
+                )  # fails if uncapped already
             else:
                 sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf(mbit))
 
@@ -253,13 +260,27 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 # --- bandwidth probe: a TCP sink in one host, a timed source in another ---
 
+
 def measure_mbit(lab: WanLab, src: int, dst: int, *, seconds: float = 1.5) -> float:
     """TCP goodput from host ``src`` to host ``dst`` over ``seconds`` of sending, in Mbit/s."""
     me = os.path.abspath(__file__)
     sink = lab.spawn(dst, [sys.executable, me, "sink", "--port", str(PROBE_PORT)], stdout=subprocess.PIPE, text=True)
     try:
-        lab.run(src, [sys.executable, me, "source", lab.hosts[dst].address, "--port", str(PROBE_PORT), "--seconds", str(seconds)],
-                check=True, timeout=seconds + 30)
+        lab.run(
+            src,
+            [
+                sys.executable,
+                me,
+                "source",
+                lab.hosts[dst].address,
+                "--port",
+                str(PROBE_PORT),
+                "--seconds",
+                str(seconds),
+            ],
+            check=True,
+            timeout=seconds + 30,
+        )
         out, _ = sink.communicate(timeout=30)
     finally:
         sink.kill()
@@ -312,14 +333,20 @@ def selftest(caps_mbit: Sequence[float], *, seconds: float = 1.5, tolerance: flo
         print(f"{'host':<6}{'address':<12}{'cap':>8}{'up':>9}{'down':>9}  (Mbit/s, TCP goodput, {seconds:g} s each)")
         ok = True
         for host in lab.hosts[:ref]:
-            up, down = measure_mbit(lab, host.index, ref, seconds=seconds), measure_mbit(lab, ref, host.index, seconds=seconds)
+            up, down = (
+                measure_mbit(lab, host.index, ref, seconds=seconds),
+                measure_mbit(lab, ref, host.index, seconds=seconds),
+            )
             good = all(abs(m / host.cap_mbit - 1) <= tolerance for m in (up, down))
             ok &= good
-            print(f"{host.index:<6}{host.address:<12}{host.cap_mbit:>8g}{up:>9.1f}{down:>9.1f}  {'ok' if good else 'OFF CAP'}")
+            print(
+                f"{host.index:<6}{host.address:<12}{host.cap_mbit:>8g}{up:>9.1f}{down:>9.1f}  {'ok' if good else 'OFF CAP'}"
+            )
     return ok
 
 
 # --- CLI ---
+
 
 def parse_caps(text: str, peers: int | None) -> list[float | None]:
     """``"20,none,100"`` as caps; one cap is repeated ``peers`` times."""
@@ -337,11 +364,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{check,up,run,selftest,cleanup}")
     sub.add_parser("check", help="say whether this machine can host a lab")
-    for name, help in (("up", "build a lab, print its hosts, hold it until Ctrl+C"),
-                       ("run", "run a command in every host ({i}, {addr}, {addrs} are filled in) until all exit"),
-                       ("selftest", "measure each cap with TCP against an uncapped host")):
+    for name, help in (
+        ("up", "build a lab, print its hosts, hold it until Ctrl+C"),
+        ("run", "run a command in every host ({i}, {addr}, {addrs} are filled in) until all exit"),
+        ("selftest", "measure each cap with TCP against an uncapped host"),
+    ):
         p = sub.add_parser(name, help=help)
-        p.add_argument("--caps", default="20,100", help="Mbit/s per host, comma-separated ('none': uncapped); one value is repeated --peers times")
+        p.add_argument(
+            "--caps",
+            default="20,100",
+            help="Mbit/s per host, comma-separated ('none': uncapped); one value is repeated --peers times",
+        )
         p.add_argument("--peers", type=int)
         if name == "run":
             p.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
@@ -392,7 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not command:
                 raise SystemExit("run: give the command after --")
             addrs = ",".join(h.address for h in lab.hosts)
-            procs = [lab.spawn(h.index, [a.format(i=h.index, addr=h.address, addrs=addrs) for a in command]) for h in lab.hosts]
+            procs = [
+                lab.spawn(h.index, [a.format(i=h.index, addr=h.address, addrs=addrs) for a in command])
+                for h in lab.hosts
+            ]
             return max((proc.wait() for proc in procs), key=abs)
     except KeyboardInterrupt:
         return 130

@@ -35,7 +35,9 @@ from swarm.model.transformer import ModelConfig
 from swarm.pipeline.routing import PathConfig
 
 ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
-OuterChoice = Literal["ddp", OuterMethod]  # ddp: no outer step (method "none"); the simulator all-reduces fp32 gradients every step
+OuterChoice = Literal[
+    "ddp", OuterMethod
+]  # ddp: no outer step (method "none"); the simulator all-reduces fp32 gradients every step
 OUTER_CHOICES: tuple[OuterChoice, ...] = get_args(OuterChoice)
 SUBSPACE_RANK_DIVISOR = 8  # a subspace codec chosen without a rank gets k = d_model / 8
 
@@ -80,15 +82,29 @@ class SwarmConfig:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError("name", f"must be non-empty letters, digits, '-' or '_', got {self.name!r}")
         if self.stages.num_stages > self.model.n_layers:
-            raise ConfigError("stages.num_stages", f"{self.stages.num_stages} stages need at least as many blocks, model.n_layers={self.model.n_layers}")
+            raise ConfigError(
+                "stages.num_stages",
+                f"{self.stages.num_stages} stages need at least as many blocks, model.n_layers={self.model.n_layers}",
+            )
         if self.train.seq_len > self.model.max_seq_len:
-            raise ConfigError("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+            raise ConfigError(
+                "train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
+            )
         if self.train.inner_batch % self.train.microbatch_size:
-            raise ConfigError("train.inner_batch", f"must be a multiple of train.microbatch_size={self.train.microbatch_size}")
+            raise ConfigError(
+                "train.inner_batch", f"must be a multiple of train.microbatch_size={self.train.microbatch_size}"
+            )
         if self.codecs.uses_subspace and not self.model.subspace_rank:
-            raise ConfigError("codecs.activations", "subspace codecs need a subspace-constrained model (set model.subspace_rank)")
-        if (self.codecs.pseudo_gradients == "sparseloco") != (self.outer.method == "sparseloco") and self.outer.method != "none":
-            raise ConfigError("codecs.pseudo_gradients", f"{self.codecs.pseudo_gradients!r} does not fit outer.method={self.outer.method!r}")
+            raise ConfigError(
+                "codecs.activations", "subspace codecs need a subspace-constrained model (set model.subspace_rank)"
+            )
+        if (self.codecs.pseudo_gradients == "sparseloco") != (
+            self.outer.method == "sparseloco"
+        ) and self.outer.method != "none":
+            raise ConfigError(
+                "codecs.pseudo_gradients",
+                f"{self.codecs.pseudo_gradients!r} does not fit outer.method={self.outer.method!r}",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,7 +119,9 @@ class SwarmConfig:
         return f"{self.name}-{self.hash()}"
 
 
-def derive_config(base: SwarmConfig, overrides: Mapping[str, ConfigValue] | None = None, *, outer: OuterChoice | None = None) -> SwarmConfig:
+def derive_config(
+    base: SwarmConfig, overrides: Mapping[str, ConfigValue] | None = None, *, outer: OuterChoice | None = None
+) -> SwarmConfig:
     """``base`` with dotted-path ``overrides`` set and the rules that keep a config whole applied; validated once, as a whole.
 
     The rules (every front end — CLI, launcher, benchmarks — derives its configs here):
@@ -124,8 +142,11 @@ def derive_config(base: SwarmConfig, overrides: Mapping[str, ConfigValue] | None
     for path, value in overrides.items():
         _set_field(data, path, value)
     sections = _fields_from_dict(SwarmConfig, data, "")  # every section built and checked; the whole is checked below
-    sections["codecs"], sections["model"] = _fit_codecs(typing.cast(CodecConfig, sections["codecs"]), typing.cast(ModelConfig, sections["model"]),
-                                                        typing.cast(OuterOptimConfig, sections["outer"]).method)
+    sections["codecs"], sections["model"] = _fit_codecs(
+        typing.cast(CodecConfig, sections["codecs"]),
+        typing.cast(ModelConfig, sections["model"]),
+        typing.cast(OuterOptimConfig, sections["outer"]).method,
+    )
     return SwarmConfig(**sections)  # type: ignore[arg-type]
 
 
@@ -147,12 +168,18 @@ def _set_field(data: dict[str, Any], path: str, value: ConfigValue) -> None:
     for depth, section in enumerate(sections):
         inner = table.get(section)
         if not isinstance(inner, dict):
-            raise ConfigError(".".join(sections[: depth + 1]), f"unknown section; known sections: {', '.join(k for k, v in table.items() if isinstance(v, dict))}")
+            raise ConfigError(
+                ".".join(sections[: depth + 1]),
+                f"unknown section; known sections: {', '.join(k for k, v in table.items() if isinstance(v, dict))}",
+            )
         table = inner
     if isinstance(table.get(leaf), dict):
         raise ConfigError(path, f"is a section; set one of its fields ({path}.<field>)")
     if leaf not in table:
-        raise ConfigError(path, f"unknown field; known fields: {', '.join(sorted(k for k, v in table.items() if not isinstance(v, dict)))}")
+        raise ConfigError(
+            path,
+            f"unknown field; known fields: {', '.join(sorted(k for k, v in table.items() if not isinstance(v, dict)))}",
+        )
     table[leaf] = value
 
 

@@ -24,7 +24,9 @@ from swarm.model.transformer import Transformer
 from swarm.outer.transfer import download_state, state_bytes_bound
 from swarm.rpc.blobs import TransferError
 
-SizedFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
+SizedFetch = Callable[
+    [str, str, int], Awaitable[bytes]
+]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
 
 
 class ExportError(RuntimeError):
@@ -36,14 +38,23 @@ def export_sources(replicas: Mapping[int, Mapping[Any, StageStatus]], num_stages
     missing = [stage for stage in range(num_stages + 1) if not replicas.get(stage)]
     if missing:
         names = ", ".join("0 (no trainer)" if stage == 0 else str(stage) for stage in missing)
-        raise ExportError(f"stage {names} {'has' if len(missing) == 1 else 'have'} no live replica: wait until "
-                          f"{'it is' if len(missing) == 1 else 'they are'} served again (a lost middle stage is rebuilt by the swarm)")
-    return {stage: [str(peer) for peer in sorted(replicas[stage], key=lambda p: (-replicas[stage][p].outer_round, str(p)))]
-            for stage in range(num_stages + 1)}
+        raise ExportError(
+            f"stage {names} {'has' if len(missing) == 1 else 'have'} no live replica: wait until "
+            f"{'it is' if len(missing) == 1 else 'they are'} served again (a lost middle stage is rebuilt by the swarm)"
+        )
+    return {
+        stage: [str(peer) for peer in sorted(replicas[stage], key=lambda p: (-replicas[stage][p].outer_round, str(p)))]
+        for stage in range(num_stages + 1)
+    }
 
 
-async def download_model(cfg: SwarmConfig, sources: Mapping[int, list[str]], fetch: SizedFetch, *,
-                         on_progress: Callable[[str], None] = lambda line: None) -> tuple[Transformer, dict[str, Any]]:
+async def download_model(
+    cfg: SwarmConfig,
+    sources: Mapping[int, list[str]],
+    fetch: SizedFetch,
+    *,
+    on_progress: Callable[[str], None] = lambda line: None,
+) -> tuple[Transformer, dict[str, Any]]:
     """Every stage's state from the first of its ``sources`` that delivers, assembled; plus where each came from."""
     num_stages, states, meta = cfg.stages.num_stages, {}, {"exported_from": cfg.swarm_id, "stages": {}}
     for stage in range(num_stages + 1):
@@ -51,12 +62,19 @@ async def download_model(cfg: SwarmConfig, sources: Mapping[int, list[str]], fet
         try:
             bound = state_bytes_bound(template)
             # local/<i>: a replica's current weights (state/<i> would be the last outer round's, up to H steps behind)
-            peer, state = await download_state(lambda peer, name: fetch(peer, name, bound), sources[stage], stage=stage, template=template,
-                                               blob="local")
+            peer, state = await download_state(
+                lambda peer, name: fetch(peer, name, bound),
+                sources[stage],
+                stage=stage,
+                template=template,
+                blob="local",
+            )
         except TransferError as e:
             raise ExportError(f"stage {stage}: {e}") from None
         states[stage] = state.params
         meta["stages"][str(stage)] = {"peer": peer, "outer_round": state.round, "schedule_step": state.schedule_step}
-        on_progress(f"stage {stage}/{num_stages}: {sum(t.numel() for t in state.params.values()):,} parameters from {peer} "
-                    f"(outer round {state.round}, step {state.schedule_step})")
+        on_progress(
+            f"stage {stage}/{num_stages}: {sum(t.numel() for t in state.params.values()):,} parameters from {peer} "
+            f"(outer round {state.round}, step {state.schedule_step})"
+        )
     return assemble_model(cfg.model, num_stages, states), meta

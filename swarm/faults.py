@@ -29,7 +29,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 _PEER_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
-_EVENT = re.compile(r"(?P<peer>[^@]+)@(?:step=(?P<step>\d+)|t=(?P<seconds>(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)(?P<unit>[smh]?))")
+_EVENT = re.compile(
+    r"(?P<peer>[^@]+)@(?:step=(?P<step>\d+)|t=(?P<seconds>(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)(?P<unit>[smh]?))"
+)
 _UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 SPEC_FORMAT = "PEER@step=N or PEER@t=SECONDS[s|m|h], comma-separated"
 

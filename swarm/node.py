@@ -60,9 +60,16 @@ class Node:
     addresses once, when its role takes calls. ``on_fault`` is what a scheduled fault does.
     """
 
-    def __init__(self, config: PeerConfig, cfg: SwarmConfig | None = None, *, data: DataFactory | None = None,
-                 on_log: LogFn = lambda record: None, on_ready: Callable[[list[str]], None] = lambda maddrs: None,
-                 on_fault: Literal["kill", "crash"] = "kill") -> None:
+    def __init__(
+        self,
+        config: PeerConfig,
+        cfg: SwarmConfig | None = None,
+        *,
+        data: DataFactory | None = None,
+        on_log: LogFn = lambda record: None,
+        on_ready: Callable[[list[str]], None] = lambda maddrs: None,
+        on_fault: Literal["kill", "crash"] = "kill",
+    ) -> None:
         if config.role == "trainer" and data is None:
             raise ValueError("a trainer needs data")
         self.config, self.cfg, self.data = config, cfg, data
@@ -81,9 +88,13 @@ class Node:
         if self.dht is not None:
             raise RuntimeError("this node has started already")
         config = self.config
-        self.dht = dht = await start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                                         announce_maddrs=config.announce_maddrs, credentials=config.credentials,
-                                         identity_path=str(config.identity) if config.identity else None)
+        self.dht = dht = await start_dht(
+            initial_peers=config.initial_peers,
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs,
+            credentials=config.credentials,
+            identity_path=str(config.identity) if config.identity else None,
+        )
         try:
             self.membership = membership = Membership(dht)
             self.cfg = cfg = await membership.join(self.cfg, create=not config.initial_peers, name=config.swarm_name)
@@ -95,10 +106,21 @@ class Node:
             client = StageClient(p2p, namespace=cfg.swarm_id, credentials=config.credentials)
             self.peer_sync = PeerSync(cfg, membership, p2p, verifier=verifier, certificate=client.certificate)
             await self.peer_sync.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
-            parts = PeerParts(cfg=cfg, config=config, membership=membership, p2p=p2p, client=client, peer_sync=self.peer_sync,
-                              on_log=self.on_log, ready=self._ready, stop=self._stop)
+            parts = PeerParts(
+                cfg=cfg,
+                config=config,
+                membership=membership,
+                p2p=p2p,
+                client=client,
+                peer_sync=self.peer_sync,
+                on_log=self.on_log,
+                ready=self._ready,
+                stop=self._stop,
+            )
             replicas = await membership.all_replicas()
-            role, stage = choose_role(replicas, cfg.stages.num_stages) if config.role == "auto" else (config.role, config.stage)
+            role, stage = (
+                choose_role(replicas, cfg.stages.num_stages) if config.role == "auto" else (config.role, config.stage)
+            )
             if role == "stage":
                 self.role = StageRole(parts, stage or pick_stage(replicas))
             elif self.data is None:
@@ -167,7 +189,9 @@ class Node:
             return
         if self.role is not None and self.membership is not None and not self._crashed:
             with contextlib.suppress(Exception):  # best effort: the record expires anyway
-                await asyncio.wait_for(asyncio.gather(self.membership.retire_all(), self.membership.publish_metrics(None)), timeout=5)
+                await asyncio.wait_for(
+                    asyncio.gather(self.membership.retire_all(), self.membership.publish_metrics(None)), timeout=5
+                )
         self.dht.shutdown()
         self.dht = None
 

@@ -30,7 +30,9 @@ ROLES: tuple[str, ...] = get_args(Role)
 REBALANCE_PERIOD_S = 30.0
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 # flat names given as text that a field holds as an object
-_PARSE: dict[str, Callable[[object], object]] = {"faults": lambda spec: spec if isinstance(spec, FaultSchedule) else FaultSchedule.parse(str(spec))}
+_PARSE: dict[str, Callable[[object], object]] = {
+    "faults": lambda spec: spec if isinstance(spec, FaultSchedule) else FaultSchedule.parse(str(spec))
+}
 
 
 @dataclass(kw_only=True)
@@ -45,7 +47,9 @@ class PeerConfig:
     swarm_name: str = SwarmConfig().name  # which published config to fetch when none is given
     name: str | None = None  # this peer's name in logs, metrics and fault schedules (None: its role and pid)
     out: Path | None = None  # metrics go to OUT/<name>.jsonl; a peer that rebuilds a stage saves the merge there too
-    data: list[str] = field(default_factory=list)  # trainers: corpus files, directories or globs (none: the default corpus)
+    data: list[str] = field(
+        default_factory=list
+    )  # trainers: corpus files, directories or globs (none: the default corpus)
     seed: int = 0  # trainers: data stream offset (give each trainer its own)
     threads: int = 0  # torch threads (0: torch's default)
     steps: int = 100  # trainers: inner steps of stage 0 to run
@@ -55,13 +59,17 @@ class PeerConfig:
     rebalance_period_s: float | None = None  # stage servers: seconds between rebalancing checks (± 20%); 0 = never move
     stage_checkpoint: Path | None = None  # stage servers: a state file written every checkpoint_every inner steps, and
     checkpoint_every: int = 0  # loaded on start when the stage has no live replica (rollback); 0 = never write it
-    faults: FaultSchedule = field(default_factory=FaultSchedule)  # tests: this peer dies at its own step N (events naming it)
+    faults: FaultSchedule = field(
+        default_factory=FaultSchedule
+    )  # tests: this peer dies at its own step N (events naming it)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError("role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.role != "stage" and self.stage is not None:
-            raise ConfigError("stage", "a trainer holds stage 0, --role auto picks its own stage; --stage is for --role stage")
+            raise ConfigError(
+                "stage", "a trainer holds stage 0, --role auto picks its own stage; --stage is for --role stage"
+            )
         if self.stage is not None and self.stage < 1:
             raise ConfigError("stage", f"stage servers serve stages 1..S, got stage {self.stage}")
         for name in ("steps", "max_pending"):
@@ -73,7 +81,9 @@ class PeerConfig:
         if self.checkpoint_every and not self.stage_checkpoint:
             raise ConfigError("checkpoint_every", "needs a stage_checkpoint file to write")
         if any(event.at_s is not None for event in self.faults.events):
-            raise ConfigError("faults", "a peer injects its own faults by step (PEER@step=N); timed faults are for a supervisor")
+            raise ConfigError(
+                "faults", "a peer injects its own faults by step (PEER@step=N); timed faults are for a supervisor"
+            )
 
     @property
     def rebalance_every_s(self) -> float:
@@ -84,7 +94,9 @@ class PeerConfig:
 
     def fault_step(self, name: str) -> int | None:
         """The first step at which the fault schedule kills the peer called ``name``; None: never."""
-        return min((event.step for event in self.faults.events if event.peer == name and event.step is not None), default=None)
+        return min(
+            (event.step for event in self.faults.events if event.peer == name and event.step is not None), default=None
+        )
 
     @classmethod
     def from_flat(cls, options: Mapping[str, object]) -> PeerConfig:

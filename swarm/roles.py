@@ -34,7 +34,7 @@ from swarm.model.stages import EDGE_STAGE
 from swarm.outer.replica import Holder, PeerSync, ReplicaSync
 from swarm.outer.transfer import StageState, TransferError, pack_state, weights_hash
 from swarm.peer_config import PeerConfig
-from swarm.pipeline.metering import MeteredBackend, MeteredCalls
+from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import StageClient, StageServicer
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
@@ -99,8 +99,13 @@ async def every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:
 
 def stage_loads(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> Snapshot:
     """The rebalancer's view of the DHT records: each middle stage's servers and their throughput."""
-    return {stage: [StageLoad(peer_id=peer.to_base58(), throughput=status.samples_per_s) for peer, status in replicas.get(stage, {}).items()]
-            for stage in range(1, num_stages + 1)}
+    return {
+        stage: [
+            StageLoad(peer_id=peer.to_base58(), throughput=status.samples_per_s)
+            for peer, status in replicas.get(stage, {}).items()
+        ]
+        for stage in range(1, num_stages + 1)
+    }
 
 
 def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
@@ -150,8 +155,15 @@ class StageRole:
             outcome = await self._serve(ServedStage(self.parts, self.stage, state, rebuilt, self.recoveries))
             if not isinstance(outcome, Move):
                 return outcome
-            self.parts.on_log({"event": "move", "from": self.stage, "to": outcome.stage, "downloaded": outcome.state is not None,
-                               "rebuilt": outcome.rebuilt is not None})
+            self.parts.on_log(
+                {
+                    "event": "move",
+                    "from": self.stage,
+                    "to": outcome.stage,
+                    "downloaded": outcome.state is not None,
+                    "rebuilt": outcome.rebuilt is not None,
+                }
+            )
             self.stage, state, rebuilt = outcome.stage, outcome.state, outcome.rebuilt
 
     async def _initial_state(self) -> tuple[StageState | None, Rebuilt | None]:
@@ -165,7 +177,14 @@ class StageRole:
             logger.warning(f"stage {stage}: no listed replica delivered its state ({e}); taking the stage as lost")
         if config.stage_checkpoint and config.stage_checkpoint.exists():
             state = load_stage_checkpoint(config.stage_checkpoint, cfg, stage)
-            self.parts.on_log({"event": "rollback", "stage": stage, "schedule_step": state.schedule_step, "path": str(config.stage_checkpoint)})
+            self.parts.on_log(
+                {
+                    "event": "rollback",
+                    "stage": stage,
+                    "schedule_step": state.schedule_step,
+                    "path": str(config.stage_checkpoint),
+                }
+            )
             return state, None
         while True:  # a joining peer: it rebuilds the stage unless another peer already claimed it
             if not swarm_has_trained(await self.parts.membership.all_replicas()):
@@ -176,7 +195,9 @@ class StageRole:
             except NoRecoverySource as e:  # S = 1: no neighbour to rebuild from
                 logger.warning(f"stage {stage} was lost and {e}; starting from the seeded weights")
                 return None, None
-            await asyncio.sleep(cfg.timeouts.announce_period_s)  # someone else rebuilds it: take its state once it serves
+            await asyncio.sleep(
+                cfg.timeouts.announce_period_s
+            )  # someone else rebuilds it: take its state once it serves
             if (state := await peer_sync.download(stage)) is not None:
                 return state, None
 
@@ -185,13 +206,20 @@ class StageRole:
         withdrawn); ``NoRecoverySource`` if the stage has no neighbour to be rebuilt from."""
         timeouts, membership, peer_sync = self.parts.cfg.timeouts, self.parts.membership, self.parts.peer_sync
         # the claim outlives a slow rebuild (two state downloads) and the first announce of the rebuilt stage
-        if not await acquire_claim(membership, stage, priority=priority, ttl_s=2 * timeouts.rpc_s + timeouts.record_ttl_s,
-                                   settle_s=timeouts.announce_period_s):
+        if not await acquire_claim(
+            membership,
+            stage,
+            priority=priority,
+            ttl_s=2 * timeouts.rpc_s + timeouts.record_ttl_s,
+            settle_s=timeouts.announce_period_s,
+        ):
             return None
         try:
             if await peer_sync.replicas(stage):  # it came back while we claimed: nothing to rebuild
                 raise TransferError("the stage has a live replica again")
-            fetch = lambda peer, name, max_bytes: peer_sync.client.fetch(peer, name, timeout=timeouts.rpc_s, max_bytes=max_bytes)
+            fetch = lambda peer, name, max_bytes: peer_sync.client.fetch(
+                peer, name, timeout=timeouts.rpc_s, max_bytes=max_bytes
+            )
             return await rebuild_stage(self.parts.cfg, stage, peer_sync.replicas, fetch)
         except (TransferError, NoRecoverySource) as e:
             logger.warning(f"stage {stage}: not rebuilding it: {e}")
@@ -206,7 +234,9 @@ class StageRole:
         parts = self.parts
         self.holder = served.server
         await served.start()
-        watched = [asyncio.create_task(parts.stop.wait())]  # serving happens in the P2P handlers; this waits for the end or a move
+        watched = [
+            asyncio.create_task(parts.stop.wait())
+        ]  # serving happens in the P2P handlers; this waits for the end or a move
         if parts.config.rebalance_every_s:
             watched.append(asyncio.create_task(self._next_move(parts.config.rebalance_every_s)))
         parts.ready()
@@ -262,16 +292,25 @@ class ServedStage:
     A ``rebuilt`` stage gets a fresh inner optimizer at lr × 1.1 (CheckFree) and announces itself ``recovered``.
     """
 
-    def __init__(self, parts: PeerParts, stage: int, state: StageState | None, rebuilt: Rebuilt | None, recoveries: int) -> None:
+    def __init__(
+        self, parts: PeerParts, stage: int, state: StageState | None, rebuilt: Rebuilt | None, recoveries: int
+    ) -> None:
         cfg, config = parts.cfg, parts.config
         self.parts, self.stage, self.state, self.rebuilt = parts, stage, state, rebuilt
-        self.server = StageServer(cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0)
+        self.server = StageServer(
+            cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0
+        )
         self.sync = parts.peer_sync.sync(stage, self.server, parts.on_log)
         self.meter = Meter(role="stage", stage=stage, state="serving")
         self.meter.recoveries = recoveries
-        self.servicer = StageServicer(MeteredBackend(self.server, self.meter.traffic), stage=stage, max_request_bytes=self.server.max_request_bytes,
-                                      max_pending=config.max_pending, stream_timeout_s=cfg.timeouts.rpc_s,
-                                      verifier=config.credentials.verifier if config.credentials else None)
+        self.servicer = StageServicer(
+            MeteredBackend(self.server, self.meter.traffic),
+            stage=stage,
+            max_request_bytes=self.server.max_request_bytes,
+            max_pending=config.max_pending,
+            stream_timeout_s=cfg.timeouts.rpc_s,
+            verifier=config.credentials.verifier if config.credentials else None,
+        )
         self.started = time.perf_counter()
         self.background: list[asyncio.Task[None]] = []
 
@@ -285,25 +324,49 @@ class ServedStage:
             installed = await server.exclusive(lambda: weights_hash(dict(server.module.named_parameters())))
             out, me = parts.config.out, parts.membership.peer_id.to_base58()[-8:]
             dump = str(save_rebuild(self.rebuilt, out, me)) if out else None
-            parts.on_log({"event": "recovered", **self.rebuilt.event(), "installed_hash": installed, "lr_scale": RECOVERY_LR_SCALE, "saved": dump})
+            parts.on_log(
+                {
+                    "event": "recovered",
+                    **self.rebuilt.event(),
+                    "installed_hash": installed,
+                    "lr_scale": RECOVERY_LR_SCALE,
+                    "saved": dump,
+                }
+            )
         await self.servicer.add_p2p_handlers(parts.p2p, namespace=parts.cfg.swarm_id)
         self.started = time.perf_counter()
-        self.background = [asyncio.create_task(every(parts.cfg.timeouts.announce_period_s, self.announce)), asyncio.create_task(sync.run())]
+        self.background = [
+            asyncio.create_task(every(parts.cfg.timeouts.announce_period_s, self.announce)),
+            asyncio.create_task(sync.run()),
+        ]
         if parts.config.checkpoint_every:
             self.background.append(asyncio.create_task(self.checkpoints()))
-        parts.on_log({"event": "serving", "stage": self.stage, "outer_round": sync.round, "global_hash": sync.global_hash})
+        parts.on_log(
+            {"event": "serving", "stage": self.stage, "outer_round": sync.round, "global_hash": sync.global_hash}
+        )
 
     def record(self) -> dict[str, Any]:
-        return {"role": "stage", "stage": self.stage, "elapsed_s": time.perf_counter() - self.started, "queue": self.servicer.pending,
-                "refused": self.servicer.refused, **self.server.info(), **self.sync.info()}
+        return {
+            "role": "stage",
+            "stage": self.stage,
+            "elapsed_s": time.perf_counter() - self.started,
+            "queue": self.servicer.pending,
+            "refused": self.servicer.refused,
+            **self.server.info(),
+            **self.sync.info(),
+        }
 
     async def announce(self) -> None:
         membership, server = self.parts.membership, self.server
-        status = server.status(queue=self.servicer.pending).copy(update={**self.sync.status_fields(), "recovered": self.rebuilt is not None})
+        status = server.status(queue=self.servicer.pending).copy(
+            update={**self.sync.status_fields(), "recovered": self.rebuilt is not None}
+        )
         await membership.announce(self.stage, status)
         await membership.publish_config()
         microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
-        await membership.publish_metrics(self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens))
+        await membership.publish_metrics(
+            self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens)
+        )
         self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
 
     async def checkpoints(self) -> None:
@@ -320,7 +383,9 @@ class ServedStage:
             tmp = path.with_suffix(path.suffix + ".tmp")
             await asyncio.get_running_loop().run_in_executor(None, tmp.write_bytes, blob)
             tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint
-            self.parts.on_log({"event": "stage_checkpoint", "stage": self.stage, "inner_steps": written, "path": str(path)})
+            self.parts.on_log(
+                {"event": "stage_checkpoint", "stage": self.stage, "inner_steps": written, "path": str(path)}
+            )
 
     async def close(self, *, retire: bool) -> None:
         """Stop serving; ``retire`` the stage's record (a move: the next stage is announced as soon as it serves)."""
@@ -346,12 +411,24 @@ class TrainerRole:
         return await until_stopped(self._train(), self.parts.stop) or {}
 
     async def _train(self) -> dict[str, Any]:
-        cfg, config, membership, peer_sync = self.parts.cfg, self.parts.config, self.parts.membership, self.parts.peer_sync
+        cfg, config, membership, peer_sync = (
+            self.parts.cfg,
+            self.parts.config,
+            self.parts.membership,
+            self.parts.peer_sync,
+        )
         router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{membership.peer_id}"))
         meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining")
-        state = await peer_sync.download(EDGE_STAGE)  # a trainer joining mid-run starts from the other trainers' stage 0
-        trainer = Trainer(cfg, MeteredCalls(self.parts.client, meter.traffic), router, options=config.trainer,
-                          start_step=state.schedule_step if state else 0)
+        # a trainer joining mid-run starts from the other trainers' stage 0
+        state = await peer_sync.download(EDGE_STAGE)
+        trainer = Trainer(
+            cfg,
+            self.parts.client,
+            router,
+            options=config.trainer,
+            start_step=state.schedule_step if state else 0,
+            traffic=meter.traffic,
+        )
         self.holder = trainer
         sync = peer_sync.sync(EDGE_STAGE, trainer, self.parts.on_log)
         provide_local_state(self.parts, sync)  # what `swarmloco export` takes stage 0 from
@@ -372,7 +449,9 @@ class TrainerRole:
 
         def log(record: dict[str, Any]) -> None:
             meter.observe(record)
-            self.parts.on_log({**record, **sync.info(), "metrics": meter.last and meter.last.dict()})  # the record published last
+            self.parts.on_log(
+                {**record, **sync.info(), "metrics": meter.last and meter.last.dict()}
+            )  # the record published last
 
         refresher = asyncio.create_task(every(cfg.timeouts.announce_period_s, refresh))
         syncer = asyncio.create_task(sync.run())
@@ -390,7 +469,9 @@ class TrainerRole:
 async def wait_for_stages(router: Router, num_stages: int, timeout_s: float) -> None:
     """Start training once every middle stage has a replica (or train on with skips after ``timeout_s``)."""
     deadline, last_missing = time.monotonic() + timeout_s, None
-    while (missing := sorted(set(range(1, num_stages + 1)) - set(router.live_stages()))) and time.monotonic() < deadline:
+    while (
+        missing := sorted(set(range(1, num_stages + 1)) - set(router.live_stages()))
+    ) and time.monotonic() < deadline:
         if missing != last_missing:
             logger.warning(f"waiting for servers of stages {missing}")
             last_missing = missing

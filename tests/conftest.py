@@ -6,7 +6,6 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-
 from swarm_harness import reap
 
 

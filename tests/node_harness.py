@@ -29,9 +29,22 @@ T = TypeVar("T")
 class BackgroundNode:
     """One ``Node`` on a daemon thread; ``records`` are its log records in order, ``maddrs`` where to join it."""
 
-    def __init__(self, config: PeerConfig, cfg: SwarmConfig | None = None, *, data: DataFactory | None = None,
-                 on_fault: Literal["kill", "crash"] = "crash", ready_timeout_s: float = 120.0) -> None:
-        self.config, self.cfg, self.data, self.on_fault, self.ready_timeout_s = config, cfg, data, on_fault, ready_timeout_s
+    def __init__(
+        self,
+        config: PeerConfig,
+        cfg: SwarmConfig | None = None,
+        *,
+        data: DataFactory | None = None,
+        on_fault: Literal["kill", "crash"] = "crash",
+        ready_timeout_s: float = 120.0,
+    ) -> None:
+        self.config, self.cfg, self.data, self.on_fault, self.ready_timeout_s = (
+            config,
+            cfg,
+            data,
+            on_fault,
+            ready_timeout_s,
+        )
         self.records: list[dict[str, Any]] = []
         self.maddrs: list[str] = []
         self.node: Node | None = None
@@ -50,7 +63,9 @@ class BackgroundNode:
                 self.result(timeout=0)  # raises the node's error, if any
                 raise RuntimeError(f"{self.config.name or self.config.role} ended before it was ready")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.config.name or self.config.role} not ready within {self.ready_timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"{self.config.name or self.config.role} not ready within {self.ready_timeout_s:.0f}s"
+                )
         return self
 
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
@@ -110,7 +125,14 @@ class BackgroundNode:
             self._ready.set()
 
         try:
-            self.node = Node(self.config, self.cfg, data=self.data, on_log=self.records.append, on_ready=on_ready, on_fault=self.on_fault)
+            self.node = Node(
+                self.config,
+                self.cfg,
+                data=self.data,
+                on_log=self.records.append,
+                on_ready=on_ready,
+                on_fault=self.on_fault,
+            )
             self._result = await self.node.run()
         except BaseException as e:  # handed to the test thread by result()
             self._error = e

@@ -51,10 +51,17 @@ def tiny_config(*, stages: int | None = None, steps: int | None = None, **sectio
 
         tiny_config(stages=3, steps=400, model={"n_layers": 3}, outer={"method": "none"}, paths=None)
     """
-    tiny = SwarmConfig(model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ), stages=StagesConfig(num_stages=1),
-                       train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH), inner=InnerOptimConfig(warmup_steps=5))
-    changes = {name: dataclasses.replace(getattr(tiny, name), **value) if isinstance(value, dict) else value
-               for name, value in sections.items() if value is not None}
+    tiny = SwarmConfig(
+        model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ),
+        stages=StagesConfig(num_stages=1),
+        train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
+        inner=InnerOptimConfig(warmup_steps=5),
+    )
+    changes = {
+        name: dataclasses.replace(getattr(tiny, name), **value) if isinstance(value, dict) else value
+        for name, value in sections.items()
+        if value is not None
+    }
     if stages is not None:
         changes["stages"] = dataclasses.replace(changes.get("stages", tiny.stages), num_stages=stages)
     if steps is not None:
@@ -106,7 +113,9 @@ class Swarm:
         """Any other process of the test (a dashboard, a scripted peer), in its own process group, output to ``out/<name>.log``."""
         self.started[name] = time.time()
         with (self.out / f"{name}.log").open("w") as log:
-            proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+            proc = subprocess.Popen(
+                list(command), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+            )
         self._register(name, proc)
         return proc
 
@@ -143,9 +152,12 @@ class Swarm:
 
     def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
         """Poll ``check`` until it returns something true; fail with every log if it times out or a live peer dies."""
+
         def alive_then_check() -> T | None:
             for name, proc in self.procs.items():
-                assert proc.poll() in (None, 0) or name in self.gone, f"{name} exited with {proc.returncode}:\n{self.log(name)}"
+                assert proc.poll() in (None, 0) or name in self.gone, (
+                    f"{name} exited with {proc.returncode}:\n{self.log(name)}"
+                )
             return check()
 
         return wait_until(what, alive_then_check, timeout, explain=self.logs)
@@ -182,8 +194,9 @@ class Swarm:
             dht.shutdown()
 
 
-def swarmloco(*commands: Sequence[str], children: list[subprocess.Popen], timeout: float = 240,
-              cwd: Path | None = None) -> list[subprocess.CompletedProcess[str]]:
+def swarmloco(
+    *commands: Sequence[str], children: list[subprocess.Popen], timeout: float = 240, cwd: Path | None = None
+) -> list[subprocess.CompletedProcess[str]]:
     """Run ``swarmloco`` commands side by side (each loads torch and hivemind: seconds apiece); their results, in order.
 
     Each runs in its own process group and is registered in ``children``, so one that hangs (and the peers a
@@ -191,8 +204,16 @@ def swarmloco(*commands: Sequence[str], children: list[subprocess.Popen], timeou
     """
     procs = []
     for args in commands:
-        procs.append(subprocess.Popen([sys.executable, "-m", "peer", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=cwd, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "peer", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        )
         children.append(procs[-1])
     results = []
     for args, proc in zip(commands, procs):
@@ -209,7 +230,9 @@ def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):  # a process that exited while we looked
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # "pid (comm) state ppid …"; comm may hold spaces
+            parent = int(
+                stat.read_text().rsplit(")", 1)[1].split()[1]
+            )  # "pid (comm) state ppid …"; comm may hold spaces
             children.setdefault(parent, []).append(int(stat.parent.name))
     found, todo = [], [pid]
     while todo:
@@ -221,7 +244,9 @@ def descendants(pid: int) -> list[int]:
 def reap(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     """Stop every process a test started and everything they started: the peers of a ``swarmloco local`` (each in its
     own process group), every peer's DHT process and libp2p daemon. SIGTERM first, then SIGKILL."""
-    offspring = [pid for proc in procs if proc.poll() is None for pid in descendants(proc.pid)]  # found before their parents go
+    offspring = [
+        pid for proc in procs if proc.poll() is None for pid in descendants(proc.pid)
+    ]  # found before their parents go
     stop_processes(procs, grace_s=grace_s)
     for pid in offspring:
         with contextlib.suppress(ProcessLookupError):

@@ -38,11 +38,23 @@ PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 OTHER_PEER = "QmZMxNdpMkewiVZLMRxaNxUeZpDUb34pWjZ1kZvsd16Zic"
 
 
-def certificate(*, signer: Ed25519PrivateKey = AUTHORITY, claimed: Ed25519PrivateKey | None = None, swarm: str = SWARM,
-                peer: str = PEER, issued: int = NOW, days: float = 1) -> bytes:
+def certificate(
+    *,
+    signer: Ed25519PrivateKey = AUTHORITY,
+    claimed: Ed25519PrivateKey | None = None,
+    swarm: str = SWARM,
+    peer: str = PEER,
+    issued: int = NOW,
+    days: float = 1,
+) -> bytes:
     """A certificate signed by ``signer``, naming ``claimed`` (default: the signer) as its authority."""
-    cert = Certificate(authority=encode_public_key(signer.public_key()), swarm_id=swarm, peer_id=peer,
-                       issued_at=issued, expires_at=issued + int(days * 86400))
+    cert = Certificate(
+        authority=encode_public_key(signer.public_key()),
+        swarm_id=swarm,
+        peer_id=peer,
+        issued_at=issued,
+        expires_at=issued + int(days * 86400),
+    )
     if claimed is None:
         return cert.sign(signer)
     fields = json.loads(cert.sign(signer))
@@ -93,7 +105,7 @@ def test_any_altered_byte_is_refused(data: st.DataObject) -> None:
     signed = certificate()
     i = data.draw(st.integers(0, len(signed) - 1))
     byte = data.draw(st.integers(0, 255).filter(lambda b: b != signed[i]))
-    altered = signed[:i] + bytes([byte]) + signed[i + 1:]
+    altered = signed[:i] + bytes([byte]) + signed[i + 1 :]
     with pytest.raises(AccessDenied):
         verifier().check(PEER, altered)
 
@@ -142,7 +154,10 @@ def test_peer_id_of_public_key_matches_hivemind(tmp_path: Path) -> None:
 
 # ---- the DHT authorizer, without the network ----
 
-def authorizer(key: RSAPrivateKey, *, swarm: str = SWARM, issued: int | None = None, clock: float | None = None) -> CertificateAuthorizer:
+
+def authorizer(
+    key: RSAPrivateKey, *, swarm: str = SWARM, issued: int | None = None, clock: float | None = None
+) -> CertificateAuthorizer:
     now = time.time() if clock is None else clock
     peer = peer_id_of_public_key(key.get_public_key().to_bytes())
     cert = certificate(swarm=swarm, peer=peer, issued=int(now) - 60 if issued is None else issued)
@@ -188,7 +203,9 @@ def test_authorizer_checks_its_own_certificate_and_picks_up_a_renewal(rsa_keys: 
     now = [time.time()]
     peer = peer_id_of_public_key(rsa_keys[0].get_public_key().to_bytes())
     current = [certificate(peer=peer, issued=int(now[0]) - 60)]
-    auth = CertificateAuthorizer(rsa_keys[0], lambda: current[0], CertificateVerifier(AUTHORITY.public_key(), SWARM, clock=lambda: now[0]))
+    auth = CertificateAuthorizer(
+        rsa_keys[0], lambda: current[0], CertificateVerifier(AUTHORITY.public_key(), SWARM, clock=lambda: now[0])
+    )
     first = asyncio.run(auth.get_token())
     now[0] += 86400  # the first certificate has expired; the authority issued a new one meanwhile
     current[0] = certificate(peer=peer, issued=int(now[0]) - 60)
@@ -200,21 +217,36 @@ def test_authorizer_checks_its_own_certificate_and_picks_up_a_renewal(rsa_keys: 
 
 # ---- real hivemind DHT peers on loopback ----
 
-def start_dht(identity: Path, authorizer: CertificateAuthorizer | None, initial_peers: list | None = None, **kwargs) -> DHT:
-    return DHT(initial_peers=initial_peers, start=True, identity_path=str(identity), authorizer=authorizer,
-               host_maddrs=["/ip4/127.0.0.1/tcp/0"], check_if_identity_free=False, wait_timeout=2, **kwargs)
+
+def start_dht(
+    identity: Path, authorizer: CertificateAuthorizer | None, initial_peers: list | None = None, **kwargs
+) -> DHT:
+    return DHT(
+        initial_peers=initial_peers,
+        start=True,
+        identity_path=str(identity),
+        authorizer=authorizer,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        check_if_identity_free=False,
+        wait_timeout=2,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
 def swarm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """AUTHORITY's key file, five identities, and a revocation list naming ``revoked``."""
     root = tmp_path_factory.mktemp("swarm")
-    pem = AUTHORITY.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    pem = AUTHORITY.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     (root / "authority.key").write_bytes(pem)
     (root / "authority.key").chmod(0o600)
     for name in ("a", "b", "newcomer", "intruder", "revoked"):
         new_identity(root / f"{name}.id")
-    revoke(root / "authority.key", SWARM, peer_id_of_identity(root / "revoked.id"), revocations=root / "revocations.json")
+    revoke(
+        root / "authority.key", SWARM, peer_id_of_identity(root / "revoked.id"), revocations=root / "revocations.json"
+    )
     return root
 
 
@@ -227,7 +259,9 @@ def members(swarm_dir: Path) -> Iterator[tuple[DHT, DHT]]:
             identity, cert = swarm_dir / f"{name}.id", swarm_dir / f"{name}.cert"
             invite(swarm_dir / "authority.key", SWARM, peer_id_of_identity(identity), days=1, out=cert)
             creds = load_credentials(identity, cert, SWARM, revocations=swarm_dir / "revocations.json")
-            peers.append(start_dht(identity, creds.dht_authorizer(), [str(m) for p in peers for m in p.get_visible_maddrs()]))
+            peers.append(
+                start_dht(identity, creds.dht_authorizer(), [str(m) for p in peers for m in p.get_visible_maddrs()])
+            )
         yield peers[0], peers[1]
     finally:
         for dht in peers:
@@ -263,19 +297,25 @@ def join(members: tuple[DHT, DHT], identity: Path, auth: CertificateAuthorizer |
 @pytest.mark.timeout(60)
 def test_dht_admits_a_certified_newcomer(members: tuple[DHT, DHT], swarm_dir: Path) -> None:
     """The control for the refusals below: the same join, with a valid certificate, works."""
-    theirs, at_a, at_b = join(members, swarm_dir / "newcomer.id", authorizer(load_identity_key(swarm_dir / "newcomer.id")))
+    theirs, at_a, at_b = join(
+        members, swarm_dir / "newcomer.id", authorizer(load_identity_key(swarm_dir / "newcomer.id"))
+    )
     assert theirs.value == "secret"
     assert at_a.value == at_b.value == str(swarm_dir / "newcomer.id")
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("intruder", ["no certificate", "expired", "other swarm", "revoked"])
-def test_dht_refuses_peers_without_a_valid_certificate(members: tuple[DHT, DHT], swarm_dir: Path, intruder: str) -> None:
+def test_dht_refuses_peers_without_a_valid_certificate(
+    members: tuple[DHT, DHT], swarm_dir: Path, intruder: str
+) -> None:
     identity = swarm_dir / ("revoked.id" if intruder == "revoked" else "intruder.id")
     # every intruder believes its own certificate is fine (its clock, swarm or revocations differ): the members must refuse it
     auth = None
     if intruder != "no certificate":
-        issued = int(time.time()) - (10 * 86400 if intruder == "expired" else 3600)  # "revoked": issued before the revocation
+        issued = int(time.time()) - (
+            10 * 86400 if intruder == "expired" else 3600
+        )  # "revoked": issued before the revocation
         swarm = "other-0123456789abcdef" if intruder == "other swarm" else SWARM
         auth = authorizer(load_identity_key(identity), swarm=swarm, issued=issued, clock=issued + 60)
     assert join(members, identity, auth) == (None, None, None)

@@ -5,10 +5,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from swarm_harness import swarmloco, tiny_config
 
 from optim.config import OuterOptimConfig
 from swarm.config import save_config
-from swarm_harness import swarmloco, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +20,14 @@ def tiny_toml(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_toml: Path, tmp_path_factory: pytest.TempPathFactory, module_child_processes: list[subprocess.Popen]) -> Path:
+def trained(
+    tiny_toml: Path, tmp_path_factory: pytest.TempPathFactory, module_child_processes: list[subprocess.Popen]
+) -> Path:
     out = tmp_path_factory.mktemp("run")
-    (result,) = swarmloco(["train-local", "--config", str(tiny_toml), "--steps", "60", "--log-every", "20", "--out", str(out)],
-                          children=module_child_processes)
+    (result,) = swarmloco(
+        ["train-local", "--config", str(tiny_toml), "--steps", "60", "--log-every", "20", "--out", str(out)],
+        children=module_child_processes,
+    )
     assert result.returncode == 0, result.stderr
     assert "step 60/60" in result.stdout
     return out
@@ -42,15 +46,21 @@ def test_eval_and_sample_load_the_checkpoint(trained: Path, child_processes: lis
     assert result.returncode == 0, result.stderr
     last = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])
     assert json.loads(result.stdout)["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
-    (result,) = swarmloco(["sample", "--checkpoint", str(trained / "model.pt"), "--prompt", "import ", "--tokens", "40"], children=child_processes)
+    (result,) = swarmloco(
+        ["sample", "--checkpoint", str(trained / "model.pt"), "--prompt", "import ", "--tokens", "40"],
+        children=child_processes,
+    )
     assert result.returncode == 0 and result.stdout.startswith("import ") and len(result.stdout) > len("import ") + 10
 
 
-@pytest.mark.parametrize("args,message", [
-    (["eval", "--checkpoint", "/no/such/model.pt"], "does not exist"),
-    (["train-local", "--data", "/no/such/dir", "--steps", "1"], "/no/such/dir"),
-    (["train-local", "--config", "/no/such.toml", "--steps", "1"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["eval", "--checkpoint", "/no/such/model.pt"], "does not exist"),
+        (["train-local", "--data", "/no/such/dir", "--steps", "1"], "/no/such/dir"),
+        (["train-local", "--config", "/no/such.toml", "--steps", "1"], "does not exist"),
+    ],
+)
 def test_user_errors_are_one_clear_line(args: list[str], message: str, child_processes: list) -> None:
     (result,) = swarmloco(args, children=child_processes)
     assert result.returncode == 2
@@ -65,18 +75,31 @@ def test_help_lists_the_commands(child_processes: list) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_in_outer_rounds(tiny_toml: Path, trained: Path,
-                                                                                                 tmp_path: Path, child_processes: list) -> None:
+def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_in_outer_rounds(
+    tiny_toml: Path, trained: Path, tmp_path: Path, child_processes: list
+) -> None:
     """The main job as a newcomer runs it (default, relative --out); one replica per stage crosses outer rounds
     (H = 10, 60 steps) and ends where one process on the same tokens ends."""
-    (result,) = swarmloco(["local", "--config", str(tiny_toml), "--steps", "60"], children=child_processes, cwd=tmp_path)
+    (result,) = swarmloco(
+        ["local", "--config", str(tiny_toml), "--steps", "60"], children=child_processes, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = tmp_path / "runs" / "local"
     assert (out / "swarm.toml").exists() and "bytes on the wire: activations" in result.stdout
     for peer in ("trainer-0", "stage1-0", "stage2-0"):
         records = [json.loads(line) for line in (out / f"{peer}.jsonl").read_text().splitlines()]
         rounds = [r for r in records if r.get("event") == "outer_round"]
-        assert len(rounds) >= 3 and all(r["outcome"] == "done" and r["contributors"] == 1 for r in rounds), (peer, rounds)
-    swarm_val = [r for r in map(json.loads, (out / "trainer-0.jsonl").read_text().splitlines()) if "val_loss" in r][-1]["val_loss"]
-    alone_val = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]  # train-local, 60 steps
-    assert swarm_val <= 1.03 * alone_val, (swarm_val, alone_val)  # before: each lone SparseLoCo round threw ~98% of Δ away
+        assert len(rounds) >= 3 and all(r["outcome"] == "done" and r["contributors"] == 1 for r in rounds), (
+            peer,
+            rounds,
+        )
+    swarm_val = [r for r in map(json.loads, (out / "trainer-0.jsonl").read_text().splitlines()) if "val_loss" in r][-1][
+        "val_loss"
+    ]
+    alone_val = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])[
+        "val_loss"
+    ]  # train-local, 60 steps
+    assert swarm_val <= 1.03 * alone_val, (
+        swarm_val,
+        alone_val,
+    )  # before: each lone SparseLoCo round threw ~98% of Δ away

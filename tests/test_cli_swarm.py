@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
 from peer.credentials import create_swarm, invite, new_identity, peer_id_of_identity, revoke
 from peer.status import format_status
 from swarm.config import SwarmConfig, TimeoutConfig, save_config
-from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,8 +21,13 @@ LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
 
 
 def swarm_config(name: str = "demo", seed: int = 0) -> SwarmConfig:
-    return tiny_config(name=name, steps=3, train={"seed": seed}, inner={"warmup_steps": 2},
-                       timeouts=TimeoutConfig(announce_period_s=1.0, record_ttl_s=10.0))
+    return tiny_config(
+        name=name,
+        steps=3,
+        train={"seed": seed},
+        inner={"warmup_steps": 2},
+        timeouts=TimeoutConfig(announce_period_s=1.0, record_ttl_s=10.0),
+    )
 
 
 def refused(result: subprocess.CompletedProcess[str], says: str) -> str:
@@ -42,10 +47,27 @@ def private_swarm(tmp_path: Path) -> Path:
     for name in "abcers":
         new_identity(tmp_path / f"{name}.id")
     for name in "abrs":
-        invite(tmp_path / "authority.key", cfg.swarm_id, peer_id_of_identity(tmp_path / f"{name}.id"), days=1, out=tmp_path / f"{name}.cert")
-    invite(tmp_path / "authority.key", cfg.swarm_id, peer_id_of_identity(tmp_path / "e.id"), days=1, out=tmp_path / "e.cert",
-           clock=lambda: time.time() - 2 * 86400)
-    revoke(tmp_path / "authority.key", cfg.swarm_id, peer_id_of_identity(tmp_path / "r.id"), revocations=tmp_path / "revocations.json")
+        invite(
+            tmp_path / "authority.key",
+            cfg.swarm_id,
+            peer_id_of_identity(tmp_path / f"{name}.id"),
+            days=1,
+            out=tmp_path / f"{name}.cert",
+        )
+    invite(
+        tmp_path / "authority.key",
+        cfg.swarm_id,
+        peer_id_of_identity(tmp_path / "e.id"),
+        days=1,
+        out=tmp_path / "e.cert",
+        clock=lambda: time.time() - 2 * 86400,
+    )
+    revoke(
+        tmp_path / "authority.key",
+        cfg.swarm_id,
+        peer_id_of_identity(tmp_path / "r.id"),
+        revocations=tmp_path / "revocations.json",
+    )
     return tmp_path
 
 
@@ -56,11 +78,24 @@ def peer(root: Path, name: str) -> list[str]:
 def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: Path, child_processes: list) -> None:
     root = private_swarm
     swarm = Swarm(root, swarm_config(), child_processes)
-    first = swarm.spawn("a", "--role", "stage", "--stage", "1", *peer(root, "a"), "--revocations", str(root / "revocations.json"))
+    first = swarm.spawn(
+        "a", "--role", "stage", "--stage", "1", *peer(root, "a"), "--revocations", str(root / "revocations.json")
+    )
     join, address = swarm.join, swarm.join[1]
 
     trainer, status, uninvited, revoked, expired = swarmloco(
-        ["run", "--role", "trainer", "--steps", "3", "--data", DATA, *join, *peer(root, "b"), *LOOPBACK],  # fetches the config by the certificate's swarm
+        [
+            "run",
+            "--role",
+            "trainer",
+            "--steps",
+            "3",
+            "--data",
+            DATA,
+            *join,
+            *peer(root, "b"),
+            *LOOPBACK,
+        ],  # fetches the config by the certificate's swarm
         ["status", *join, *peer(root, "s"), "--json"],  # its own identity: two live peers may not share one
         ["run", "--role", "stage", *join, "--identity", str(root / "c.id"), *LOOPBACK],
         ["run", "--role", "stage", *join, *peer(root, "r"), *LOOPBACK],
@@ -68,7 +103,9 @@ def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: P
         children=child_processes,
     )
     assert trainer.returncode == 0, trainer.stderr[-3000:]
-    assert "step 3/3" in trainer.stdout and "failed 0" in trainer.stdout, trainer.stdout  # every hop served: the certificate went along
+    assert "step 3/3" in trainer.stdout and "failed 0" in trainer.stdout, (
+        trainer.stdout
+    )  # every hop served: the certificate went along
     assert status.returncode == 0, status.stderr
     stages = {stage["stage"]: stage["peers"] for stage in json.loads(status.stdout)["stages"]}
     assert [p["peer"] for p in stages[1]] == [peer_id_of_identity(root / "a.id")]
@@ -88,8 +125,13 @@ def test_public_swarm_status_and_start_up_errors(tmp_path: Path, child_processes
     join, address = swarm.join, swarm.join[1]
     new_identity(tmp_path / "m.id")
     create_swarm("open", tmp_path / "authority", private=True)
-    invite(tmp_path / "authority" / "authority.key", swarm_config(name="open").swarm_id, peer_id_of_identity(tmp_path / "m.id"),
-           days=1, out=tmp_path / "m.cert")
+    invite(
+        tmp_path / "authority" / "authority.key",
+        swarm_config(name="open").swarm_id,
+        peer_id_of_identity(tmp_path / "m.id"),
+        days=1,
+        out=tmp_path / "m.cert",
+    )
     unreachable = address.replace(address.split("/tcp/")[1].split("/")[0], "1", 1)
 
     status, twin, lost, mismatch, certified = swarmloco(
@@ -97,7 +139,17 @@ def test_public_swarm_status_and_start_up_errors(tmp_path: Path, child_processes
         ["run", "--role", "stage", *join, "--identity", str(tmp_path / "first.id"), *LOOPBACK],
         ["run", "--role", "stage", "--initial-peers", unreachable, *LOOPBACK],
         ["run", "--role", "stage", *join, "--config", str(tmp_path / "other.toml"), *LOOPBACK],
-        ["run", "--role", "stage", *join, "--identity", str(tmp_path / "m.id"), "--credentials", str(tmp_path / "m.cert"), *LOOPBACK],
+        [
+            "run",
+            "--role",
+            "stage",
+            *join,
+            "--identity",
+            str(tmp_path / "m.id"),
+            "--credentials",
+            str(tmp_path / "m.cert"),
+            *LOOPBACK,
+        ],
         children=child_processes,
     )
     assert status.returncode == 0, status.stderr
@@ -116,12 +168,29 @@ def test_public_swarm_status_and_start_up_errors(tmp_path: Path, child_processes
 
 def test_status_text_shows_peers_throughput_and_rounds_per_stage() -> None:
     row = dict(samples_per_s=0.0, queue=0, inner_steps=40, outer_round=3)
-    status = {"swarm_id": "demo-0123456789abcdef", "num_stages": 2, "peers": 3, "stages": [
-        {"stage": 0, "peers": [{"peer": "QmT", **row, "tokens_per_s": 5100.0, "train_loss": 2.5}], "samples_per_s": 0.0, "tokens_per_s": 5100.0},
-        {"stage": 1, "peers": [{"peer": "QmA", **row, "samples_per_s": 10.0}, {"peer": "QmB", **row, "samples_per_s": 5.5, "outer_round": 4}],
-         "samples_per_s": 15.5, "tokens_per_s": 0.0},
-        {"stage": 2, "peers": [], "samples_per_s": 0.0, "tokens_per_s": 0.0},
-    ]}
+    status = {
+        "swarm_id": "demo-0123456789abcdef",
+        "num_stages": 2,
+        "peers": 3,
+        "stages": [
+            {
+                "stage": 0,
+                "peers": [{"peer": "QmT", **row, "tokens_per_s": 5100.0, "train_loss": 2.5}],
+                "samples_per_s": 0.0,
+                "tokens_per_s": 5100.0,
+            },
+            {
+                "stage": 1,
+                "peers": [
+                    {"peer": "QmA", **row, "samples_per_s": 10.0},
+                    {"peer": "QmB", **row, "samples_per_s": 5.5, "outer_round": 4},
+                ],
+                "samples_per_s": 15.5,
+                "tokens_per_s": 0.0,
+            },
+            {"stage": 2, "peers": [], "samples_per_s": 0.0, "tokens_per_s": 0.0},
+        ],
+    }
     lines = format_status(status).splitlines()
     assert lines[0] == "swarm demo-0123456789abcdef: 2 middle stages, 3 peers"
     assert lines[1].split() == ["stage", "0", "(trainers)", "1", "peer", "5.1k", "tok/s", "outer", "round", "3"]

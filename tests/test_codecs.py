@@ -28,7 +28,9 @@ def boundary(cfg: ModelConfig) -> tuple[Transformer, torch.Tensor, torch.Tensor]
         return model, tokens, model.run_blocks(model.embed(tokens), range(1))
 
 
-@pytest.mark.parametrize(("name", "max_error"), [("fp32", 0.0), ("fp16", 1e-3), ("bf16", 5e-3), ("int8", 1e-2), ("int4", 0.15)])
+@pytest.mark.parametrize(
+    ("name", "max_error"), [("fp32", 0.0), ("fp16", 1e-3), ("bf16", 5e-3), ("int8", 1e-2), ("int4", 0.15)]
+)
 def test_dense_codecs_round_trip(name: str, max_error: float) -> None:
     x = torch.randn(3, 17, 33) * torch.logspace(-4, 0, 17)[None, :, None]  # token scales over 4 decades
     codec = get_codec(name)
@@ -179,8 +181,15 @@ def _decode_checked(data: bytes, shape: tuple[int, ...] | None) -> None:
 
 
 @settings(deadline=None, max_examples=300)
-@given(st.sampled_from(PACKED), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=6), st.booleans(), st.booleans())
-def test_fuzz_checksummed_frames_with_corrupt_contents(packed: tuple[Codec, bytes, bytes], edits: list[tuple[int, int]], in_meta: bool, reshape: bool) -> None:
+@given(
+    st.sampled_from(PACKED),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=6),
+    st.booleans(),
+    st.booleans(),
+)
+def test_fuzz_checksummed_frames_with_corrupt_contents(
+    packed: tuple[Codec, bytes, bytes], edits: list[tuple[int, int]], in_meta: bool, reshape: bool
+) -> None:
     """Frames that pass the crc but hold mutated metadata, bodies or shapes: only WireError escapes."""
     codec, meta, body = packed
     meta, body = bytearray(meta), bytearray(body)
@@ -189,11 +198,18 @@ def test_fuzz_checksummed_frames_with_corrupt_contents(packed: tuple[Codec, byte
         if target:
             target[pos % len(target)] = value
     shape = (2, 3, 64) if not reshape else (3, 2, 64)
-    _decode_checked(encode_frame(codec.codec_id, bytes(body), dtype=torch.float32, shape=shape, meta=bytes(meta)), shape)
+    _decode_checked(
+        encode_frame(codec.codec_id, bytes(body), dtype=torch.float32, shape=shape, meta=bytes(meta)), shape
+    )
 
 
 @settings(deadline=None, max_examples=300)
-@given(st.sampled_from(list(CodecId)), st.lists(st.integers(0, 70), max_size=4), st.binary(max_size=64), st.binary(max_size=600))
+@given(
+    st.sampled_from(list(CodecId)),
+    st.lists(st.integers(0, 70), max_size=4),
+    st.binary(max_size=64),
+    st.binary(max_size=600),
+)
 def test_fuzz_arbitrary_checksummed_frames(codec_id: CodecId, shape: list[int], meta: bytes, body: bytes) -> None:
     _decode_checked(encode_frame(codec_id, body, dtype=torch.float32, shape=tuple(shape), meta=meta), tuple(shape))
 

@@ -52,26 +52,29 @@ def test_hash_is_stable_and_sensitive_to_every_section() -> None:
     assert len({c.hash() for c in changed} | {base.hash()}) == len(changed) + 1
 
 
-@pytest.mark.parametrize("data,field", [
-    ({"model": {"d_model": -1}}, "model.d_model"),
-    ({"model": {"n_heads": 5}}, "model.n_heads"),
-    ({"model": {"d_modl": 3}}, "model.d_modl"),
-    ({"model": {"d_model": "wide"}}, "model.d_model"),
-    ({"model": {"n_layers": True}}, "model.n_layers"),
-    ({"stages": {"num_stages": 9}}, "stages.num_stages"),
-    ({"train": {"seq_len": 4096}}, "train.seq_len"),
-    ({"train": {"inner_batch": 20}}, "train.inner_batch"),
-    ({"codecs": {"activations": "gzip"}}, "codecs.activations"),
-    ({"codecs": {"topk": 0}}, "codecs.topk"),
-    ({"codecs": {"activations": "subspace"}}, "codecs.activations"),
-    ({"inner": {"lr": 0}}, "inner.lr"),
-    ({"outer": {"method": "adam"}}, "outer.method"),
-    ({"outer": {"method": "diloco"}}, "codecs.pseudo_gradients"),
-    ({"timeouts": {"record_ttl_s": 1.0}}, "timeouts.record_ttl_s"),
-    ({"paths": {"skip_ratio": 1.5}}, "paths.skip_ratio"),
-    ({"name": "has space"}, "name"),
-    ({"model": 3}, "model"),
-])
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ({"model": {"d_model": -1}}, "model.d_model"),
+        ({"model": {"n_heads": 5}}, "model.n_heads"),
+        ({"model": {"d_modl": 3}}, "model.d_modl"),
+        ({"model": {"d_model": "wide"}}, "model.d_model"),
+        ({"model": {"n_layers": True}}, "model.n_layers"),
+        ({"stages": {"num_stages": 9}}, "stages.num_stages"),
+        ({"train": {"seq_len": 4096}}, "train.seq_len"),
+        ({"train": {"inner_batch": 20}}, "train.inner_batch"),
+        ({"codecs": {"activations": "gzip"}}, "codecs.activations"),
+        ({"codecs": {"topk": 0}}, "codecs.topk"),
+        ({"codecs": {"activations": "subspace"}}, "codecs.activations"),
+        ({"inner": {"lr": 0}}, "inner.lr"),
+        ({"outer": {"method": "adam"}}, "outer.method"),
+        ({"outer": {"method": "diloco"}}, "codecs.pseudo_gradients"),
+        ({"timeouts": {"record_ttl_s": 1.0}}, "timeouts.record_ttl_s"),
+        ({"paths": {"skip_ratio": 1.5}}, "paths.skip_ratio"),
+        ({"name": "has space"}, "name"),
+        ({"model": 3}, "model"),
+    ],
+)
 def test_invalid_values_name_the_field(data: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict(data)
@@ -118,40 +121,58 @@ class _Root:
     outer: _Section = dataclasses.field(default_factory=_Section)
 
 
-@pytest.mark.parametrize("data,field", [
-    ({"outer": {"sparseloco": {"topk": 0}}}, "outer.sparseloco.topk"),  # raised by the leaf, prefixed by each section
-    ({"outer": {"sparseloco": {"topk": "many"}}}, "outer.sparseloco.topk"),
-    ({"outer": {"sparseloco": {"top": 1}}}, "outer.sparseloco.top"),
-    ({"outer": {"mode": "c"}}, "outer.mode"),
-    ({"outer": {"sparseloco": 3}}, "outer.sparseloco"),
-])
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        (
+            {"outer": {"sparseloco": {"topk": 0}}},
+            "outer.sparseloco.topk",
+        ),  # raised by the leaf, prefixed by each section
+        ({"outer": {"sparseloco": {"topk": "many"}}}, "outer.sparseloco.topk"),
+        ({"outer": {"sparseloco": {"top": 1}}}, "outer.sparseloco.top"),
+        ({"outer": {"mode": "c"}}, "outer.mode"),
+        ({"outer": {"sparseloco": 3}}, "outer.sparseloco"),
+    ],
+)
 def test_nested_errors_name_the_full_field_path(data: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
         from_dict(_Root, data)
     assert err.value.field == field and str(err.value).startswith(f"config field '{field}': ")
 
 
-@pytest.mark.parametrize("data,field", [
-    ({"inner": {"warmup_steps": -1}}, "inner.warmup_steps"),  # once one message for three fields, misread by a regex
-    ({"inner": {"weight_decay": -0.1}}, "inner.weight_decay"),
-    ({"inner": {"grad_clip": -1.0}}, "inner.grad_clip"),
-    ({"inner": {"beta2": 1.0}}, "inner.beta2"),
-    ({"outer": {"method": "diloco", "diloco_momentum": 1.0}, "codecs": {"pseudo_gradients": "fp32"}}, "outer.diloco_momentum"),
-    ({"codecs": {"error_decay": 2.0}}, "codecs.error_decay"),
-    ({"codecs": {"chunk_size": 1024}}, "codecs.chunk_size"),
-])
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        (
+            {"inner": {"warmup_steps": -1}},
+            "inner.warmup_steps",
+        ),  # once one message for three fields, misread by a regex
+        ({"inner": {"weight_decay": -0.1}}, "inner.weight_decay"),
+        ({"inner": {"grad_clip": -1.0}}, "inner.grad_clip"),
+        ({"inner": {"beta2": 1.0}}, "inner.beta2"),
+        (
+            {"outer": {"method": "diloco", "diloco_momentum": 1.0}, "codecs": {"pseudo_gradients": "fp32"}},
+            "outer.diloco_momentum",
+        ),
+        ({"codecs": {"error_decay": 2.0}}, "codecs.error_decay"),
+        ({"codecs": {"chunk_size": 1024}}, "codecs.chunk_size"),
+    ],
+)
 def test_component_errors_outside_swarm_name_the_field(data: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict(data)
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("data,field,choices", [
-    ({"outer": {"method": "adam"}}, "outer.method", OUTER_METHODS),
-    ({"codecs": {"activations": "gzip"}}, "codecs.activations", CODEC_NAMES),
-    ({"codecs": {"gradients": 8}}, "codecs.gradients", CODEC_NAMES),
-    ({"codecs": {"pseudo_gradients": "int8"}}, "codecs.pseudo_gradients", ("fp32", "fp16", "bf16", "sparseloco")),
-])
+@pytest.mark.parametrize(
+    "data,field,choices",
+    [
+        ({"outer": {"method": "adam"}}, "outer.method", OUTER_METHODS),
+        ({"codecs": {"activations": "gzip"}}, "codecs.activations", CODEC_NAMES),
+        ({"codecs": {"gradients": 8}}, "codecs.gradients", CODEC_NAMES),
+        ({"codecs": {"pseudo_gradients": "int8"}}, "codecs.pseudo_gradients", ("fp32", "fp16", "bf16", "sparseloco")),
+    ],
+)
 def test_an_unknown_choice_lists_the_choices(data: dict, field: str, choices: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict(data)
@@ -203,7 +224,9 @@ def _cli_config(base: SwarmConfig, args: list[str]) -> SwarmConfig:
 
     @app.command()
     @config_options(*SIMULATE_CONFIG_OPTIONS)
-    def simulate(outer: Annotated[OuterChoice, typer.Option()] = "sparseloco", overrides: ConfigOverrides = None) -> None:
+    def simulate(
+        outer: Annotated[OuterChoice, typer.Option()] = "sparseloco", overrides: ConfigOverrides = None
+    ) -> None:
         derived.append(derive_config(base, overrides, outer=outer))
 
     result = CliRunner().invoke(app, args)
@@ -212,18 +235,47 @@ def _cli_config(base: SwarmConfig, args: list[str]) -> SwarmConfig:
 
 
 def test_simulate_keeps_its_flags() -> None:
-    cfg = _cli_config(SwarmConfig(), ["--outer", "diloco", "-H", "9", "--act-codec", "fp16", "--grad-codec", "int4", "--pg-codec", "bf16",
-                                      "--skip", "0.25", "--swaps", "1", "--subspace-rank", "8"])
-    assert (cfg.outer.method, cfg.outer.inner_steps, cfg.paths.skip_ratio, cfg.paths.max_swaps, cfg.model.subspace_rank) == ("diloco", 9, 0.25, 1, 8)
+    cfg = _cli_config(
+        SwarmConfig(),
+        [
+            "--outer",
+            "diloco",
+            "-H",
+            "9",
+            "--act-codec",
+            "fp16",
+            "--grad-codec",
+            "int4",
+            "--pg-codec",
+            "bf16",
+            "--skip",
+            "0.25",
+            "--swaps",
+            "1",
+            "--subspace-rank",
+            "8",
+        ],
+    )
+    assert (
+        cfg.outer.method,
+        cfg.outer.inner_steps,
+        cfg.paths.skip_ratio,
+        cfg.paths.max_swaps,
+        cfg.model.subspace_rank,
+    ) == ("diloco", 9, 0.25, 1, 8)
     assert (cfg.codecs.activations, cfg.codecs.gradients, cfg.codecs.pseudo_gradients) == ("fp16", "int4", "bf16")
     assert _cli_config(SwarmConfig(), ["--inner-steps", "4"]).outer.inner_steps == 4
-    assert _cli_config(SwarmConfig(), []) == derive_config(SwarmConfig(), {"codecs.pseudo_gradients": "fp32"}, outer="sparseloco")
+    assert _cli_config(SwarmConfig(), []) == derive_config(
+        SwarmConfig(), {"codecs.pseudo_gradients": "fp32"}, outer="sparseloco"
+    )
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp16", "subspace"])
 @pytest.mark.parametrize("outer", ["diloco", "sparseloco"])
 def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))  # bench_e2e imports its siblings by name
+    monkeypatch.syspath_prepend(
+        str(Path(__file__).resolve().parents[1] / "scripts")
+    )  # bench_e2e imports its siblings by name
     bench_e2e, bench_swarm = importlib.import_module("bench_e2e"), importlib.import_module("bench_swarm")
     from peer.launch import LocalSwarm, local_config
     from scripts.bench_convergence import Run, run_config
@@ -234,7 +286,9 @@ def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, mo
     assert cli.model.subspace_rank == (base.model.d_model // 8 if codec == "subspace" else 0)
     layout = LocalSwarm(peers=5, stages=3, trainers=2)
     local = _cli_config(local_config(base, layout), ["--outer", outer, "-H", str(h), "--act-codec", codec])
-    assert local == bench_e2e.run_config(base, bench_e2e.Run(bandwidth_mbit=None, act_codec=codec, outer=outer), layout, h)
+    assert local == bench_e2e.run_config(
+        base, bench_e2e.Run(bandwidth_mbit=None, act_codec=codec, outer=outer), layout, h
+    )
     assert local == bench_swarm.bench_config(local_config(base, layout), outer, h, codec)
     ddp = _cli_config(base, ["--outer", "ddp", "-H", str(h), "--act-codec", codec])
     assert ddp.outer.method == "none" and ddp == run_config(base, Run("run", "ddp", codec, h))

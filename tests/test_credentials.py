@@ -95,7 +95,9 @@ def test_revoke_appends_to_a_signed_list(private_swarm: tuple[Path, SwarmConfig]
     assert RevocationList.verify(listing.read_bytes(), authority, cfg.swarm_id) == second
     assert (second.sequence, second.revoked) == (2, {me: int(NOW) + 10, other: int(NOW) + 20})
     with pytest.raises(AccessDenied, match="revoked"):
-        load_credentials(tmp_path / "me.id", tmp_path / "me.cert", cfg.swarm_id, revocations=listing, clock=lambda: NOW + 30)
+        load_credentials(
+            tmp_path / "me.id", tmp_path / "me.cert", cfg.swarm_id, revocations=listing, clock=lambda: NOW + 30
+        )
 
     forged = json.loads(listing.read_text())
     forged["revoked"] = {}  # someone un-revoking everyone
@@ -103,7 +105,9 @@ def test_revoke_appends_to_a_signed_list(private_swarm: tuple[Path, SwarmConfig]
     with pytest.raises(CredentialError, match="revocations.json"):
         revoke(root / "authority.key", cfg.swarm_id, me, revocations=listing)
     with pytest.raises(CredentialError, match="revocations.json"):
-        load_credentials(tmp_path / "me.id", tmp_path / "me.cert", cfg.swarm_id, revocations=listing, clock=lambda: NOW + 30)
+        load_credentials(
+            tmp_path / "me.id", tmp_path / "me.cert", cfg.swarm_id, revocations=listing, clock=lambda: NOW + 30
+        )
 
 
 def swarmloco(*args: str) -> subprocess.CompletedProcess[str]:
@@ -124,7 +128,19 @@ def test_cli_create_identity_invite_revoke(tmp_path: Path) -> None:
     assert peer_id == peer_id_of_identity(tmp_path / "peer.id")
 
     key, config = str(root / "authority.key"), str(root / "swarm.toml")
-    invited = swarmloco("invite", "--authority", key, "--config", config, "--peer-id", peer_id, "--days", "7", "-o", str(tmp_path / "peer.cert"))
+    invited = swarmloco(
+        "invite",
+        "--authority",
+        key,
+        "--config",
+        config,
+        "--peer-id",
+        peer_id,
+        "--days",
+        "7",
+        "-o",
+        str(tmp_path / "peer.cert"),
+    )
     assert invited.returncode == 0, invited.stderr
     creds = load_credentials(tmp_path / "peer.id", tmp_path / "peer.cert", cfg.swarm_id)
     cert = creds.verifier.check(peer_id, creds.certificate_bytes())
@@ -133,8 +149,9 @@ def test_cli_create_identity_invite_revoke(tmp_path: Path) -> None:
     revoked = swarmloco("revoke", "--authority", key, "--config", config, "--peer-id", peer_id)
     assert revoked.returncode == 0, revoked.stderr
     with pytest.raises(AccessDenied, match="revoked"):
-        load_credentials(tmp_path / "peer.id", tmp_path / "peer.cert", cfg.swarm_id, revocations=root / "revocations.json")
-
+        load_credentials(
+            tmp_path / "peer.id", tmp_path / "peer.cert", cfg.swarm_id, revocations=root / "revocations.json"
+        )
 
 
 def test_cli_errors_are_one_line(private_swarm: tuple[Path, SwarmConfig], tmp_path: Path) -> None:
@@ -146,8 +163,28 @@ def test_cli_errors_are_one_line(private_swarm: tuple[Path, SwarmConfig], tmp_pa
     key, config = str(root / "authority.key"), str(root / "swarm.toml")
     cases = {
         ("create", "--name", "demo", "--private", "--out", str(root)): "already exists",
-        ("invite", "--authority", key, "--config", config, "--peer-id", "nope", "-o", str(tmp_path / "x.cert")): "not a libp2p peer id",
-        ("invite", "--authority", str(tmp_path / "missing.key"), "--config", config, "--peer-id", "nope", "-o", "x"): "does not exist",
+        (
+            "invite",
+            "--authority",
+            key,
+            "--config",
+            config,
+            "--peer-id",
+            "nope",
+            "-o",
+            str(tmp_path / "x.cert"),
+        ): "not a libp2p peer id",
+        (
+            "invite",
+            "--authority",
+            str(tmp_path / "missing.key"),
+            "--config",
+            config,
+            "--peer-id",
+            "nope",
+            "-o",
+            "x",
+        ): "does not exist",
         ("identity", "--out", str(root / "swarm.toml")): "not a libp2p identity file",
     }
     for args, says in cases.items():

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 from hivemind.p2p import PeerID
+from swarm_harness import DATA, Swarm, tiny_config
 
 from peer.launch import REPO_ROOT
 from scripts.dashboard import PROMETHEUS_TYPE, History, main, make_handler, prometheus_text, swarm_info, watch
 from swarm.config import TimeoutConfig
 from swarm.dht.records import PeerMetrics
-from swarm_harness import DATA, Swarm, tiny_config
 
 CFG = tiny_config(stages=2, steps=2000, timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0))
 
@@ -39,7 +39,9 @@ def test_events_are_what_changed_between_snapshots() -> None:
     history = History(leave_after_s=3.0)
     history.update({"A": record(), "T": trainer(state="joining")}, now=0.0)
     history.update({"A": record(stage=2), "T": trainer(bans=2), "B": record(state="recovering")}, now=1.0)
-    history.update({"A": record(stage=2, outer_round=1), "B": record(recoveries=1)}, now=2.0)  # T unseen for 1 s: not gone yet
+    history.update(
+        {"A": record(stage=2, outer_round=1), "B": record(recoveries=1)}, now=2.0
+    )  # T unseen for 1 s: not gone yet
     history.update({"A": record(stage=2, outer_round=1), "B": record(recoveries=1)}, now=5.0)
     assert [(e.time, e.kind, e.peer, e.text) for e in history.events] == [
         (0.0, "join", "A", "joined stage 1 (serving)"),
@@ -53,26 +55,60 @@ def test_events_are_what_changed_between_snapshots() -> None:
         (5.0, "leave", "T", "left as a trainer"),
     ]
     assert set(history.peers) == {"A", "B"} and history.event_counts["join"] == 3
-    assert history.state(now=5.0)["rounds"] == {"0": [(0.0, 0)], "1": [(0.0, 0)], "2": [(1.0, 0), (2.0, 1)]}  # when a stage first got there
+    assert history.state(now=5.0)["rounds"] == {
+        "0": [(0.0, 0)],
+        "1": [(0.0, 0)],
+        "2": [(1.0, 0), (2.0, 1)],
+    }  # when a stage first got there
 
 
 def test_series_grow_when_a_trainer_logs_and_throughput_sums_trainers() -> None:
     history = History(leave_after_s=10.0)
-    for now, step, loss, val in [(0.0, 0, None, None), (1.0, 5, 4.0, None), (2.0, 8, 4.0, None), (3.0, 10, 3.5, 3.9), (4.0, 12, 3.5, 3.9)]:
-        history.update({"T": trainer(step=step, train_loss=loss, val_loss=val, tokens_per_s=100.0 * now), "S": record(tokens_per_s=999.0)}, now)
+    for now, step, loss, val in [
+        (0.0, 0, None, None),
+        (1.0, 5, 4.0, None),
+        (2.0, 8, 4.0, None),
+        (3.0, 10, 3.5, 3.9),
+        (4.0, 12, 3.5, 3.9),
+    ]:
+        history.update(
+            {
+                "T": trainer(step=step, train_loss=loss, val_loss=val, tokens_per_s=100.0 * now),
+                "S": record(tokens_per_s=999.0),
+            },
+            now,
+        )
     state = history.state(now=4.0)
     assert state["loss"] == {"T": [(1.0, 5, 4.0), (3.0, 10, 3.5)]}  # a repeated record adds no point
     assert state["val_loss"] == {"T": [(3.0, 10, 3.9)]}
-    assert state["throughput"] == [(float(t), 100.0 * t) for t in range(5)]  # servers' tokens are the trainers' tokens again
+    assert state["throughput"] == [
+        (float(t), 100.0 * t) for t in range(5)
+    ]  # servers' tokens are the trainers' tokens again
 
 
 def test_bandwidth_is_the_byte_rate_over_the_last_polls() -> None:
     history = History(leave_after_s=10.0, rate_polls=3)
-    for now, sent in [(0.0, 0), (1.0, 1000), (2.0, 3000), (3.0, 6000), (4.0, 500)]:  # at t=4 the peer restarted: its counter went back
-        history.update({"S": record(bytes_sent={"activations": sent, "gradients": 2 * sent}, bytes_received={"eval": 10 * int(now)})}, now)
+    for now, sent in [
+        (0.0, 0),
+        (1.0, 1000),
+        (2.0, 3000),
+        (3.0, 6000),
+        (4.0, 500),
+    ]:  # at t=4 the peer restarted: its counter went back
+        history.update(
+            {
+                "S": record(
+                    bytes_sent={"activations": sent, "gradients": 2 * sent}, bytes_received={"eval": 10 * int(now)}
+                )
+            },
+            now,
+        )
         if now == 3.0:
             peer = history.state(now)["peers"][0]
-            assert peer["rate_sent"] == {"activations": 2500.0, "gradients": 5000.0}  # (6000 - 1000) / 2 s: the window holds 3 polls
+            assert peer["rate_sent"] == {
+                "activations": 2500.0,
+                "gradients": 5000.0,
+            }  # (6000 - 1000) / 2 s: the window holds 3 polls
             assert peer["rate_received"] == {"eval": 10.0}
     assert history.state(4.0)["peers"][0]["rate_sent"] == {"activations": 250.0, "gradients": 500.0}
 
@@ -82,10 +118,17 @@ SAMPLE = re.compile(r'^(swarmloco_[a-z_]+)\{((?:[a-z]+="(?:[^"\\]|\\.)*",?)*)\} 
 
 def test_prometheus_text_exposes_every_peer_under_typed_families() -> None:
     history = History(leave_after_s=10.0)
-    history.update({"T": trainer(step=3, train_loss=3.5, tokens_per_s=1200.0, bytes_sent={"activations": 4096}),
-                    "S": record(step=3, bans=1, bytes_received={"activations": 4096})}, now=1.0)
+    history.update(
+        {
+            "T": trainer(step=3, train_loss=3.5, tokens_per_s=1200.0, bytes_sent={"activations": 4096}),
+            "S": record(step=3, bans=1, bytes_received={"activations": 4096}),
+        },
+        now=1.0,
+    )
     state = {"swarm": swarm_info(CFG), **history.state(now=1.0)}
-    next(peer for peer in state["peers"] if peer["role"] == "stage")["id"] = 'odd "peer"\\\nid'  # whatever an id holds is escaped
+    next(peer for peer in state["peers"] if peer["role"] == "stage")["id"] = (
+        'odd "peer"\\\nid'  # whatever an id holds is escaped
+    )
     text = prometheus_text(state)
     typed, samples = {}, {}
     for line in text.splitlines():
@@ -101,7 +144,9 @@ def test_prometheus_text_exposes_every_peer_under_typed_families() -> None:
     assert samples['swarmloco_bytes_sent_total{peer="T",role="trainer",stage="0",kind="activations"}'] == 4096
     assert samples['swarmloco_banned_peers{peer="odd \\"peer\\"\\\\\\nid",role="stage",stage="1"}'] == 1
     assert samples['swarmloco_peers{role="stage"}'] == 1 and samples['swarmloco_events_total{kind="join"}'] == 2
-    assert not any(key.startswith("swarmloco_val_loss") for key in samples)  # no validation yet: no sample, rather than a fake 0
+    assert not any(
+        key.startswith("swarmloco_val_loss") for key in samples
+    )  # no validation yet: no sample, rather than a fake 0
 
 
 @pytest.fixture
@@ -130,7 +175,9 @@ def get(url: str) -> tuple[int, str, bytes]:
 def test_routes_serve_the_page_its_assets_the_state_and_prometheus_text(served: tuple[str, dict]) -> None:
     base, state = served
     status, content_type, page = get(base + "/")
-    assert status == 200 and content_type.startswith("text/html") and b'src="/app.js"' in page and b"https://" not in page
+    assert (
+        status == 200 and content_type.startswith("text/html") and b'src="/app.js"' in page and b"https://" not in page
+    )
     assert get(base + "/app.js")[:2] == (200, "text/javascript; charset=utf-8")
     assert get(base + "/style.css")[1].startswith("text/css")
     status, content_type, body = get(base + "/api/state?t=1")
@@ -168,8 +215,18 @@ def test_credentials_without_an_identity_is_a_clear_error(capsys: pytest.Capture
 # ---- the page in headless Chromium, on a live swarm
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--hide-scrollbars", "--window-size=1440,1150", "--virtual-time-budget=4000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--window-size=1440,1150",
+    "--virtual-time-budget=4000",
+]
 TRAINER = """
 import sys
 from pathlib import Path
@@ -185,7 +242,12 @@ run_peer(peer)
 
 
 def chromium(url: str, profile: Path, *args: str) -> str:
-    result = subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
@@ -199,9 +261,13 @@ def test_the_page_shows_a_live_swarm_in_a_browser(tmp_path: Path, child_processe
     swarm.spawn("stage2-0", "--role", "stage", "--stage", "2")
     initial_peer = swarm.join[1]
     swarm.spawn_command("trainer-0", [sys.executable, "-u", "-c", TRAINER, initial_peer, str(tmp_path), DATA])
-    swarm.spawn_command("dashboard", [sys.executable, "scripts/dashboard.py", "--initial-peers", initial_peer, "--port", "0"])
+    swarm.spawn_command(
+        "dashboard", [sys.executable, "scripts/dashboard.py", "--initial-peers", initial_peer, "--port", "0"]
+    )
 
-    url = swarm.wait("dashboard URL", lambda: re.search(r"http://127\.0\.0\.1:\d+/", swarm.log("dashboard", 10**6)), 60)[0]
+    url = swarm.wait(
+        "dashboard URL", lambda: re.search(r"http://127\.0\.0\.1:\d+/", swarm.log("dashboard", 10**6)), 60
+    )[0]
     for name in ("stage1-0", "stage2-0", "trainer-0"):
         swarm.ready(name)
     peers = dict(swarm.ids)
@@ -212,11 +278,17 @@ def test_the_page_shows_a_live_swarm_in_a_browser(tmp_path: Path, child_processe
         return state if {p["id"] for p in state["peers"]} == set(peers.values()) and len(loss) >= 4 and val else None
 
     state = swarm.wait("loss and validation points of all three peers", ready, 75)
-    assert {p["id"]: p["state"] for p in state["peers"]} == {peers["stage1-0"]: "serving", peers["stage2-0"]: "serving", peers["trainer-0"]: "training"}
+    assert {p["id"]: p["state"] for p in state["peers"]} == {
+        peers["stage1-0"]: "serving",
+        peers["stage2-0"]: "serving",
+        peers["trainer-0"]: "training",
+    }
 
     dom = chromium(url, tmp_path / "profile", "--dump-dom")
     loss_chart = re.search(r'<svg[^>]*id="loss-chart".*?</svg>', dom, re.S)[0]
-    assert int(re.search(r'data-points="(\d+)"', loss_chart)[1]) >= 5 and loss_chart.count('class="pt"') >= 2  # validation points, last train point
+    assert (
+        int(re.search(r'data-points="(\d+)"', loss_chart)[1]) >= 5 and loss_chart.count('class="pt"') >= 2
+    )  # validation points, last train point
     assert loss_chart.count('class="line"') == 2  # the trainer's train and validation curves
     pipeline = re.search(r'<section[^>]*id="pipeline-panel".*?</section>', dom, re.S)[0]
     for name, peer in peers.items():
@@ -230,6 +302,10 @@ def test_the_page_shows_a_live_swarm_in_a_browser(tmp_path: Path, child_processe
 
     # what each server published is, to the byte, a line of its JSONL log
     for name in ("stage1-0", "stage2-0"):
-        published = {k: v for k, v in next(p for p in state["peers"] if p["id"] == peers[name]).items() if k in PeerMetrics.__fields__}
+        published = {
+            k: v
+            for k, v in next(p for p in state["peers"] if p["id"] == peers[name]).items()
+            if k in PeerMetrics.__fields__
+        }
         logged = [json.loads(line).get("metrics") for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         assert published in logged, name

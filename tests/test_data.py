@@ -50,7 +50,9 @@ def test_sampler_streams_are_seeded_and_distinct(tmp_path: Path) -> None:
     assert torch.equal(x1, x1b) and not torch.equal(x1, x2)
     assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one
     val = corpus.val_batches(batch_size=2, seq_len=16, num_batches=3)
-    assert len(val) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(val, corpus.val_batches(batch_size=2, seq_len=16, num_batches=3)))
+    assert len(val) == 3 and all(
+        torch.equal(a[0], b[0]) for a, b in zip(val, corpus.val_batches(batch_size=2, seq_len=16, num_batches=3))
+    )
 
 
 def test_jsonl_globs_and_single_files(tmp_path: Path) -> None:
@@ -65,6 +67,7 @@ def file_with(name: str, text: str):
     def make(root: Path) -> Path:
         (root / name).write_text(text)
         return root / name
+
     return make
 
 
@@ -73,13 +76,16 @@ def empty_dir(root: Path) -> Path:
     return root / "empty"
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda p: p / "missing", "missing"),
-    (empty_dir, "no text files"),
-    (file_with("e.txt", ""), "empty"),
-    (file_with("bad.jsonl", "{not json}\n"), "bad.jsonl:1"),
-    (file_with("short.txt", "hi"), "fewer than one window"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda p: p / "missing", "missing"),
+        (empty_dir, "no text files"),
+        (file_with("e.txt", ""), "empty"),
+        (file_with("bad.jsonl", "{not json}\n"), "bad.jsonl:1"),
+        (file_with("short.txt", "hi"), "fewer than one window"),
+    ],
+)
 def test_unusable_corpus_gives_a_clear_error_naming_the_path(tmp_path: Path, make, message: str) -> None:
     with pytest.raises(DataError, match=message):
         corpus = load_corpus([make(tmp_path)])

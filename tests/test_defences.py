@@ -16,6 +16,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from swarm_harness import tiny_config
 
 from compress.codecs import get_codec
 from compress.config import CodecConfig
@@ -28,7 +29,6 @@ from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import BlobRequest, BlobServicer
 from swarm.rpc.defences import PeerGuard, PeerLimits
 from swarm.rpc.servicer import pack_envelope
-from swarm_harness import tiny_config
 
 B, T, D = 2, 8, 16
 FP32 = get_codec("fp32")
@@ -43,6 +43,7 @@ class Clock:
 
 
 # ---- PeerGuard (pure) ----
+
 
 def test_token_bucket_allows_a_burst_then_the_rate() -> None:
     clock = Clock()
@@ -89,9 +90,14 @@ def test_limits_are_validated(bad: dict) -> None:
 
 # ---- the servicer, in-process ----
 
+
 def tiny() -> SwarmConfig:
-    return tiny_config(model={"d_model": D, "n_heads": 2, "max_seq_len": T}, train={"seq_len": T, "microbatch_size": B, "inner_batch": B},
-                       inner=InnerOptimConfig(), codecs=CodecConfig(activations="fp32", gradients="fp32"))
+    return tiny_config(
+        model={"d_model": D, "n_heads": 2, "max_seq_len": T},
+        train={"seq_len": T, "microbatch_size": B, "inner_batch": B},
+        inner=InnerOptimConfig(),
+        codecs=CodecConfig(activations="fp32", gradients="fp32"),
+    )
 
 
 @pytest.fixture
@@ -124,8 +130,13 @@ GARBAGE = [
 
 def test_a_peer_sending_garbage_is_banned_and_others_are_still_served(server: StageServer) -> None:
     clock = Clock()
-    servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, clock=clock,
-                             limits=PeerLimits(strikes=len(GARBAGE), strike_window_s=60.0, ban_s=30.0))
+    servicer = StageServicer(
+        server,
+        stage=1,
+        max_request_bytes=server.max_request_bytes,
+        clock=clock,
+        limits=PeerLimits(strikes=len(GARBAGE), strike_window_s=60.0, ban_s=30.0),
+    )
     good = forward(torch.randn(B, T, D))
 
     async def scenario() -> None:
@@ -149,8 +160,13 @@ def parse_error(response: runtime_pb2.ExpertResponse) -> RemoteError:
 
 def test_a_peer_over_its_rate_is_told_busy_without_a_strike(server: StageServer) -> None:
     clock = Clock()
-    servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, clock=clock,
-                             limits=PeerLimits(rate=1.0, burst=2.0, strikes=1))
+    servicer = StageServicer(
+        server,
+        stage=1,
+        max_request_bytes=server.max_request_bytes,
+        clock=clock,
+        limits=PeerLimits(rate=1.0, burst=2.0, strikes=1),
+    )
     good = forward(torch.randn(B, T, D))
 
     async def scenario() -> list[str | None]:
@@ -186,25 +202,36 @@ def test_streams_of_empty_chunks_or_stalled_streams_are_cut_off(server: StageSer
 
 # ---- the servicer over real P2P: the ban follows the libp2p-authenticated peer id ----
 
+
 @pytest.mark.timeout(60)
 def test_garbage_activations_over_p2p_get_the_sender_banned(server: StageServer) -> None:
     async def scenario() -> None:
         host = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         maddrs = [str(m) for m in await host.get_visible_maddrs()]
         evil, honest = [await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-        servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, limits=PeerLimits(strikes=3))
+        servicer = StageServicer(
+            server, stage=1, max_request_bytes=server.max_request_bytes, limits=PeerLimits(strikes=3)
+        )
         await servicer.add_p2p_handlers(host, namespace="public")
         try:
             x = torch.randn(B, T, D)
             client = StageClient(evil, namespace="public")
             for i in range(3):
                 with pytest.raises(RemoteError) as refused:
-                    await client.forward(host.peer_id, Forward(mb=f"g{i}", stage=1, prev_stage=0, x=FP32.encode(torch.full_like(x, math.inf))), timeout=10)
+                    await client.forward(
+                        host.peer_id,
+                        Forward(mb=f"g{i}", stage=1, prev_stage=0, x=FP32.encode(torch.full_like(x, math.inf))),
+                        timeout=10,
+                    )
                 assert refused.value.code == RequestError.INVALID
             with pytest.raises(RemoteError) as refused:
-                await client.forward(host.peer_id, Forward(mb="ok", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10)
+                await client.forward(
+                    host.peer_id, Forward(mb="ok", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10
+                )
             assert refused.value.code == RequestError.BANNED and str(evil.peer_id) in refused.value.message
-            y = await StageClient(honest, namespace="public").forward(host.peer_id, Forward(mb="ok", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10)
+            y = await StageClient(honest, namespace="public").forward(
+                host.peer_id, Forward(mb="ok", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10
+            )
             assert FP32.decode(y).shape == x.shape
         finally:
             for p2p in (evil, honest, host):
@@ -214,6 +241,7 @@ def test_garbage_activations_over_p2p_get_the_sender_banned(server: StageServer)
 
 
 # ---- the blob service: the same defences (one servicer base, swarm/rpc/servicer.py) ----
+
 
 async def provide_blob(name: str) -> bytes:
     if name == "state/bug":
@@ -241,8 +269,13 @@ def blob_request(name: str) -> bytes:
 
 def test_a_peer_sending_invalid_blob_requests_is_banned_and_others_are_still_served() -> None:
     clock = Clock()
-    invalid = [b"\xc1junk", msgpack.packb({"name": "../etc"}), msgpack.packb({"name": "state/1", "evil": 1}),
-               msgpack.packb({"name": 7}), bytes(20_000)]
+    invalid = [
+        b"\xc1junk",
+        msgpack.packb({"name": "../etc"}),
+        msgpack.packb({"name": "state/1", "evil": 1}),
+        msgpack.packb({"name": 7}),
+        bytes(20_000),
+    ]
     servicer = blob_servicer(clock, PeerLimits(strikes=len(invalid), strike_window_s=60.0, ban_s=30.0))
 
     async def scenario() -> None:
@@ -276,6 +309,7 @@ def test_a_peer_over_its_blob_rate_is_told_busy_without_a_strike() -> None:
 
 # ---- the outer step's screen of pseudo-gradients ----
 
+
 def start_params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(100, generator=g)}
@@ -292,7 +326,9 @@ def deltas(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     return [{name: 0.01 * torch.randn(t.shape, generator=g) for name, t in start_params().items()} for _ in range(n)]
 
 
-def outer_step(method: str, group: list[dict[str, torch.Tensor]], *, orders: int = 1) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
+def outer_step(
+    method: str, group: list[dict[str, torch.Tensor]], *, orders: int = 1
+) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
     """Each member's Δ into a payload; ``orders`` replicas apply them, each in its own delivery order."""
     start = start_params()
     payloads = [make(method, start).make_payload({k: start[k] - d[k] for k in start}) for d in group]
@@ -348,7 +384,9 @@ def test_in_a_pair_the_larger_pseudo_gradient_is_clipped(method: str) -> None:
 
 
 @settings(deadline=None, max_examples=25)
-@given(scales=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 30.0, 1e4]), min_size=3, max_size=6), seed=st.integers(0, 1000))
+@given(
+    scales=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 30.0, 1e4]), min_size=3, max_size=6), seed=st.integers(0, 1000)
+)
 def test_screened_groups_agree_and_keep_nothing_far_above_the_median(scales: list[float], seed: int) -> None:
     group = [{name: scale * t for name, t in delta.items()} for scale, delta in zip(scales, deltas(len(scales), seed))]
     used, results = outer_step("diloco", group, orders=2)

@@ -81,9 +81,17 @@ def test_due_by_step_or_by_time():
 
 
 @settings(deadline=None, max_examples=100)
-@given(st.lists(st.builds(FaultEvent, peer=st.from_regex(r"[a-z0-9_.:-]{1,8}", fullmatch=True),
-                          at_s=st.floats(0, 1e7, allow_nan=False)), max_size=5),
-       st.lists(st.tuples(st.from_regex(r"[A-Z0-9-]{1,8}", fullmatch=True), st.integers(0, 10**9)), max_size=5))
+@given(
+    st.lists(
+        st.builds(
+            FaultEvent,
+            peer=st.from_regex(r"[a-z0-9_.:-]{1,8}", fullmatch=True),
+            at_s=st.floats(0, 1e7, allow_nan=False),
+        ),
+        max_size=5,
+    ),
+    st.lists(st.tuples(st.from_regex(r"[A-Z0-9-]{1,8}", fullmatch=True), st.integers(0, 10**9)), max_size=5),
+)
 def test_a_schedule_prints_as_a_spec_that_parses_back(timed, stepped):
     schedule = FaultSchedule(timed + [FaultEvent(peer=p, step=s) for p, s in stepped])
     assert FaultSchedule.parse(str(schedule)) == schedule

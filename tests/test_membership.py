@@ -42,7 +42,12 @@ OWNER = b"[owner:ssh-rsa AAAAB3NzaC1yc2E]"
 def record(raw_key: str, subkey: bytes, value: object) -> DHTRecord:
     """A DHT record as a storing node sees it: key hashed, subkey and value serialized."""
     dumps = DHTProtocol.serializer.dumps
-    return DHTRecord(key=DHTID.generate(source=raw_key).to_bytes(), subkey=dumps(subkey), value=dumps(value), expiration_time=get_dht_time() + 10)
+    return DHTRecord(
+        key=DHTID.generate(source=raw_key).to_bytes(),
+        subkey=dumps(subkey),
+        value=dumps(value),
+        expiration_time=get_dht_time() + 10,
+    )
 
 
 def test_peer_id_is_read_back_from_the_subkey() -> None:
@@ -51,8 +56,11 @@ def test_peer_id_is_read_back_from_the_subkey() -> None:
         assert peer_from_subkey(bad) is None
 
 
-@pytest.mark.parametrize("validator_for", [lambda: stage_validator(CFG), lambda: pickle.loads(pickle.dumps(stage_validator(CFG)))],
-                         ids=["built", "unpickled in the DHT process"])
+@pytest.mark.parametrize(
+    "validator_for",
+    [lambda: stage_validator(CFG), lambda: pickle.loads(pickle.dumps(stage_validator(CFG)))],
+    ids=["built", "unpickled in the DHT process"],
+)
 def test_stage_records_must_match_the_schema(validator_for) -> None:
     validator, key, subkey = validator_for(), stage_key(CFG.swarm_id, 2), PEER.to_base58().encode() + OWNER
     good = StageStatus(samples_per_s=12.5, queue=3, grad_norm=0.7).dict()
@@ -94,7 +102,12 @@ def test_reconciling_configs() -> None:
 
 def test_new_servers_join_the_stage_with_fewest_replicas_then_least_throughput() -> None:
     status = lambda rate: StageStatus(samples_per_s=rate)
-    replicas = {0: {"t": status(0.0)}, 1: {"a": status(9.0), "b": status(9.0)}, 2: {"c": status(50.0)}, 3: {"d": status(20.0)}}
+    replicas = {
+        0: {"t": status(0.0)},
+        1: {"a": status(9.0), "b": status(9.0)},
+        2: {"c": status(50.0)},
+        3: {"d": status(20.0)},
+    }
     assert pick_stage(replicas) == 3
     assert pick_stage({**replicas, 4: {}}) == 4
 
@@ -102,7 +115,9 @@ def test_new_servers_join_the_stage_with_fewest_replicas_then_least_throughput()
 @pytest.fixture(scope="module")
 def two_dhts() -> Iterator[tuple[DHT, DHT]]:
     first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = DHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = DHT(
+        initial_peers=[str(m) for m in first.get_visible_maddrs()], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+    )
     yield first, second
     second.shutdown()
     first.shutdown()
@@ -116,19 +131,28 @@ def test_config_is_fetched_checked_and_records_are_signed(two_dhts: tuple[DHT, D
 async def _membership_over_dht(first: DHT, second: DHT) -> None:
     creator, joiner = Membership(first, RSAPrivateKey()), Membership(second, RSAPrivateKey())
     assert await creator.join(CFG, create=True) == CFG
-    with pytest.raises(MembershipError, match=f"runs config {CFG.hash()} but this peer's config hashes to {OTHER.hash()}"):
+    with pytest.raises(
+        MembershipError, match=f"runs config {CFG.hash()} but this peer's config hashes to {OTHER.hash()}"
+    ):
         await joiner.join(OTHER, create=False, fetch_timeout_s=5)
     assert await joiner.join(None, create=False, name=CFG.name, fetch_timeout_s=5) == CFG
 
     await creator.announce(1, StageStatus(samples_per_s=5.0, queue=1))
     await joiner.announce(1, StageStatus(samples_per_s=7.0))
     replicas = await joiner.replicas(1)
-    assert {peer: status.samples_per_s for peer, status in replicas.items()} == {first.peer_id: 5.0, second.peer_id: 7.0}
+    assert {peer: status.samples_per_s for peer, status in replicas.items()} == {
+        first.peer_id: 5.0,
+        second.peer_id: 7.0,
+    }
 
     key = stage_key(CFG.swarm_id, 1)
     forged = StageStatus(samples_per_s=999.0).dict()
-    await second.store(key, forged, get_dht_time() + 60, subkey=creator.subkey, return_future=True)  # not the owner: unsigned (newer, so it would win)
-    await first.store(key, {"queue": -1}, get_dht_time() + 60, subkey=creator.subkey, return_future=True)  # signed, off-schema
+    await second.store(
+        key, forged, get_dht_time() + 60, subkey=creator.subkey, return_future=True
+    )  # not the owner: unsigned (newer, so it would win)
+    await first.store(
+        key, {"queue": -1}, get_dht_time() + 60, subkey=creator.subkey, return_future=True
+    )  # signed, off-schema
     assert (await creator.replicas(1))[first.peer_id].samples_per_s == 5.0
 
     await joiner.retire(1)

@@ -22,50 +22,104 @@ from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, metrics_key, stage_validator
 from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.records import MAX_KINDS, STATES, PeerMetrics, StageStatus
-from swarm.pipeline.metering import MeteredBackend, MeteredCalls
+from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
 
 CFG = SwarmConfig()
 SUBKEY = b"12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG[owner:ssh-rsa AAAAB3NzaC1yc2E]"
-GOOD = PeerMetrics(role="trainer", stage=0, state="training", step=12, train_loss=3.5, val_loss=3.7, tokens_per_s=812.5,
-                   bytes_sent={"activations": 1000, "gradients": 900}, bytes_received={"activations": 1000}, version=1).dict()
+GOOD = PeerMetrics(
+    role="trainer",
+    stage=0,
+    state="training",
+    step=12,
+    train_loss=3.5,
+    val_loss=3.7,
+    tokens_per_s=812.5,
+    bytes_sent={"activations": 1000, "gradients": 900},
+    bytes_received={"activations": 1000},
+    version=1,
+).dict()
 
 
 def stored(value: object, subkey: bytes = SUBKEY) -> DHTRecord:
     """The metrics record as a storing DHT node sees it: key hashed, subkey and value serialized."""
     dumps = DHTProtocol.serializer.dumps
-    return DHTRecord(key=DHTID.generate(source=metrics_key(CFG.swarm_id)).to_bytes(), subkey=dumps(subkey), value=dumps(value),
-                     expiration_time=get_dht_time() + 10)
+    return DHTRecord(
+        key=DHTID.generate(source=metrics_key(CFG.swarm_id)).to_bytes(),
+        subkey=dumps(subkey),
+        value=dumps(value),
+        expiration_time=get_dht_time() + 10,
+    )
 
 
-@pytest.mark.parametrize("validator_for", [lambda: stage_validator(CFG), lambda: pickle.loads(pickle.dumps(stage_validator(CFG)))],
-                         ids=["built", "unpickled in the DHT process"])
+@pytest.mark.parametrize(
+    "validator_for",
+    [lambda: stage_validator(CFG), lambda: pickle.loads(pickle.dumps(stage_validator(CFG)))],
+    ids=["built", "unpickled in the DHT process"],
+)
 def test_metrics_records_must_match_the_schema(validator_for) -> None:
     validator = validator_for()
     assert validator.validate(stored(GOOD))
     assert validator.validate(stored(None))  # retired
     too_many = {f"kind{i}": 1 for i in range(MAX_KINDS + 1)}
-    for field, bad in [("role", "boss"), ("state", "asleep"), ("step", -1), ("step", 1.0), ("stage", True), ("tokens_per_s", 3),
-                       ("train_loss", math.nan), ("val_loss", -1.0), ("bytes_sent", {"Not A Kind": 1}), ("bytes_sent", {"activations": -1}),
-                       ("bytes_received", {"activations": 1.0}), ("bytes_received", too_many), ("version", "1")]:
+    for field, bad in [
+        ("role", "boss"),
+        ("state", "asleep"),
+        ("step", -1),
+        ("step", 1.0),
+        ("stage", True),
+        ("tokens_per_s", 3),
+        ("train_loss", math.nan),
+        ("val_loss", -1.0),
+        ("bytes_sent", {"Not A Kind": 1}),
+        ("bytes_sent", {"activations": -1}),
+        ("bytes_received", {"activations": 1.0}),
+        ("bytes_received", too_many),
+        ("version", "1"),
+    ]:
         assert not validator.validate(stored({**GOOD, field: bad})), (field, bad)
     assert not validator.validate(stored({**GOOD, "extra": 1}))
     assert not validator.validate(stored(GOOD, subkey=b"no owner marker"))
 
 
 finite = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
-counts = st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True), st.integers(0, 2**62), max_size=MAX_KINDS)
+counts = st.dictionaries(
+    st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True), st.integers(0, 2**62), max_size=MAX_KINDS
+)
 
 
 @settings(deadline=None, max_examples=60)
-@given(role=st.sampled_from(["trainer", "stage"]), stage=st.integers(0, 64), state=st.sampled_from(STATES), step=st.integers(0, 2**40),
-       train_loss=st.none() | finite, val_loss=st.none() | finite, tokens_per_s=finite, sent=counts, received=counts,
-       counters=st.tuples(st.integers(0, 2**31), st.integers(0, 2**31), st.integers(0, 2**31)))
-def test_every_record_a_peer_can_build_is_accepted_unchanged(role, stage, state, step, train_loss, val_loss, tokens_per_s, sent, received,
-                                                            counters) -> None:
+@given(
+    role=st.sampled_from(["trainer", "stage"]),
+    stage=st.integers(0, 64),
+    state=st.sampled_from(STATES),
+    step=st.integers(0, 2**40),
+    train_loss=st.none() | finite,
+    val_loss=st.none() | finite,
+    tokens_per_s=finite,
+    sent=counts,
+    received=counts,
+    counters=st.tuples(st.integers(0, 2**31), st.integers(0, 2**31), st.integers(0, 2**31)),
+)
+def test_every_record_a_peer_can_build_is_accepted_unchanged(
+    role, stage, state, step, train_loss, val_loss, tokens_per_s, sent, received, counters
+) -> None:
     outer_round, recoveries, bans = counters
-    metrics = PeerMetrics(role=role, stage=stage, state=state, step=step, train_loss=train_loss, val_loss=val_loss, tokens_per_s=tokens_per_s,
-                          bytes_sent=sent, bytes_received=received, outer_round=outer_round, recoveries=recoveries, bans=bans, version=1)
+    metrics = PeerMetrics(
+        role=role,
+        stage=stage,
+        state=state,
+        step=step,
+        train_loss=train_loss,
+        val_loss=val_loss,
+        tokens_per_s=tokens_per_s,
+        bytes_sent=sent,
+        bytes_received=received,
+        outer_round=outer_round,
+        recoveries=recoveries,
+        bans=bans,
+        version=1,
+    )
     assert stage_validator(CFG).validate(stored(metrics.dict()))
     assert PeerMetrics.parse_obj(DHTProtocol.serializer.loads(DHTProtocol.serializer.dumps(metrics.dict()))) == metrics
 
@@ -105,44 +159,36 @@ class Echo:
         return {"forward": 1}
 
 
-class Loopback:
-    """The network between a trainer and one server: a call goes straight to the server's backend."""
-
-    def __init__(self, backend: MeteredBackend) -> None:
-        self.backend = backend
-
-    async def forward(self, peer: PeerID, request: Forward, *, timeout: float) -> bytes:
-        return await self.backend.forward(peer, request)
-
-    async def backward(self, peer: PeerID, request: Backward, *, timeout: float) -> bytes:
-        return await self.backend.backward(peer, request)
-
-
-def test_what_a_trainer_sends_is_what_a_server_receives_by_kind() -> None:
-    trainer, server, compute = Traffic(), Traffic(), Echo(reply_bytes=300)
-    calls = MeteredCalls(Loopback(MeteredBackend(compute, server)), trainer)
-    peer = PeerID(b"server")
+def test_a_server_counts_requests_as_received_and_replies_as_sent_by_kind() -> None:
+    server, compute = Traffic(), Echo(reply_bytes=300)
+    backend = MeteredBackend(compute, server)
+    peer = PeerID(b"trainer")
 
     async def session() -> None:
-        await calls.forward(peer, Forward(mb="a", stage=1, prev_stage=0, x=bytes(100)), timeout=1)
-        await calls.forward(peer, Forward(mb="e", stage=1, prev_stage=0, x=bytes(50), train=False), timeout=1)
-        await calls.backward(peer, Backward(mb="a", stage=1, grad=bytes(70)), timeout=1)
-        await calls.backward(peer, Backward(mb="a", stage=1, grad=bytes(70), x=bytes(100)), timeout=1)  # input resent
+        await backend.forward(peer, Forward(mb="a", stage=1, prev_stage=0, x=bytes(100)))
+        await backend.forward(peer, Forward(mb="e", stage=1, prev_stage=0, x=bytes(50), train=False))
+        await backend.backward(peer, Backward(mb="a", stage=1, grad=bytes(70)))
+        await backend.backward(peer, Backward(mb="a", stage=1, grad=bytes(70), x=bytes(100)))  # input resent
         compute.fail = True
         with pytest.raises(ConnectionError):
-            await calls.forward(peer, Forward(mb="b", stage=1, prev_stage=0, x=bytes(100)), timeout=1)
+            await backend.forward(peer, Forward(mb="b", stage=1, prev_stage=0, x=bytes(100)))
 
     asyncio.run(session())
-    assert trainer.sent == server.received == {"activations": 300, "eval": 50, "gradients": 140}  # a failed call's request went out
-    assert trainer.received == server.sent == {"activations": 300, "eval": 300, "gradients": 600}  # its reply never came
-    assert MeteredBackend(compute, server).info() == {"forward": 1}
+    assert server.received == {"activations": 300, "eval": 50, "gradients": 140}  # a failed call's request came in
+    assert server.sent == {"activations": 300, "eval": 300, "gradients": 600}  # its reply never went out
+    assert backend.info() == {"forward": 1}
 
 
 @pytest.fixture(scope="module")
 def peer_and_client() -> Iterator[tuple[DHT, DHT]]:
     """A peer's DHT node and a client-mode node joined through it, as the dashboard's."""
     peer = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = DHT(initial_peers=[str(m) for m in peer.get_visible_maddrs()], client_mode=True, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = DHT(
+        initial_peers=[str(m) for m in peer.get_visible_maddrs()],
+        client_mode=True,
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    )
     yield peer, client
     client.shutdown()
     peer.shutdown()
@@ -162,8 +208,12 @@ async def _round_trip(peer_dht: DHT, client_dht: DHT) -> None:
     assert await client.metrics() == {peer_dht.peer_id: metrics}
 
     key = metrics_key(CFG.swarm_id)
-    await client_dht.store(key, {**GOOD, "train_loss": 0.01}, get_dht_time() + 60, subkey=peer.subkey, return_future=True)  # not the owner
-    await peer_dht.store(key, {**GOOD, "step": -5}, get_dht_time() + 60, subkey=peer.subkey, return_future=True)  # signed, off-schema
+    await client_dht.store(
+        key, {**GOOD, "train_loss": 0.01}, get_dht_time() + 60, subkey=peer.subkey, return_future=True
+    )  # not the owner
+    await peer_dht.store(
+        key, {**GOOD, "step": -5}, get_dht_time() + 60, subkey=peer.subkey, return_future=True
+    )  # signed, off-schema
     assert await client.metrics() == {peer_dht.peer_id: metrics}
 
     await peer.publish_metrics(None)

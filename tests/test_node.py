@@ -21,12 +21,23 @@ TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, re
 
 
 def test_a_flat_namespace_fills_the_tree_and_every_bad_value_names_its_field() -> None:
-    peer = PeerConfig.from_flat({"role": "stage", "stage": 2, "eval_every": 5, "initial_peers": None, "faults": "stage2-a@step=7,b@step=1"})
+    peer = PeerConfig.from_flat(
+        {"role": "stage", "stage": 2, "eval_every": 5, "initial_peers": None, "faults": "stage2-a@step=7,b@step=1"}
+    )
     assert peer.trainer.eval_every == 5 and peer.initial_peers == [] and peer.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
     assert peer.fault_step("stage2-a") == 7 and peer.fault_step("trainer-0") is None
-    assert peer.rebalance_every_s == 0.0 and PeerConfig(role="stage").rebalance_every_s == 30.0  # pinned to --stage: never moves
-    bad = {"role": {"role": "server"}, "stage": {"role": "trainer", "stage": 1}, "steps": {"steps": 0}, "threads": {"threads": -1},
-           "checkpoint_every": {"checkpoint_every": 5}, "faults": {"faults": "stage2-a@soon"}, "colour": {"in_flight": 1, "colour": "red"}}
+    assert (
+        peer.rebalance_every_s == 0.0 and PeerConfig(role="stage").rebalance_every_s == 30.0
+    )  # pinned to --stage: never moves
+    bad = {
+        "role": {"role": "server"},
+        "stage": {"role": "trainer", "stage": 1},
+        "steps": {"steps": 0},
+        "threads": {"threads": -1},
+        "checkpoint_every": {"checkpoint_every": 5},
+        "faults": {"faults": "stage2-a@soon"},
+        "colour": {"in_flight": 1, "colour": "red"},
+    }
     for field, options in bad.items():
         with pytest.raises(ConfigError) as error:
             PeerConfig.from_flat(options)
@@ -49,8 +60,15 @@ def batches(data: Sequence[str], seed: int) -> DataFactory:
 
 
 def trainer(name: str, server: BackgroundNode, *, steps: int, faults: str = "") -> BackgroundNode:
-    config = PeerConfig(role="trainer", name=name, initial_peers=server.maddrs, host_maddrs=LOOPBACK, steps=steps,
-                        trainer=TrainerOptions(log_every=1), faults=FaultSchedule.parse(faults))
+    config = PeerConfig(
+        role="trainer",
+        name=name,
+        initial_peers=server.maddrs,
+        host_maddrs=LOOPBACK,
+        steps=steps,
+        trainer=TrainerOptions(log_every=1),
+        faults=FaultSchedule.parse(faults),
+    )
     return BackgroundNode(config, data=batches([DATA], seed=len(name)))
 
 
@@ -59,7 +77,12 @@ def trainer(name: str, server: BackgroundNode, *, steps: int, faults: str = "") 
 def test_nodes_in_this_process_train_and_a_fault_keyed_by_peer_and_step_stops_only_that_peer_there() -> None:
     cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=TIMEOUTS)
     # the server's schedule names another peer only: it must not fire here
-    with BackgroundNode(PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK, faults=FaultSchedule.parse("x@step=1")), cfg) as server:
+    with BackgroundNode(
+        PeerConfig(
+            role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK, faults=FaultSchedule.parse("x@step=1")
+        ),
+        cfg,
+    ) as server:
         assert server.maddrs and server.events("serving")
         with trainer("doomed", server, steps=200, faults="doomed@step=4,stage1-a@step=2") as doomed:
             last = doomed.result(timeout=180)  # ends by itself: the fault crashed it
@@ -67,7 +90,9 @@ def test_nodes_in_this_process_train_and_a_fault_keyed_by_peer_and_step_stops_on
             assert last == {} and fault["peer"] == "doomed" and fault["action"] == "crash" and fault["stage"] == 0
             assert fault["step"] >= 4 and max(r["step"] for r in doomed.records if r.get("role") == "trainer") < 200
         # a crash retires nothing: a newcomer would ask the dead trainer for stage 0 until its record expires
-        server.wait("the dead trainer's record to expire", lambda: not server.call(lambda node: node.membership.replicas(0)), 30)
+        server.wait(
+            "the dead trainer's record to expire", lambda: not server.call(lambda node: node.membership.replicas(0)), 30
+        )
         with trainer("trainer-1", server, steps=6) as survivor:  # the swarm goes on without the dead peer
             last = survivor.result(timeout=180)
             assert last["step"] == 6 and last["failed"] == 0 and not survivor.events("fault")

@@ -27,7 +27,9 @@ def minus(a: NamedTensors, b: NamedTensors) -> dict[str, torch.Tensor]:
     return {name: a[name] - b[name] for name in a}
 
 
-def run_round(opts: list[OuterOptimizer], locals_: list[NamedTensors], shuffle: random.Random | None = None) -> list[int]:
+def run_round(
+    opts: list[OuterOptimizer], locals_: list[NamedTensors], shuffle: random.Random | None = None
+) -> list[int]:
     """One outer step of the whole group; optionally each member receives the payloads in its own order."""
     payloads = [opt.make_payload(local) for opt, local in zip(opts, locals_)]
     used = []
@@ -50,7 +52,9 @@ class RegistryCodec:
 
     def encode(self, name: str, delta: torch.Tensor, state: SparseLoCoState) -> bytes:
         indices = delta.flatten().nonzero().flatten()
-        self.sent.append(SparseTensor(indices=indices, values=delta.flatten()[indices].float(), shape=tuple(delta.shape)))
+        self.sent.append(
+            SparseTensor(indices=indices, values=delta.flatten()[indices].float(), shape=tuple(delta.shape))
+        )
         return str(len(self.sent) - 1).encode()
 
     def decode(self, data: bytes) -> SparseTensor:
@@ -201,7 +205,11 @@ def test_sparseloco_error_feedback_sends_the_residual_later() -> None:
 def test_a_lone_round_keeps_every_bit_of_the_replicas_progress(method: str) -> None:
     torch.manual_seed(5)
     start = {"w": torch.randn(64, 64), "b": torch.randn(64)}
-    opt = build_outer_optimizer(start, OuterOptimConfig(method=method), CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"))
+    opt = build_outer_optimizer(
+        start,
+        OuterOptimConfig(method=method),
+        CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"),
+    )
     for round_ in (1, 2):  # twice: the second round starts from the first's global weights
         local = {name: t + 0.1 * torch.randn(t.shape) for name, t in start.items()}
         trained = {name: t.clone() for name, t in local.items()}
@@ -237,7 +245,10 @@ def test_sparseloco_lone_or_empty_rounds_leave_the_error_buffer_as_the_group_lef
 @pytest.mark.parametrize("method", ["diloco", "sparseloco"])
 def test_late_joiner_adopts_the_global_state(method: str) -> None:
     torch.manual_seed(5)
-    cfg, codecs = OuterOptimConfig(method=method), CodecConfig(pseudo_gradients="fp16" if method == "diloco" else "sparseloco")
+    cfg, codecs = (
+        OuterOptimConfig(method=method),
+        CodecConfig(pseudo_gradients="fp16" if method == "diloco" else "sparseloco"),
+    )
     start = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     opts = [build_outer_optimizer(start, cfg, codecs) for _ in range(2)]
     locals_ = [{name: t.clone() for name, t in start.items()} for _ in range(2)]
@@ -271,7 +282,9 @@ class NaNSparseLoCoCodec(SparseLoCoCodec):
 
     def encode(self, name: str, delta: torch.Tensor, state: SparseLoCoState) -> bytes:
         frame = decode_frame(super().encode(name, delta, state))
-        return encode_frame(frame.codec_id, frame.body[:-2] + b"\xc0\x7f", dtype=frame.dtype, shape=frame.shape, meta=frame.meta)
+        return encode_frame(
+            frame.codec_id, frame.body[:-2] + b"\xc0\x7f", dtype=frame.dtype, shape=frame.shape, meta=frame.meta
+        )
 
 
 def _bad_payload(bad: str, method: str, start: dict[str, torch.Tensor]) -> bytes:
@@ -288,7 +301,11 @@ def _bad_payload(bad: str, method: str, start: dict[str, torch.Tensor]) -> bytes
         return make(start).make_payload({name: torch.full_like(t, float("nan")) for name, t in start.items()})
     if bad == "non_finite":
         return SparseLoCo(start, codec=NaNSparseLoCoCodec()).make_payload(step)
-    other = {name: torch.zeros(t.numel() + 1) for name, t in start.items()} if bad == "wrong_shape" else {"other": start["w"]}
+    other = (
+        {name: torch.zeros(t.numel() + 1) for name, t in start.items()}
+        if bad == "wrong_shape"
+        else {"other": start["w"]}
+    )
     return make(other).make_payload(other)
 
 
@@ -296,7 +313,10 @@ def _bad_payload(bad: str, method: str, start: dict[str, torch.Tensor]) -> bytes
 @pytest.mark.parametrize("method", ["diloco", "sparseloco"])
 def test_bad_payload_is_dropped_with_a_warning(method: str, bad: str, caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(6)
-    cfg, codecs = OuterOptimConfig(method=method), CodecConfig(pseudo_gradients="fp32" if method == "diloco" else "sparseloco")
+    cfg, codecs = (
+        OuterOptimConfig(method=method),
+        CodecConfig(pseudo_gradients="fp32" if method == "diloco" else "sparseloco"),
+    )
     start = {"w": torch.randn(64, 64)}
     clean, dirty = build_outer_optimizer(start, cfg, codecs), build_outer_optimizer(start, cfg, codecs)
     payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
@@ -325,7 +345,9 @@ def test_local_params_must_match_by_name() -> None:
 def test_build_outer_optimizer_follows_the_config() -> None:
     start = params(w=[1.0])
     assert build_outer_optimizer(start, OuterOptimConfig(method="none"), CodecConfig()) is None
-    diloco = build_outer_optimizer(start, OuterOptimConfig(method="diloco", diloco_lr=0.5), CodecConfig(pseudo_gradients="bf16"))
+    diloco = build_outer_optimizer(
+        start, OuterOptimConfig(method="diloco", diloco_lr=0.5), CodecConfig(pseudo_gradients="bf16")
+    )
     assert isinstance(diloco, DiLoCo) and diloco.optimizer.param_groups[0]["lr"] == 0.5
     assert isinstance(build_outer_optimizer(start, OuterOptimConfig(method="sparseloco"), CodecConfig()), SparseLoCo)
     with pytest.raises(ValueError, match="does not fit"):

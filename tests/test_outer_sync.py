@@ -56,6 +56,7 @@ class MemoryNet:
     async def fetch(self, peer: str, name: str, timeout: float) -> bytes:
         if peer in self.hub.dead or (self.me, peer) in self.hub.cut:
             raise TransferError(f"{peer} is unreachable")
+
         async def answer() -> bytes:
             if peer in self.hub.slow:
                 await asyncio.sleep(timeout + 1)
@@ -63,21 +64,39 @@ class MemoryNet:
 
         try:
             return await asyncio.wait_for(answer(), timeout)
-        except (LookupError, asyncio.TimeoutError) as e:
+        except (TimeoutError, LookupError) as e:
             raise TransferError(f"{peer}: {e!r}") from None
 
 
-async def member(hub: Hub, name: str, delay: float, expected: frozenset[str] | None, timing: RoundTiming) -> RoundResult:
+async def member(
+    hub: Hub, name: str, delay: float, expected: frozenset[str] | None, timing: RoundTiming
+) -> RoundResult:
     await asyncio.sleep(delay)
-    return await run_round(MemoryNet(hub, name), hub.boards[name], KEY, f"payload of {name}".encode(), timing, clock=time.monotonic, expected=expected)
+    return await run_round(
+        MemoryNet(hub, name),
+        hub.boards[name],
+        KEY,
+        f"payload of {name}".encode(),
+        timing,
+        clock=time.monotonic,
+        expected=expected,
+    )
 
 
-async def play(hub: Hub, delays: dict[str, float], kill: dict[str, float] | None = None, expected: dict[str, frozenset[str]] | None = None,
-               timing: RoundTiming = TIMING) -> dict[str, RoundResult | None]:
+async def play(
+    hub: Hub,
+    delays: dict[str, float],
+    kill: dict[str, float] | None = None,
+    expected: dict[str, frozenset[str]] | None = None,
+    timing: RoundTiming = TIMING,
+) -> dict[str, RoundResult | None]:
     """Run every member; ``kill`` = {name: after seconds}: that member dies (its task is cancelled). None for the dead."""
     for name in delays:
         hub.join(name)
-    tasks = {name: asyncio.create_task(member(hub, name, delay, (expected or {}).get(name), timing)) for name, delay in delays.items()}
+    tasks = {
+        name: asyncio.create_task(member(hub, name, delay, (expected or {}).get(name), timing))
+        for name, delay in delays.items()
+    }
 
     async def killer(name: str, after: float) -> None:
         await asyncio.sleep(after)
@@ -94,20 +113,31 @@ def test_members_that_arrive_together_apply_the_same_full_set() -> None:
     results = asyncio.run(play(Hub(), {"b": 0.0, "a": 0.05, "c": 0.1}))
     expected = tuple(f"payload of {n}".encode() for n in "abc")
     for r in results.values():
-        assert r.outcome == "done" and r.contributors == ("a", "b", "c") and r.payloads == expected and r.group == ("a", "b", "c")
+        assert (
+            r.outcome == "done"
+            and r.contributors == ("a", "b", "c")
+            and r.payloads == expected
+            and r.group == ("a", "b", "c")
+        )
     assert results["a"].received == 2 and results["a"].received_bytes == sum(len(p) for p in expected[1:])
 
 
 def test_a_replica_expecting_nobody_may_split_from_a_later_group() -> None:
     # p2 closes at once and leads itself; p0 and p1 see its declaration and include its payload under p0
     results = asyncio.run(play(Hub(), {"p0": 0.1, "p1": 0.1, "p2": 0.0}, expected={"p2": frozenset()}))
-    assert results["p2"].contributors == ("p2",) and results["p0"].contributors == results["p1"].contributors == ("p0", "p1", "p2")
+    assert results["p2"].contributors == ("p2",) and results["p0"].contributors == results["p1"].contributors == (
+        "p0",
+        "p1",
+        "p2",
+    )
 
 
 def test_the_window_closes_as_soon_as_the_expected_members_are_in() -> None:
     slow = RoundTiming(window_s=3.0, timeout_s=0.4, settle_s=0.05)
     started = time.monotonic()
-    results = asyncio.run(play(Hub(), {"a": 0.0, "b": 0.1}, expected={"a": frozenset("ab"), "b": frozenset("ab")}, timing=slow))
+    results = asyncio.run(
+        play(Hub(), {"a": 0.0, "b": 0.1}, expected={"a": frozenset("ab"), "b": frozenset("ab")}, timing=slow)
+    )
     assert time.monotonic() - started < 1.0  # not the 3 s window
     assert results["a"].contributors == results["b"].contributors == ("a", "b")
 
@@ -116,7 +146,9 @@ def test_a_group_of_one_applies_its_own_payload_and_expecting_nobody_does_not_wa
     result = asyncio.run(play(Hub(), {"solo": 0.0}))["solo"]
     assert result.outcome == "done" and result.payloads == (b"payload of solo",) and result.received == 0
     started = time.monotonic()
-    asyncio.run(play(Hub(), {"solo": 0.0}, expected={"solo": frozenset()}, timing=RoundTiming(window_s=3.0, timeout_s=0.4)))
+    asyncio.run(
+        play(Hub(), {"solo": 0.0}, expected={"solo": frozenset()}, timing=RoundTiming(window_s=3.0, timeout_s=0.4))
+    )
     assert time.monotonic() - started < 1.0
 
 
@@ -163,11 +195,20 @@ def test_when_the_leader_dies_the_others_fail_the_round_within_the_bound() -> No
 
 
 @settings(deadline=None, max_examples=20)
-@given(delays=st.lists(st.sampled_from([0.0, 0.1, 0.2, 0.45]), min_size=1, max_size=4),
-       cuts=st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3))), kill=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.sampled_from([0.1, 0.4]))),
-       expected=st.lists(st.one_of(st.none(), st.frozensets(st.sampled_from(["p0", "p1", "p2", "p3"]))), min_size=4, max_size=4))
-def test_every_member_that_finishes_applies_the_same_set(delays: list[float], cuts: set[tuple[int, int]], kill: tuple[int, float] | None,
-                                                         expected: list[frozenset[str] | None]) -> None:
+@given(
+    delays=st.lists(st.sampled_from([0.0, 0.1, 0.2, 0.45]), min_size=1, max_size=4),
+    cuts=st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3))),
+    kill=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.sampled_from([0.1, 0.4]))),
+    expected=st.lists(
+        st.one_of(st.none(), st.frozensets(st.sampled_from(["p0", "p1", "p2", "p3"]))), min_size=4, max_size=4
+    ),
+)
+def test_every_member_that_finishes_applies_the_same_set(
+    delays: list[float],
+    cuts: set[tuple[int, int]],
+    kill: tuple[int, float] | None,
+    expected: list[frozenset[str] | None],
+) -> None:
     names = [f"p{i}" for i in range(len(delays))]
     hub = Hub()
     hub.cut = {(names[i], names[j]) for i, j in cuts if max(i, j) < len(names)}
@@ -178,10 +219,14 @@ def test_every_member_that_finishes_applies_the_same_set(delays: list[float], cu
     done = [r for r in results.values() if r is not None and r.outcome == "done"]
     for r in done:
         assert [digest(p) for p in r.payloads] == [digest(f"payload of {n}".encode()) for n in r.contributors]
-    everyone_waited = all(expected[i] is None or expected[i] >= set(names) for i in range(len(names)))  # nobody closed early on a subset
+    everyone_waited = all(
+        expected[i] is None or expected[i] >= set(names) for i in range(len(names))
+    )  # nobody closed early on a subset
     if everyone_waited:  # (an early close on a subset may split the group: ReplicaSync repairs that by download)
         assert len({(r.contributors, r.payloads) for r in done}) <= 1
-    if not hub.cut and not killed and max(delays) <= TIMING.window_s - 0.1 and everyone_waited:  # nothing went wrong: everyone is in
+    if (
+        not hub.cut and not killed and max(delays) <= TIMING.window_s - 0.1 and everyone_waited
+    ):  # nothing went wrong: everyone is in
         assert [r.contributors for r in results.values()] == [tuple(names)] * len(names)
 
 
@@ -220,8 +265,16 @@ def test_board_forgets_rounds_after_the_retention() -> None:
         asyncio.run(board.get(KEY.blob("payload/a")))
 
 
-@pytest.mark.parametrize("blob", [b"\xc1", msgpack.packb([]), msgpack.packb([["a", b"short"]]), msgpack.packb([["a", bytes(32)], ["a", bytes(32)]]),
-                                  msgpack.packb({"a": bytes(32)})])
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"\xc1",
+        msgpack.packb([]),
+        msgpack.packb([["a", b"short"]]),
+        msgpack.packb([["a", bytes(32)], ["a", bytes(32)]]),
+        msgpack.packb({"a": bytes(32)}),
+    ],
+)
 def test_malformed_commits_are_transfer_errors(blob: bytes) -> None:
     with pytest.raises(TransferError):
         parse_commit(blob)
@@ -235,10 +288,13 @@ def test_round_timing_is_validated() -> None:
 
 # --- ReplicaSync: rounds, install and catch-up of whole replicas, on the same in-memory network -----------------------
 
+
 def sync_config(method: str = "diloco", **outer: float) -> SwarmConfig:
-    return SwarmConfig(timeouts=TimeoutConfig(rpc_s=0.5, matchmaking_s=0.5, announce_period_s=0.1, record_ttl_s=1.0),
-                       outer=OuterOptimConfig(method=method, inner_steps=3, **outer),
-                       codecs=CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"))
+    return SwarmConfig(
+        timeouts=TimeoutConfig(rpc_s=0.5, matchmaking_s=0.5, announce_period_s=0.1, record_ttl_s=1.0),
+        outer=OuterOptimConfig(method=method, inner_steps=3, **outer),
+        codecs=CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"),
+    )
 
 
 class FakeReplica:
@@ -271,12 +327,24 @@ class Swarm:
         self.syncs: dict[str, ReplicaSync] = {}
         for name in names:
             self.hub.join(name)
-            self.syncs[name] = ReplicaSync(cfg, 1, FakeReplica(seed=sum(map(ord, name))), net=MemoryNet(self.hub, name), board=self.hub.boards[name],
-                                           replicas=functools.partial(self.others, name), fetch=self.fetch_state,
-                                           on_log=lambda record, name=name: self.events.append({"peer": name, **record}), clock=time.monotonic)
+            self.syncs[name] = ReplicaSync(
+                cfg,
+                1,
+                FakeReplica(seed=sum(map(ord, name))),
+                net=MemoryNet(self.hub, name),
+                board=self.hub.boards[name],
+                replicas=functools.partial(self.others, name),
+                fetch=self.fetch_state,
+                on_log=lambda record, name=name: self.events.append({"peer": name, **record}),
+                clock=time.monotonic,
+            )
 
     async def others(self, me: str) -> dict[str, StageStatus]:
-        return {name: StageStatus(**s.status_fields()) for name, s in self.syncs.items() if name != me and name not in self.hub.dead}
+        return {
+            name: StageStatus(**s.status_fields())
+            for name, s in self.syncs.items()
+            if name != me and name not in self.hub.dead
+        }
 
     async def fetch_state(self, peer: str, name: str) -> bytes:
         if peer in self.hub.dead:
@@ -288,6 +356,7 @@ class Swarm:
 
     async def run(self, step_every: dict[str, float], until: Callable[[], bool], timeout: float) -> None:
         """Train each replica at its own pace (one step per ``step_every[name]`` s) with its sync running, until ``until()``."""
+
         async def trainer(name: str, period: float) -> None:
             while True:
                 await asyncio.sleep(period)  # the pace of this replica's inner steps
@@ -301,7 +370,7 @@ class Swarm:
         tasks += [asyncio.create_task(trainer(name, period)) for name, period in step_every.items()]
         try:
             await asyncio.wait_for(reached(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pytest.fail(f"not reached within {timeout}s; events: {self.events}")
         finally:
             for task in tasks:
@@ -313,9 +382,13 @@ def test_replicas_stepping_at_different_paces_hold_identical_global_weights_afte
     swarm = Swarm(sync_config(), ["a", "b", "c"])
 
     def three_rounds_two_with_everyone() -> bool:
-        return len({e["round"] for e in swarm.rounds()}) >= 3 and sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6
+        return (
+            len({e["round"] for e in swarm.rounds()}) >= 3 and sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6
+        )
 
-    asyncio.run(swarm.run({"a": 0.03, "b": 0.05, "c": 0.08}, three_rounds_two_with_everyone, 60))  # c steps ~3x slower than a
+    asyncio.run(
+        swarm.run({"a": 0.03, "b": 0.05, "c": 0.08}, three_rounds_two_with_everyone, 60)
+    )  # c steps ~3x slower than a
     by_round: dict[int, set[str]] = {}
     for e in swarm.rounds():
         by_round.setdefault(e["round"], set()).add(e["global_hash"])
@@ -340,7 +413,10 @@ def test_an_idle_replica_catches_up_by_state_download() -> None:
 
 def test_groups_split_by_a_race_converge_on_the_smallest_peer_id() -> None:
     async def scenario() -> tuple[Swarm, Swarm]:
-        left, right = Swarm(sync_config(), ["a"]), Swarm(sync_config(), ["b"])  # two hubs: neither sees the other's round
+        left, right = (
+            Swarm(sync_config(), ["a"]),
+            Swarm(sync_config(), ["b"]),
+        )  # two hubs: neither sees the other's round
         for swarm in (left, right):
             swarm.syncs[next(iter(swarm.syncs))].holder.train()
         await asyncio.gather(left.syncs["a"].step(), right.syncs["b"].step())
@@ -372,7 +448,9 @@ class PausedNet(MemoryNet):
 
 
 def test_progress_made_during_the_exchange_survives_the_install() -> None:
-    swarm = Swarm(sync_config(diloco_lr=1.0, diloco_momentum=0.0), ["solo"])  # a group of one with lr 1: θ_global ← θ_snapshot
+    swarm = Swarm(
+        sync_config(diloco_lr=1.0, diloco_momentum=0.0), ["solo"]
+    )  # a group of one with lr 1: θ_global ← θ_snapshot
     sync = swarm.syncs["solo"]
     params = dict(sync.holder.module.named_parameters())
 
@@ -381,7 +459,9 @@ def test_progress_made_during_the_exchange_survives_the_install() -> None:
         sync.holder.train()
         snapshot = {n: p.detach().clone() for n, p in params.items()}
         round_ = asyncio.create_task(sync.step())
-        await asyncio.wait_for(net.declared.wait(), timeout=10)  # the round has taken its snapshot and is in the exchange
+        await asyncio.wait_for(
+            net.declared.wait(), timeout=10
+        )  # the round has taken its snapshot and is in the exchange
         sync.holder.train()
         assert not round_.done() and sync.round == 0  # this step is inside the round: nothing is installed yet
         progress = {n: p.detach() - snapshot[n] for n, p in params.items()}
@@ -390,7 +470,9 @@ def test_progress_made_during_the_exchange_survives_the_install() -> None:
         return snapshot, progress
 
     snapshot, progress = asyncio.run(scenario())
-    assert sync.round == 1 and sync.global_hash == weights_hash(snapshot)  # the step inside the round is not in the global weights
+    assert sync.round == 1 and sync.global_hash == weights_hash(
+        snapshot
+    )  # the step inside the round is not in the global weights
     assert all(bool(d.abs().sum() > 0) for d in progress.values())  # that step moved every weight
     for name, p in params.items():  # and the install kept it: θ = θ_global + the progress made during the exchange
         torch.testing.assert_close(p.detach(), snapshot[name] + progress[name])
@@ -435,6 +517,8 @@ def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -
     assert all(torch.equal(p, a.outer.global_params[n]) for n, p in b.params.items())
     assert b.outer.optimizer.param_groups[0]["lr"] == 0.7
     momentum = [s["momentum_buffer"] for s in b.outer.optimizer.state.values()]
-    assert momentum and all(torch.equal(m, n) for m, n in zip(momentum, [s["momentum_buffer"] for s in a.outer.optimizer.state.values()]))
+    assert momentum and all(
+        torch.equal(m, n) for m, n in zip(momentum, [s["momentum_buffer"] for s in a.outer.optimizer.state.values()])
+    )
     with pytest.raises(LookupError):
         asyncio.run(a.export_state("state/2"))

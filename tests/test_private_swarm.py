@@ -79,14 +79,30 @@ def swarm_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         if name in ("server", "member", "revoked"):
             invite(root / "swarm" / "authority.key", swarm_id, peer, days=1, out=root / f"{name}.cert")
     member = peer_id_of_identity(root / "member.id")
-    invite(root / "swarm" / "authority.key", swarm_id, member, days=1, out=root / "expired.cert", clock=lambda: time.time() - 2 * DAY_S)
-    invite(root / "rogue" / "authority.key", swarm_id, peer_id_of_identity(root / "outsider.id"),
-           days=1, out=root / "outsider.cert")
+    invite(
+        root / "swarm" / "authority.key",
+        swarm_id,
+        member,
+        days=1,
+        out=root / "expired.cert",
+        clock=lambda: time.time() - 2 * DAY_S,
+    )
+    invite(
+        root / "rogue" / "authority.key",
+        swarm_id,
+        peer_id_of_identity(root / "outsider.id"),
+        days=1,
+        out=root / "outsider.cert",
+    )
     fields = json.loads((root / "member.cert").read_bytes())
     fields["expires"] += 365 * DAY_S  # a member extending its own certificate: the signature no longer fits
     (root / "forged.cert").write_text(json.dumps(fields, sort_keys=True, separators=(",", ":")))
-    revoke(root / "swarm" / "authority.key", swarm_id, peer_id_of_identity(root / "revoked.id"),
-           revocations=root / "swarm" / "revocations.json")
+    revoke(
+        root / "swarm" / "authority.key",
+        swarm_id,
+        peer_id_of_identity(root / "revoked.id"),
+        revocations=root / "swarm" / "revocations.json",
+    )
     return root, swarm_id
 
 
@@ -99,7 +115,9 @@ def server(swarm_dir: tuple[Path, str]) -> Iterator[tuple[DHT, PeerCredentials]]
     """The swarm's one peer: a DHT that admits certified peers only (its RPC handlers are added per test)."""
     root, swarm_id = swarm_dir
     creds = credentials(root, swarm_id, "server", revocations=root / "swarm" / "revocations.json")
-    dht = DHT(start=True, identity_path=str(root / "server.id"), authorizer=creds.dht_authorizer(), host_maddrs=LOOPBACK)
+    dht = DHT(
+        start=True, identity_path=str(root / "server.id"), authorizer=creds.dht_authorizer(), host_maddrs=LOOPBACK
+    )
     yield dht, creds
     dht.shutdown()
 
@@ -109,7 +127,9 @@ def certificate_of(root: Path, name: str) -> bytes:
 
 
 @pytest.mark.timeout(90)
-def test_stage_rpcs_serve_certified_peers_only(swarm_dir: tuple[Path, str], server: tuple[DHT, PeerCredentials], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stage_rpcs_serve_certified_peers_only(
+    swarm_dir: tuple[Path, str], server: tuple[DHT, PeerCredentials], monkeypatch: pytest.MonkeyPatch
+) -> None:
     root, swarm_id = swarm_dir
     dht, server_creds = server
     verifier = server_creds.verifier
@@ -120,17 +140,28 @@ def test_stage_rpcs_serve_certified_peers_only(swarm_dir: tuple[Path, str], serv
         servicer = StageServicer(Echo(), stage=1, max_request_bytes=1 << 20, verifier=verifier)
         await servicer.add_p2p_handlers(host, namespace=swarm_id)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        clients = {name: await P2P.create(initial_peers=maddrs, identity_path=str(root / f"{name}.id"), host_maddrs=LOOPBACK)
-                   for name in ("member", "revoked", "thief")}
+        clients = {
+            name: await P2P.create(initial_peers=maddrs, identity_path=str(root / f"{name}.id"), host_maddrs=LOOPBACK)
+            for name in ("member", "revoked", "thief")
+        }
         try:
-            member = StageClient(clients["member"], namespace=swarm_id, credentials=credentials(root, swarm_id, "member"))
+            member = StageClient(
+                clients["member"], namespace=swarm_id, credentials=credentials(root, swarm_id, "member")
+            )
             y = await member.forward(dht.peer_id, Forward(mb="a", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10)
             assert torch.equal(FP32.decode(y), x)
             assert await member.backward(dht.peer_id, Backward(mb="a", stage=1, grad=y), timeout=10) == y
             assert (await member.info(dht.peer_id, timeout=10))["stage"] == 1
             with monkeypatch.context() as patch:
-                patch.setattr(protocol, "MAX_UNARY_PAYLOAD_SIZE", 256)  # the certificate travels in streamed requests too
-                assert await member.forward(dht.peer_id, Forward(mb="s", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10) == y
+                patch.setattr(
+                    protocol, "MAX_UNARY_PAYLOAD_SIZE", 256
+                )  # the certificate travels in streamed requests too
+                assert (
+                    await member.forward(
+                        dht.peer_id, Forward(mb="s", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10
+                    )
+                    == y
+                )
 
             refused = {  # (client, the certificate it shows) → what the server says
                 ("member", None): "presented no certificate",
@@ -142,11 +173,17 @@ def test_stage_rpcs_serve_certified_peers_only(swarm_dir: tuple[Path, str], serv
             for (name, cert), says in refused.items():
                 shown = Shown(verifier, certificate_of(root, cert)) if cert else None
                 client = StageClient(clients[name], namespace=swarm_id, credentials=shown)
-                for call in (client.forward(dht.peer_id, Forward(mb="b", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10),
-                             client.info(dht.peer_id, timeout=10)):
+                for call in (
+                    client.forward(dht.peer_id, Forward(mb="b", stage=1, prev_stage=0, x=FP32.encode(x)), timeout=10),
+                    client.info(dht.peer_id, timeout=10),
+                ):
                     with pytest.raises(RemoteError) as denied:
                         await call
-                    assert denied.value.code == RequestError.DENIED and says in denied.value.message, (name, cert, denied.value)
+                    assert denied.value.code == RequestError.DENIED and says in denied.value.message, (
+                        name,
+                        cert,
+                        denied.value,
+                    )
                     assert "swarmloco swarm invite" in denied.value.message
             assert servicer.guard.banned_for(clients["thief"].peer_id) == 0.0  # being refused is not misbehaving
         finally:
@@ -158,7 +195,9 @@ def test_stage_rpcs_serve_certified_peers_only(swarm_dir: tuple[Path, str], serv
 
 
 @pytest.mark.timeout(90)
-def test_blobs_are_served_to_certified_peers_only(swarm_dir: tuple[Path, str], server: tuple[DHT, PeerCredentials]) -> None:
+def test_blobs_are_served_to_certified_peers_only(
+    swarm_dir: tuple[Path, str], server: tuple[DHT, PeerCredentials]
+) -> None:
     root, swarm_id = swarm_dir
     dht, server_creds = server
 
@@ -172,16 +211,21 @@ def test_blobs_are_served_to_certified_peers_only(swarm_dir: tuple[Path, str], s
         servicer.provide("state", provide)
         await servicer.add_p2p_handlers(host, namespace=swarm_id)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        clients = {name: await P2P.create(initial_peers=maddrs, identity_path=str(root / f"{name}.id"), host_maddrs=LOOPBACK)
-                   for name in ("member", "thief")}
+        clients = {
+            name: await P2P.create(initial_peers=maddrs, identity_path=str(root / f"{name}.id"), host_maddrs=LOOPBACK)
+            for name in ("member", "thief")
+        }
         try:
+
             def fetch(name: str, certificate: bytes | None) -> Awaitable[bytes]:
                 client = BlobClient(clients[name], namespace=swarm_id, certificate=lambda: certificate)
                 return client.fetch(dht.peer_id, "state/1", timeout=10, max_bytes=1 << 10)
 
             assert await fetch("member", certificate_of(root, "member")) == b"state of state/1"
-            for name, certificate, says in [("member", None, "presented no certificate"),
-                                            ("thief", certificate_of(root, "member"), "was issued to peer")]:
+            for name, certificate, says in [
+                ("member", None, "presented no certificate"),
+                ("thief", certificate_of(root, "member"), "was issued to peer"),
+            ]:
                 with pytest.raises(TransferError, match=f"refused: denied: .*{says}"):
                     await fetch(name, certificate)
             assert servicer.guard.banned_for(clients["thief"].peer_id) == 0.0  # being refused is not misbehaving
@@ -201,7 +245,11 @@ def test_refused_joins_say_why(swarm_dir: tuple[Path, str], server: tuple[DHT, P
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     cases = {  # identity, credentials → the reason quoted in the JoinError
         "no certificate": ("thief", None, "presented no certificate, and this swarm is private"),
-        "revoked": ("revoked", credentials(root, swarm_id, "revoked"), "revoked peer"),  # it has not seen the revocation
+        "revoked": (
+            "revoked",
+            credentials(root, swarm_id, "revoked"),
+            "revoked peer",
+        ),  # it has not seen the revocation
         "another authority": ("outsider", credentials(root, swarm_id, "outsider"), "comes from authority"),
     }
 
@@ -209,11 +257,23 @@ def test_refused_joins_say_why(swarm_dir: tuple[Path, str], server: tuple[DHT, P
         await AdmissionGate(server_creds.verifier).add_p2p_handlers(await dht.replicate_p2p(), namespace=GATE_NAMESPACE)
         for case, (name, creds, says) in cases.items():
             with pytest.raises(JoinError) as refused:
-                await start_dht(initial_peers=maddrs, host_maddrs=LOOPBACK, identity_path=str(root / f"{name}.id"), credentials=creds)
+                await start_dht(
+                    initial_peers=maddrs,
+                    host_maddrs=LOOPBACK,
+                    identity_path=str(root / f"{name}.id"),
+                    credentials=creds,
+                )
             message = str(refused.value)
-            assert message.startswith(f"the swarm at {maddrs[0]} refused this peer: ") and says in message, (case, message)
-        member = await start_dht(initial_peers=maddrs, host_maddrs=LOOPBACK, identity_path=str(root / "member.id"),
-                                 credentials=credentials(root, swarm_id, "member"))
+            assert message.startswith(f"the swarm at {maddrs[0]} refused this peer: ") and says in message, (
+                case,
+                message,
+            )
+        member = await start_dht(
+            initial_peers=maddrs,
+            host_maddrs=LOOPBACK,
+            identity_path=str(root / "member.id"),
+            credentials=credentials(root, swarm_id, "member"),
+        )
         try:
             assert member.store("joined", "yes", time.time() + 60) and dht.get("joined", latest=True).value == "yes"
         finally:
@@ -227,24 +287,43 @@ def test_refused_joins_say_why(swarm_dir: tuple[Path, str], server: tuple[DHT, P
 PEERS = ["/ip4/10.0.0.1/tcp/4000/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]
 
 
-@pytest.mark.parametrize(("answers", "credentials", "says"), [
-    ([{"admitted": False, "private": True, "message": "the certificate of peer Qm… expired"}], True, "refused this peer: the certificate"),
-    ([{"admitted": True, "private": False}], True, "is public, but this peer runs with --credentials"),
-    ([{"admitted": True, "private": True}], True, "check this machine's clock"),
-    ([], False, "does not answer this peer's DHT requests"),
-])
+@pytest.mark.parametrize(
+    ("answers", "credentials", "says"),
+    [
+        (
+            [{"admitted": False, "private": True, "message": "the certificate of peer Qm… expired"}],
+            True,
+            "refused this peer: the certificate",
+        ),
+        ([{"admitted": True, "private": False}], True, "is public, but this peer runs with --credentials"),
+        ([{"admitted": True, "private": True}], True, "check this machine's clock"),
+        ([], False, "does not answer this peer's DHT requests"),
+    ],
+)
 def test_refusals_are_explained_from_the_gates_answers(answers: list, credentials: bool, says: str) -> None:
     message = explain_refusal(PEERS, answers, credentials=credentials, identity=True)
     assert message.startswith(f"the swarm at {PEERS[0]}") and says in message
 
 
-@pytest.mark.parametrize(("error", "says"), [  # what hivemind 1.1.12 raises, verbatim but for addresses
-    ("Identity from `a.id` is already taken by another peer", "the identity a.id is in use by another running peer"),
-    ("Daemon failed to start: 2026/11/22 01:18:20 failed to connect to bootstrap peers", "could not reach any initial peer (tried /ip4/10.0.0.1"),
-    ("Daemon failed to start: 2026/11/22 01:18:21 failed to listen on any addresses: [listen tcp4 1.2.3.4:0: bind: cannot assign "
-     "requested address]", "cannot listen on --host-maddrs /ip4/1.2.3.4/tcp/0 (failed to listen on any addresses"),
-    ("Daemon failed to start in 15.0 seconds", "the libp2p daemon (p2pd, shipped with hivemind) failed to start"),
-])
+@pytest.mark.parametrize(
+    ("error", "says"),
+    [  # what hivemind 1.1.12 raises, verbatim but for addresses
+        (
+            "Identity from `a.id` is already taken by another peer",
+            "the identity a.id is in use by another running peer",
+        ),
+        (
+            "Daemon failed to start: 2026/11/22 01:18:20 failed to connect to bootstrap peers",
+            "could not reach any initial peer (tried /ip4/10.0.0.1",
+        ),
+        (
+            "Daemon failed to start: 2026/11/22 01:18:21 failed to listen on any addresses: [listen tcp4 1.2.3.4:0: bind: cannot assign "
+            "requested address]",
+            "cannot listen on --host-maddrs /ip4/1.2.3.4/tcp/0 (failed to listen on any addresses",
+        ),
+        ("Daemon failed to start in 15.0 seconds", "the libp2p daemon (p2pd, shipped with hivemind) failed to start"),
+    ],
+)
 def test_daemon_errors_are_explained(error: str, says: str) -> None:
     message = explain_daemon_error(error, initial_peers=PEERS, host_maddrs=["/ip4/1.2.3.4/tcp/0"], identity_path="a.id")
     assert says in message and "2026/11/22" not in message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import msgpack
@@ -14,13 +15,16 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from swarm_harness import tiny_config
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.errors import BadMagic, LimitExceeded
 from swarm.config import SwarmConfig
+from swarm.dht.metrics import Traffic
 from swarm.model.stages import build_stage
+from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import (
     Backward,
     Forward,
@@ -35,17 +39,24 @@ from swarm.pipeline.routing import PathConfig, Router
 from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer
 from swarm.pipeline.trainer import Trainer, TrainerOptions
 from swarm.sim.centralized import evaluate, train_centralized
-from swarm_harness import tiny_config
 
 B, T, D = 4, 16, 32
 CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")
 FP32 = CodecConfig(activations="fp32", gradients="fp32")
 
 
-def tiny(*, stages: int = 2, steps: int = 8, codecs: CodecConfig = FP32, clip: float = 1.0, paths: PathConfig | None = None) -> SwarmConfig:
-    return tiny_config(stages=stages, steps=steps, model={"d_model": D, "n_layers": 2 * stages, "n_heads": 2, "max_seq_len": T},
-                       train={"seq_len": T, "microbatch_size": B, "inner_batch": 2 * B}, inner={"warmup_steps": 2, "grad_clip": clip},
-                       codecs=codecs, paths=paths)
+def tiny(
+    *, stages: int = 2, steps: int = 8, codecs: CodecConfig = FP32, clip: float = 1.0, paths: PathConfig | None = None
+) -> SwarmConfig:
+    return tiny_config(
+        stages=stages,
+        steps=steps,
+        model={"d_model": D, "n_layers": 2 * stages, "n_heads": 2, "max_seq_len": T},
+        train={"seq_len": T, "microbatch_size": B, "inner_batch": 2 * B},
+        inner={"warmup_steps": 2, "grad_clip": clip},
+        codecs=codecs,
+        paths=paths,
+    )
 
 
 def batches(seed: int = 0):
@@ -67,7 +78,12 @@ def reply_of(response: runtime_pb2.ExpertResponse) -> dict:
 
 
 @settings(deadline=None, max_examples=50)
-@given(mb=st.from_regex(protocol.MICROBATCH_ID, fullmatch=True), stage=st.integers(0, 2**31), x=st.binary(max_size=64), resend=st.booleans())
+@given(
+    mb=st.from_regex(protocol.MICROBATCH_ID, fullmatch=True),
+    stage=st.integers(0, 2**31),
+    x=st.binary(max_size=64),
+    resend=st.booleans(),
+)
 def test_requests_round_trip(mb: str, stage: int, x: bytes, resend: bool) -> None:
     fwd = Forward(mb=mb, stage=stage, prev_stage=0, x=x, train=resend)
     bwd = Backward(mb=mb, stage=stage, grad=x, x=x if resend else None)
@@ -75,16 +91,19 @@ def test_requests_round_trip(mb: str, stage: int, x: bytes, resend: bool) -> Non
     assert unpack(pack(bwd), Backward, max_bytes=1024) == bwd
 
 
-@pytest.mark.parametrize("fields", [
-    {"mb": "a", "stage": 1, "prev_stage": 0, "x": b"", "extra": 1},  # unknown field
-    {"mb": "a", "stage": 1, "x": b""},  # missing field
-    {"mb": "a", "stage": True, "prev_stage": 0, "x": b""},  # bool is not an int here
-    {"mb": "a", "stage": 1.0, "prev_stage": 0, "x": b""},
-    {"mb": "a", "stage": 1, "prev_stage": 0, "x": "text"},
-    {"mb": "a b", "stage": 1, "prev_stage": 0, "x": b""},  # microbatch id outside [\w.:/-]
-    {"mb": "a" * 129, "stage": 1, "prev_stage": 0, "x": b""},
-    [1, 2, 3],
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"mb": "a", "stage": 1, "prev_stage": 0, "x": b"", "extra": 1},  # unknown field
+        {"mb": "a", "stage": 1, "x": b""},  # missing field
+        {"mb": "a", "stage": True, "prev_stage": 0, "x": b""},  # bool is not an int here
+        {"mb": "a", "stage": 1.0, "prev_stage": 0, "x": b""},
+        {"mb": "a", "stage": 1, "prev_stage": 0, "x": "text"},
+        {"mb": "a b", "stage": 1, "prev_stage": 0, "x": b""},  # microbatch id outside [\w.:/-]
+        {"mb": "a" * 129, "stage": 1, "prev_stage": 0, "x": b""},
+        [1, 2, 3],
+    ],
+)
 def test_malformed_requests_are_invalid(fields: object) -> None:
     with pytest.raises(RequestError) as e:
         unpack(msgpack.packb(fields), Forward, max_bytes=1024)
@@ -130,12 +149,22 @@ def test_servicer_replies_with_errors_and_keeps_serving() -> None:
         backend = EchoBackend()
         servicer = StageServicer(backend, stage=1, max_request_bytes=4096)
         good = pack(Forward(mb="m", stage=1, prev_stage=0, x=b"frame"))
-        for error, code in [(RequestError(RequestError.CACHE_MISS, "gone"), RequestError.CACHE_MISS), (BadMagic("junk"), RequestError.INVALID),
-                            (ZeroDivisionError("bug"), RequestError.INTERNAL)]:
+        for error, code in [
+            (RequestError(RequestError.CACHE_MISS, "gone"), RequestError.CACHE_MISS),
+            (BadMagic("junk"), RequestError.INVALID),
+            (ZeroDivisionError("bug"), RequestError.INTERNAL),
+        ]:
             backend.raise_next = error
             assert reply_of(await servicer.rpc_forward(request(good), CONTEXT))["error"] == code
-        assert reply_of(await servicer.rpc_forward(request(pack(Forward(mb="m", stage=2, prev_stage=0, x=b""))), CONTEXT))["error"] == RequestError.INVALID
-        assert reply_of(await servicer.rpc_forward(request(b"\x00" * 5000), CONTEXT))["error"] == RequestError.INVALID  # over the size limit
+        assert (
+            reply_of(await servicer.rpc_forward(request(pack(Forward(mb="m", stage=2, prev_stage=0, x=b""))), CONTEXT))[
+                "error"
+            ]
+            == RequestError.INVALID
+        )
+        assert (
+            reply_of(await servicer.rpc_forward(request(b"\x00" * 5000), CONTEXT))["error"] == RequestError.INVALID
+        )  # over the size limit
         assert parse_reply((await servicer.rpc_forward(request(good), CONTEXT)).metadata) == b"frame"
         info = msgpack.unpackb((await servicer.rpc_info(runtime_pb2.ExpertUID(uid=""), CONTEXT)).serialized_info)
         assert info == {"calls": 1, "stage": 1, "pending": 0, "refused": 5}
@@ -164,8 +193,13 @@ def test_servicer_refuses_requests_beyond_max_pending() -> None:
 def test_stream_handlers_are_registered_as_streams() -> None:
     StageServicer._collect_rpc_handlers()  # hivemind reads streaming from typing.AsyncIterator hints only
     handlers = {h.method_name: (h.stream_input, h.stream_output) for h in StageServicer._rpc_handlers}
-    assert handlers == {"rpc_forward": (False, False), "rpc_backward": (False, False), "rpc_info": (False, False),
-                        "rpc_forward_stream": (True, True), "rpc_backward_stream": (True, True)}
+    assert handlers == {
+        "rpc_forward": (False, False),
+        "rpc_backward": (False, False),
+        "rpc_info": (False, False),
+        "rpc_forward_stream": (True, True),
+        "rpc_backward_stream": (True, True),
+    }
 
 
 def test_streamed_requests_are_reassembled_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +212,12 @@ def test_streamed_requests_are_reassembled_and_bounded(monkeypatch: pytest.Monke
     async def scenario() -> None:
         servicer = StageServicer(EchoBackend(), stage=1, max_request_bytes=200)
         frame = bytes(range(50))
-        replies = [r.metadata async for r in servicer.rpc_forward_stream(stream(pack(Forward(mb="m", stage=1, prev_stage=0, x=frame))), CONTEXT)]
+        replies = [
+            r.metadata
+            async for r in servicer.rpc_forward_stream(
+                stream(pack(Forward(mb="m", stage=1, prev_stage=0, x=frame))), CONTEXT
+            )
+        ]
         assert len(replies) > 1 and parse_reply(b"".join(replies)) == frame
         replies = [r.metadata async for r in servicer.rpc_backward_stream(stream(b"\x00" * 1000), CONTEXT)]
         assert msgpack.unpackb(b"".join(replies))["error"] == RequestError.INVALID
@@ -237,7 +276,13 @@ class InProcessNetwork:
 
     def __init__(self, cfg: SwarmConfig, replicas: dict[str, int]) -> None:
         self.servers = {peer: StageServer(cfg, stage) for peer, stage in replicas.items()}
-        self.servicers = {peer: StageServicer(s, stage=s.stage, max_request_bytes=s.max_request_bytes) for peer, s in self.servers.items()}
+        self.traffic = {peer: Traffic() for peer in replicas}  # what each server counts, as a peer's metrics do
+        self.servicers = {
+            peer: StageServicer(
+                MeteredBackend(s, self.traffic[peer]), stage=s.stage, max_request_bytes=s.max_request_bytes
+            )
+            for peer, s in self.servers.items()
+        }
         self.dead: set[str] = set()
         self.router = Router(cfg.stages.num_stages, random.Random(0))
         for stage in range(1, cfg.stages.num_stages + 1):
@@ -273,6 +318,21 @@ def test_swarm_with_fp32_wire_and_no_clipping_equals_centralized_training() -> N
     assert record["completed"] == record["started"] == 12 and record["wire_bytes"]["activations"] > 0
 
 
+def test_what_a_trainer_counts_sent_is_what_its_servers_count_received_by_kind() -> None:
+    cfg = tiny(codecs=CodecConfig())  # int8 on the wire
+    net = InProcessNetwork(cfg, {"a": 1, "b": 2})
+    trainer, record = train(cfg, net, steps=3)
+    servers = [net.traffic["a"], net.traffic["b"]]
+    assert trainer.traffic.sent == sum((t.received for t in servers), Counter())
+    assert trainer.traffic.received == sum((t.sent for t in servers), Counter())
+    assert set(trainer.traffic.sent) == {"activations", "gradients", "eval"}
+    both = trainer.traffic.sent + trainer.traffic.received
+    assert {kind: record["wire_bytes"][kind] for kind in ("activations", "gradients")} == {
+        kind: both[kind] for kind in ("activations", "gradients")
+    }  # the progress record reads the same counters (its eval bytes stop before the last validation)
+    assert trainer.fp32_bytes["activations"] > 3 * record["wire_bytes"]["activations"]  # int8: ~4x below fp32
+
+
 def test_failed_replicas_are_retried_elsewhere_and_nothing_is_lost() -> None:
     cfg = tiny(codecs=CodecConfig())  # int8 on the wire
     net = InProcessNetwork(cfg, {"1a": 1, "1b": 1, "2a": 2})
@@ -288,14 +348,20 @@ def test_failed_replicas_are_retried_elsewhere_and_nothing_is_lost() -> None:
         return await real_backward(peer, req, timeout=timeout)
 
     net.servers["2b"] = StageServer(cfg, 2)
-    net.servicers["2b"] = StageServicer(net.servers["2b"], stage=2, max_request_bytes=net.servers["2b"].max_request_bytes)
+    net.servicers["2b"] = StageServicer(
+        net.servers["2b"], stage=2, max_request_bytes=net.servers["2b"].max_request_bytes
+    )
     net.router.update(2, ["2a", "2b"])
     net.dead.clear()
     net.router.update(1, ["1b"])
     net.backward = stage2_dies_after_forward  # type: ignore[method-assign]
     asyncio.run(trainer.train(batches(), steps=4))
     counters = trainer.counters
-    assert counters["failed"] == 0 and counters["resent_inputs"] >= 1 and net.servers["2b"].counters["recompute_from_resent"] >= 1
+    assert (
+        counters["failed"] == 0
+        and counters["resent_inputs"] >= 1
+        and net.servers["2b"].counters["recompute_from_resent"] >= 1
+    )
 
 
 def test_a_stage_without_live_replicas_is_skipped_and_counted() -> None:
@@ -310,8 +376,14 @@ def test_persistent_failures_stop_the_trainer_instead_of_spinning() -> None:
     cfg = tiny()
     net = InProcessNetwork(cfg, {"1a": 1, "2a": 2})
     trainer = Trainer(cfg, net, net.router, options=TrainerOptions(max_failures_in_a_row=5))
-    bad_tokens = iter(lambda: (torch.full((B, T), 999), torch.zeros(B, T, dtype=torch.long)), None)  # outside the vocabulary
+    bad_tokens = iter(
+        lambda: (torch.full((B, T), 999), torch.zeros(B, T, dtype=torch.long)), None
+    )  # outside the vocabulary
     with pytest.raises(RuntimeError, match="microbatches failed in a row"):
         asyncio.run(trainer.train(bad_tokens, steps=2))
     counters = trainer.counters
-    assert counters["failed"] >= 5 and counters["started"] == counters["failed"] + counters["cancelled"] and counters["completed"] == 0
+    assert (
+        counters["failed"] >= 5
+        and counters["started"] == counters["failed"] + counters["cancelled"]
+        and counters["completed"] == 0
+    )

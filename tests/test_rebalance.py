@@ -21,7 +21,9 @@ from swarm.recovery.rebalance import (
 
 def snap(*stages: dict[str, float]) -> dict[int, list[StageLoad]]:
     """``snap({"a": 10}, {})`` → stage 1 served by a at 10 samples/s, stage 2 empty."""
-    return {i: [StageLoad(peer_id=p, throughput=t) for p, t in loads.items()] for i, loads in enumerate(stages, start=1)}
+    return {
+        i: [StageLoad(peer_id=p, throughput=t) for p, t in loads.items()] for i, loads in enumerate(stages, start=1)
+    }
 
 
 def plans(snapshot: Snapshot, margin: float = 0.1) -> dict[str, int]:
@@ -41,8 +43,12 @@ def apply_move(snapshot: Snapshot, peer: str, stage: int) -> dict[int, list[Stag
 snapshots = st.integers(2, 5).flatmap(
     lambda num_stages: st.lists(
         st.tuples(st.integers(1, num_stages), st.sampled_from([0.0, 1.0, 2.5, 5.0, 10.0, 40.0])), max_size=12
-    ).map(lambda peers: {s: [StageLoad(peer_id=f"p{i:02d}", throughput=t) for i, (ps, t) in enumerate(peers) if ps == s]
-                         for s in range(1, num_stages + 1)})
+    ).map(
+        lambda peers: {
+            s: [StageLoad(peer_id=f"p{i:02d}", throughput=t) for i, (ps, t) in enumerate(peers) if ps == s]
+            for s in range(1, num_stages + 1)
+        }
+    )
 )
 
 

@@ -45,7 +45,9 @@ def test_equal_gradient_norms_give_the_plain_average(norm):
 
 def test_the_larger_the_next_gradient_norm_the_closer_to_the_next_stage():
     prev, next_ = stage_state([0.0]), stage_state([1.0])
-    values = [checkfree_merge(prev, next_, 1.0, g, num_blocks=1)["blocks.0.w"].item() for g in (0.0, 0.5, 1.0, 4.0, 100.0)]
+    values = [
+        checkfree_merge(prev, next_, 1.0, g, num_blocks=1)["blocks.0.w"].item() for g in (0.0, 0.5, 1.0, 4.0, 100.0)
+    ]
     assert values == sorted(values) and len(set(values)) == len(values)
     assert values[0] == pytest.approx(1e-4 / 1.0002) and values[-1] == pytest.approx(100.0001 / 101.0002)
 
@@ -66,7 +68,9 @@ def test_mismatched_neighbours_and_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="not a middle-stage key"):
         checkfree_merge(stage_state([1.0]), {"embed.weight": torch.zeros(1)}, 1.0, 1.0, num_blocks=1)
     with pytest.raises(ValueError, match=r"blocks 0..n-1.*\[0, 2\]"):
-        checkfree_merge(stage_state([1.0]), {"blocks.0.w": torch.zeros(1), "blocks.2.w": torch.zeros(1)}, 1.0, 1.0, num_blocks=1)
+        checkfree_merge(
+            stage_state([1.0]), {"blocks.0.w": torch.zeros(1), "blocks.2.w": torch.zeros(1)}, 1.0, 1.0, num_blocks=1
+        )
     with pytest.raises(ValueError, match="grad_norm_next"):
         checkfree_merge(stage_state([1.0]), stage_state([1.0]), 1.0, float("nan"), num_blocks=1)
 
@@ -132,7 +136,9 @@ def test_every_rebuilt_stage_loads_strictly_into_build_stage(n_layers, num_stage
         if plan.kind != "merge":  # a copy: block j is the partner's block min(j, n−1)
             last = sizes[plan.sources[0] - 1] - 1
             for j in range(sizes[stage - 1]):
-                assert torch.equal(state[f"blocks.{j}.mlp.down.weight"], source[f"blocks.{min(j, last)}.mlp.down.weight"])
+                assert torch.equal(
+                    state[f"blocks.{j}.mlp.down.weight"], source[f"blocks.{min(j, last)}.mlp.down.weight"]
+                )
         h = torch.randn(2, 16, 32)
         assert torch.isfinite(rebuilt(h)).all()
 

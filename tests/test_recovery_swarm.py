@@ -39,7 +39,9 @@ TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, re
 
 
 def recovery_config(*, steps: int, paths: PathConfig | None = None) -> SwarmConfig:
-    return tiny_config(stages=3, steps=steps, model={"n_layers": 3}, outer={"method": "none"}, paths=paths, timeouts=TIMEOUTS)
+    return tiny_config(
+        stages=3, steps=steps, model={"n_layers": 3}, outer={"method": "none"}, paths=paths, timeouts=TIMEOUTS
+    )
 
 
 # ---- pure parts ----------------------------------------------------------------------------------------
@@ -66,7 +68,9 @@ def test_holes_and_whether_the_swarm_has_trained() -> None:
 class FakeClaims:
     """The three claim calls of ``Membership`` over a shared dict, with another peer claiming as we settle."""
 
-    def __init__(self, me: str, board: dict[str, RecoveryClaim], rival: tuple[str, RecoveryClaim] | None = None) -> None:
+    def __init__(
+        self, me: str, board: dict[str, RecoveryClaim], rival: tuple[str, RecoveryClaim] | None = None
+    ) -> None:
         from hivemind.p2p import PeerID
 
         self.peer_id, self.board, self.rival, self._id = PeerID.from_base58(me), board, rival, PeerID.from_base58
@@ -93,13 +97,18 @@ def test_one_claimant_wins_and_nobody_claims_over_a_live_claim() -> None:
     board = {B: claim(PRIORITY_MOVER)}
     assert not run(FakeClaims(A, board), PRIORITY_JOINER) and A not in board  # B's claim is live: A does not even claim
     board = {}
-    assert not run(FakeClaims(A, board, rival=(B, claim(PRIORITY_MOVER))), PRIORITY_MOVER) and set(board) == {B}  # tie: smaller id
+    assert not run(FakeClaims(A, board, rival=(B, claim(PRIORITY_MOVER))), PRIORITY_MOVER) and set(board) == {
+        B
+    }  # tie: smaller id
     board = {}
     assert run(FakeClaims(A, board, rival=(B, claim(PRIORITY_MOVER))), PRIORITY_JOINER)  # a joiner beats a mover
 
 
 def source_blob(cfg: SwarmConfig, stage: int, scale: float, step: int) -> bytes:
-    params = {name: torch.full_like(p, scale * (1 + i)) for i, (name, p) in enumerate(build_stage(cfg.model, 3, stage).named_parameters())}
+    params = {
+        name: torch.full_like(p, scale * (1 + i))
+        for i, (name, p) in enumerate(build_stage(cfg.model, 3, stage).named_parameters())
+    }
     return pack_state(StageState(stage=stage, round=0, schedule_step=step, params=params, optimizer=None))
 
 
@@ -151,7 +160,10 @@ def test_an_interior_stage_whose_neighbour_is_lost_too_copies_the_other_one() ->
 def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> None:
     with pytest.raises(ExportError, match=r"stage 0 \(no trainer\), 2 have no live replica"):
         export_sources({0: {}, 1: {"a": StageStatus()}, 2: {}}, 2)
-    assert export_sources({0: {"t": StageStatus()}, 1: {"a": StageStatus(), "b": StageStatus(outer_round=2)}}, 1) == {0: ["t"], 1: ["b", "a"]}
+    assert export_sources({0: {"t": StageStatus()}, 1: {"a": StageStatus(), "b": StageStatus(outer_round=2)}}, 1) == {
+        0: ["t"],
+        1: ["b", "a"],
+    }
 
     cfg = recovery_config(steps=10)
     stages = {s: dict(build_stage(cfg.model, 3, s).named_parameters()) for s in range(4)}
@@ -197,16 +209,22 @@ def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, s
     inputs = {}
     for source in saved["sources"]:
         sha = hashlib.sha256(source["blob"]).hexdigest()[:16]
-        assert sha in swarm.served(sources[source["stage"]]), (source["stage"], sha)  # exactly what that neighbour served
+        assert sha in swarm.served(sources[source["stage"]]), (
+            source["stage"],
+            sha,
+        )  # exactly what that neighbour served
         template = dict(build_stage(swarm.cfg.model, 3, source["stage"]).named_parameters())
-        inputs[source["stage"]] = (unpack_state(source["blob"], stage=source["stage"], template=template).params, source["grad_norm"])
+        inputs[source["stage"]] = (
+            unpack_state(source["blob"], stage=source["stage"], template=template).params,
+            source["grad_norm"],
+        )
     assert sorted(inputs) == sorted(sources)
     if len(inputs) == 2:
         (prev, g_prev), (next_, g_next) = inputs[stage - 1], inputs[stage + 1]
         assert g_prev > 0 and g_next > 0  # the neighbours' last gradient norms, from their records
         expected = checkfree_merge(prev, next_, g_prev, g_next, num_blocks=1)
     else:
-        (expected, _), = inputs.values()
+        ((expected, _),) = inputs.values()
     assert all(torch.equal(saved["params"][name], expected[name]) for name in expected)
     assert event["weights_hash"] == event["installed_hash"] == weights_hash(saved["params"])  # and served exactly that
     return event
@@ -214,15 +232,25 @@ def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, s
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_swarm_exports(tmp_path: Path, child_processes: list) -> None:
+def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_swarm_exports(
+    tmp_path: Path, child_processes: list
+) -> None:
     steps = 5000  # trains on while the test looks (it must not finish first, however fast it runs); stopped at the end
     swarm = Swarm(tmp_path, recovery_config(steps=steps), child_processes)
-    faults = ["--faults", "stage2-a@step=10"]  # every peer gets the schedule; stage2-a SIGKILLs itself at its own inner step 10
+    faults = [
+        "--faults",
+        "stage2-a@step=10",
+    ]  # every peer gets the schedule; stage2-a SIGKILLs itself at its own inner step 10
     swarm.gone.add("stage2-a")
     for name, stage in (("stage3-a", 3), ("stage2-a", 2)):
         swarm.spawn(name, "--role", "stage", "--stage", str(stage), *faults)
-    swarm.wait("stage 2 to serve", lambda: swarm.records("stage2-a", "serving"), 90)  # else stage 1's movers would fill it
-    pair = ["stage1-a", "stage1-b"]  # stage 1 has a replica to spare: the less loaded one moves (600 s: no throughput moves)
+    swarm.wait(
+        "stage 2 to serve", lambda: swarm.records("stage2-a", "serving"), 90
+    )  # else stage 1's movers would fill it
+    pair = [
+        "stage1-a",
+        "stage1-b",
+    ]  # stage 1 has a replica to spare: the less loaded one moves (600 s: no throughput moves)
     for name in pair:
         swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "600", *faults)
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", str(steps), "--data", DATA)
@@ -231,20 +259,31 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
     assert fault["step"] >= 10 and fault["stage"] == 2 and fault["action"] == "kill", fault
     swarm.wait("stage2-a's process to be gone", lambda: swarm.procs["stage2-a"].poll() is not None, 10)
     killed_at = fault["time"]
-    ((mover, move),) = swarm.wait("a stage-1 server to move", lambda: [(n, r) for n in pair for r in swarm.records(n, "move")], 60)
+    ((mover, move),) = swarm.wait(
+        "a stage-1 server to move", lambda: [(n, r) for n in pair for r in swarm.records(n, "move")], 60
+    )
     assert move["from"] == 1 and move["to"] == 2 and move["rebuilt"], move
     stayer = next(n for n in pair if n != mover)  # a merge source: stage 1 kept a replica
     event = check_rebuild(swarm, mover, 2, {1: stayer, 3: "stage3-a"})
     assert event["kind"] == "merge" and event["time"] - killed_at < 30
-    served = swarm.wait("a microbatch through the rebuilt stage", lambda: [r for r in swarm.records(mover) if r.get("stage") == 2
-                                                                            and r.get("backward", 0) > 0], 60)
+    served = swarm.wait(
+        "a microbatch through the rebuilt stage",
+        lambda: [r for r in swarm.records(mover) if r.get("stage") == 2 and r.get("backward", 0) > 0],
+        60,
+    )
     assert served[0]["first_served_at"] - killed_at < 30
 
     out = tmp_path / "model.pt"  # export the running swarm (the rebuilt stage included) and evaluate it
-    (export,) = swarmloco(["export", *swarm.join, "--config", str(tmp_path / "swarm.toml"), "-o", str(out)], children=child_processes, timeout=120)
+    (export,) = swarmloco(
+        ["export", *swarm.join, "--config", str(tmp_path / "swarm.toml"), "-o", str(out)],
+        children=child_processes,
+        timeout=120,
+    )
     assert export.returncode == 0 and out.exists(), export.stdout + export.stderr
     assert "stage 2/3" in export.stdout and "wrote" in export.stdout
-    (evaluated,) = swarmloco(["eval", "--checkpoint", str(out), "--data", DATA, "--json"], children=child_processes, timeout=120)
+    (evaluated,) = swarmloco(
+        ["eval", "--checkpoint", str(out), "--data", DATA, "--json"], children=child_processes, timeout=120
+    )
     assert evaluated.returncode == 0, evaluated.stderr
     val_loss = json.loads(evaluated.stdout.splitlines()[-1])["val_loss"]
     assert val_loss < 5.0  # trained: a byte-level model starts near ln(256) ≈ 5.5
@@ -261,7 +300,9 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_of_its_partner(tmp_path: Path, child_processes: list) -> None:
+def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_of_its_partner(
+    tmp_path: Path, child_processes: list
+) -> None:
     steps = 400
     swarm = Swarm(tmp_path, recovery_config(steps=steps, paths=PathConfig(max_swaps=1, swap_prob=0.5)), child_processes)
     for stage in (1, 2, 3):
@@ -272,12 +313,20 @@ def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_o
     killed_at = swarm.kill("stage3-a")
     swarm.wait("the trainer to skip stage 3", lambda: swarm.progress("trainer-0")[-1]["skipped_hops"] > 0, 60)
     with swarm.observer() as membership:  # --role auto takes an empty stage: one whose dead peer's record has expired
-        swarm.wait("the dead peer's record to expire", lambda: not asyncio.run(membership.replicas(3)), 2 * TIMEOUTS.record_ttl_s + 30)
+        swarm.wait(
+            "the dead peer's record to expire",
+            lambda: not asyncio.run(membership.replicas(3)),
+            2 * TIMEOUTS.record_ttl_s + 30,
+        )
     swarm.spawn("joiner", "--role", "auto")  # --role auto: the empty stage first
     event = swarm.wait("the joiner to rebuild stage 3", lambda: swarm.records("joiner", "recovered"), 90)[0]
     event = check_rebuild(swarm, "joiner", 3, {2: "stage2-a"})
     assert event["kind"] == "copy-swap-partner"
-    swarm.wait("a microbatch through the rebuilt stage", lambda: [r for r in swarm.records("joiner") if r.get("backward", 0) > 0], 60)
+    swarm.wait(
+        "a microbatch through the rebuilt stage",
+        lambda: [r for r in swarm.records("joiner") if r.get("backward", 0) > 0],
+        60,
+    )
     swarm.stop("trainer-0", "stage1-a", "stage2-a", "joiner")
     last = swarm.progress("trainer-0")[-1]
     assert last["failed"] <= 3, last

@@ -51,7 +51,9 @@ def picks(balancer: StageBalancer, n: int, **kwargs) -> list[str]:
     swap_prob=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_sampled_paths_visit_the_right_stages_with_disjoint_adjacent_swaps(num_stages, skip_ratio, max_swaps, swap_prob, seed):
+def test_sampled_paths_visit_the_right_stages_with_disjoint_adjacent_swaps(
+    num_stages, skip_ratio, max_swaps, swap_prob, seed
+):
     cfg = PathConfig(skip_ratio=skip_ratio, max_swaps=max_swaps, swap_prob=swap_prob)
     path = sample_path(num_stages, cfg, random.Random(seed))
     assert len(path) == max(1, round((1 - skip_ratio) * num_stages)) == path_length(num_stages, cfg)
@@ -129,7 +131,9 @@ def test_is_valid_path_respects_the_skip_ratio():
     assert is_valid_path([1, 3], 4, cfg) and not is_valid_path([1, 2, 3], 4, cfg)
 
 
-@pytest.mark.parametrize("kwargs", [dict(skip_ratio=1.0), dict(skip_ratio=-0.1), dict(max_swaps=-1), dict(swap_prob=1.5)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(skip_ratio=1.0), dict(skip_ratio=-0.1), dict(max_swaps=-1), dict(swap_prob=1.5)]
+)
 def test_path_config_rejects_bad_values(kwargs):
     with pytest.raises(ConfigError, match=next(iter(kwargs))):
         PathConfig(**kwargs)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from swarm_harness import tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
@@ -15,16 +16,19 @@ from swarm.model.stages import StagesConfig
 from swarm.pipeline.boundary import boundary_codecs
 from swarm.pipeline.routing import PathConfig, path_length
 from swarm.sim.simulate import SimulationConfig, SimulationResult, simulate
-from swarm_harness import tiny_config
 
 SEQ, MICRO = 32, 4
 
 
 def tiny(**changes) -> SwarmConfig:
-    base = tiny_config(stages=3, model={"d_model": 32, "n_layers": 3, "n_heads": 2, "max_seq_len": SEQ},
-                       train={"seq_len": SEQ, "microbatch_size": MICRO, "inner_batch": MICRO}, inner={"lr": 1e-2, "warmup_steps": 2},
-                       codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients="fp32"),
-                       outer=OuterOptimConfig(method="diloco", inner_steps=3))
+    base = tiny_config(
+        stages=3,
+        model={"d_model": 32, "n_layers": 3, "n_heads": 2, "max_seq_len": SEQ},
+        train={"seq_len": SEQ, "microbatch_size": MICRO, "inner_batch": MICRO},
+        inner={"lr": 1e-2, "warmup_steps": 2},
+        codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients="fp32"),
+        outer=OuterOptimConfig(method="diloco", inner_steps=3),
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -46,13 +50,20 @@ def test_same_seed_same_result(corpus) -> None:
 
 
 def all_replicas_agree(replicas: dict) -> bool:
-    return all(torch.equal(p, q) for group in replicas.values() for other in group[1:]
-               for p, q in zip(group[0].module.parameters(), other.module.parameters()))
+    return all(
+        torch.equal(p, q)
+        for group in replicas.values()
+        for other in group[1:]
+        for p, q in zip(group[0].module.parameters(), other.module.parameters())
+    )
 
 
 @pytest.mark.parametrize("method,pseudo", [("diloco", "fp32"), ("diloco", "fp16"), ("sparseloco", "sparseloco")])
 def test_replicas_agree_after_the_final_outer_round(corpus, method: str, pseudo: str) -> None:
-    cfg = tiny(outer=OuterOptimConfig(method=method, inner_steps=3), codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients=pseudo))
+    cfg = tiny(
+        outer=OuterOptimConfig(method=method, inner_steps=3),
+        codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients=pseudo),
+    )
     result = run(cfg, corpus, ticks=7)  # rounds at ticks 3, 6 and the final 7
     assert result.outer_rounds == 3 and all_replicas_agree(result.replicas)
     assert result.bytes_by_kind["pseudo_gradients"] > 0 and "gradients" not in result.bytes_by_kind
@@ -67,10 +78,16 @@ def test_sticky_routing_keeps_each_trainer_on_its_own_replicas(corpus) -> None:
     cfg = tiny(outer=OuterOptimConfig(method="none"))
     streams = lambda n: [corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=k) for k in range(n)]
     val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_batches=2)
-    alone = simulate(cfg, SimulationConfig(replicas=1, tokens=4 * MICRO * SEQ, log_every=4, routing="sticky"), streams(1), val)
-    sticky = simulate(cfg, SimulationConfig(replicas=2, tokens=4 * 2 * MICRO * SEQ, log_every=4, routing="sticky"), streams(2), val)
+    alone = simulate(
+        cfg, SimulationConfig(replicas=1, tokens=4 * MICRO * SEQ, log_every=4, routing="sticky"), streams(1), val
+    )
+    sticky = simulate(
+        cfg, SimulationConfig(replicas=2, tokens=4 * 2 * MICRO * SEQ, log_every=4, routing="sticky"), streams(2), val
+    )
     for s, group in sticky.replicas.items():
-        assert all(torch.equal(p, q) for p, q in zip(group[0].module.parameters(), alone.replicas[s][0].module.parameters()))
+        assert all(
+            torch.equal(p, q) for p, q in zip(group[0].module.parameters(), alone.replicas[s][0].module.parameters())
+        )
 
 
 def test_ddp_keeps_replicas_identical_and_moves_fp32_gradients(corpus) -> None:
@@ -102,5 +119,7 @@ def test_skip_paths_leave_out_stages(corpus) -> None:
 
 
 def test_validation_loss_falls(corpus) -> None:
-    result = run(tiny(codecs=CodecConfig(activations="int8", gradients="int8", pseudo_gradients="fp32")), corpus, ticks=30)
+    result = run(
+        tiny(codecs=CodecConfig(activations="int8", gradients="int8", pseudo_gradients="fp32")), corpus, ticks=30
+    )
     assert result.log[-1]["val_loss"] < 4.0 < 5.55  # ln(256) at initialisation

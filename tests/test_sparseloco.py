@@ -20,7 +20,9 @@ CODEC = SparseLoCoCodec(topk=64, chunk_size=4096, error_decay=0.95)
 def tiles(x: torch.Tensor) -> torch.Tensor:
     """Reference 64×64 tiling of a 2-D tensor, edge tiles zero-padded: (n_tiles, 4096)."""
     x = F.pad(x, (0, -x.shape[1] % 64, 0, -x.shape[0] % 64))
-    return torch.stack([x[i : i + 64, j : j + 64].flatten() for i in range(0, x.shape[0], 64) for j in range(0, x.shape[1], 64)])
+    return torch.stack(
+        [x[i : i + 64, j : j + 64].flatten() for i in range(0, x.shape[0], 64) for j in range(0, x.shape[1], 64)]
+    )
 
 
 def test_error_feedback_accounts_for_every_bit() -> None:
@@ -50,7 +52,9 @@ def test_small_tiles_send_everything_and_1d_runs_scale_k() -> None:
     assert sorted(sparse.indices.tolist()) == list(range(15))
     v = torch.randn(130)  # runs of 64, 64, 2: k·64/4096 = 1 each
     sparse = CODEC.decode(CODEC.encode("v", v, CODEC.new_state()))
-    assert sorted(sparse.indices.tolist()) == [int(v[a:b].abs().argmax()) + a for a, b in ((0, 64), (64, 128), (128, 130))]
+    assert sorted(sparse.indices.tolist()) == [
+        int(v[a:b].abs().argmax()) + a for a, b in ((0, 64), (64, 128), (128, 130))
+    ]
     for shape in ((), (0, 4), (3, 0), (2, 3, 70), (1, 1)):
         x = torch.randn(shape)
         state = CODEC.new_state()
@@ -126,7 +130,9 @@ def test_hostile_frames_raise_wire_errors() -> None:
     x = torch.randn(64, 64)
     frame = CODEC.encode("w", x, CODEC.new_state())
     body, meta = bytearray(_body(frame)), decode_frame(frame).meta
-    reframe = lambda b, shape=(64, 64), m=meta: encode_frame(CodecId.SPARSELOCO, bytes(b), dtype=torch.float32, shape=shape, meta=m)
+    reframe = lambda b, shape=(64, 64), m=meta: encode_frame(
+        CodecId.SPARSELOCO, bytes(b), dtype=torch.float32, shape=shape, meta=m
+    )
     repeated = bytearray(body)
     repeated[1] = 0  # second index delta 0: a duplicate index
     with pytest.raises(MalformedFrame, match="strictly increasing"):
@@ -146,12 +152,20 @@ def test_hostile_frames_raise_wire_errors() -> None:
     with pytest.raises(UnknownCodec):
         CODEC.decode(encode_frame(CodecId.INT8, b"", dtype=torch.float32, shape=(0,)))
     # a sender may point into an edge tile's padding (it does when a tile has < k elements): dropped
-    padded = bytes([0] + [1] * 63) + bytes(64) + bytes(16) + torch.tensor([1.0, 2.0]).bfloat16().view(torch.uint8).numpy().tobytes()
+    padded = (
+        bytes([0] + [1] * 63)
+        + bytes(64)
+        + bytes(16)
+        + torch.tensor([1.0, 2.0]).bfloat16().view(torch.uint8).numpy().tobytes()
+    )
     sparse = CODEC.decode(encode_frame(CodecId.SPARSELOCO, padded, dtype=torch.float32, shape=(3, 3), meta=meta))
     assert sparse.indices.tolist() == [0, 1, 2] and sparse.values.tolist() == [1.0, 1.0, 1.0]
 
 
-VALID = [(CODEC.encode("a", torch.randn(70, 130), CODEC.new_state()), (70, 130)), (CODEC.encode("b", torch.randn(300), CODEC.new_state()), (300,))]
+VALID = [
+    (CODEC.encode("a", torch.randn(70, 130), CODEC.new_state()), (70, 130)),
+    (CODEC.encode("b", torch.randn(300), CODEC.new_state()), (300,)),
+]
 LIMITS = WireLimits(max_elements=1 << 16, max_body_bytes=1 << 20)
 
 
@@ -161,12 +175,20 @@ def _decode_checked(data: bytes) -> None:
     except WireError:
         return
     n = torch.Size(sparse.shape).numel()
-    assert len(sparse.indices) == len(sparse.values) and (n == 0 or (0 <= int(sparse.indices.min()) and int(sparse.indices.max()) < n))
+    assert len(sparse.indices) == len(sparse.values) and (
+        n == 0 or (0 <= int(sparse.indices.min()) and int(sparse.indices.max()) < n)
+    )
 
 
 @settings(deadline=None, max_examples=300)
-@given(st.sampled_from(VALID), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6), st.booleans())
-def test_fuzz_corrupt_bodies_behind_valid_checksums(valid: tuple[bytes, tuple[int, ...]], edits: list[tuple[int, int]], raw: bool) -> None:
+@given(
+    st.sampled_from(VALID),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_fuzz_corrupt_bodies_behind_valid_checksums(
+    valid: tuple[bytes, tuple[int, ...]], edits: list[tuple[int, int]], raw: bool
+) -> None:
     frame, shape = valid
     if raw:  # the transmitted bytes (mostly caught by the crc)
         buf = bytearray(frame)
@@ -177,11 +199,17 @@ def test_fuzz_corrupt_bodies_behind_valid_checksums(valid: tuple[bytes, tuple[in
     body = bytearray(_body(frame))
     for pos, value in edits:
         body[pos % len(body)] = value
-    _decode_checked(encode_frame(CodecId.SPARSELOCO, bytes(body), dtype=torch.float32, shape=shape, meta=decode_frame(frame).meta))
+    _decode_checked(
+        encode_frame(CodecId.SPARSELOCO, bytes(body), dtype=torch.float32, shape=shape, meta=decode_frame(frame).meta)
+    )
 
 
 @settings(deadline=None, max_examples=200)
 @given(st.lists(st.integers(0, 3000), max_size=3), st.binary(max_size=300), st.binary(max_size=6))
 def test_fuzz_arbitrary_frames(shape: list[int], body: bytes, meta: bytes) -> None:
     _decode_checked(encode_frame(CodecId.SPARSELOCO, body, dtype=torch.float32, shape=tuple(shape), meta=meta))
-    _decode_checked(encode_frame(CodecId.SPARSELOCO, body, dtype=torch.float32, shape=tuple(shape), meta=decode_frame(VALID[0][0]).meta))
+    _decode_checked(
+        encode_frame(
+            CodecId.SPARSELOCO, body, dtype=torch.float32, shape=tuple(shape), meta=decode_frame(VALID[0][0]).meta
+        )
+    )

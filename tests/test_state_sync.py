@@ -27,8 +27,10 @@ def template() -> dict[str, torch.Tensor]:
 def state(round_: int = 5, seed: int = 0) -> StageState:
     g = torch.Generator().manual_seed(seed)
     params = {name: torch.randn(t.shape, generator=g) for name, t in template().items()}
-    optimizer = {"state": {0: {"momentum_buffer": torch.ones(4, 3)}, 1: {"momentum_buffer": None}},
-                 "param_groups": [{"lr": 0.7, "momentum": 0.9, "params": [0, 1]}]}
+    optimizer = {
+        "state": {0: {"momentum_buffer": torch.ones(4, 3)}, 1: {"momentum_buffer": None}},
+        "param_groups": [{"lr": 0.7, "momentum": 0.9, "params": [0, 1]}],
+    }
     return StageState(stage=2, round=round_, schedule_step=123, params=params, optimizer=optimizer)
 
 
@@ -38,7 +40,9 @@ def test_state_round_trips_and_its_hash_names_the_exact_weights() -> None:
     assert (back.stage, back.round, back.schedule_step) == (2, 5, 123)
     assert weights_hash(back.params) == weights_hash(original.params)
     assert torch.equal(back.optimizer["state"][0]["momentum_buffer"], torch.ones(4, 3))
-    nudged = dict(original.params, **{"blocks.0.g": torch.nextafter(original.params["blocks.0.g"], torch.tensor(math.inf))})
+    nudged = dict(
+        original.params, **{"blocks.0.g": torch.nextafter(original.params["blocks.0.g"], torch.tensor(math.inf))}
+    )
     assert weights_hash(nudged) != weights_hash(original.params)  # one ulp anywhere changes it
     assert len(weights_hash(original.params)) == 16
 
@@ -50,27 +54,40 @@ class Evil:
 
 def archive(**changes: object) -> bytes:
     s = state()
-    blob = {"format": state_sync.STATE_FORMAT, "stage": 2, "round": 5, "schedule_step": 1, "params": s.params, "optimizer": s.optimizer} | changes
+    blob = {
+        "format": state_sync.STATE_FORMAT,
+        "stage": 2,
+        "round": 5,
+        "schedule_step": 1,
+        "params": s.params,
+        "optimizer": s.optimizer,
+    } | changes
     buffer = io.BytesIO()
     torch.save(blob, buffer)
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("data, problem", [
-    (b"not an archive", "unreadable"),
-    (archive(format="other"), "archive"),
-    (archive(stage=3), "stage 3"),
-    (archive(round=-1), "non-negative"),
-    (archive(round=True), "non-negative"),
-    (archive(params={"blocks.0.w": torch.zeros(4, 3)}), "names"),
-    (archive(params={"blocks.0.w": torch.zeros(3, 4), "blocks.0.g": torch.zeros(3)}), "shape"),
-    (archive(params={"blocks.0.w": torch.zeros(4, 3, dtype=torch.float64), "blocks.0.g": torch.zeros(3)}), "float32"),
-    (archive(params={"blocks.0.w": torch.full((4, 3), math.nan), "blocks.0.g": torch.zeros(3)}), "non-finite"),
-    (archive(optimizer={"state": {0: {"momentum_buffer": torch.ones(5)}}, "param_groups": []}), "shape"),
-    (archive(optimizer={"state": {7: {}}, "param_groups": []}), "not one of"),
-    (archive(optimizer=[1, 2]), "state_dict"),
-    (archive(params=Evil()), "unreadable"),  # weights_only: no code runs on load
-])
+@pytest.mark.parametrize(
+    "data, problem",
+    [
+        (b"not an archive", "unreadable"),
+        (archive(format="other"), "archive"),
+        (archive(stage=3), "stage 3"),
+        (archive(round=-1), "non-negative"),
+        (archive(round=True), "non-negative"),
+        (archive(params={"blocks.0.w": torch.zeros(4, 3)}), "names"),
+        (archive(params={"blocks.0.w": torch.zeros(3, 4), "blocks.0.g": torch.zeros(3)}), "shape"),
+        (
+            archive(params={"blocks.0.w": torch.zeros(4, 3, dtype=torch.float64), "blocks.0.g": torch.zeros(3)}),
+            "float32",
+        ),
+        (archive(params={"blocks.0.w": torch.full((4, 3), math.nan), "blocks.0.g": torch.zeros(3)}), "non-finite"),
+        (archive(optimizer={"state": {0: {"momentum_buffer": torch.ones(5)}}, "param_groups": []}), "shape"),
+        (archive(optimizer={"state": {7: {}}, "param_groups": []}), "not one of"),
+        (archive(optimizer=[1, 2]), "state_dict"),
+        (archive(params=Evil()), "unreadable"),  # weights_only: no code runs on load
+    ],
+)
 def test_a_state_that_does_not_fit_the_stage_is_refused(data: bytes, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         unpack_state(data, stage=2, template=template())
@@ -130,7 +147,10 @@ def serve(servicer: BlobServicer, blobs: dict[str, bytes]) -> BlobServicer:
 
 async def with_peers(n: int, body: Callable[[list[P2P]], Awaitable[None]]) -> None:
     first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    peers = [first] + [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await first.get_visible_maddrs()) for _ in range(n - 1)]
+    peers = [first] + [
+        await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await first.get_visible_maddrs())
+        for _ in range(n - 1)
+    ]
     try:
         await body(peers)
     finally:
@@ -144,7 +164,9 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
     async def body(peers: list[P2P]) -> None:
         honest, liar, private, me = peers
         await serve(BlobServicer(), {"state/2": good}).add_p2p_handlers(honest, namespace="t")
-        await BlobServicer().add_p2p_handlers(liar, wrapper=serve(LyingServicer(), {"state/2": good}), namespace="t")  # under BlobServicer's names
+        await BlobServicer().add_p2p_handlers(
+            liar, wrapper=serve(LyingServicer(), {"state/2": good}), namespace="t"
+        )  # under BlobServicer's names
         await serve(BlobServicer(verifier=OnlyOk()), {"state/2": good}).add_p2p_handlers(private, namespace="t")
         client = BlobClient(me, namespace="t")
         fetch = lambda peer, name, **kw: client.fetch(peer, name, **({"timeout": 10, "max_bytes": 1 << 20} | kw))
@@ -162,12 +184,21 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
             await fetch(honest.peer_id, "state/hang", timeout=0.5)
         with pytest.raises(TransferError, match="denied"):
             await fetch(private.peer_id, "state/2")
-        assert await BlobClient(me, namespace="t", certificate=lambda: b"ok").fetch(private.peer_id, "state/2", timeout=10, max_bytes=1 << 20) == good
+        assert (
+            await BlobClient(me, namespace="t", certificate=lambda: b"ok").fetch(
+                private.peer_id, "state/2", timeout=10, max_bytes=1 << 20
+            )
+            == good
+        )
 
         async def by_name(peer: str, name: str) -> bytes:
             return await fetch(PeerID.from_base58(peer), name)
 
-        source, adopted = await download_state(by_name, [liar.peer_id.to_base58(), honest.peer_id.to_base58()], stage=2, template=template())
-        assert source == honest.peer_id.to_base58() and adopted.round == 11  # the corrupted transfer was retried elsewhere
+        source, adopted = await download_state(
+            by_name, [liar.peer_id.to_base58(), honest.peer_id.to_base58()], stage=2, template=template()
+        )
+        assert (
+            source == honest.peer_id.to_base58() and adopted.round == 11
+        )  # the corrupted transfer was retried elsewhere
 
     asyncio.run(with_peers(4, body))

@@ -18,25 +18,27 @@ import torch
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
+from swarm_harness import BATCH, DATA, SEQ, Swarm, records, tiny_config
 
+import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, launch_local
-from swarm.sim.centralized import evaluate
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.model.transformer import Transformer
-import swarm.pipeline.protocol as protocol
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
 from swarm.pipeline.routing import PathConfig
-from swarm_harness import BATCH, DATA, SEQ, Swarm, records, tiny_config
+from swarm.sim.centralized import evaluate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 TIMEOUTS = TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0)
 
 
-def swarm_config(*, stages: int = 2, steps: int = 30, paths: PathConfig | None = None, codecs: CodecConfig | None = None) -> SwarmConfig:
+def swarm_config(
+    *, stages: int = 2, steps: int = 30, paths: PathConfig | None = None, codecs: CodecConfig | None = None
+) -> SwarmConfig:
     return tiny_config(stages=stages, steps=steps, model={"n_layers": 4}, codecs=codecs, paths=paths, timeouts=TIMEOUTS)
 
 
@@ -59,7 +61,13 @@ def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path
     initial = evaluate(Transformer(cfg.model), val)  # every peer starts from these seeded weights
 
     # launch_local stops its own peers, in a finally
-    code = launch_local(LocalSwarm(peers=6, stages=2, trainers=2, steps=30), out=tmp_path, config=cfg, data=[DATA], echo=lambda line: None)
+    code = launch_local(
+        LocalSwarm(peers=6, stages=2, trainers=2, steps=30),
+        out=tmp_path,
+        config=cfg,
+        data=[DATA],
+        echo=lambda line: None,
+    )
 
     assert code == 0, (tmp_path / "trainer-0.log").read_text()[-3000:]
     for trainer in ("trainer-0", "trainer-1"):
@@ -68,7 +76,9 @@ def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path
         assert last["val_loss"] < initial - 1.0, (initial, last)
         assert last["failed"] == 0 and last["skipped_hops"] == 0, last
         assert_accounted(last)
-    served = {name: records(tmp_path, name)[-1]["backward"] for name in ("stage1-0", "stage1-1", "stage2-0", "stage2-1")}
+    served = {
+        name: records(tmp_path, name)[-1]["backward"] for name in ("stage1-0", "stage1-1", "stage2-0", "stage2-1")
+    }
     assert all(count > 0 for count in served.values()), served  # routing used every replica
     assert served["stage1-0"] + served["stage1-1"] == 2 * 30  # one backward per microbatch per stage
 
@@ -86,17 +96,28 @@ def test_killed_stage_server_does_not_stop_training(tmp_path: Path, child_proces
     swarm.stop("stage1-0", "stage2-0")
     survivor = swarm.records("stage1-0")
     before = max((r["backward"] for r in survivor if r["time"] <= killed_at and "backward" in r), default=0)
-    assert survivor[-1]["backward"] - before >= steps - 60, (before, survivor[-1])  # the traffic after the kill went to it
+    assert survivor[-1]["backward"] - before >= steps - 60, (
+        before,
+        survivor[-1],
+    )  # the traffic after the kill went to it
 
 
 def test_skip_and_swap_paths_reach_servers_in_sampled_orders(tmp_path: Path, child_processes: list) -> None:
     steps = 30  # one microbatch per step; each path visits round((1 - 1/3) · 3) = 2 of the 3 stages
-    swarm = Swarm(tmp_path, swarm_config(stages=3, steps=steps, paths=PathConfig(skip_ratio=1 / 3, max_swaps=1, swap_prob=0.5)), child_processes)
+    swarm = Swarm(
+        tmp_path,
+        swarm_config(stages=3, steps=steps, paths=PathConfig(skip_ratio=1 / 3, max_swaps=1, swap_prob=0.5)),
+        child_processes,
+    )
     start_peers(swarm, [("stage1-0", 1), ("stage2-0", 2), ("stage3-0", 3)], {"trainer-0": steps})
     swarm.finish("trainer-0", timeout=180)
     swarm.stop(*(f"stage{i}-0" for i in (1, 2, 3)))
 
-    edges = {(int(prev), stage): count for stage in (1, 2, 3) for prev, count in swarm.records(f"stage{stage}-0")[-1]["from_stage"].items()}
+    edges = {
+        (int(prev), stage): count
+        for stage in (1, 2, 3)
+        for prev, count in swarm.records(f"stage{stage}-0")[-1]["from_stage"].items()
+    }
     assert sum(count for (prev, _), count in edges.items() if prev == 0) == steps  # every path starts at the trainer
     assert sum(edges.values()) == 2 * steps  # two hops per path
     skips = {edge for edge in edges if edge[0] < edge[1] - 1}  # e.g. 0→2 (stage 1 skipped) or 1→3
@@ -105,9 +126,13 @@ def test_skip_and_swap_paths_reach_servers_in_sampled_orders(tmp_path: Path, chi
     assert all(prev != stage for prev, stage in edges)
 
 
-def test_server_refuses_malformed_requests_keeps_serving_and_retires_on_sigterm(tmp_path: Path, child_processes: list, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = dataclasses.replace(swarm_config(stages=2, codecs=CodecConfig(activations="fp32", gradients="fp32")),
-                              timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=120.0))  # records outlive the test
+def test_server_refuses_malformed_requests_keeps_serving_and_retires_on_sigterm(
+    tmp_path: Path, child_processes: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = dataclasses.replace(
+        swarm_config(stages=2, codecs=CodecConfig(activations="fp32", gradients="fp32")),
+        timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=120.0),
+    )  # records outlive the test
     swarm = Swarm(tmp_path, cfg, child_processes)
     swarm.spawn("stage1-0", "--role", "stage", "--stage", "1")
     server = PeerID.from_base58(swarm.ids["stage1-0"])
@@ -129,16 +154,31 @@ async def _probe_server(cfg: SwarmConfig, dht: DHT, server: PeerID, monkeypatch:
     x = torch.randn(BATCH, SEQ, cfg.model.d_model)
     bad_requests = {
         "not msgpack": (stub.rpc_forward, b"\xc1junk"),
-        "unknown field": (stub.rpc_forward, msgpack.packb({"mb": "a", "stage": 1, "prev_stage": 0, "x": b"", "evil": 1})),
-        "stage as a bool": (stub.rpc_forward, msgpack.packb({"mb": "a", "stage": True, "prev_stage": 0, "x": fp32.encode(x)})),
+        "unknown field": (
+            stub.rpc_forward,
+            msgpack.packb({"mb": "a", "stage": 1, "prev_stage": 0, "x": b"", "evil": 1}),
+        ),
+        "stage as a bool": (
+            stub.rpc_forward,
+            msgpack.packb({"mb": "a", "stage": True, "prev_stage": 0, "x": fp32.encode(x)}),
+        ),
         "bad microbatch id": (stub.rpc_forward, pack(Forward(mb="a b\n", stage=1, prev_stage=0, x=fp32.encode(x)))),
         "another stage": (stub.rpc_forward, pack(Forward(mb="a", stage=2, prev_stage=0, x=fp32.encode(x)))),
-        "NaN activations": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(torch.full_like(x, math.nan))))),
+        "NaN activations": (
+            stub.rpc_forward,
+            pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(torch.full_like(x, math.nan)))),
+        ),
         "wrong width": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(x[..., :32])))),
-        "batch too large": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(torch.randn(4 * BATCH, SEQ, cfg.model.d_model))))),
+        "batch too large": (
+            stub.rpc_forward,
+            pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(torch.randn(4 * BATCH, SEQ, cfg.model.d_model)))),
+        ),
         "int8 frame": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=get_codec("int8").encode(x)))),
         "truncated frame": (stub.rpc_forward, pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(x)[:-7]))),
-        "junk gradient": (stub.rpc_backward, pack(Backward(mb="a", stage=1, grad=b"SWLC" + bytes(60), x=fp32.encode(x)))),
+        "junk gradient": (
+            stub.rpc_backward,
+            pack(Backward(mb="a", stage=1, grad=b"SWLC" + bytes(60), x=fp32.encode(x))),
+        ),
     }
     for what, (method, payload) in bad_requests.items():
         reply = msgpack.unpackb((await method(runtime_pb2.ExpertRequest(metadata=payload), timeout=10)).metadata)
@@ -149,13 +189,21 @@ async def _probe_server(cfg: SwarmConfig, dht: DHT, server: PeerID, monkeypatch:
     assert refused.value.code == RequestError.CACHE_MISS
 
     y = fp32.decode(await client.forward(server, Forward(mb="ok", stage=1, prev_stage=0, x=fp32.encode(x)), timeout=10))
-    grad_x = fp32.decode(await client.backward(server, Backward(mb="ok", stage=1, grad=fp32.encode(torch.ones_like(y))), timeout=10))
+    grad_x = fp32.decode(
+        await client.backward(server, Backward(mb="ok", stage=1, grad=fp32.encode(torch.ones_like(y))), timeout=10)
+    )
     assert y.shape == grad_x.shape == x.shape and torch.isfinite(y).all() and torch.isfinite(grad_x).all()
 
-    monkeypatch.setattr(protocol, "MAX_UNARY_PAYLOAD_SIZE", 4096)  # this client now streams its requests in 4 KiB chunks
-    streamed = fp32.decode(await client.forward(server, Forward(mb="streamed", stage=1, prev_stage=0, x=fp32.encode(x)), timeout=10))
+    monkeypatch.setattr(
+        protocol, "MAX_UNARY_PAYLOAD_SIZE", 4096
+    )  # this client now streams its requests in 4 KiB chunks
+    streamed = fp32.decode(
+        await client.forward(server, Forward(mb="streamed", stage=1, prev_stage=0, x=fp32.encode(x)), timeout=10)
+    )
     assert streamed.shape == x.shape
-    with pytest.raises(RemoteError):  # the server replies "invalid" and stops reading: the client may see a broken pipe first
+    with pytest.raises(
+        RemoteError
+    ):  # the server replies "invalid" and stops reading: the client may see a broken pipe first
         await client.forward(server, Forward(mb="huge", stage=1, prev_stage=0, x=bytes(8 << 20)), timeout=10)
 
     info = await client.info(server, timeout=10)

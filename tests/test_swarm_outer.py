@@ -28,8 +28,13 @@ MAX_ROUND_S = RoundTiming.of(TIMEOUTS).max_round_s
 
 
 def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
-    return tiny_config(stages=stages, steps=steps, outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
-                       codecs=CodecConfig(pseudo_gradients="sparseloco"), timeouts=TIMEOUTS)
+    return tiny_config(
+        stages=stages,
+        steps=steps,
+        outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
+        codecs=CodecConfig(pseudo_gradients="sparseloco"),
+        timeouts=TIMEOUTS,
+    )
 
 
 def assert_groups_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int, str], list[str]]:
@@ -49,8 +54,12 @@ def assert_groups_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_does_not_hang_it(tmp_path: Path, child_processes: list) -> None:
-    trainers = [f"trainer-{i}" for i in range(3)]  # the replicas of stage 0: each steps on its own data, so all take part
+def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_does_not_hang_it(
+    tmp_path: Path, child_processes: list
+) -> None:
+    trainers = [
+        f"trainer-{i}" for i in range(3)
+    ]  # the replicas of stage 0: each steps on its own data, so all take part
     swarm = Swarm(tmp_path, outer_config(stages=1, steps=300), child_processes)
     swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
     swarm.ready("stage1-a")
@@ -59,18 +68,36 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
     for name in trainers:
         swarm.ready(name)
 
-    swarm.wait("two full rounds of the trainers", lambda: all(sum(r["contributors"] == 3 for r in swarm.rounds(n)) >= 2 for n in trainers), 120)
-    victim = max(trainers, key=lambda n: swarm.ids[n])  # not the leader (the smallest id): the others' round must end without it
+    swarm.wait(
+        "two full rounds of the trainers",
+        lambda: all(sum(r["contributors"] == 3 for r in swarm.rounds(n)) >= 2 for n in trainers),
+        120,
+    )
+    victim = max(
+        trainers, key=lambda n: swarm.ids[n]
+    )  # not the leader (the smallest id): the others' round must end without it
     survivors = [n for n in trainers if n != victim]
     done_before = max(r["round"] for r in swarm.rounds(victim))
-    declared = swarm.wait(f"{victim} to declare", lambda: [r for r in swarm.records(victim, "outer_declared") if r["round"] > done_before], 60)
+    declared = swarm.wait(
+        f"{victim} to declare",
+        lambda: [r for r in swarm.records(victim, "outer_declared") if r["round"] > done_before],
+        60,
+    )
     swarm.kill(victim)
     killed_at, round_ = time.time(), declared[0]["round"]
 
     for name in survivors:  # done with the members that delivered (the victim's payload only if fetched before it died)
-        ended = swarm.wait(f"{name} to end round {round_}", lambda: [r for r in swarm.records(name, "outer_round") if r["round"] == round_], MAX_ROUND_S + 10)
+        ended = swarm.wait(
+            f"{name} to end round {round_}",
+            lambda: [r for r in swarm.records(name, "outer_round") if r["round"] == round_],
+            MAX_ROUND_S + 10,
+        )
         assert ended[0]["outcome"] == "done" and ended[0]["time"] - killed_at < MAX_ROUND_S, ended
-    swarm.wait("a round of the two survivors", lambda: all([r for r in swarm.rounds(n) if r["round"] > round_ and r["contributors"] == 2] for n in survivors), 60)
+    swarm.wait(
+        "a round of the two survivors",
+        lambda: all([r for r in swarm.rounds(n) if r["round"] > round_ and r["contributors"] == 2] for n in survivors),
+        60,
+    )
     for name in survivors:
         last = swarm.finish(name)
         assert last["step"] == 300 and last["failed"] == 0, last
@@ -82,16 +109,22 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves_within_seconds(tmp_path: Path, child_processes: list) -> None:
+def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves_within_seconds(
+    tmp_path: Path, child_processes: list
+) -> None:
     swarm = Swarm(tmp_path, outer_config(stages=1, steps=5000), child_processes)
     swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
     swarm.ready("stage1-a")
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "5000", "--data", DATA)  # trains until stopped: the swarm has a trainer
+    swarm.spawn(
+        "trainer-0", "--role", "trainer", "--steps", "5000", "--data", DATA
+    )  # trains until stopped: the swarm has a trainer
     swarm.ready("trainer-0")
     swarm.wait("two rounds of stage 1", lambda: len(swarm.rounds("stage1-a")) >= 2, 120)
 
     swarm.spawn("late", "--rebalance-period", "2")  # --role auto: stage 1 is the only (so the bottleneck) stage
-    first = swarm.wait("the late peer to serve", lambda: [r for r in swarm.records("late") if r.get("first_served_at")], 90)[0]
+    first = swarm.wait(
+        "the late peer to serve", lambda: [r for r in swarm.records("late") if r.get("first_served_at")], 90
+    )[0]
     (serving,) = swarm.records("late", "serving")
     round_at_join = max(r["outer_round"] for r in swarm.rounds("stage1-a") if r["time"] <= swarm.started["late"])
     assert first["role"] == "stage" and first["stage"] == 1 and serving["stage"] == 1
@@ -108,7 +141,9 @@ def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves
     swarm.stop(*swarm.procs)
     assert swarm.records("trainer-0")[-1]["failed"] == 0
     groups = assert_groups_agree(swarm, ["stage1-a", "late"])
-    assert [key for key, members in groups.items() if sorted(members) == ["late", "stage1-a"]]  # rounds in one group: the same weights
+    assert [
+        key for key, members in groups.items() if sorted(members) == ["late", "stage1-a"]
+    ]  # rounds in one group: the same weights
     assert not swarm.records("late", "move")
 
 
@@ -124,14 +159,16 @@ def test_a_server_moves_to_an_unserved_stage_and_leaves_none_empty(tmp_path: Pat
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", "30", "--data", DATA)
 
     moves = swarm.wait("a move", lambda: [(n, r) for n in both for r in swarm.records(n, "move")], 30)
-    (mover, move), = moves
+    ((mover, move),) = moves
     assert move["from"] == 1 and move["to"] == 2 and move["time"] - ready_at < 20
     assert mover == min(both, key=lambda n: swarm.ids[n])  # plan_move's tie-break: no throughput yet, so the smaller id
     last = swarm.finish("trainer-0")
     assert last["step"] == 30, last
     swarm.stop(*both)
     stayer = next(n for n in both if n != mover)
-    assert not swarm.records(stayer, "move") and all(r["stage"] == 1 for r in swarm.records(stayer) if "stage" in r and "role" in r)
+    assert not swarm.records(stayer, "move") and all(
+        r["stage"] == 1 for r in swarm.records(stayer) if "stage" in r and "role" in r
+    )
     after = [r for r in swarm.records(mover) if r.get("role") == "stage" and r["time"] > move["time"]]
     assert after and all(r["stage"] == 2 for r in after) and after[-1]["backward"] > 0  # it serves stage 2 now
 
@@ -140,8 +177,14 @@ def status(samples_per_s: float = 0.0) -> StageStatus:
     return StageStatus(samples_per_s=samples_per_s)
 
 
-PEERS = [PeerID.from_base58(p) for p in ("12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG", "QmXHXXz5S2uGQXx9Vws5WJAHRDCXqLXD8mLeQj1CnmG3S8",
-                                         "QmTiZFEd9dxbRsrV4jt7Gj2dmfx8Xzj1k5B8PxTrkwKRSc")]
+PEERS = [
+    PeerID.from_base58(p)
+    for p in (
+        "12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG",
+        "QmXHXXz5S2uGQXx9Vws5WJAHRDCXqLXD8mLeQj1CnmG3S8",
+        "QmTiZFEd9dxbRsrV4jt7Gj2dmfx8Xzj1k5B8PxTrkwKRSc",
+    )
+]
 
 
 def test_auto_role_fills_an_unserved_stage_then_a_missing_trainer_then_the_bottleneck() -> None:
@@ -149,5 +192,8 @@ def test_auto_role_fills_an_unserved_stage_then_a_missing_trainer_then_the_bottl
     assert choose_role({0: {a: status()}, 1: {b: status()}, 2: {}}, 2) == ("stage", 2)
     assert choose_role({0: {}, 1: {b: status()}, 2: {c: status()}}, 2) == ("trainer", 0)
     assert choose_role({0: {a: status()}, 1: {b: status(30.0)}, 2: {c: status(10.0)}}, 2) == ("stage", 2)
-    assert choose_role({0: {a: status()}, 1: {b: status(10.0)}, 2: {b: status(10.0)}}, 2) == ("stage", 1)  # b caught mid-move
+    assert choose_role({0: {a: status()}, 1: {b: status(10.0)}, 2: {b: status(10.0)}}, 2) == (
+        "stage",
+        1,
+    )  # b caught mid-move
     assert stage_loads({1: {a: status(4.0)}}, 2) == {1: [StageLoad(peer_id=a.to_base58(), throughput=4.0)], 2: []}

@@ -32,8 +32,13 @@ Tensors = dict[str, torch.Tensor]  # by the full model's parameter names
 
 def config(*, clip: float, codecs: dict[str, str] = FP32) -> SwarmConfig:
     """Two microbatches per inner step, so gradients accumulate before it."""
-    return tiny_config(stages=STAGES, steps=10, train={"inner_batch": 2 * BATCH}, inner={"grad_clip": clip, "warmup_steps": 1},
-                       codecs=codecs)
+    return tiny_config(
+        stages=STAGES,
+        steps=10,
+        train={"inner_batch": 2 * BATCH},
+        inner={"grad_clip": clip, "warmup_steps": 1},
+        codecs=codecs,
+    )
 
 
 def microbatches(n: int = 2) -> list[Batch]:
@@ -44,8 +49,12 @@ def microbatches(n: int = 2) -> list[Batch]:
 
 def by_model_name(cfg: SwarmConfig, stages: dict[int, torch.nn.Module], what: str) -> Tensors:
     """Parameters (``what="data"``) or gradients (``"grad"``; none for a stage off the path) of stages 0..S under the full model's names."""
-    return {name: getattr(p, what).clone() for stage, module in stages.items()
-            for name, p in to_model_state(cfg.model, STAGES, stage, dict(module.named_parameters())).items() if getattr(p, what) is not None}
+    return {
+        name: getattr(p, what).clone()
+        for stage, module in stages.items()
+        for name, p in to_model_state(cfg.model, STAGES, stage, dict(module.named_parameters())).items()
+        if getattr(p, what) is not None
+    }
 
 
 def assert_same(a: Tensors, b: Tensors) -> None:
@@ -73,7 +82,9 @@ class LocalStages:
         return {EDGE_STAGE: trainer.module, **{s.stage: s.module for s in self.servers.values()}}
 
 
-def runtime(cfg: SwarmConfig, batches: list[Batch], path: list[int], *, in_loop: bool = False) -> tuple[Tensors | None, Tensors]:
+def runtime(
+    cfg: SwarmConfig, batches: list[Batch], path: list[int], *, in_loop: bool = False
+) -> tuple[Tensors | None, Tensors]:
     """(gradients after the first microbatch, weights after all of them) of a trainer driving local stage servers;
     ``in_loop``: through ``Trainer.train`` (both microbatches in flight at once), gradients not looked at."""
     net = LocalStages(cfg)
@@ -102,7 +113,9 @@ def runtime(cfg: SwarmConfig, batches: list[Batch], path: list[int], *, in_loop:
 
 def simulated(cfg: SwarmConfig, batches: list[Batch], path: list[int]) -> tuple[Tensors, Tensors]:
     """The same through the simulator's replicas and link."""
-    replicas: dict[int, Replica] = {s: make_replica(cfg, s, cfg.inner.total_steps, with_outer=False) for s in range(STAGES + 1)}
+    replicas: dict[int, Replica] = {
+        s: make_replica(cfg, s, cfg.inner.total_steps, with_outer=False) for s in range(STAGES + 1)
+    }
     link = Link(*boundary_codecs(cfg))
     modules = {s: r.module for s, r in replicas.items()}
     simulated_microbatch(replicas[EDGE_STAGE], [replicas[s] for s in path], batches[0], link)
@@ -140,7 +153,9 @@ def test_runtime_simulator_and_centralized_take_the_same_step() -> None:
 
 @pytest.mark.parametrize("path", [[1, 2], [2, 1], [2]], ids=["full", "swap", "skip"])
 @pytest.mark.parametrize("codecs", [FP32, {}], ids=["fp32", "default-codecs"])
-def test_runtime_and_simulator_agree_on_any_path_with_clipping_and_lossy_codecs(path: list[int], codecs: dict[str, str]) -> None:
+def test_runtime_and_simulator_agree_on_any_path_with_clipping_and_lossy_codecs(
+    path: list[int], codecs: dict[str, str]
+) -> None:
     cfg = config(clip=0.5, codecs=codecs)
     batches = microbatches()
     grads, weights = runtime(cfg, batches, path)

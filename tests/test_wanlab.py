@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from swarm_harness import DATA, tiny_config
 
+from optim.config import InnerOptimConfig
 from peer.launch import LocalSwarm, Placement, launch_local
 from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, unsupported_reason
-from optim.config import InnerOptimConfig
 from swarm.config import TimeoutConfig
-from swarm_harness import DATA, tiny_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
 REASON = unsupported_reason()
@@ -71,7 +71,9 @@ def test_exception_inside_with_removes_everything() -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_up_takes_the_lab_down_on_signal(sig: signal.Signals) -> None:
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "up", "--peers", "2", "--caps", "20"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "up", "--peers", "2", "--caps", "20"], stdout=subprocess.PIPE, text=True
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
         assert lines[2].startswith("lab is up"), lines
@@ -85,16 +87,26 @@ def test_cli_up_takes_the_lab_down_on_signal(sig: signal.Signals) -> None:
 
 
 def test_cleanup_removes_a_crashed_labs_leftovers() -> None:
-    crash = ("import os, signal, subprocess\nfrom scripts.wanlab import WanLab\n"
-             "lab = WanLab(caps_mbit=[10, 10]).__enter__()\n"
-             "print(lab.prefix, lab.spawn(1, ['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True)\n"
-             "os.kill(os.getpid(), signal.SIGKILL)\n")
-    done = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=30,
-                          cwd=SCRIPT.parents[1], start_new_session=True)
+    crash = (
+        "import os, signal, subprocess\nfrom scripts.wanlab import WanLab\n"
+        "lab = WanLab(caps_mbit=[10, 10]).__enter__()\n"
+        "print(lab.prefix, lab.spawn(1, ['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", crash],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=SCRIPT.parents[1],
+        start_new_session=True,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     prefix, sleeper = done.stdout.split()
     assert len(lab_namespaces(prefix)) == 3 and running(int(sleeper))  # the crash left its lab behind
-    listed = subprocess.run([sys.executable, str(SCRIPT), "cleanup"], capture_output=True, text=True, timeout=30, check=True).stdout
+    listed = subprocess.run(
+        [sys.executable, str(SCRIPT), "cleanup"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
     assert f"{prefix}p1" in listed
     assert lab_namespaces(prefix) == [] and not running(int(sleeper))
     assert cleanup() == []  # nothing stale is left to find
@@ -107,10 +119,17 @@ def test_a_swarm_trains_across_lab_hosts(tmp_path: Path) -> None:
     cfg = tiny_config(inner=InnerOptimConfig(), timeouts=TimeoutConfig(announce_period_s=1.0))  # the default schedule
     layout = LocalSwarm(peers=2, stages=1, trainers=1, steps=3)
     with WanLab(caps_mbit=[50, 50], prefix="slabtest-swarm-") as lab:
-        hosts = {name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(["stage1-0", "trainer-0"])}
-        code = launch_local(layout, out=tmp_path, config=cfg, data=[DATA], place=hosts.__getitem__, echo=lambda line: None)
+        hosts = {
+            name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address)
+            for i, name in enumerate(["stage1-0", "trainer-0"])
+        }
+        code = launch_local(
+            layout, out=tmp_path, config=cfg, data=[DATA], place=hosts.__getitem__, echo=lambda line: None
+        )
     assert code == 0, (tmp_path / "trainer-0.log").read_text()[-3000:]
     last = json.loads((tmp_path / "trainer-0.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 3 and last["failed"] == 0 and last["wire_bytes"]["activations"] > 0, last
-    assert "/ip4/10.77.0.1/tcp/" in (tmp_path / "stage1-0.log").read_text()  # it listened on the lab bridge, not on loopback
+    assert (
+        "/ip4/10.77.0.1/tcp/" in (tmp_path / "stage1-0.log").read_text()
+    )  # it listened on the lab bridge, not on loopback
     assert lab_namespaces("slabtest-swarm-") == []

@@ -27,7 +27,17 @@ from compress.wire import MAGIC, VERSION, CodecId, WireLimits, decode_frame, enc
 HEADER = struct.Struct("<4sBBBBBIIII")  # the layout documented in compress/wire.py
 
 
-def forge(*, version: int = VERSION, codec: int = CodecId.FP32, dtype: int = 0, flags: int = 0, shape: tuple[int, ...] = (2,), meta: bytes = b"", payload: bytes = b"\0" * 8, body_len: int | None = None) -> bytes:
+def forge(
+    *,
+    version: int = VERSION,
+    codec: int = CodecId.FP32,
+    dtype: int = 0,
+    flags: int = 0,
+    shape: tuple[int, ...] = (2,),
+    meta: bytes = b"",
+    payload: bytes = b"\0" * 8,
+    body_len: int | None = None,
+) -> bytes:
     """A frame with a valid checksum but any header fields: reaches the checks after the crc."""
     tail = struct.pack(f"<{len(shape)}I", *shape) + meta
     body_len = len(payload) if body_len is None else body_len
@@ -40,7 +50,13 @@ def test_round_trip_raw_and_compressed() -> None:
     for body in (bytes(range(256)) * 3, b"\0" * 5000, b""):  # incompressible, compressible, empty
         data = encode_frame(CodecId.INT8, body, dtype=torch.bfloat16, shape=(3, 0, 7), meta=b"meta")
         frame = decode_frame(data)
-        assert (frame.codec_id, frame.dtype, frame.shape, frame.meta, frame.body) == (CodecId.INT8, torch.bfloat16, (3, 0, 7), b"meta", body)
+        assert (frame.codec_id, frame.dtype, frame.shape, frame.meta, frame.body) == (
+            CodecId.INT8,
+            torch.bfloat16,
+            (3, 0, 7),
+            b"meta",
+            body,
+        )
     assert len(encode_frame(1, b"\0" * 5000, dtype=torch.float32, shape=(1250,))) < 100  # zstd used when it helps
 
 
@@ -152,7 +168,14 @@ VALID = [
 
 
 @settings(deadline=None, max_examples=300)
-@given(st.sampled_from(VALID), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255), st.sampled_from(["set", "insert", "delete"])), min_size=1, max_size=4))
+@given(
+    st.sampled_from(VALID),
+    st.lists(
+        st.tuples(st.integers(0, 10_000), st.integers(0, 255), st.sampled_from(["set", "insert", "delete"])),
+        min_size=1,
+        max_size=4,
+    ),
+)
 def test_fuzz_mutated_frames(data: bytes, edits: list[tuple[int, int, str]]) -> None:
     buf = bytearray(data)
     for pos, value, op in edits:

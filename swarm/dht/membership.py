@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import tomllib
-from typing import Dict, Optional, TypeVar
+from typing import TypeVar
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -71,8 +71,15 @@ def recovery_key(swarm_id: str, stage: int) -> str:
     return f"{swarm_id}/recovery/{stage}"
 
 
-RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {"stage": StageStatus, "config": ConfigRecord, "metrics": PeerMetrics, "claim": RecoveryClaim}
-PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim)  # one per peer under a key, with a protocol version
+RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {
+    "stage": StageStatus,
+    "config": ConfigRecord,
+    "metrics": PeerMetrics,
+    "claim": RecoveryClaim,
+}
+PeerRecord = TypeVar(
+    "PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim
+)  # one per peer under a key, with a protocol version
 
 
 class SwarmSchemaValidator(SchemaValidator):
@@ -84,7 +91,7 @@ class SwarmSchemaValidator(SchemaValidator):
 
     def __init__(self, keys: dict[str, str]) -> None:
         self.keys = dict(keys)
-        fields = {key: (Dict[BytesWithPublicKey, Optional[RECORD_TYPES[kind]]], None) for key, kind in self.keys.items()}
+        fields = {key: (dict[BytesWithPublicKey, RECORD_TYPES[kind] | None], None) for key, kind in self.keys.items()}
         super().__init__(pydantic.create_model("SwarmRecords", **fields), allow_extra_keys=True)
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, str]]]:
@@ -128,12 +135,17 @@ def reconcile_config(name: str, local: SwarmConfig | None, published: list[Swarm
         if published and local.hash() not in hashes:
             raise MembershipError(
                 f"swarm {name!r} runs config {', '.join(hashes)} but this peer's config hashes to {local.hash()}; "
-                "join without --config to fetch the swarm's config, or use another swarm name")
+                "join without --config to fetch the swarm's config, or use another swarm name"
+            )
         return local
     if not hashes:
-        raise MembershipError(f"no swarm config is published under the name {name!r}; pass --config, or check --initial-peers")
+        raise MembershipError(
+            f"no swarm config is published under the name {name!r}; pass --config, or check --initial-peers"
+        )
     if len(hashes) > 1:
-        raise MembershipError(f"swarm {name!r} has several configs published ({', '.join(hashes)}); pass --config to pick one")
+        raise MembershipError(
+            f"swarm {name!r} has several configs published ({', '.join(hashes)}); pass --config to pick one"
+        )
     return next(cfg for cfg in published if cfg.hash() == hashes[0])
 
 
@@ -148,7 +160,9 @@ class Membership:
         self._cfg: SwarmConfig | None = None  # set by join(); every record key holds its swarm id
         self.announced: set[int] = set()  # stages this peer holds a record for
 
-    async def join(self, cfg: SwarmConfig | None, *, create: bool, name: str = SwarmConfig().name, fetch_timeout_s: float = 15.0) -> SwarmConfig:
+    async def join(
+        self, cfg: SwarmConfig | None, *, create: bool, name: str = SwarmConfig().name, fetch_timeout_s: float = 15.0
+    ) -> SwarmConfig:
         """Publish (``create``) or fetch-and-check the swarm config; from then on, check this swarm's stage records too."""
         name = cfg.name if cfg is not None else name
         self.dht.add_validators([config_validator(name), self._signer])
@@ -212,11 +226,18 @@ class Membership:
 
     async def declare_round(self, stage: int, round_: int, *, opened_at: float, expiration: float) -> None:
         """Tell the replicas of ``stage`` that this peer takes part in outer round ``round_``."""
-        await self._store(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration(opened_at=opened_at).dict(), expiration)
+        await self._store(
+            round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration(opened_at=opened_at).dict(), expiration
+        )
 
     async def round_declarations(self, stage: int, round_: int) -> dict[PeerID, float]:
         """Who declared for outer round ``round_`` of ``stage`` (this peer included), and when."""
-        return {peer: record.opened_at for peer, record in (await self._read(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration)).items()}
+        return {
+            peer: record.opened_at
+            for peer, record in (
+                await self._read(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration)
+            ).items()
+        }
 
     async def claim_recovery(self, stage: int, claim: RecoveryClaim, *, expiration: float) -> None:
         """Tell the swarm this peer means to rebuild ``stage``, until ``expiration`` (DHT time) at most."""

@@ -62,8 +62,18 @@ class Meter:
         now = self._clock()
         (then, before), self._since = self._since, (now, tokens)
         self.last = PeerMetrics(
-            role=self.role, stage=self.stage, state=self.state, step=status.inner_steps, train_loss=self.train_loss,
-            val_loss=self.val_loss, tokens_per_s=max(tokens - before, 0) / max(now - then, 1e-9),
-            bytes_sent=dict(self.traffic.sent), bytes_received=dict(self.traffic.received), outer_round=status.outer_round,
-            recoveries=self.recoveries, bans=bans, version=status.version)
+            role=self.role,
+            stage=self.stage,
+            state=self.state,
+            step=status.inner_steps,
+            train_loss=self.train_loss,
+            val_loss=self.val_loss,
+            tokens_per_s=max(tokens - before, 0) / max(now - then, 1e-9),
+            bytes_sent=dict(self.traffic.sent),
+            bytes_received=dict(self.traffic.received),
+            outer_round=status.outer_round,
+            recoveries=self.recoveries,
+            bans=bans,
+            version=status.version,
+        )
         return self.last

@@ -19,7 +19,6 @@ PROTOCOL_VERSION = 1  # bumped on any incompatible change of records or RPC mess
 MAX_CONFIG_CHARS = 1 << 16
 
 
-
 class StageStatus(pydantic.BaseModel):
     """What a peer tells the swarm about itself; strict types, as hivemind's SchemaValidator requires."""
 
@@ -27,7 +26,9 @@ class StageStatus(pydantic.BaseModel):
     queue: pydantic.conint(ge=0, strict=True) = 0  # requests waiting or running
     inner_steps: pydantic.conint(ge=0, strict=True) = 0  # hook for the outer step: H inner steps per round
     outer_round: pydantic.conint(ge=0, strict=True) = 0
-    global_hash: pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True) = ""  # weights after that round: equal on agreeing replicas
+    global_hash: pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True) = (
+        ""  # weights after that round: equal on agreeing replicas
+    )
     grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
     recovered: pydantic.StrictBool = False  # this replica was rebuilt from its neighbours (CheckFree), not downloaded
     version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
@@ -53,7 +54,12 @@ class ConfigRecord(pydantic.BaseModel):
     toml: pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)
 
 
-STATES = ("joining", "serving", "training", "recovering")  # joining: not yet working (state download, waiting for stages)
+STATES = (
+    "joining",
+    "serving",
+    "training",
+    "recovering",
+)  # joining: not yet working (state download, waiting for stages)
 MAX_KINDS = 16
 
 Kind = pydantic.constr(regex=r"^[a-z][a-z0-9_]{0,31}$", strict=True)  # activations, gradients, eval, ...

@@ -105,7 +105,9 @@ def run_path(edge: EdgeStage, middles: dict[int, MiddleStage], path: list[int], 
     return edge.head(h)
 
 
-def to_model_state(cfg: ModelConfig, num_stages: int, stage: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_model_state(
+    cfg: ModelConfig, num_stages: int, stage: int, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Rename a stage's state-dict keys to the full model's (``blocks.j`` → ``blocks.{first+j}``)."""
     if stage == EDGE_STAGE:
         return dict(state)

@@ -59,7 +59,9 @@ def stage_forward(stage: MiddleStage, x: torch.Tensor) -> torch.Tensor:
     return stage(x)
 
 
-def head_backward(edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int) -> tuple[float, torch.Tensor]:
+def head_backward(
+    edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int
+) -> tuple[float, torch.Tensor]:
     """Step 3: the microbatch's mean loss, and the gradient w.r.t. the last hidden state ``h`` of its weighted backward."""
     h = h.detach().requires_grad_()
     with torch.enable_grad():
@@ -68,7 +70,9 @@ def head_backward(edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, in
     return loss.item(), h.grad  # type: ignore[return-value]
 
 
-def stage_backward(stage: MiddleStage, x: torch.Tensor, grad: torch.Tensor, *, y: torch.Tensor | None = None) -> torch.Tensor:
+def stage_backward(
+    stage: MiddleStage, x: torch.Tensor, grad: torch.Tensor, *, y: torch.Tensor | None = None
+) -> torch.Tensor:
     """Step 4: parameter gradients accumulate, and the gradient w.r.t. the stage's input ``x`` is returned.
 
     ``y`` is the forward's output when its graph was kept (in process); without it the forward is
@@ -90,7 +94,9 @@ def no_wire(kind: str, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return x.detach()
 
 
-def run_microbatch(edge: EdgeStage, path: Sequence[MiddleStage], batch: Batch, *, inner_batch: int, send: Send = no_wire) -> float:
+def run_microbatch(
+    edge: EdgeStage, path: Sequence[MiddleStage], batch: Batch, *, inner_batch: int, send: Send = no_wire
+) -> float:
     """Steps 1-5 in one process, through ``path``'s stages in order; returns the microbatch's mean loss.
 
     Every boundary (before the first stage, after each one, both ways) goes through ``send``: with
@@ -116,12 +122,19 @@ def run_microbatch(edge: EdgeStage, path: Sequence[MiddleStage], batch: Batch, *
 class InnerStep:
     """Step 6 for one stage copy (or a whole model): its AdamW and schedule, and the samples whose gradients it holds.
 
-        >>> inner = InnerStep(stage.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
-        >>> inner.add(16)  # after a microbatch's backward: True when it stepped
+    >>> inner = InnerStep(stage.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
+    >>> inner.add(16)  # after a microbatch's backward: True when it stepped
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], cfg: InnerOptimConfig, *, inner_batch: int, start_step: int = 0,
-                 lr_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        cfg: InnerOptimConfig,
+        *,
+        inner_batch: int,
+        start_step: int = 0,
+        lr_scale: float = 1.0,
+    ) -> None:
         # start_step: a copy that joins mid-run starts at the swarm's point of the lr schedule;
         # lr_scale: CheckFree's ×1.1 on a stage rebuilt from its neighbours (swarm/recovery/checkfree.py)
         self.optimizer, self.scheduler = make_inner_optimizer(params, cfg, start_step=start_step, lr_scale=lr_scale)

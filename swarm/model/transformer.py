@@ -100,7 +100,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False) if basis is None else SubspaceLinear(cfg.d_model, basis)
+        self.out = (
+            nn.Linear(cfg.d_model, cfg.d_model, bias=False) if basis is None else SubspaceLinear(cfg.d_model, basis)
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -114,7 +116,11 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None) -> None:
         super().__init__()
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
-        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False) if basis is None else SubspaceLinear(cfg.ffn_hidden, basis)
+        self.down = (
+            nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+            if basis is None
+            else SubspaceLinear(cfg.ffn_hidden, basis)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -193,7 +199,15 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> torch.Tensor:
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> torch.Tensor:
     """Sample ``new_tokens`` after ``prompt`` (T,) int64; returns the prompt plus the sample."""
     g = torch.Generator().manual_seed(seed)
     tokens = prompt.clone()

@@ -86,10 +86,28 @@ async def snapshot_weights(holder: Holder) -> dict[str, torch.Tensor]:
 
 
 class ReplicaSync:
-    def __init__(self, cfg: SwarmConfig, stage: int, holder: Holder, *, net: GroupNetwork, board: Board, replicas: StatusReader,
-                 fetch: Fetch, on_log: Callable[[dict[str, Any]], None] = lambda record: None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: SwarmConfig,
+        stage: int,
+        holder: Holder,
+        *,
+        net: GroupNetwork,
+        board: Board,
+        replicas: StatusReader,
+        fetch: Fetch,
+        on_log: Callable[[dict[str, Any]], None] = lambda record: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg, self.stage, self.holder = cfg, stage, holder
-        self.net, self.board, self.replicas, self.fetch, self.on_log, self.clock = net, board, replicas, fetch, on_log, clock
+        self.net, self.board, self.replicas, self.fetch, self.on_log, self.clock = (
+            net,
+            board,
+            replicas,
+            fetch,
+            on_log,
+            clock,
+        )
         self.params = dict(holder.module.named_parameters())
         self.outer = build_outer_optimizer(self.params, cfg.outer, cfg.codecs)
         self.timing = RoundTiming.of(cfg.timeouts)
@@ -98,7 +116,9 @@ class ReplicaSync:
         self.global_hash = weights_hash(self.outer.global_params) if self.outer else ""
         self.counters: Counter[str] = Counter()
         self.round_s: list[float] = []  # wall time of each round done, declaration to install
-        self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())  # a dense fp32 Δ: what a payload saves against
+        self._fp32_bytes = 4 * sum(
+            p.numel() for p in self.params.values()
+        )  # a dense fp32 Δ: what a payload saves against
         self._exported: tuple[int, bytes] | None = None  # (round, state blob): built once per round
         self._last_group: tuple[str, ...] = ()  # contributors of the last round done
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
@@ -135,7 +155,9 @@ class ReplicaSync:
                 if taken >= h or (taken >= (h + 1) // 2 and await self._window_open()):
                     await self.step()
             except Exception as e:  # a peer or the network failed us: say so, keep serving, try again later
-                logger.warning(f"stage {self.stage} outer step: {type(e).__name__}: {e}", exc_info=not isinstance(e, TransferError))
+                logger.warning(
+                    f"stage {self.stage} outer step: {type(e).__name__}: {e}", exc_info=not isinstance(e, TransferError)
+                )
 
     async def step(self) -> RoundResult:
         """One round: snapshot, encode Δ, meet the group, install the agreed result (or catch up)."""
@@ -144,9 +166,19 @@ class ReplicaSync:
         snapshot = await snapshot_weights(self.holder)
         payload = await self._on_thread(self.outer.make_payload, snapshot)
         started = time.perf_counter()
-        result = await run_round(self.net, self.board, key, payload, self.timing, clock=self.clock, expected=self._expected(),
-                                 on_declared=lambda: self.on_log({"event": "outer_declared", "stage": self.stage, "round": key.round}))
-        self.counters.update(pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=result.received * self._fp32_bytes)
+        result = await run_round(
+            self.net,
+            self.board,
+            key,
+            payload,
+            self.timing,
+            clock=self.clock,
+            expected=self._expected(),
+            on_declared=lambda: self.on_log({"event": "outer_declared", "stage": self.stage, "round": key.round}),
+        )
+        self.counters.update(
+            pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=result.received * self._fp32_bytes
+        )
         self.counters[f"outer_{result.outcome}"] += 1
         if result.outcome == "done":
             alone = result.contributors == (self.net.me,)
@@ -157,17 +189,32 @@ class ReplicaSync:
             await self._on_thread(self.outer.discard_payload)  # the next payload carries this round's Δ again
             if not await self._await_progress(key.round):
                 self.synced_at = steps  # nobody got past this round: try it again after another H steps
-        self.on_log({"event": "outer_round", "stage": self.stage, "round": key.round, "outcome": result.outcome, "reason": result.reason,
-                     "group": len(result.group), "contributors": len(result.contributors), "leader": result.group[0] if result.group else None,
-                     "outer_round": self.round, "global_hash": self.global_hash, "round_s": time.perf_counter() - started,
-                     "received_bytes": result.received_bytes})
+        self.on_log(
+            {
+                "event": "outer_round",
+                "stage": self.stage,
+                "round": key.round,
+                "outcome": result.outcome,
+                "reason": result.reason,
+                "group": len(result.group),
+                "contributors": len(result.contributors),
+                "leader": result.group[0] if result.group else None,
+                "outer_round": self.round,
+                "global_hash": self.global_hash,
+                "round_s": time.perf_counter() - started,
+                "received_bytes": result.received_bytes,
+            }
+        )
         return result
 
     async def catch_up(self) -> bool:
         """Download the stage's state if a replica is at a later round, or at this round with other weights; True if it did."""
         others = await self.replicas()
         self._others = others
-        ahead = sorted((peer for peer, s in others.items() if s.outer_round > self.round), key=lambda peer: (-others[peer].outer_round, peer))
+        ahead = sorted(
+            (peer for peer, s in others.items() if s.outer_round > self.round),
+            key=lambda peer: (-others[peer].outer_round, peer),
+        )
         if ahead:
             return await self._download(ahead, "behind")
         same = sorted(peer for peer, s in others.items() if s.outer_round == self.round and s.global_hash)
@@ -178,10 +225,19 @@ class ReplicaSync:
     async def adopt(self, state: StageState) -> None:
         """Install a downloaded state: global weights, outer optimizer and round; local weights restart from the global ones."""
         if self.outer is not None:
+
             def load_outer() -> None:
-                groups = self.outer.optimizer.state_dict()["param_groups"]  # our own hyper-parameters, never the sender's
+                groups = self.outer.optimizer.state_dict()[
+                    "param_groups"
+                ]  # our own hyper-parameters, never the sender's
                 slots = state.optimizer["state"] if state.optimizer else {}
-                self.outer.load_state_dict({"round": state.round, "params": state.params, "optimizer": {"state": slots, "param_groups": groups}})
+                self.outer.load_state_dict(
+                    {
+                        "round": state.round,
+                        "params": state.params,
+                        "optimizer": {"state": slots, "param_groups": groups},
+                    }
+                )
 
             await self._on_thread(load_outer)
 
@@ -201,9 +257,15 @@ class ReplicaSync:
         if self.outer is None:  # no outer step: the local weights are the stage's weights
             return pack_state(await self.local_state())
         if self._exported is None or self._exported[0] != self.round:
+
             def build() -> tuple[int, bytes]:  # on the outer thread: never torn by a round's apply
-                state = StageState(stage=self.stage, round=self.outer.round, schedule_step=self.schedule_step,
-                                   params=dict(self.outer.global_params), optimizer=self.outer.optimizer.state_dict())
+                state = StageState(
+                    stage=self.stage,
+                    round=self.outer.round,
+                    schedule_step=self.schedule_step,
+                    params=dict(self.outer.global_params),
+                    optimizer=self.outer.optimizer.state_dict(),
+                )
                 return state.round, pack_state(state)
 
             self._exported = await self._on_thread(build)
@@ -213,14 +275,18 @@ class ReplicaSync:
         """This replica's current (local) weights as a stage state, no optimizer: what a rebuild merges, an export saves,
         a checkpoint keeps (``state/<stage>`` serves the global weights of the last round instead)."""
         params = await snapshot_weights(self.holder)
-        return StageState(stage=self.stage, round=self.round, schedule_step=self.schedule_step, params=params, optimizer=None)
+        return StageState(
+            stage=self.stage, round=self.round, schedule_step=self.schedule_step, params=params, optimizer=None
+        )
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def _install(self, payloads: tuple[bytes, ...] | None, snapshot: dict[str, torch.Tensor]) -> None:
         """Install a round's result; ``payloads`` None: the round was this replica's alone, and the snapshot becomes global."""
-        if payloads is None:  # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
+        if (
+            payloads is None
+        ):  # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
             await self._on_thread(self.outer.apply_alone, snapshot)
             self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
             return
@@ -244,7 +310,9 @@ class ReplicaSync:
         """Whom the window waits for: the last round's members and the replicas at this round; if there are
         other replicas but none of those (records lag behind a replica that just caught up), the whole
         window (None); nobody when this replica is alone."""
-        expected = {*self._last_group, *(peer for peer, s in self._others.items() if s.outer_round == self.round)} - {self.net.me}
+        expected = {*self._last_group, *(peer for peer, s in self._others.items() if s.outer_round == self.round)} - {
+            self.net.me
+        }
         return expected or (None if self._others else set())
 
     async def _await_progress(self, round_: int) -> bool:
@@ -265,8 +333,16 @@ class ReplicaSync:
             return False
         await self.adopt(state)
         self.counters["state_downloads"] += 1
-        self.on_log({"event": "state_download", "stage": self.stage, "from": peer, "reason": reason, "outer_round": self.round,
-                     "global_hash": self.global_hash})
+        self.on_log(
+            {
+                "event": "state_download",
+                "stage": self.stage,
+                "from": peer,
+                "reason": reason,
+                "outer_round": self.round,
+                "global_hash": self.global_hash,
+            }
+        )
         return True
 
     async def _window_open(self) -> bool:
@@ -285,8 +361,15 @@ class PeerSync:
     ``ReplicaSync``; ``verifier`` and ``certificate`` make it private as the stage RPCs are.
     """
 
-    def __init__(self, cfg: SwarmConfig, membership: Membership, p2p: P2P, *, verifier: CertificateVerifier | None = None,
-                 certificate: Callable[[], bytes | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        cfg: SwarmConfig,
+        membership: Membership,
+        p2p: P2P,
+        *,
+        verifier: CertificateVerifier | None = None,
+        certificate: Callable[[], bytes | None] = lambda: None,
+    ) -> None:
         self.cfg, self.membership = cfg, membership
         self.board = Board(retention_s=RoundTiming.of(cfg.timeouts).max_round_s, clock=get_dht_time)
         self.servicer = BlobServicer(verifier=verifier, wait_s=2 * cfg.timeouts.rpc_s)
@@ -301,9 +384,20 @@ class PeerSync:
     def sync(self, stage: int, holder: Holder, on_log: Callable[[dict[str, Any]], None]) -> ReplicaSync:
         """The outer step of ``holder``, whose state this peer serves from now on."""
         params = dict(holder.module.named_parameters())
-        net = P2PGroupNetwork(self.membership, self.client, max_payload_bytes=8 * sum(p.numel() for p in params.values()) + (1 << 20))
-        sync = ReplicaSync(self.cfg, stage, holder, net=net, board=self.board, replicas=functools.partial(self.replicas, stage),
-                           fetch=functools.partial(self._fetch, max_bytes=state_bytes_bound(params)), on_log=on_log, clock=get_dht_time)
+        net = P2PGroupNetwork(
+            self.membership, self.client, max_payload_bytes=8 * sum(p.numel() for p in params.values()) + (1 << 20)
+        )
+        sync = ReplicaSync(
+            self.cfg,
+            stage,
+            holder,
+            net=net,
+            board=self.board,
+            replicas=functools.partial(self.replicas, stage),
+            fetch=functools.partial(self._fetch, max_bytes=state_bytes_bound(params)),
+            on_log=on_log,
+            clock=get_dht_time,
+        )
         self.servicer.provide("state", sync.export_state)
         return sync
 
@@ -316,7 +410,14 @@ class PeerSync:
             if not others:
                 return None
             try:
-                return (await download_state(fetch, sorted(others, key=lambda peer: (-others[peer].outer_round, peer)), stage=stage, template=template))[1]
+                return (
+                    await download_state(
+                        fetch,
+                        sorted(others, key=lambda peer: (-others[peer].outer_round, peer)),
+                        stage=stage,
+                        template=template,
+                    )
+                )[1]
             except TransferError:
                 if attempt == attempts:
                     raise

@@ -73,7 +73,9 @@ class RoundTiming:
     @classmethod
     def of(cls, timeouts: TimeoutConfig) -> RoundTiming:
         """The swarm's round timing: the matchmaking window, the RPC timeout, settling for half the window (at most 0.5 s)."""
-        return cls(window_s=timeouts.matchmaking_s, timeout_s=timeouts.rpc_s, settle_s=min(0.5, timeouts.matchmaking_s / 2))
+        return cls(
+            window_s=timeouts.matchmaking_s, timeout_s=timeouts.rpc_s, settle_s=min(0.5, timeouts.matchmaking_s / 2)
+        )
 
     @property
     def poll_s(self) -> float:
@@ -140,7 +142,9 @@ class Board:
 
     def commit(self, key: RoundKey, entries: list[tuple[str, bytes]] | None) -> None:
         """Publish the agreed (owner, digest) list of a round this peer leads; None: it does not lead it."""
-        self._commits[key] = None if entries is None else msgpack.packb([[owner, d] for owner, d in entries], use_bin_type=True)
+        self._commits[key] = (
+            None if entries is None else msgpack.packb([[owner, d] for owner, d in entries], use_bin_type=True)
+        )
         self._event(key).set()
 
     async def get(self, name: str) -> bytes:
@@ -177,15 +181,34 @@ def parse_commit(data: bytes) -> list[tuple[str, bytes]]:
         entries = msgpack.unpackb(data, raw=False, max_bin_len=64, max_str_len=256)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise TransferError(f"unreadable commit: {e}") from None
-    ok = isinstance(entries, list) and entries and all(
-        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], bytes) and len(e[1]) == 32 for e in entries)
+    ok = (
+        isinstance(entries, list)
+        and entries
+        and all(
+            isinstance(e, list)
+            and len(e) == 2
+            and isinstance(e[0], str)
+            and isinstance(e[1], bytes)
+            and len(e[1]) == 32
+            for e in entries
+        )
+    )
     if not ok or len({e[0] for e in entries}) != len(entries):
         raise TransferError("malformed commit: expected distinct [owner, sha256] pairs")
     return [(owner, d) for owner, d in entries]
 
 
-async def run_round(net: GroupNetwork, board: Board, key: RoundKey, payload: bytes, timing: RoundTiming, *, clock: Callable[[], float],
-                    expected: Collection[str] | None = None, on_declared: Callable[[], None] = lambda: None) -> RoundResult:
+async def run_round(
+    net: GroupNetwork,
+    board: Board,
+    key: RoundKey,
+    payload: bytes,
+    timing: RoundTiming,
+    *,
+    clock: Callable[[], float],
+    expected: Collection[str] | None = None,
+    on_declared: Callable[[], None] = lambda: None,
+) -> RoundResult:
     """Take part in outer round ``key`` with ``payload``; returns the agreed payloads or why there are none.
 
     Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s``
@@ -205,7 +228,9 @@ async def run_round(net: GroupNetwork, board: Board, key: RoundKey, payload: byt
         return RoundResult(outcome="late", group=group, reason=f"arrived after the window of {key} closed")
 
     others = [peer for peer in group if peer != net.me]
-    fetched = await asyncio.gather(*(_fetch_or_none(net, peer, key.blob(f"payload/{peer}"), timing.timeout_s) for peer in others))
+    fetched = await asyncio.gather(
+        *(_fetch_or_none(net, peer, key.blob(f"payload/{peer}"), timing.timeout_s) for peer in others)
+    )
     got = {net.me: payload} | {peer: data for peer, data in zip(others, fetched) if data is not None}
     received = [data for data in fetched if data is not None]
     for owner, data in got.items():
@@ -226,14 +251,31 @@ async def run_round(net: GroupNetwork, board: Board, key: RoundKey, payload: byt
                     if digest(got[owner]) != wanted:
                         raise TransferError(f"the leader's copy of {owner}'s payload does not match its commit")
         except TransferError as e:
-            return RoundResult(outcome="failed", group=group, received=len(received), received_bytes=sum(map(len, received)),
-                               reason=f"no usable commit from leader {leader}: {e}")
-    return RoundResult(outcome="done", payloads=tuple(got[owner] for owner, _ in entries), contributors=tuple(owner for owner, _ in entries),
-                       group=group, received=len(received), received_bytes=sum(map(len, received)))
+            return RoundResult(
+                outcome="failed",
+                group=group,
+                received=len(received),
+                received_bytes=sum(map(len, received)),
+                reason=f"no usable commit from leader {leader}: {e}",
+            )
+    return RoundResult(
+        outcome="done",
+        payloads=tuple(got[owner] for owner, _ in entries),
+        contributors=tuple(owner for owner, _ in entries),
+        group=group,
+        received=len(received),
+        received_bytes=sum(map(len, received)),
+    )
 
 
-async def _arrivals(net: GroupNetwork, key: RoundKey, opened: float, expected: set[str] | None, timing: RoundTiming,
-                    clock: Callable[[], float]) -> dict[str, float]:
+async def _arrivals(
+    net: GroupNetwork,
+    key: RoundKey,
+    opened: float,
+    expected: set[str] | None,
+    timing: RoundTiming,
+    clock: Callable[[], float],
+) -> dict[str, float]:
     """Who declared for ``key``: read until the window has closed and settled, or until every expected peer is in."""
     while True:
         seen = await net.declarations(key) | {net.me: opened}
@@ -262,7 +304,9 @@ class P2PGroupNetwork:
         await self.membership.declare_round(key.stage, key.round, opened_at=opened_at, expiration=expiration)
 
     async def declarations(self, key: RoundKey) -> dict[str, float]:
-        return {peer.to_base58(): t for peer, t in (await self.membership.round_declarations(key.stage, key.round)).items()}
+        return {
+            peer.to_base58(): t for peer, t in (await self.membership.round_declarations(key.stage, key.round)).items()
+        }
 
     async def fetch(self, peer: str, name: str, timeout: float) -> bytes:
         return await self.blobs.fetch(peer, name, timeout=timeout, max_bytes=self.max_payload_bytes)

@@ -55,8 +55,17 @@ def weights_hash(params: Mapping[str, torch.Tensor]) -> str:
 
 def pack_state(state: StageState) -> bytes:
     buffer = io.BytesIO()
-    torch.save({"format": STATE_FORMAT, "stage": state.stage, "round": state.round, "schedule_step": state.schedule_step,
-                "params": state.params, "optimizer": state.optimizer}, buffer)
+    torch.save(
+        {
+            "format": STATE_FORMAT,
+            "stage": state.stage,
+            "round": state.round,
+            "schedule_step": state.schedule_step,
+            "params": state.params,
+            "optimizer": state.optimizer,
+        },
+        buffer,
+    )
     return buffer.getvalue()
 
 
@@ -95,7 +104,9 @@ def unpack_state(data: bytes, *, stage: int, template: Mapping[str, torch.Tensor
             for key, value in slot.items():
                 if value is not None:  # SGD without momentum keeps None buffers
                     _check_tensor(f"outer optimizer {key} of parameter {index}", value, shapes[index])
-    return StageState(stage=stage, round=blob["round"], schedule_step=blob["schedule_step"], params=params, optimizer=optimizer)
+    return StageState(
+        stage=stage, round=blob["round"], schedule_step=blob["schedule_step"], params=params, optimizer=optimizer
+    )
 
 
 def _check_tensor(name: str, value: Any, shape: torch.Size) -> None:
@@ -105,8 +116,9 @@ def _check_tensor(name: str, value: Any, shape: torch.Size) -> None:
         raise ValueError(f"{name}: non-finite values")
 
 
-async def download_state(fetch: Fetch, peers: Sequence[str], *, stage: int, template: Mapping[str, torch.Tensor],
-                         blob: str = "state") -> tuple[str, StageState]:
+async def download_state(
+    fetch: Fetch, peers: Sequence[str], *, stage: int, template: Mapping[str, torch.Tensor], blob: str = "state"
+) -> tuple[str, StageState]:
     """The state of ``stage`` from the first of ``peers`` that delivers a valid one (each tried once, in order).
 
     ``blob``: ``state`` (the last outer round's, with the outer optimizer) or ``local`` (the replica's current weights).
@@ -121,4 +133,6 @@ async def download_state(fetch: Fetch, peers: Sequence[str], *, stage: int, temp
         except (TransferError, ValueError) as e:
             logger.warning(f"state of stage {stage} from {peer}: {e}; trying another replica")
             failures.append(f"{peer}: {e}")
-    raise TransferError(f"no replica of stage {stage} delivered its state ({'; '.join(failures) or 'no replica to ask'})")
+    raise TransferError(
+        f"no replica of stage {stage} delivered its state ({'; '.join(failures) or 'no replica to ask'})"
+    )

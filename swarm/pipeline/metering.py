@@ -1,8 +1,8 @@
-"""Bytes on the wire by kind, counted where stage calls are made and answered.
+"""Bytes on the wire by kind, counted where a stage server answers stage calls.
 
-Thin wrappers around a trainer's ``StageCalls`` (requests count as sent, replies as received) and
-a stage server's ``StageBackend`` (the other way round), adding frame sizes to a peer's
-``Traffic`` (``swarm/dht/metrics.py``), which its metrics record publishes.
+A thin wrapper around a stage server's ``StageBackend``: requests count as received, replies as
+sent, into the peer's ``Traffic`` (``swarm/dht/metrics.py``), which its metrics record publishes.
+A trainer counts its own calls (``Trainer._count``, which also knows what fp32 would have cost).
 
     >>> traffic = Traffic()
     >>> servicer = StageServicer(MeteredBackend(server, traffic), stage=1, max_request_bytes=server.max_request_bytes)
@@ -11,15 +11,12 @@ a stage server's ``StageBackend`` (the other way round), adding frame sizes to a
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hivemind.p2p import PeerID
 
 from swarm.dht.metrics import Traffic
 from swarm.pipeline.protocol import Backward, Forward, StageBackend
-
-if TYPE_CHECKING:
-    from swarm.pipeline.trainer import StageCalls
 
 
 def _request_frames(request: Forward | Backward) -> Counter[str]:
@@ -32,25 +29,6 @@ def _reply_kind(request: Forward | Backward) -> str:
     if isinstance(request, Backward):
         return "gradients"
     return "activations" if request.train else "eval"  # validation traffic apart, as the trainer counts it
-
-
-class MeteredCalls:
-    """A trainer's ``StageCalls``: requests count as sent, replies as received."""
-
-    def __init__(self, calls: StageCalls, traffic: Traffic) -> None:
-        self.calls, self.traffic = calls, traffic
-
-    async def forward(self, peer: PeerID, request: Forward, *, timeout: float) -> bytes:
-        self.traffic.sent.update(_request_frames(request))
-        reply = await self.calls.forward(peer, request, timeout=timeout)
-        self.traffic.received[_reply_kind(request)] += len(reply)
-        return reply
-
-    async def backward(self, peer: PeerID, request: Backward, *, timeout: float) -> bytes:
-        self.traffic.sent.update(_request_frames(request))
-        reply = await self.calls.backward(peer, request, timeout=timeout)
-        self.traffic.received[_reply_kind(request)] += len(reply)
-        return reply
 
 
 class MeteredBackend:

@@ -74,7 +74,9 @@ def unpack(data: bytes, kind: type[Forward] | type[Backward], *, max_bytes: int)
 
 def _check_microbatch(message: Forward | Backward) -> Forward | Backward:
     if not MICROBATCH_ID.fullmatch(message.mb):
-        raise RequestError(RequestError.INVALID, f"microbatch id {message.mb[:40]!r} must match {MICROBATCH_ID.pattern}")
+        raise RequestError(
+            RequestError.INVALID, f"microbatch id {message.mb[:40]!r} must match {MICROBATCH_ID.pattern}"
+        )
     return message
 
 
@@ -116,9 +118,18 @@ class StageServicer(GuardedServicer):
     per-peer rate limit and ban policy; a streamed request must arrive within ``stream_timeout_s``.
     """
 
-    def __init__(self, backend: StageBackend, *, stage: int, max_request_bytes: int, max_pending: int = 8,
-                 verifier: CertificateVerifier | None = None, limits: PeerLimits | None = None,
-                 stream_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        backend: StageBackend,
+        *,
+        stage: int,
+        max_request_bytes: int,
+        max_pending: int = 8,
+        verifier: CertificateVerifier | None = None,
+        limits: PeerLimits | None = None,
+        stream_timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(label=f"stage {stage}", verifier=verifier, limits=limits, clock=clock)
         self.backend, self.stage = backend, stage
         self.max_request_bytes, self.max_pending = max_request_bytes, max_pending
@@ -140,27 +151,37 @@ class StageServicer(GuardedServicer):
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return runtime_pb2.ExpertResponse(metadata=await self._serve(Backward, request.metadata, context.remote_id))
 
-    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self._serve_stream(Forward, requests, context.remote_id):
             yield response
 
-    async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self._serve_stream(Backward, requests, context.remote_id):
             yield response
 
-    async def _serve_stream(self, kind: type[Forward] | type[Backward], requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: PeerID) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def _serve_stream(
+        self, kind: type[Forward] | type[Backward], requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: PeerID
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             self._admit(peer)
             self.pending += 1  # a stream holds its slot while it arrives: slow streams cannot pile up
             try:
-                data = await asyncio.wait_for(receive_stream(requests, max_bytes=self.max_request_bytes), self.stream_timeout_s)
+                data = await asyncio.wait_for(
+                    receive_stream(requests, max_bytes=self.max_request_bytes), self.stream_timeout_s
+                )
                 reply = await self._handle(kind, data, peer)
             finally:
                 self.pending -= 1
         except RequestError as e:
             reply = self.refuse(e, peer)
         except TimeoutError:
-            reply = self.refuse(RequestError(RequestError.INVALID, f"streamed request took over {self.stream_timeout_s:.0f} s"), peer)
+            reply = self.refuse(
+                RequestError(RequestError.INVALID, f"streamed request took over {self.stream_timeout_s:.0f} s"), peer
+            )
         for part in _chunks(reply):
             yield runtime_pb2.ExpertResponse(metadata=part)
 
@@ -236,7 +257,9 @@ class StageClient:
         stub = StageServicer.get_stub(self.p2p, peer, namespace=self.namespace)
         try:
             if len(payload) <= MAX_UNARY_PAYLOAD_SIZE:
-                reply = await getattr(stub, f"rpc_{method}")(runtime_pb2.ExpertRequest(metadata=payload), timeout=timeout)
+                reply = await getattr(stub, f"rpc_{method}")(
+                    runtime_pb2.ExpertRequest(metadata=payload), timeout=timeout
+                )
                 return parse_reply(reply.metadata)
             return await asyncio.wait_for(self._call_stream(stub, method, payload), timeout)
         except TRANSPORT_ERRORS as e:

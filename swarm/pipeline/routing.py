@@ -63,8 +63,8 @@ def path_length(num_stages: int, cfg: PathConfig) -> int:
 def sample_path(num_stages: int, cfg: PathConfig, rng: random.Random) -> list[int]:
     """A fresh order of middle stages: a uniform subset of 1..S, sorted, then disjoint adjacent swaps.
 
-        >>> sample_path(4, PathConfig(), random.Random(0))
-        [1, 2, 3, 4]
+    >>> sample_path(4, PathConfig(), random.Random(0))
+    [1, 2, 3, 4]
     """
     path = sorted(rng.sample(range(1, num_stages + 1), path_length(num_stages, cfg)))
     free = list(range(len(path) - 1))  # positions i whose pair (path[i], path[i+1]) may still swap
@@ -220,10 +220,10 @@ class StageBalancer:
 class Router:
     """The trainer's routing state: one ``StageBalancer`` per middle stage 1..S.
 
-        >>> router = Router(num_stages=2, rng=random.Random(0))
-        >>> router.update(1, ["a"]); router.update(2, ["b"])
-        >>> [router.choose(stage) for stage in router.draw_path(PathConfig())]
-        ['a', 'b']
+    >>> router = Router(num_stages=2, rng=random.Random(0))
+    >>> router.update(1, ["a"]); router.update(2, ["b"])
+    >>> [router.choose(stage) for stage in router.draw_path(PathConfig())]
+    ['a', 'b']
     """
 
     def __init__(self, num_stages: int, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:

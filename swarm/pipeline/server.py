@@ -81,20 +81,36 @@ class ActivationCache:
 class StageServer:
     """The ``StageBackend`` of one middle stage (see ``swarm/pipeline/protocol.py``)."""
 
-    def __init__(self, cfg: SwarmConfig, stage: int, *, start_step: int = 0, lr_scale: float = 1.0, max_cached: int = 64,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        cfg: SwarmConfig,
+        stage: int,
+        *,
+        start_step: int = 0,
+        lr_scale: float = 1.0,
+        max_cached: int = 64,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
         self.module = build_stage(cfg.model, cfg.stages.num_stages, stage)
-        self.inner = InnerStep(self.module.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step, lr_scale=lr_scale)
+        self.inner = InnerStep(
+            self.module.parameters(),
+            cfg.inner,
+            inner_batch=cfg.train.inner_batch,
+            start_step=start_step,
+            lr_scale=lr_scale,
+        )
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
         self.act_codec, self.grad_codec = boundary_codecs(cfg)
         self.max_batch = cfg.train.microbatch_size
         max_values = self.max_batch * cfg.model.max_seq_len * cfg.model.d_model
         max_frame = 4 * max_values + FRAME_SLACK_BYTES
-        self.limits = WireLimits(max_frame_bytes=max_frame, max_body_bytes=max_frame, max_elements=max_values, max_ndim=3)
+        self.limits = WireLimits(
+            max_frame_bytes=max_frame, max_body_bytes=max_frame, max_elements=max_values, max_ndim=3
+        )
         self.max_request_bytes = 2 * max_frame + 1024  # input + gradient frames and the envelope
         self.cache = ActivationCache(max_items=max_cached, max_bytes=max_cached * 4 * max_values)
         self.throughput = PerformanceEMA(alpha=0.1, paused=True)  # samples/s over forward + backward compute
@@ -104,7 +120,10 @@ class StageServer:
 
     async def forward(self, peer: PeerID, request: Forward) -> bytes:
         if not 0 <= request.prev_stage <= self.cfg.stages.num_stages or request.prev_stage == self.stage:
-            raise RequestError(RequestError.INVALID, f"prev_stage {request.prev_stage} is not another stage of 0..{self.cfg.stages.num_stages}")
+            raise RequestError(
+                RequestError.INVALID,
+                f"prev_stage {request.prev_stage} is not another stage of 0..{self.cfg.stages.num_stages}",
+            )
         x, tokens = self._decode_input(request.x)
         y, elapsed = await self._run(self._compute_forward, x)
         if request.train:
@@ -125,23 +144,38 @@ class StageServer:
             self.counters["recompute_from_resent"] += 1
         grad = self.grad_codec.decode(request.grad, limits=self.limits)
         if grad.shape != entry.x.shape:
-            raise RequestError(RequestError.INVALID, f"gradient of shape {tuple(grad.shape)} for an input of shape {tuple(entry.x.shape)}")
+            raise RequestError(
+                RequestError.INVALID,
+                f"gradient of shape {tuple(grad.shape)} for an input of shape {tuple(entry.x.shape)}",
+            )
         grad_x, elapsed = await self._run(self._compute_backward, entry.x, grad)
         self.throughput.update(entry.x.shape[0], interval=entry.forward_s + elapsed)
         self.counters["backward"] += 1
         return self.grad_codec.encode(grad_x)
 
     def info(self) -> dict[str, Any]:
-        return {**self.counters, "inner_steps": self.inner_steps, "samples_per_s": self.samples_per_s,
-                "grad_norm": self.grad_norm, "cached": len(self.cache), "first_served_at": self.first_served_at, "evicted": self.cache.evicted,
-                "from_stage": {str(k): v for k, v in sorted(self.from_stage.items())}}
+        return {
+            **self.counters,
+            "inner_steps": self.inner_steps,
+            "samples_per_s": self.samples_per_s,
+            "grad_norm": self.grad_norm,
+            "cached": len(self.cache),
+            "first_served_at": self.first_served_at,
+            "evicted": self.cache.evicted,
+            "from_stage": {str(k): v for k, v in sorted(self.from_stage.items())},
+        }
 
     @property
     def samples_per_s(self) -> float:
         return self.throughput.samples_per_second if self.throughput.num_updates else 0.0
 
     def status(self, *, queue: int) -> StageStatus:
-        return StageStatus(samples_per_s=float(self.samples_per_s), queue=queue, inner_steps=self.inner_steps, grad_norm=float(self.grad_norm))
+        return StageStatus(
+            samples_per_s=float(self.samples_per_s),
+            queue=queue,
+            inner_steps=self.inner_steps,
+            grad_norm=float(self.grad_norm),
+        )
 
     async def exclusive(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install)."""
@@ -158,12 +192,16 @@ class StageServer:
         x, tokens = self.act_codec.decode_with_tokens(frame, limits=self.limits)
         b, t, d = x.shape if x.ndim == 3 else (0, 0, 0)
         if not (1 <= b <= self.max_batch and 1 <= t <= self.cfg.model.max_seq_len and d == self.cfg.model.d_model):
-            raise RequestError(RequestError.INVALID, f"activation of shape {tuple(x.shape)}; expected (B ≤ {self.max_batch}, "
-                                                     f"T ≤ {self.cfg.model.max_seq_len}, d = {self.cfg.model.d_model})")
+            raise RequestError(
+                RequestError.INVALID,
+                f"activation of shape {tuple(x.shape)}; expected (B ≤ {self.max_batch}, "
+                f"T ≤ {self.cfg.model.max_seq_len}, d = {self.cfg.model.d_model})",
+            )
         return x, tokens
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
         """``fn(*args)`` on the compute thread, and its compute time (waiting for the thread excluded)."""
+
         def timed() -> tuple[T, float]:
             started = self.clock()
             return fn(*args), self.clock() - started

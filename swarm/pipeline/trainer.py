@@ -33,6 +33,7 @@ import torch
 
 from compress.errors import ShapeMismatch, WireError
 from swarm.config import SwarmConfig
+from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 from swarm.model.step import InnerStep, embed, embed_backward, head_backward
@@ -46,7 +47,16 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 eac
 T = TypeVar("T")
 # microbatches: started = completed + failed + cancelled (on shutdown) + in flight; hops: failed
 # attempts (retried elsewhere), timeouts, stages skipped on the way forward, inputs resent for a backward
-COUNTERS = ("started", "completed", "failed", "cancelled", "hop_failures", "hop_timeouts", "skipped_hops", "resent_inputs")
+COUNTERS = (
+    "started",
+    "completed",
+    "failed",
+    "cancelled",
+    "hop_failures",
+    "hop_timeouts",
+    "skipped_hops",
+    "resent_inputs",
+)
 
 
 class StageCalls(Protocol):
@@ -58,13 +68,18 @@ class StageCalls(Protocol):
 @dataclass(kw_only=True)
 class TrainerOptions:
     in_flight: int = 2  # microbatches in the pipeline at once
-    max_attempts: int = 3  # replicas tried per hop before the stage is skipped (forward) or the microbatch fails (backward)
+    max_attempts: int = (
+        3  # replicas tried per hop before the stage is skipped (forward) or the microbatch fails (backward)
+    )
     max_failures_in_a_row: int = 50  # then the swarm is unusable: stop with an error instead of spinning
     log_every: int = 10  # inner steps between progress records
     eval_every: int = 0  # inner steps between validation passes; 0 = only at the end
 
     def __post_init__(self) -> None:
-        if min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every) < 1 or self.eval_every < 0:
+        if (
+            min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every) < 1
+            or self.eval_every < 0
+        ):
             raise ValueError(f"trainer options must be positive (eval_every non-negative), got {self}")
 
 
@@ -91,23 +106,39 @@ class CacheMiss(Exception):
 
 
 class Trainer:
-    def __init__(self, cfg: SwarmConfig, calls: StageCalls, router: Router, *, options: TrainerOptions | None = None,
-                 start_step: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: SwarmConfig,
+        calls: StageCalls,
+        router: Router,
+        *,
+        options: TrainerOptions | None = None,
+        start_step: int = 0,
+        traffic: Traffic | None = None,
+    ) -> None:
         self.cfg, self.calls, self.router = cfg, calls, router
         self.options = options or TrainerOptions()
         self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE)
-        self.inner = InnerStep(self.edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step)
+        self.inner = InnerStep(
+            self.edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step
+        )
         self.start_step = start_step  # a trainer that joins mid-run starts at the swarm's point of the lr schedule
         self.act_codec, self.grad_codec = boundary_codecs(cfg)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
-        self.wire_bytes: Counter[str] = Counter()  # frame bytes sent + received: activations, gradients, eval
+        self.traffic = traffic or Traffic()  # frame bytes by kind and direction: the peer's metrics publish it
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
         self.tokens = 0  # tokens of completed training microbatches
         self._ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge")
 
-    async def train(self, batches: Iterator[Batch], *, steps: int, val_batches: Sequence[Batch] = (),
-                    on_log: Callable[[dict[str, Any]], None] = lambda record: None) -> dict[str, Any]:
+    async def train(
+        self,
+        batches: Iterator[Batch],
+        *,
+        steps: int,
+        val_batches: Sequence[Batch] = (),
+        on_log: Callable[[dict[str, Any]], None] = lambda record: None,
+    ) -> dict[str, Any]:
         """Run until ``steps`` inner steps of stage 0; returns the last progress record."""
         mbs, ib = self.cfg.train.microbatch_size, self.cfg.train.inner_batch
         started, losses, logged, failures_in_a_row = time.perf_counter(), [], self.inner_steps, 0
@@ -129,7 +160,9 @@ class Trainer:
                         failures_in_a_row = 0
                         losses.append(loss)
                 if failures_in_a_row >= self.options.max_failures_in_a_row:
-                    raise RuntimeError(f"{failures_in_a_row} microbatches failed in a row (see the warnings above); stopping")
+                    raise RuntimeError(
+                        f"{failures_in_a_row} microbatches failed in a row (see the warnings above); stopping"
+                    )
                 if self.inner_steps >= min(logged + self.options.log_every, steps):
                     logged = self.inner_steps
                     record = self.progress(started, losses)
@@ -146,10 +179,19 @@ class Trainer:
 
     def progress(self, started: float, losses: list[float]) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
-        return {"role": "trainer", "step": self.inner_steps, "tokens": self.tokens, "elapsed_s": elapsed,
-                "train_loss": sum(losses) / len(losses) if losses else None, "tokens_per_s": self.tokens / max(elapsed, 1e-9),
-                "lr": self.inner.lr, "grad_norm": self.grad_norm, **self.counters,
-                "wire_bytes": dict(self.wire_bytes), "fp32_bytes": dict(self.fp32_bytes)}
+        return {
+            "role": "trainer",
+            "step": self.inner_steps,
+            "tokens": self.tokens,
+            "elapsed_s": elapsed,
+            "train_loss": sum(losses) / len(losses) if losses else None,
+            "tokens_per_s": self.tokens / max(elapsed, 1e-9),
+            "lr": self.inner.lr,
+            "grad_norm": self.grad_norm,
+            **self.counters,
+            "wire_bytes": dict(self.traffic.sent + self.traffic.received),
+            "fp32_bytes": dict(self.fp32_bytes),
+        }
 
     def status(self) -> StageStatus:
         in_flight = self.counters["started"] - sum(self.counters[k] for k in ("completed", "failed", "cancelled"))
@@ -194,12 +236,16 @@ class Trainer:
             count += inputs.shape[0]
         return total / count
 
-    async def _forward_path(self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor) -> tuple[list[Hop], torch.Tensor]:
+    async def _forward_path(
+        self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[list[Hop], torch.Tensor]:
         """The hops taken and the decoded output of the last one (``h0`` itself if none was)."""
         hops, prev, frame, h = [], EDGE_STAGE, self.act_codec.encode(h0, tokens=tokens), h0
         for stage in path:
             try:
-                peer, out, h_out = await self._forward_hop(mb, Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train))
+                peer, out, h_out = await self._forward_hop(
+                    mb, Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
+                )
             except HopFailed as e:
                 self.counters["skipped_hops"] += 1  # go on without this stage, as SkipPipe paths do
                 logger.warning(f"{mb.id}: skipping stage {stage}: {e}")
@@ -223,7 +269,9 @@ class Trainer:
         for _ in range(self.options.max_attempts):
             self.counters["resent_inputs"] += resend
             try:
-                reply = await self._call(mb, peer, Backward(mb=mb.id, stage=hop.stage, grad=grad, x=hop.x if resend else None))
+                reply = await self._call(
+                    mb, peer, Backward(mb=mb.id, stage=hop.stage, grad=grad, x=hop.x if resend else None)
+                )
             except CacheMiss:  # the server dropped the input: resend it, to the same server
                 resend = True
                 continue
@@ -244,16 +292,21 @@ class Trainer:
         """One RPC, with the router told how it went: the reply (frame, decoded), or None to move on."""
         stage, timeout, started = request.stage, self.cfg.timeouts.rpc_s, time.perf_counter()
         forward = isinstance(request, Forward)
-        kind, codec, call = ("activations", self.act_codec, self.calls.forward) if forward else ("gradients", self.grad_codec, self.calls.backward)
-        self._count(mb, kind, request.x if forward else request.grad)
+        kind, codec, call = (
+            ("activations", self.act_codec, self.calls.forward)
+            if forward
+            else ("gradients", self.grad_codec, self.calls.backward)
+        )
+        self._count(mb, kind, request.x if forward else request.grad, sent=True)
         if not forward and request.x is not None:
-            self._count(mb, "activations", request.x)
+            self._count(mb, "activations", request.x, sent=True)
         try:
             out = await call(peer, request, timeout=timeout)
+            self._count(mb, kind, out, sent=False)
             value = codec.decode(out)  # a bad reply is this server's fault, not the next hop's
             if value.shape != mb.shape:
                 raise ShapeMismatch(f"reply of shape {tuple(value.shape)}, expected {mb.shape}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters["hop_timeouts"] += 1
             self.router.report_timeout(stage, peer, timeout)
             return None
@@ -273,12 +326,12 @@ class Trainer:
             logger.info(f"stage {stage} peer {peer}: call failed: {type(e).__name__}: {e}")
             return None
         self.router.report_success(stage, peer, samples=mb.shape[0], seconds=time.perf_counter() - started)
-        self._count(mb, kind, out)
         return out, value
 
-    def _count(self, mb: Microbatch, kind: str, frame: bytes) -> None:
+    def _count(self, mb: Microbatch, kind: str, frame: bytes, *, sent: bool) -> None:
+        """The one count of a trainer's wire traffic; fp32_bytes: what the same tensor would cost uncompressed."""
         kind = kind if mb.train else "eval"  # validation traffic apart: per-token costs are of training
-        self.wire_bytes[kind] += len(frame)
+        (self.traffic.sent if sent else self.traffic.received)[kind] += len(frame)
         self.fp32_bytes[kind] += 4 * math.prod(mb.shape)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -74,7 +74,9 @@ def recovery_source(stage: int, num_stages: int, *, swaps_enabled: bool) -> Reco
     if 1 < stage < num_stages:
         return RecoveryPlan(stage=stage, sources=(stage - 1, stage + 1), kind="merge")
     partner = 2 if stage == 1 else num_stages - 1
-    return RecoveryPlan(stage=stage, sources=(partner,), kind="copy-swap-partner" if swaps_enabled else "copy-neighbour")
+    return RecoveryPlan(
+        stage=stage, sources=(partner,), kind="copy-swap-partner" if swaps_enabled else "copy-neighbour"
+    )
 
 
 def checkfree_merge(
@@ -84,7 +86,9 @@ def checkfree_merge(
     for name, norm in (("grad_norm_prev", grad_norm_prev), ("grad_norm_next", grad_norm_next)):
         if not (math.isfinite(norm) and norm >= 0):
             raise ValueError(f"{name} must be finite and non-negative, got {norm}")
-    return _weighted_blocks([(next_, grad_norm_next + GRAD_NORM_EPS), (prev, grad_norm_prev + GRAD_NORM_EPS)], num_blocks)
+    return _weighted_blocks(
+        [(next_, grad_norm_next + GRAD_NORM_EPS), (prev, grad_norm_prev + GRAD_NORM_EPS)], num_blocks
+    )
 
 
 def apply_recovery(plan: RecoveryPlan, fetch_state: FetchState, *, num_blocks: int) -> dict[str, Tensor]:

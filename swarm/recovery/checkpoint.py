@@ -1,7 +1,7 @@
 """One-file checkpoints of a whole model with the swarm config that defines it.
 
-    >>> save_checkpoint("model.pt", cfg, model, step=300)
-    >>> cfg, model, meta = load_checkpoint("model.pt")
+>>> save_checkpoint("model.pt", cfg, model, step=300)
+>>> cfg, model, meta = load_checkpoint("model.pt")
 """
 
 from __future__ import annotations

@@ -45,7 +45,9 @@ def stage_totals(snapshot: Snapshot) -> dict[int, float]:
     """Total samples/s per stage, after checking the snapshot covers stages 1..S and lists each peer once."""
     stages = sorted(snapshot)
     if stages != list(range(1, len(stages) + 1)):
-        raise ValueError(f"snapshot must have exactly the stages 1..S (an empty list for a stage nobody serves), got {stages}")
+        raise ValueError(
+            f"snapshot must have exactly the stages 1..S (an empty list for a stage nobody serves), got {stages}"
+        )
     counts = Counter(load.peer_id for loads in snapshot.values() for load in loads)
     repeated = sorted(peer for peer, n in counts.items() if n > 1)
     if repeated:  # a peer caught mid-move: the caller keeps only its freshest record

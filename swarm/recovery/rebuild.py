@@ -57,7 +57,9 @@ from swarm.rpc.blobs import TransferError
 logger = logging.getLogger(__name__)
 PRIORITY_JOINER, PRIORITY_MOVER = 0, 1  # a peer that serves nothing yet rebuilds before one that must leave its stage
 ReplicaReader = Callable[[int], Awaitable[Mapping[str, StageStatus]]]  # stage → {peer id: status}, this peer excluded
-BlobFetch = Callable[[str, str, int], Awaitable[bytes]]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
+BlobFetch = Callable[
+    [str, str, int], Awaitable[bytes]
+]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
 
 
 def claim_winner(claims: Mapping[str, RecoveryClaim]) -> str | None:
@@ -115,8 +117,14 @@ class Source:
     grad_norm: float  # from the peer's DHT record at download time
 
     def summary(self) -> dict[str, Any]:
-        return {"stage": self.stage, "peer": self.peer, "sha256": hashlib.sha256(self.blob).hexdigest()[:16],
-                "weights_hash": weights_hash(self.state.params), "grad_norm": self.grad_norm, "schedule_step": self.state.schedule_step}
+        return {
+            "stage": self.stage,
+            "peer": self.peer,
+            "sha256": hashlib.sha256(self.blob).hexdigest()[:16],
+            "weights_hash": weights_hash(self.state.params),
+            "grad_norm": self.grad_norm,
+            "schedule_step": self.state.schedule_step,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,8 +138,13 @@ class Rebuilt:
 
     def event(self) -> dict[str, Any]:
         """The ``recovered`` log record's content: the merge inputs and the result's hash."""
-        return {"stage": self.plan.stage, "kind": self.plan.kind, "sources": [s.summary() for s in self.sources],
-                "weights_hash": weights_hash(self.state.params), "rebuild_s": self.rebuild_s}
+        return {
+            "stage": self.plan.stage,
+            "kind": self.plan.kind,
+            "sources": [s.summary() for s in self.sources],
+            "weights_hash": weights_hash(self.state.params),
+            "rebuild_s": self.rebuild_s,
+        }
 
 
 async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobFetch) -> Rebuilt:
@@ -145,7 +158,9 @@ async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, f
         except TransferError as e:
             if plan.kind != "merge":
                 raise
-            logger.warning(f"stage {stage}: cannot merge, {e}; copying the other neighbour")  # two adjacent stages lost at once
+            logger.warning(
+                f"stage {stage}: cannot merge, {e}; copying the other neighbour"
+            )  # two adjacent stages lost at once
     if plan.kind == "merge" and len(sources) == 1:
         plan = RecoveryPlan(stage=stage, sources=(sources[0].stage,), kind="copy-neighbour")
     elif len(sources) < len(plan.sources):
@@ -153,9 +168,13 @@ async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, f
     by_stage = {s.stage: s for s in sources}
     num_blocks = len(split_layers(cfg.model.n_layers, num_stages)[stage - 1])
     merged = apply_recovery(plan, lambda s: (by_stage[s].state.params, by_stage[s].grad_norm), num_blocks=num_blocks)
-    params = {name: merged[name] for name in stage_template(cfg.model, num_stages, stage)}  # the stage's own order (unpack_state checks it)
+    params = {
+        name: merged[name] for name in stage_template(cfg.model, num_stages, stage)
+    }  # the stage's own order (unpack_state checks it)
     # the sources' point on the lr schedule: the rebuilt stage continues there instead of warming up again
-    state = StageState(stage=stage, round=0, schedule_step=max(s.state.schedule_step for s in sources), params=params, optimizer=None)
+    state = StageState(
+        stage=stage, round=0, schedule_step=max(s.state.schedule_step for s in sources), params=params, optimizer=None
+    )
     return Rebuilt(plan=plan, state=state, sources=tuple(sources), rebuild_s=time.perf_counter() - started)
 
 
@@ -171,7 +190,9 @@ async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader
         return blobs[peer]
 
     order = sorted(found, key=lambda p: (-found[p].outer_round, p))  # the most advanced replica first
-    peer, state = await download_state(fetch_kept, order, stage=stage, template=template, blob="local")  # current weights, not the last round's
+    peer, state = await download_state(
+        fetch_kept, order, stage=stage, template=template, blob="local"
+    )  # current weights, not the last round's
     return Source(stage=stage, peer=peer, blob=blobs[peer], state=state, grad_norm=found[peer].grad_norm)
 
 
@@ -179,12 +200,22 @@ def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
     """Write the merge inputs (the source blobs as served, their gradient norms) and the result: anyone can redo the merge."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"recovery-stage{rebuilt.plan.stage}-{name}-{int(time.time() * 1000)}.pt"
-    torch.save({"stage": rebuilt.plan.stage, "kind": rebuilt.plan.kind, "sources": [
-        {"stage": s.stage, "peer": s.peer, "blob": s.blob, "grad_norm": s.grad_norm} for s in rebuilt.sources],
-        "params": rebuilt.state.params}, path)
+    torch.save(
+        {
+            "stage": rebuilt.plan.stage,
+            "kind": rebuilt.plan.kind,
+            "sources": [
+                {"stage": s.stage, "peer": s.peer, "blob": s.blob, "grad_norm": s.grad_norm} for s in rebuilt.sources
+            ],
+            "params": rebuilt.state.params,
+        },
+        path,
+    )
     return path
 
 
 def load_stage_checkpoint(path: Path, cfg: SwarmConfig, stage: int) -> StageState:
     """A stage state written by a server's periodic checkpoint (``--stage-checkpoint``), checked against the stage."""
-    return unpack_state(path.read_bytes(), stage=stage, template=stage_template(cfg.model, cfg.stages.num_stages, stage))
+    return unpack_state(
+        path.read_bytes(), stage=stage, template=stage_template(cfg.model, cfg.stages.num_stages, stage)
+    )

@@ -126,7 +126,9 @@ class _Signed:
         if not isinstance(fields, dict) or fields.get("kind") != kind:
             raise ValueError(f"not a {kind}")
         if fields.get("v") != FORMAT_VERSION:
-            raise ValueError(f"{kind} format v{fields.get('v')}, this swarmloco reads v{FORMAT_VERSION}: upgrade the older side")
+            raise ValueError(
+                f"{kind} format v{fields.get('v')}, this swarmloco reads v{FORMAT_VERSION}: upgrade the older side"
+            )
         signature = fields.pop("sig", None)
         if not isinstance(signature, str):
             raise ValueError("no signature")
@@ -165,14 +167,24 @@ class Certificate:
     def sign(self, authority: Ed25519PrivateKey) -> bytes:
         if encode_public_key(authority.public_key()) != self.authority:
             raise CredentialError("the signing key is not the certificate's authority")
-        fields = {"authority": self.authority, "swarm": self.swarm_id, "peer": self.peer_id,
-                  "issued": self.issued_at, "expires": self.expires_at}
+        fields = {
+            "authority": self.authority,
+            "swarm": self.swarm_id,
+            "peer": self.peer_id,
+            "issued": self.issued_at,
+            "expires": self.expires_at,
+        }
         return _Signed.seal(self.KIND, fields, authority)
 
     @classmethod
     def from_signed(cls, signed: _Signed) -> Certificate:
-        return cls(authority=signed.get("authority", str), swarm_id=signed.get("swarm", str), peer_id=signed.get("peer", str),
-                   issued_at=signed.get("issued", int), expires_at=signed.get("expires", int))
+        return cls(
+            authority=signed.get("authority", str),
+            swarm_id=signed.get("swarm", str),
+            peer_id=signed.get("peer", str),
+            issued_at=signed.get("issued", int),
+            expires_at=signed.get("expires", int),
+        )
 
     @classmethod
     def decode(cls, data: bytes) -> Certificate:
@@ -187,7 +199,9 @@ class Certificate:
 class RevocationList:
     swarm_id: str
     sequence: int = 0  # grows with every change: a peer keeps the newest list it has seen
-    revoked: dict[str, int] = field(default_factory=dict)  # peer id -> unix time; its certificates issued up to then are void
+    revoked: dict[str, int] = field(
+        default_factory=dict
+    )  # peer id -> unix time; its certificates issued up to then are void
 
     KIND = "revocations"
 
@@ -199,7 +213,9 @@ class RevocationList:
         return at if at is not None and cert.issued_at <= at else None
 
     def sign(self, authority: Ed25519PrivateKey) -> bytes:
-        return _Signed.seal(self.KIND, {"swarm": self.swarm_id, "seq": self.sequence, "revoked": self.revoked}, authority)
+        return _Signed.seal(
+            self.KIND, {"swarm": self.swarm_id, "seq": self.sequence, "revoked": self.revoked}, authority
+        )
 
     @classmethod
     def verify(cls, data: bytes, authority: Ed25519PublicKey, swarm_id: str) -> RevocationList:
@@ -213,7 +229,9 @@ class RevocationList:
         except ValueError as e:
             raise CredentialError(f"not a valid revocation list: {e}") from None
         if not signed.signed_by(authority):
-            raise CredentialError("revocation list is not signed by this swarm's authority (forged or from another swarm); ignore it")
+            raise CredentialError(
+                "revocation list is not signed by this swarm's authority (forged or from another swarm); ignore it"
+            )
         if result.swarm_id != swarm_id:
             raise CredentialError(f"revocation list is for swarm {result.swarm_id!r}, not {swarm_id!r}")
         return result
@@ -228,8 +246,15 @@ class CertificateVerifier:
         >>> verifier.check("QmPeer...", certificate_bytes).expires_at
     """
 
-    def __init__(self, authority: Ed25519PublicKey, swarm_id: str, *, revocations: bytes | None = None,
-                 clock: Callable[[], float] = time.time, cache_size: int = 4096) -> None:
+    def __init__(
+        self,
+        authority: Ed25519PublicKey,
+        swarm_id: str,
+        *,
+        revocations: bytes | None = None,
+        clock: Callable[[], float] = time.time,
+        cache_size: int = 4096,
+    ) -> None:
         self.authority, self.swarm_id, self.clock, self.cache_size = authority, swarm_id, clock, cache_size
         self._authority_text = encode_public_key(authority)
         self.revocations = RevocationList(swarm_id=swarm_id)
@@ -254,13 +279,19 @@ class CertificateVerifier:
         cert = self._signature_checked.get((peer_id, certificate)) or self._check_signed(peer_id, certificate, hint)
         now = self.clock()
         if now >= cert.expires_at:
-            raise AccessDenied("expired", f"the certificate of peer {peer_id} expired at {format_time(cert.expires_at)} "
-                                          f"({(now - cert.expires_at) / 3600:.1f} h ago): {hint}")
+            raise AccessDenied(
+                "expired",
+                f"the certificate of peer {peer_id} expired at {format_time(cert.expires_at)} "
+                f"({(now - cert.expires_at) / 3600:.1f} h ago): {hint}",
+            )
         revoked_at = self.revocations.revoked_at(cert)
         if revoked_at is not None:
-            raise AccessDenied("revoked", f"the swarm's authority revoked peer {peer_id} at {format_time(revoked_at)} "
-                                          f"(revocation list #{self.revocations.sequence}); only a certificate issued "
-                                          f"after that readmits it (`swarmloco swarm invite`)")
+            raise AccessDenied(
+                "revoked",
+                f"the swarm's authority revoked peer {peer_id} at {format_time(revoked_at)} "
+                f"(revocation list #{self.revocations.sequence}); only a certificate issued "
+                f"after that readmits it (`swarmloco swarm invite`)",
+            )
         return cert
 
     def _check_signed(self, peer_id: str, certificate: bytes, hint: str) -> Certificate:
@@ -268,19 +299,33 @@ class CertificateVerifier:
             signed = _Signed.open(certificate, Certificate.KIND)
             cert = Certificate.from_signed(signed)
         except ValueError as e:
-            raise AccessDenied("malformed", f"peer {peer_id} presented something that is not a swarmloco certificate ({e}): {hint}") from None
+            raise AccessDenied(
+                "malformed", f"peer {peer_id} presented something that is not a swarmloco certificate ({e}): {hint}"
+            ) from None
         if cert.swarm_id != self.swarm_id:
-            raise AccessDenied("wrong_swarm", f"peer {peer_id} holds a certificate for swarm {cert.swarm_id!r}, not this swarm "
-                                              f"{self.swarm_id!r} (a different config gives a different swarm): {hint}")
+            raise AccessDenied(
+                "wrong_swarm",
+                f"peer {peer_id} holds a certificate for swarm {cert.swarm_id!r}, not this swarm "
+                f"{self.swarm_id!r} (a different config gives a different swarm): {hint}",
+            )
         if cert.peer_id != peer_id:
-            raise AccessDenied("wrong_peer", f"the certificate shown by peer {peer_id} was issued to peer {cert.peer_id}: run with "
-                                             f"the identity file it was issued for (--identity), or {hint}")
+            raise AccessDenied(
+                "wrong_peer",
+                f"the certificate shown by peer {peer_id} was issued to peer {cert.peer_id}: run with "
+                f"the identity file it was issued for (--identity), or {hint}",
+            )
         if cert.authority != self._authority_text:
-            raise AccessDenied("wrong_authority", f"the certificate of peer {peer_id} comes from authority {cert.authority}, "
-                                                  f"not this swarm's ({self._authority_text}): {hint}")
+            raise AccessDenied(
+                "wrong_authority",
+                f"the certificate of peer {peer_id} comes from authority {cert.authority}, "
+                f"not this swarm's ({self._authority_text}): {hint}",
+            )
         if not signed.signed_by(self.authority):
-            raise AccessDenied("forged", f"the certificate of peer {peer_id} does not carry a valid signature of this swarm's "
-                                         f"authority (altered or forged): {hint}")
+            raise AccessDenied(
+                "forged",
+                f"the certificate of peer {peer_id} does not carry a valid signature of this swarm's "
+                f"authority (altered or forged): {hint}",
+            )
         if len(self._signature_checked) >= self.cache_size:
             del self._signature_checked[next(iter(self._signature_checked))]  # oldest first
         self._signature_checked[peer_id, certificate] = cert
@@ -305,17 +350,25 @@ class CertificateAuthorizer(TokenAuthorizerBase):
         >>> DHT(identity_path="peer.id", authorizer=CertificateAuthorizer(key, path.read_bytes, verifier), start=True)
     """
 
-    def __init__(self, identity: RSAPrivateKey, load_certificate: Callable[[], bytes], verifier: CertificateVerifier) -> None:
+    def __init__(
+        self, identity: RSAPrivateKey, load_certificate: Callable[[], bytes], verifier: CertificateVerifier
+    ) -> None:
         super().__init__(identity)
         self.peer_id = peer_id_of_public_key(self.local_public_key.to_bytes())
         self._load_certificate, self._verifier = load_certificate, verifier
-        verifier.check(self.peer_id, load_certificate())  # a peer learns of its own bad certificate here, not from silence
+        verifier.check(
+            self.peer_id, load_certificate()
+        )  # a peer learns of its own bad certificate here, not from silence
 
     async def get_token(self) -> AccessToken:
         certificate = self._load_certificate()
         cert = self._verifier.check(self.peer_id, certificate)
-        return AccessToken(username=self.peer_id, public_key=self.local_public_key.to_bytes(),
-                           expiration_time=str(cert.expires_at), signature=certificate)
+        return AccessToken(
+            username=self.peer_id,
+            public_key=self.local_public_key.to_bytes(),
+            expiration_time=str(cert.expires_at),
+            signature=certificate,
+        )
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
         try:

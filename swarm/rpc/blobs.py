@@ -56,8 +56,14 @@ class BlobServicer(GuardedServicer):
     ``limits`` set the per-peer rate limit and ban policy; a provider gets ``wait_s`` to deliver.
     """
 
-    def __init__(self, *, verifier: CertificateVerifier | None = None, limits: PeerLimits | None = None,
-                 wait_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        verifier: CertificateVerifier | None = None,
+        limits: PeerLimits | None = None,
+        wait_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(label="blob service", verifier=verifier, limits=limits, clock=clock)
         self.providers: dict[str, Provider] = {}
         self.wait_s = wait_s
@@ -66,15 +72,21 @@ class BlobServicer(GuardedServicer):
     def provide(self, prefix: str, provider: Provider) -> None:
         self.providers[prefix] = provider
 
-    async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_blob(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         peer = context.remote_id
         try:
             self.screen(peer)
-            data = await self._lookup(self.open_request(peer, request.metadata, BlobRequest, max_bytes=MAX_REQUEST_BYTES).name)
+            data = await self._lookup(
+                self.open_request(peer, request.metadata, BlobRequest, max_bytes=MAX_REQUEST_BYTES).name
+            )
         except Exception as e:  # every failure becomes the error header; refuse() tells the sender's faults from ours
             yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
             return
-        yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"size": len(data), "sha256": hashlib.sha256(data).digest()}))
+        yield runtime_pb2.ExpertResponse(
+            metadata=msgpack.packb({"size": len(data), "sha256": hashlib.sha256(data).digest()})
+        )
         for start in range(0, len(data), CHUNK_BYTES):
             yield runtime_pb2.ExpertResponse(metadata=data[start : start + CHUNK_BYTES])
         self.served_bytes += len(data)
@@ -115,7 +127,9 @@ class BlobClient:
         return data
 
     async def _read(self, peer: PeerID, request: bytes, max_bytes: int) -> bytes:
-        stream = await BlobServicer.get_stub(self.p2p, peer, namespace=self.namespace).rpc_blob(runtime_pb2.ExpertRequest(metadata=request))
+        stream = await BlobServicer.get_stub(self.p2p, peer, namespace=self.namespace).rpc_blob(
+            runtime_pb2.ExpertRequest(metadata=request)
+        )
         try:
             header = msgpack.unpackb((await anext(stream)).metadata, raw=False, max_bin_len=64, max_str_len=4096)
         except (StopAsyncIteration, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
@@ -135,6 +149,8 @@ class BlobClient:
             parts.append(message.metadata)
         data = b"".join(parts)
         if received != size or hashlib.sha256(data).digest() != digest:
-            raise TransferError(f"blob from {peer} does not match its header: {received} of {size} bytes, hash "
-                                f"{'ok' if hashlib.sha256(data).digest() == digest else 'mismatch'}")
+            raise TransferError(
+                f"blob from {peer} does not match its header: {received} of {size} bytes, hash "
+                f"{'ok' if hashlib.sha256(data).digest() == digest else 'mismatch'}"
+            )
         return data

@@ -54,7 +54,12 @@ logger = logging.getLogger(__name__)
 
 Request = TypeVar("Request")  # a dataclass whose fields are the envelope's
 MAX_STR_LEN = 1024  # the longest string any request field holds (ids and names; frames are bytes)
-TRANSPORT_ERRORS = (P2PDaemonError, P2PHandlerError, ConnectionError, asyncio.IncompleteReadError)  # dead or unreachable peers
+TRANSPORT_ERRORS = (
+    P2PDaemonError,
+    P2PHandlerError,
+    ConnectionError,
+    asyncio.IncompleteReadError,
+)  # dead or unreachable peers
 
 
 class RequestError(Exception):
@@ -102,8 +107,11 @@ def remote_error(body: object) -> RemoteError | None:
 def _field_types(kind: type) -> dict[str, tuple[type, ...]]:
     """Each field of the request dataclass ``kind`` and the types it accepts (``bytes | None`` → (bytes, NoneType))."""
     hints = get_type_hints(kind)
-    return {name: get_args(hint) if isinstance(hint, types.UnionType) else (hint,) for name, hint in hints.items()
-            if name in kind.__dataclass_fields__}
+    return {
+        name: get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        for name, hint in hints.items()
+        if name in kind.__dataclass_fields__
+    }
 
 
 def _is_a(value: object, accepted: tuple[type, ...]) -> bool:
@@ -121,8 +129,15 @@ def open_envelope(data: bytes, kind: type[Request], *, max_bytes: int) -> tuple[
     if len(data) > max_bytes:
         raise RequestError(RequestError.INVALID, f"request of {len(data)} bytes is over the limit of {max_bytes}")
     try:
-        fields = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=MAX_STR_LEN,
-                                 max_array_len=0, max_map_len=16)
+        fields = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=MAX_STR_LEN,
+            max_array_len=0,
+            max_map_len=16,
+        )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise RequestError(RequestError.INVALID, f"request is not a msgpack map: {e}") from None
     accepted = _field_types(kind) | {CERTIFICATE_FIELD: (bytes,)}
@@ -159,8 +174,14 @@ class GuardedServicer(ServicerBase):
     sender); ``limits`` set the per-peer rate limit and ban policy; ``label`` names the service in logs.
     """
 
-    def __init__(self, *, label: str, verifier: CertificateVerifier | None = None, limits: PeerLimits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        label: str,
+        verifier: CertificateVerifier | None = None,
+        limits: PeerLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.label, self.verifier = label, verifier
         self.guard = PeerGuard(limits, clock)
         self.refused = 0  # requests answered with an error
@@ -170,10 +191,15 @@ class GuardedServicer(ServicerBase):
         """Refuse a banned peer, or one over its request rate, before reading anything it sent."""
         if (left := self.guard.banned_for(peer)) > 0:
             limits = self.guard.limits
-            raise RequestError(RequestError.BANNED, f"peer {peer} sent {limits.strikes} invalid requests within "
-                                                    f"{limits.strike_window_s:.0f} s; refused for {left:.0f} s more")
+            raise RequestError(
+                RequestError.BANNED,
+                f"peer {peer} sent {limits.strikes} invalid requests within "
+                f"{limits.strike_window_s:.0f} s; refused for {left:.0f} s more",
+            )
         if not self.guard.take(peer):
-            raise RequestError(RequestError.BUSY, f"peer {peer} is over its rate limit of {self.guard.limits.rate:g} requests/s")
+            raise RequestError(
+                RequestError.BUSY, f"peer {peer} is over its rate limit of {self.guard.limits.rate:g} requests/s"
+            )
 
     def access_denied(self, peer: PeerID, certificate: bytes | None) -> AccessDenied | None:
         """Why this swarm does not admit ``peer`` showing ``certificate``; None if it does (a public swarm admits everyone)."""
@@ -198,7 +224,11 @@ class GuardedServicer(ServicerBase):
 
     def classify(self, error: Exception) -> RequestError:
         """What ``error``, raised while serving a request, tells the client; services add the errors that mean bad input."""
-        return error if isinstance(error, RequestError) else RequestError(RequestError.INTERNAL, f"{type(error).__name__}: {error}")
+        return (
+            error
+            if isinstance(error, RequestError)
+            else RequestError(RequestError.INTERNAL, f"{type(error).__name__}: {error}")
+        )
 
     def refuse(self, error: Exception, peer: PeerID) -> bytes:
         """The error reply to a request that failed with ``error``; an invalid request is a strike against its sender."""
@@ -210,6 +240,8 @@ class GuardedServicer(ServicerBase):
             logger.debug(f"{self.label}: refused a request of {peer}: {refusal}")
         if refusal.code == RequestError.INVALID and self.guard.strike(peer):
             self.bans += 1
-            logger.warning(f"{self.label}: banned peer {peer} for {self.guard.limits.ban_s:.0f} s after "
-                           f"{self.guard.limits.strikes} invalid requests (the last: {refusal.message})")
+            logger.warning(
+                f"{self.label}: banned peer {peer} for {self.guard.limits.ban_s:.0f} s after "
+                f"{self.guard.limits.strikes} invalid requests (the last: {refusal.message})"
+            )
         return error_reply(refusal)

@@ -57,11 +57,23 @@ def train_centralized(
         losses = []
         while inner.steps < step:
             inputs, targets = next(batches)
-            losses.append(train_microbatch(model, (inputs, targets), num_stages=cfg.stages.num_stages, inner_batch=cfg.train.inner_batch))
+            losses.append(
+                train_microbatch(
+                    model, (inputs, targets), num_stages=cfg.stages.num_stages, inner_batch=cfg.train.inner_batch
+                )
+            )
             inner.add(inputs.shape[0])
             tokens += inputs.numel()
         if step % log_every == 0 or step == steps:
             model.eval()
-            on_log({"step": step, "tokens": tokens, "train_loss": sum(losses) / len(losses), "val_loss": evaluate(model, val_batches),
-                    "elapsed_s": time.perf_counter() - start, "lr": inner.lr})
+            on_log(
+                {
+                    "step": step,
+                    "tokens": tokens,
+                    "train_loss": sum(losses) / len(losses),
+                    "val_loss": evaluate(model, val_batches),
+                    "elapsed_s": time.perf_counter() - start,
+                    "lr": inner.lr,
+                }
+            )
     return model

@@ -42,7 +42,9 @@ BYTE_KINDS = ("activations", "activation_gradients", "pseudo_gradients", "gradie
 class SimulationConfig:
     replicas: int = 2  # K, per stage (and K trainers)
     mode: str = "outer"  # outer: DiLoCo/SparseLoCo per the swarm config; ddp: fp32 gradient all-reduce every tick
-    routing: str = "random"  # random: SWARM, any replica per hop; sticky: trainer k always uses replica k (DiLoCo's own pipelines)
+    routing: str = (
+        "random"  # random: SWARM, any replica per hop; sticky: trainer k always uses replica k (DiLoCo's own pipelines)
+    )
     tokens: int = 500_000  # training tokens over all trainers
     seed: int = 0
     log_every: int = 25  # ticks
@@ -107,12 +109,16 @@ class Link:
 
 def make_replica(cfg: SwarmConfig, stage: int, total_steps: int, with_outer: bool) -> Replica:
     module = build_stage(cfg.model, cfg.stages.num_stages, stage)
-    inner = InnerStep(module.parameters(), replace(cfg.inner, total_steps=total_steps), inner_batch=cfg.train.inner_batch)
+    inner = InnerStep(
+        module.parameters(), replace(cfg.inner, total_steps=total_steps), inner_batch=cfg.train.inner_batch
+    )
     outer = build_outer_optimizer(dict(module.named_parameters()), cfg.outer, cfg.codecs) if with_outer else None
     return Replica(module, inner, outer)
 
 
-def train_microbatch(trainer: Replica, hops: list[Replica], batch: Batch, link: Link, *, step_when_due: bool = True) -> float:
+def train_microbatch(
+    trainer: Replica, hops: list[Replica], batch: Batch, link: Link, *, step_when_due: bool = True
+) -> float:
     """One microbatch along ``hops`` and back through the link's codecs, as in the swarm: gradients accumulate,
     and each replica takes its inner step once it has served an inner batch (unless ``step_when_due`` is off: DDP)."""
     edge: EdgeStage = trainer.module  # type: ignore[assignment]
@@ -189,15 +195,28 @@ def simulate(
                 link.bytes["pseudo_gradients"] += outer_round(group)
             outer_rounds += 1
         if tick % sim.log_every == 0 or tick == ticks:
-            record = {"tick": tick, "tokens": tick * tokens_per_tick, "train_loss": sum(losses) / len(losses),
-                      "val_loss": full_pipeline_loss(replicas, S, val_batches), "elapsed_s": time.perf_counter() - started,
-                      "bytes_per_token": sum(link.bytes.values()) / (tick * tokens_per_tick)}
+            record = {
+                "tick": tick,
+                "tokens": tick * tokens_per_tick,
+                "train_loss": sum(losses) / len(losses),
+                "val_loss": full_pipeline_loss(replicas, S, val_batches),
+                "elapsed_s": time.perf_counter() - started,
+                "bytes_per_token": sum(link.bytes.values()) / (tick * tokens_per_tick),
+            }
             log.append(record)
             on_log(record)
-    return SimulationResult(val_loss=log[-1]["val_loss"], tokens=ticks * tokens_per_tick, ticks=ticks, outer_rounds=outer_rounds,
-                            wall_s=time.perf_counter() - started, bytes_by_kind=dict(link.bytes), messages_by_kind=dict(link.messages),
-                            skipped_stage_visits=skipped, log=log,
-                            replicas=replicas)
+    return SimulationResult(
+        val_loss=log[-1]["val_loss"],
+        tokens=ticks * tokens_per_tick,
+        ticks=ticks,
+        outer_rounds=outer_rounds,
+        wall_s=time.perf_counter() - started,
+        bytes_by_kind=dict(link.bytes),
+        messages_by_kind=dict(link.messages),
+        skipped_stage_visits=skipped,
+        log=log,
+        replicas=replicas,
+    )
 
 
 def full_pipeline_loss(replicas: dict[int, list[Replica]], num_stages: int, val_batches: list[Batch]) -> float:
