@@ -158,7 +158,7 @@ class StageServer:
             **self.counters,
             "inner_steps": self.inner_steps,
             "samples_per_s": self.samples_per_s,
-            "grad_norm": self.grad_norm,
+            "grad_norm": self.inner.grad_norm,
             "cached": len(self.cache),
             "first_served_at": self.first_served_at,
             "evicted": self.cache.evicted,
@@ -174,7 +174,7 @@ class StageServer:
             samples_per_s=float(self.samples_per_s),
             queue=queue,
             inner_steps=self.inner_steps,
-            grad_norm=float(self.grad_norm),
+            grad_norm=float(self.inner.grad_norm),
         )
 
     async def exclusive(self, fn: Callable[[], T]) -> T:
@@ -211,10 +211,6 @@ class StageServer:
     @property
     def inner_steps(self) -> int:
         return self.inner.steps
-
-    @property
-    def grad_norm(self) -> float:
-        return self.inner.grad_norm
 
     def _compute_forward(self, x: torch.Tensor) -> torch.Tensor:
         return stage_forward(self.module, x)  # (B, T, d) → (B, T, d)

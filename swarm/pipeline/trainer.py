@@ -187,7 +187,7 @@ class Trainer:
             "train_loss": sum(losses) / len(losses) if losses else None,
             "tokens_per_s": self.tokens / max(elapsed, 1e-9),
             "lr": self.inner.lr,
-            "grad_norm": self.grad_norm,
+            "grad_norm": self.inner.grad_norm,
             **self.counters,
             "wire_bytes": dict(self.traffic.sent + self.traffic.received),
             "fp32_bytes": dict(self.fp32_bytes),
@@ -195,7 +195,7 @@ class Trainer:
 
     def status(self) -> StageStatus:
         in_flight = self.counters["started"] - sum(self.counters[k] for k in ("completed", "failed", "cancelled"))
-        return StageStatus(queue=in_flight, inner_steps=self.inner_steps, grad_norm=float(self.grad_norm))
+        return StageStatus(queue=in_flight, inner_steps=self.inner_steps, grad_norm=float(self.inner.grad_norm))
 
     async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm and back; its loss, or None if it failed (counted)."""
@@ -357,10 +357,6 @@ class Trainer:
     @property
     def inner_steps(self) -> int:
         return self.inner.steps
-
-    @property
-    def grad_norm(self) -> float:
-        return self.inner.grad_norm
 
     @property
     def module(self) -> EdgeStage:
