@@ -35,7 +35,7 @@ from typing import Any
 import typer
 from hivemind.p2p import PeerID
 
-from peer.cli import swarm_credentials, swarm_name
+from peer.cli_common import swarm_credentials, swarm_name
 from peer.credentials import PeerCredentials
 from swarm.config import SwarmConfig, load_config
 from swarm.dht.membership import Membership, MembershipError

@@ -15,7 +15,7 @@ from compress.codecs import CODEC_NAMES, get_codec
 from compress.config import CodecConfig
 from compress.errors import ConfigError as CompressConfigError
 from optim.config import OUTER_METHODS, OuterMethod, OuterOptimConfig
-from peer.cli import SIMULATE_CONFIG_OPTIONS
+from peer.commands.one_process import SIMULATE_CONFIG_OPTIONS
 from peer.config_options import ConfigOverrides, config_options
 from swarm.config import (
     OuterChoice,

@@ -1,0 +1,115 @@
+"""What every ``swarmloco`` command shares: the typer app, common options and user-error handling.
+
+The commands live in peer/commands/ and register on ``app`` when peer.cli imports them.
+"""
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import typer
+
+from peer.data import DataError
+from swarm.config import SwarmConfig, load_config
+from swarm.errors import ConfigError
+from swarm.recovery.checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from peer.credentials import PeerCredentials  # loads hivemind: imported where used
+
+app = typer.Typer(
+    help="swarmloco: train a language model together over ordinary internet links.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="Swarm config TOML (default: the built-in tiny model).")
+]
+DataOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--data",
+        help="Text files, directories or globs (.txt .md .py .rst .jsonl); repeatable. Default: this Python's standard-library sources.",
+    ),
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def user_errors(fn: F) -> F:
+    """Turn the errors a user can fix into one clear line and exit status 2, not a traceback."""
+
+    @functools.wraps(fn)  # typer reads the options from the wrapped signature
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as e:
+            fail(str(e))
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as e:
+            if not isinstance(e, swarm_user_errors()):
+                raise
+            fail(str(e))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def swarm_user_errors() -> tuple[type[Exception], ...]:
+    """User errors of modules that load hivemind: looked up once something failed, so other commands start fast."""
+    from swarm.dht.membership import MembershipError
+    from swarm.rpc.admission import JoinError
+    from swarm.rpc.auth import AccessDenied, CredentialError
+
+    return JoinError, AccessDenied, CredentialError, MembershipError
+
+
+def progress_line(step: int, total: int, record: dict[str, float]) -> str:
+    width = 24
+    filled = round(width * step / total)
+    tok_s = record["tokens"] / max(record["elapsed_s"], 1e-9)
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  train {record['train_loss']:.3f}  "
+        f"val {record['val_loss']:.3f}  {tok_s / 1000:.1f}k tok/s  {record['elapsed_s']:.0f}s"
+    )
+
+
+def config_or_default(path: Path | None) -> SwarmConfig:
+    return load_config(path) if path else SwarmConfig()
+
+
+def swarm_credentials(
+    certificate: Path | None, identity: Path | None, revocations: Path | None, config: Path | None
+) -> "PeerCredentials | None":
+    """A private-swarm peer's PeerCredentials, its own certificate checked before joining; None in a public swarm."""
+    if certificate is None:
+        if revocations is not None:
+            fail("--revocations is for private swarms: pass --credentials too")
+        return None
+    if identity is None:
+        fail("--credentials needs --identity: the identity file whose peer id the certificate names")
+    if not certificate.is_file():
+        fail(
+            f"--credentials {certificate} does not exist: send your peer id (`swarmloco swarm identity --out {identity}`) "
+            f"to the swarm's authority and run with the certificate it returns"
+        )
+    from peer.credentials import load_credentials
+    from swarm.rpc.auth import Certificate
+
+    # the certificate names its swarm: a peer joining without --config fetches that swarm's config
+    swarm_id = load_config(config).swarm_id if config else Certificate.decode(certificate.read_bytes()).swarm_id
+    return load_credentials(identity, certificate, swarm_id, revocations=revocations)
+
+
+def swarm_name(credentials: "PeerCredentials | None", default: str) -> str:
+    """The name of the swarm the credentials admit to (its id is ``<name>-<config hash>``), else ``default``."""
+    return default if credentials is None else credentials.verifier.swarm_id.rsplit("-", 1)[0]

@@ -1,0 +1,232 @@
+"""Commands that run in one process, no network: train-local, eval, sample, simulate.
+
+$ swarmloco train-local --steps 300 --out runs/baseline
+$ swarmloco eval --checkpoint runs/baseline/model.pt
+$ swarmloco sample --checkpoint runs/baseline/model.pt --prompt "def " --tokens 200
+$ swarmloco simulate --replicas 2 --outer sparseloco --tokens 400000
+"""
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from peer.cli_common import ConfigOpt, DataOpt, app, config_or_default, fail, progress_line, user_errors
+from peer.config_options import ConfigOption, ConfigOverrides, config_options
+from peer.data import decode, encode, load_corpus
+from swarm.config import OuterChoice, derive_config
+from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
+
+CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="A model.pt written by train-local or export.")]
+VAL_BATCHES = 16
+
+
+@app.command("train-local")
+@user_errors
+def train_local(
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (each inner_batch samples).")] = 300,
+    out: Annotated[Path, typer.Option(help="Output directory for metrics.jsonl and model.pt.")] = Path(
+        "runs/train-local"
+    ),
+    log_every: Annotated[int, typer.Option(min=1, help="Evaluate and log every N steps.")] = 25,
+) -> None:
+    """Train the swarm's model in one process: the centralized baseline every swarm run is compared to."""
+    from swarm.sim.centralized import train_centralized
+
+    cfg = derive_config(config_or_default(config), {"inner.total_steps": steps})
+    torch.manual_seed(cfg.train.seed)
+    corpus = load_corpus(data)
+    batches = corpus.sample_batches(
+        "train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed
+    )
+    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
+    out.mkdir(parents=True, exist_ok=True)
+    typer.echo(
+        f"train-local: {len(corpus.train) / 1e6:.1f} MB train / {len(corpus.val) / 1e6:.2f} MB val text "
+        f"from {corpus.num_files} files, {steps} steps → {out}"
+    )
+    with (out / "metrics.jsonl").open("w") as log:
+
+        def on_log(record: dict[str, float]) -> None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            typer.echo(progress_line(int(record["step"]), steps, record))
+
+        model = train_centralized(cfg, batches, val, steps=steps, log_every=log_every, on_log=on_log)
+    save_checkpoint(out / "model.pt", cfg, model, steps=steps)
+    typer.echo(f"wrote {out / 'metrics.jsonl'} and {out / 'model.pt'}")
+
+
+@app.command("eval")
+@user_errors
+def eval_cmd(
+    checkpoint: CheckpointOpt,
+    data: DataOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
+) -> None:
+    """Validation loss of a checkpoint on the held-out split of the corpus."""
+    from swarm.sim.centralized import evaluate
+
+    cfg, model, _ = load_checkpoint(checkpoint)
+    corpus = load_corpus(data)
+    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
+    model.eval()
+    started = time.perf_counter()
+    loss = evaluate(model, val)
+    result = {
+        "checkpoint": str(checkpoint),
+        "val_loss": loss,
+        "val_tokens": sum(x.numel() for x, _ in val),
+        "eval_s": time.perf_counter() - started,
+    }
+    typer.echo(json.dumps(result) if as_json else f"val_loss {loss:.4f} over {result['val_tokens']} tokens")
+
+
+@app.command("sample")
+@user_errors
+def sample(
+    checkpoint: CheckpointOpt,
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "def ",
+    tokens: Annotated[int, typer.Option(min=1, help="Bytes to generate.")] = 200,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
+    seed: int = 0,
+) -> None:
+    """Generate text from a checkpoint."""
+    from swarm.model.transformer import generate
+
+    _, model, _ = load_checkpoint(checkpoint)
+    model.eval()
+    if not prompt:
+        fail("--prompt must not be empty")
+    out = generate(model, encode(prompt), tokens, temperature=temperature, seed=seed)
+    typer.echo(decode(out))
+
+
+SIMULATE_CONFIG_OPTIONS = (
+    ConfigOption(
+        field="outer.inner_steps",
+        flags=("--inner-steps", "-H"),
+        help="H: inner steps between outer steps (default: config).",
+        limits={"min": 1},
+    ),
+    ConfigOption(field="codecs.activations", flags=("--act-codec",), help="Activation codec (default: config)."),
+    ConfigOption(
+        field="codecs.gradients",
+        flags=("--grad-codec",),
+        help="Activation-gradient codec (default: the activation codec).",
+    ),
+    ConfigOption(
+        field="codecs.pseudo_gradients",
+        flags=("--pg-codec",),
+        help="DiLoCo pseudo-gradient codec (SparseLoCo sends its own).",
+        default="fp32",
+    ),
+    ConfigOption(
+        field="paths.skip_ratio",
+        flags=("--skip",),
+        help="Skip ratio r: paths visit round((1-r)·S) stages.",
+        limits={"min": 0.0, "max": 0.99},
+    ),
+    ConfigOption(
+        field="paths.max_swaps", flags=("--swaps",), help="Max adjacent stage swaps per path.", limits={"min": 0}
+    ),
+    ConfigOption(
+        field="model.subspace_rank",
+        flags=("--subspace-rank",),
+        help="k of the subspace-constrained model (default d/8 when a subspace codec is chosen).",
+        limits={"min": 0},
+    ),
+)
+
+
+@app.command("simulate")
+@user_errors
+@config_options(*SIMULATE_CONFIG_OPTIONS)
+def simulate_cmd(
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    replicas: Annotated[int, typer.Option("--replicas", "-k", min=1, help="Replicas per stage (and trainers).")] = 2,
+    outer: Annotated[
+        OuterChoice,
+        typer.Option(
+            help="ddp (fp32 gradient all-reduce every step), diloco, sparseloco, or none (replicas never sync)."
+        ),
+    ] = "sparseloco",
+    overrides: ConfigOverrides = None,
+    tokens: Annotated[int, typer.Option(min=1, help="Training tokens over all trainers.")] = 400_000,
+    routing: Annotated[
+        str, typer.Option(help="random: any replica per hop (SWARM); sticky: trainer k always uses replica k.")
+    ] = "random",
+    seed: int = 0,
+    log_every: Annotated[int, typer.Option(min=1, help="Log every N ticks (one microbatch per trainer).")] = 25,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+) -> None:
+    """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
+    from swarm.sim.simulate import SimulationConfig, simulate
+
+    base = config_or_default(config)
+    cfg = derive_config(base, overrides, outer=outer)
+    if cfg.model.subspace_rank != base.model.subspace_rank or "model.subspace_rank" in (overrides or {}):
+        rank = cfg.model.subspace_rank
+        typer.echo(f"model: subspace-constrained residual stream, k={rank} (d/k={cfg.model.d_model / max(rank, 1):g})")
+    sim = SimulationConfig(
+        replicas=replicas,
+        mode="ddp" if outer == "ddp" else "outer",
+        tokens=tokens,
+        seed=seed,
+        log_every=log_every,
+        routing=routing,
+    )
+    corpus = load_corpus(data)
+    streams = [
+        corpus.sample_batches(
+            "train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed + 1000 * k
+        )
+        for k in range(replicas)
+    ]
+    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
+    typer.echo(
+        f"simulate: {replicas} replicas × {cfg.stages.num_stages + 1} stages, outer={outer} H={cfg.outer.inner_steps}, "
+        f"codecs {cfg.codecs.activations}/{cfg.codecs.gradients}/{cfg.codecs.pseudo_gradients}, "
+        f"skip={cfg.paths.skip_ratio} swaps={cfg.paths.max_swaps}, {tokens} tokens"
+    )
+
+    def on_log(record: dict[str, float]) -> None:
+        typer.echo(
+            f"tick {int(record['tick'])}  tokens {int(record['tokens'])}  train {record['train_loss']:.3f}  "
+            f"val {record['val_loss']:.3f}  {record['bytes_per_token']:.1f} B/token  {record['elapsed_s']:.0f}s"
+        )
+
+    result = simulate(cfg, sim, streams, val, on_log=on_log)
+    summary = {
+        "val_loss": result.val_loss,
+        "tokens": result.tokens,
+        "ticks": result.ticks,
+        "outer_rounds": result.outer_rounds,
+        "wall_s": result.wall_s,
+        "bytes_per_token": result.bytes_per_token,
+        "bytes": result.bytes_by_kind,
+        "skipped_stage_visits": result.skipped_stage_visits,
+        "outer": outer,
+        "replicas": replicas,
+        "inner_steps": cfg.outer.inner_steps,
+        "act_codec": cfg.codecs.activations,
+        "skip": cfg.paths.skip_ratio,
+        "swaps": cfg.paths.max_swaps,
+        "config_hash": cfg.hash(),
+        "log": result.log,
+    }
+    per = result.bytes_per_token
+    typer.echo(
+        f"val_loss {result.val_loss:.4f}  bytes/token: total {per['total']:.1f} = activations {per['activations']:.1f} "
+        f"+ act-grads {per['activation_gradients']:.1f} + pseudo-grads {per['pseudo_gradients']:.3f} + ddp grads {per['gradients']:.1f}"
+    )
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(summary, indent=1))
+        typer.echo(f"wrote {json_out}")

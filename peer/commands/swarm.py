@@ -1,0 +1,225 @@
+"""Commands that join or start a swarm over the network: run, status, export, local.
+
+$ swarmloco run --initial-peers /ip4/…/p2p/12D3… --role auto
+$ swarmloco status --initial-peers /ip4/…/p2p/12D3…
+$ swarmloco export --initial-peers /ip4/…/p2p/12D3… -o model.pt   # the model of a running swarm
+$ swarmloco local --peers 3 --stages 2 --steps 100
+"""
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from peer.cli_common import ConfigOpt, DataOpt, app, config_or_default, fail, swarm_credentials, swarm_name, user_errors
+from swarm.config import SwarmConfig, load_config
+
+CredentialsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--credentials", help="Private swarms: this peer's certificate (`swarmloco swarm invite`); needs --identity."
+    ),
+]
+RevocationsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--revocations", help="Private swarms: the authority's signed revocation list (`swarmloco swarm revoke`)."
+    ),
+]
+
+
+@app.command("run")
+@user_errors
+def run_cmd(
+    role: Annotated[
+        str,
+        typer.Option(
+            help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
+            "else a server of the bottleneck stage), trainer (stage 0: data, embedding, loss) or stage (a server of one middle stage)."
+        ),
+    ] = "auto",
+    stage: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Stage servers: the stage to serve, pinned there unless --rebalance-period is given (default: the one with fewest replicas).",
+        ),
+    ] = None,
+    initial_peers: Annotated[
+        list[str] | None,
+        typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable. None: create a new swarm."),
+    ] = None,
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    steps: Annotated[int, typer.Option(min=1, help="Trainers: inner steps of stage 0 to run.")] = 100,
+    host_maddrs: Annotated[
+        list[str] | None, typer.Option("--host-maddrs", help="Multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0).")
+    ] = None,
+    announce_maddrs: Annotated[
+        list[str] | None, typer.Option("--announce-maddrs", help="Public multiaddrs to announce (behind NAT).")
+    ] = None,
+    identity: Annotated[
+        Path | None, typer.Option(help="libp2p key file for a stable peer id (created if missing).")
+    ] = None,
+    credentials: CredentialsOpt = None,
+    revocations: RevocationsOpt = None,
+    swarm: Annotated[
+        str, typer.Option(help="Name of the swarm whose config to fetch when --config is not given.")
+    ] = SwarmConfig().name,
+    out: Annotated[Path | None, typer.Option(help="Append metrics to OUT/<name>.jsonl.")] = None,
+    name: Annotated[str | None, typer.Option(help="This peer's name in logs and metrics.")] = None,
+    seed: Annotated[int, typer.Option(help="Trainers: data stream offset (give each trainer its own).")] = 0,
+    threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default).")] = 0,
+    rebalance_period_s: Annotated[
+        float | None,
+        typer.Option(
+            "--rebalance-period",
+            min=0.0,
+            help="Stage servers: seconds between rebalancing checks (± 20%); 0 never moves. Default: 30, or never for a server pinned with --stage.",
+        ),
+    ] = None,
+    stage_checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help="Stage servers: a stage state file, loaded on start when the stage has no live replica (rollback instead of a rebuild from the neighbours)."
+        ),
+    ] = None,
+    checkpoint_every: Annotated[
+        int, typer.Option(min=0, help="Stage servers: write --stage-checkpoint every N inner steps (0: never write).")
+    ] = 0,
+    eval_every: Annotated[
+        int, typer.Option(min=0, help="Trainers: validation pass every N inner steps (0: only at the end).")
+    ] = 0,
+    faults: Annotated[
+        str | None,
+        typer.Option(help="Tests: PEER@step=N,… — the peer of that --name dies (SIGKILL) at its own inner step N."),
+    ] = None,
+) -> None:
+    """Start one peer of a swarm over the network; SIGINT/SIGTERM retire its DHT records and exit."""
+    # every option but the swarm-wide ones is a PeerConfig field (or a trainer option) of the same name
+    per_peer = {option: value for option, value in locals().items() if option not in ("config", "revocations", "swarm")}
+    from peer.launch import run_peer
+    from swarm.dht.membership import MembershipError
+    from swarm.peer_config import PeerConfig
+
+    creds = swarm_credentials(credentials, identity, revocations, config)
+    try:
+        peer = PeerConfig.from_flat({**per_peer, "credentials": creds, "swarm_name": swarm_name(creds, swarm)})
+        run_peer(peer, config=config, echo=typer.echo)
+    except (ValueError, MembershipError) as e:
+        fail(str(e))
+
+
+@app.command("status")
+@user_errors
+def status_cmd(
+    initial_peers: Annotated[
+        list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")
+    ],
+    name: Annotated[
+        str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")
+    ] = None,
+    credentials: CredentialsOpt = None,
+    identity: Annotated[
+        Path | None,
+        typer.Option(
+            help="Private swarms: the identity the certificate names; not one a running peer uses (invite one for monitoring)."
+        ),
+    ] = None,
+    revocations: RevocationsOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
+) -> None:
+    """Peers per stage, their throughput, queues and outer rounds, read from the swarm's DHT."""
+    from peer.status import format_status, read_status
+
+    cfg = load_config(config) if config else None
+    creds = swarm_credentials(credentials, identity, revocations, config)
+    name = name or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    status = asyncio.run(
+        read_status(initial_peers, cfg, name=name, identity_path=str(identity) if identity else None, credentials=creds)
+    )
+    typer.echo(json.dumps(status) if as_json else format_status(status))
+
+
+@app.command("export")
+@user_errors
+def export_cmd(
+    initial_peers: Annotated[
+        list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Checkpoint file to write (what `swarmloco eval` and `sample` load).")
+    ] = Path("model.pt"),
+    name: Annotated[
+        str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")
+    ] = None,
+    credentials: CredentialsOpt = None,
+    identity: Annotated[
+        Path | None,
+        typer.Option(help="Private swarms: the identity the certificate names; not one a running peer uses."),
+    ] = None,
+    revocations: RevocationsOpt = None,
+    timeout: Annotated[float, typer.Option(min=1.0, help="Seconds allowed for each stage's download.")] = 60.0,
+) -> None:
+    """Download the running swarm's model (every middle stage from a live server, stage 0 from a trainer) into one checkpoint."""
+    from peer.export import export_swarm
+    from swarm.export import ExportError
+
+    cfg = load_config(config) if config else None
+    creds = swarm_credentials(credentials, identity, revocations, config)
+    name = name or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    try:
+        asyncio.run(
+            export_swarm(
+                initial_peers,
+                cfg,
+                out,
+                name=name,
+                identity_path=str(identity) if identity else None,
+                credentials=creds,
+                timeout_s=timeout,
+                on_progress=typer.echo,
+            )
+        )
+    except ExportError as e:
+        fail(f"cannot export: {e}")
+
+
+@app.command("local")
+@user_errors
+def local_cmd(
+    peers: Annotated[int, typer.Option(min=2, help="Peer processes in all (trainers + stage servers).")] = 3,
+    stages: Annotated[int, typer.Option(min=1, help="Middle stages S.")] = 2,
+    trainers: Annotated[int, typer.Option(min=1, help="How many of the peers are trainers.")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="Inner steps per trainer.")] = 100,
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    out: Annotated[Path, typer.Option(help="Logs, metrics (<peer>.jsonl) and swarm.toml go here.")] = Path(
+        "runs/local"
+    ),
+    joiners: Annotated[
+        int,
+        typer.Option(min=0, help="Extra peers that join mid-run with --role auto (downloading their stage's state)."),
+    ] = 0,
+    join_after: Annotated[
+        float, typer.Option(min=0.0, help="Seconds after the trainers start training that the joiners start.")
+    ] = 30.0,
+) -> None:
+    """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers finish."""
+    from peer.launch import LocalSwarm, launch_local
+
+    try:
+        layout = LocalSwarm(
+            peers=peers, stages=stages, trainers=trainers, steps=steps, joiners=joiners, join_after_s=join_after
+        )
+    except ValueError as e:
+        fail(str(e))
+    raise typer.Exit(launch_local(layout, out=out, config=config_or_default(config), data=data, echo=typer.echo))
