@@ -41,11 +41,12 @@ from swarm.dht.membership import Membership, pick_stage
 from swarm.dht.records import StageStatus
 from swarm.faults import kill_this_peer, wait_for_step
 from swarm.model.stages import EDGE_STAGE
-from swarm.outer.replica import PeerSync
+from swarm.outer.peers import PeerSync
+from swarm.parts import LogFn, PeerParts
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import StageClient
 from swarm.recovery.rebalance import choose_stage_for_newcomer
-from swarm.roles import DataFactory, LogFn, PeerParts, StageRole, TrainerRole, stage_loads
+from swarm.roles import DataFactory, StageRole, TrainerRole, stage_loads
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, start_dht
 
 __all__ = ["Node", "choose_role", "stage_loads", "DataFactory", "LogFn"]

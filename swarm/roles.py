@@ -1,10 +1,10 @@
 """The two roles a peer (``swarm/node.py``) plays: a stage server (``StageRole``) or a trainer (``TrainerRole``).
 
-A role gets its node's shared parts (``PeerParts``: configs, DHT records, P2P, the outer-step
-plumbing) and owns what it builds on them: a stage server its ``StageServer``, replica sync,
-stage RPC service, checkpoints and rebalancing loop (one ``ServedStage`` per stage it serves, a
-new one after each move); a trainer its ``Trainer``, router and replica sync. ``holder`` is the
-replica it holds now (a fault schedule reads its step).
+A role gets its node's shared parts (``PeerParts``, ``swarm/parts.py``: configs, DHT records, P2P, the
+outer-step plumbing) and owns what it builds on them: a stage server its rebalancing loop and one
+``ServedStage`` (``swarm/served_stage.py``: ``StageServer``, replica sync, stage RPC service,
+checkpoints) per stage it serves, a new one after each move; a trainer its ``Trainer``, router and
+replica sync. ``holder`` is the replica it holds now (a fault schedule reads its step).
 
 A starting stage server serves a live replica's state, else its own checkpoint (rollback), else,
 if the swarm has trained, the stage rebuilt from its neighbours (CheckFree, ``swarm/recovery/rebuild.py``),
@@ -16,30 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership
 from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
 from swarm.model.stages import EDGE_STAGE
-from swarm.outer.replica import Holder, PeerSync, ReplicaSync
-from swarm.outer.transfer import StageState, TransferError, pack_state, weights_hash
-from swarm.peer_config import PeerConfig
-from swarm.pipeline.metering import MeteredBackend
-from swarm.pipeline.protocol import StageClient, StageServicer
+from swarm.outer.replica import Holder
+from swarm.outer.transfer import StageState, TransferError
+from swarm.parts import PeerParts, every, until_stopped
 from swarm.pipeline.routing import Router
-from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Batch, Trainer
-from swarm.recovery.checkfree import RECOVERY_LR_SCALE, NoRecoverySource
+from swarm.recovery.checkfree import NoRecoverySource
 from swarm.recovery.rebalance import Snapshot, StageLoad, next_check_delay, plan_move
 from swarm.recovery.rebuild import (
     PRIORITY_JOINER,
@@ -49,52 +44,12 @@ from swarm.recovery.rebuild import (
     empty_stages,
     load_stage_checkpoint,
     rebuild_stage,
-    save_rebuild,
     swarm_has_trained,
 )
+from swarm.served_stage import ServedStage, provide_local_state
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 DataFactory = Callable[[SwarmConfig], tuple[Iterator[Batch], Sequence[Batch]]]  # → (train batches, val batches)
-LogFn = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class PeerParts:
-    """What a role uses of the node that runs it."""
-
-    cfg: SwarmConfig
-    config: PeerConfig
-    membership: Membership
-    p2p: P2P
-    client: StageClient
-    peer_sync: PeerSync
-    on_log: LogFn
-    ready: Callable[[], None]  # the role takes calls now (the node tells its caller once)
-    stop: asyncio.Event
-
-
-async def until_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
-    """The result of ``work``, or None if ``stop`` comes first (``work`` is then cancelled)."""
-    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, stopped):
-            if not pending.done():
-                pending.cancel()
-        await asyncio.gather(task, stopped, return_exceptions=True)
-    return task.result() if task.done() and not task.cancelled() else None
-
-
-async def every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:
-    """Call ``fn`` now and then every ``period_s``, logging (not raising) its failures."""
-    while True:
-        try:
-            await fn()
-        except Exception as e:
-            logger.warning(f"periodic task failed: {type(e).__name__}: {e}")
-        await asyncio.sleep(period_s)
 
 
 def stage_loads(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> Snapshot:
@@ -106,24 +61,6 @@ def stage_loads(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int)
         ]
         for stage in range(1, num_stages + 1)
     }
-
-
-def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
-    """Serve ``local/<stage>``; each blob served is logged with its hash, so a rebuild's inputs can be traced to their replica.
-
-    With an outer step, ``state/<i>`` serves the global weights of the last round (what a newcomer
-    joins from), which lag up to H inner steps behind; a lost neighbour is rebuilt from the latest.
-    """
-    stage = sync.stage
-
-    async def provide(name: str) -> bytes:
-        if name != f"local/{stage}":
-            raise LookupError(f"this peer holds stage {stage}")
-        blob = pack_state(await sync.local_state())
-        parts.on_log({"event": "state_served", "stage": stage, "sha256": hashlib.sha256(blob).hexdigest()[:16]})
-        return blob
-
-    parts.peer_sync.servicer.provide("local", provide)
 
 
 @dataclass(frozen=True)
@@ -284,118 +221,6 @@ class StageRole:
                     return Move(target, state)
             except (ValueError, TransferError) as e:  # a server caught mid-move in two stages, or no state to be had
                 logger.info(f"rebalancing: staying on stage {self.stage} for now: {e}")
-
-
-class ServedStage:
-    """One stage as this peer serves it, from its first request to a move or the end: server, replica sync, RPC service, meter.
-
-    A ``rebuilt`` stage gets a fresh inner optimizer at lr × 1.1 (CheckFree) and announces itself ``recovered``.
-    """
-
-    def __init__(
-        self, parts: PeerParts, stage: int, state: StageState | None, rebuilt: Rebuilt | None, recoveries: int
-    ) -> None:
-        cfg, config = parts.cfg, parts.config
-        self.parts, self.stage, self.state, self.rebuilt = parts, stage, state, rebuilt
-        self.server = StageServer(
-            cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0
-        )
-        self.sync = parts.peer_sync.sync(stage, self.server, parts.on_log)
-        self.meter = Meter(role="stage", stage=stage, state="serving")
-        self.meter.recoveries = recoveries
-        self.servicer = StageServicer(
-            MeteredBackend(self.server, self.meter.traffic),
-            stage=stage,
-            max_request_bytes=self.server.max_request_bytes,
-            max_pending=config.max_pending,
-            stream_timeout_s=cfg.timeouts.rpc_s,
-            verifier=config.credentials.verifier if config.credentials else None,
-        )
-        self.started = time.perf_counter()
-        self.background: list[asyncio.Task[None]] = []
-
-    async def start(self) -> None:
-        """Install the state, take requests, and start announcing (and checkpointing)."""
-        parts, sync, server = self.parts, self.sync, self.server
-        provide_local_state(parts, sync)
-        if self.state is not None:
-            await sync.adopt(self.state)
-        if self.rebuilt is not None:
-            installed = await server.exclusive(lambda: weights_hash(dict(server.module.named_parameters())))
-            out, me = parts.config.out, parts.membership.peer_id.to_base58()[-8:]
-            dump = str(save_rebuild(self.rebuilt, out, me)) if out else None
-            parts.on_log(
-                {
-                    "event": "recovered",
-                    **self.rebuilt.event(),
-                    "installed_hash": installed,
-                    "lr_scale": RECOVERY_LR_SCALE,
-                    "saved": dump,
-                }
-            )
-        await self.servicer.add_p2p_handlers(parts.p2p, namespace=parts.cfg.swarm_id)
-        self.started = time.perf_counter()
-        self.background = [
-            asyncio.create_task(every(parts.cfg.timeouts.announce_period_s, self.announce)),
-            asyncio.create_task(sync.run()),
-        ]
-        if parts.config.checkpoint_every:
-            self.background.append(asyncio.create_task(self.checkpoints()))
-        parts.on_log(
-            {"event": "serving", "stage": self.stage, "outer_round": sync.round, "global_hash": sync.global_hash}
-        )
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "role": "stage",
-            "stage": self.stage,
-            "elapsed_s": time.perf_counter() - self.started,
-            "queue": self.servicer.pending,
-            "refused": self.servicer.refused,
-            **self.server.info(),
-            **self.sync.info(),
-        }
-
-    async def announce(self) -> None:
-        membership, server = self.parts.membership, self.server
-        status = server.status(queue=self.servicer.pending).copy(
-            update={**self.sync.status_fields(), "recovered": self.rebuilt is not None}
-        )
-        await membership.announce(self.stage, status)
-        await membership.publish_config()
-        microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
-        await membership.publish_metrics(
-            self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens)
-        )
-        self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
-
-    async def checkpoints(self) -> None:
-        """Write the stage's local weights to the checkpoint file every ``checkpoint_every`` inner steps (the rollback baseline)."""
-        path, every_steps = self.parts.config.stage_checkpoint, self.parts.config.checkpoint_every
-        assert path is not None  # PeerConfig checks that checkpoint_every comes with a file
-        written = self.server.inner_steps
-        while True:
-            await asyncio.sleep(self.parts.cfg.timeouts.announce_period_s)
-            if self.server.inner_steps < written + every_steps:
-                continue
-            written = self.server.inner_steps
-            blob = pack_state(await self.sync.local_state())
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            await asyncio.get_running_loop().run_in_executor(None, tmp.write_bytes, blob)
-            tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint
-            self.parts.on_log(
-                {"event": "stage_checkpoint", "stage": self.stage, "inner_steps": written, "path": str(path)}
-            )
-
-    async def close(self, *, retire: bool) -> None:
-        """Stop serving; ``retire`` the stage's record (a move: the next stage is announced as soon as it serves)."""
-        for task in self.background:
-            task.cancel()
-        await self.servicer.remove_p2p_handlers(self.parts.p2p, namespace=self.parts.cfg.swarm_id)
-        if retire:
-            await self.parts.membership.retire(self.stage)
-        self.server.shutdown()
-        self.sync.close()
 
 
 class TrainerRole:

@@ -26,19 +26,15 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   the larger peer id downloads the smaller's, so the stage converges on one copy. Local progress
   since the last snapshot is dropped on download.
 
-``PeerSync`` wires this to the swarm: one blob service (outer-round payloads and commits, and
-the state of the stage the peer holds), the DHT records, and state downloads for a newcomer.
+``PeerSync`` (``swarm/outer/peers.py``) wires this to the swarm and makes a replica's ``ReplicaSync``:
 
-    >>> peer_sync = PeerSync(cfg, membership, p2p); await peer_sync.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
-    >>> state = await peer_sync.download(stage)                       # None: nobody holds the stage yet
-    >>> server = StageServer(cfg, stage, start_step=state.schedule_step); sync = peer_sync.sync(stage, server, on_log)
-    >>> await sync.adopt(state); task = asyncio.create_task(sync.run())   # cancel to stop; sync.close() after
+    >>> sync = peer_sync.sync(stage, server, on_log); await sync.adopt(state)
+    >>> task = asyncio.create_task(sync.run())   # cancel to stop; sync.close() after
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import Counter
@@ -47,18 +43,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import torch
-from hivemind.p2p import P2P
-from hivemind.utils import get_dht_time
 
 from optim.outer import build_outer_optimizer
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership
 from swarm.dht.records import StageStatus
-from swarm.model.stages import stage_template
-from swarm.outer.rounds import Board, GroupNetwork, P2PGroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
-from swarm.outer.transfer import StageState, download_state, pack_state, state_bytes_bound, weights_hash
-from swarm.rpc.auth import CertificateVerifier
-from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
+from swarm.outer.rounds import Board, GroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
+from swarm.outer.transfer import StageState, download_state, pack_state, weights_hash
+from swarm.rpc.blobs import TransferError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -352,77 +343,3 @@ class ReplicaSync:
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
-
-
-class PeerSync:
-    """This peer's outer-step plumbing over the swarm: one blob service, one board and one client, whatever stage it holds.
-
-    The blob service answers ``outer/…`` from the board and ``state/<stage>`` from the current
-    ``ReplicaSync``; ``verifier`` and ``certificate`` make it private as the stage RPCs are.
-    """
-
-    def __init__(
-        self,
-        cfg: SwarmConfig,
-        membership: Membership,
-        p2p: P2P,
-        *,
-        verifier: CertificateVerifier | None = None,
-        certificate: Callable[[], bytes | None] = lambda: None,
-    ) -> None:
-        self.cfg, self.membership = cfg, membership
-        self.board = Board(retention_s=RoundTiming.of(cfg.timeouts).max_round_s, clock=get_dht_time)
-        self.servicer = BlobServicer(verifier=verifier, wait_s=2 * cfg.timeouts.rpc_s)
-        self.servicer.provide("outer", self.board.get)
-        self.client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
-
-    async def replicas(self, stage: int) -> dict[str, StageStatus]:
-        """The other live replicas of ``stage``."""
-        found = await self.membership.replicas(stage)
-        return {peer.to_base58(): status for peer, status in found.items() if peer != self.membership.peer_id}
-
-    def sync(self, stage: int, holder: Holder, on_log: Callable[[dict[str, Any]], None]) -> ReplicaSync:
-        """The outer step of ``holder``, whose state this peer serves from now on."""
-        params = dict(holder.module.named_parameters())
-        net = P2PGroupNetwork(
-            self.membership, self.client, max_payload_bytes=8 * sum(p.numel() for p in params.values()) + (1 << 20)
-        )
-        sync = ReplicaSync(
-            self.cfg,
-            stage,
-            holder,
-            net=net,
-            board=self.board,
-            replicas=functools.partial(self.replicas, stage),
-            fetch=functools.partial(self._fetch, max_bytes=state_bytes_bound(params)),
-            on_log=on_log,
-            clock=get_dht_time,
-        )
-        self.servicer.provide("state", sync.export_state)
-        return sync
-
-    async def download(self, stage: int, attempts: int = 3) -> StageState | None:
-        """The current state of ``stage`` from its most advanced replica that delivers; None if it has no replica."""
-        template = stage_template(self.cfg.model, self.cfg.stages.num_stages, stage)  # shapes to check against
-        fetch = functools.partial(self._fetch, max_bytes=state_bytes_bound(template))
-        for attempt in range(1, attempts + 1):
-            others = await self.replicas(stage)
-            if not others:
-                return None
-            try:
-                return (
-                    await download_state(
-                        fetch,
-                        sorted(others, key=lambda peer: (-others[peer].outer_round, peer)),
-                        stage=stage,
-                        template=template,
-                    )
-                )[1]
-            except TransferError:
-                if attempt == attempts:
-                    raise
-            await asyncio.sleep(self.cfg.timeouts.announce_period_s)  # the records may have changed: read them again
-        return None  # attempts < 1: nothing asked
-
-    async def _fetch(self, peer: str, name: str, *, max_bytes: int) -> bytes:
-        return await self.client.fetch(peer, name, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)

@@ -1,0 +1,157 @@
+"""One stage as a stage server serves it (``ServedStage``), from its first request to a move or the end.
+
+A ``StageRole`` (``swarm/roles.py``) builds one per stage it serves, a new one after each move: the
+``StageServer``, its replica sync (``swarm/outer/replica.py``), the stage RPC service, the meter, the
+periodic announcements and checkpoints. ``provide_local_state`` serves a replica's local weights
+(``local/<stage>``), for a stage server's and a trainer's stage alike.
+
+    >>> served = ServedStage(parts, stage, state, rebuilt=None, recoveries=0); await served.start()
+    >>> ...; await served.close(retire=False); parts.on_log(served.record())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+from swarm.dht.metrics import Meter
+from swarm.outer.replica import ReplicaSync
+from swarm.outer.transfer import StageState, pack_state, weights_hash
+from swarm.parts import PeerParts, every
+from swarm.pipeline.metering import MeteredBackend
+from swarm.pipeline.protocol import StageServicer
+from swarm.pipeline.server import StageServer
+from swarm.recovery.checkfree import RECOVERY_LR_SCALE
+from swarm.recovery.rebuild import Rebuilt, save_rebuild
+
+
+def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
+    """Serve ``local/<stage>``; each blob served is logged with its hash, so a rebuild's inputs can be traced to their replica.
+
+    With an outer step, ``state/<i>`` serves the global weights of the last round (what a newcomer
+    joins from), which lag up to H inner steps behind; a lost neighbour is rebuilt from the latest.
+    """
+    stage = sync.stage
+
+    async def provide(name: str) -> bytes:
+        if name != f"local/{stage}":
+            raise LookupError(f"this peer holds stage {stage}")
+        blob = pack_state(await sync.local_state())
+        parts.on_log({"event": "state_served", "stage": stage, "sha256": hashlib.sha256(blob).hexdigest()[:16]})
+        return blob
+
+    parts.peer_sync.servicer.provide("local", provide)
+
+
+class ServedStage:
+    """One stage as this peer serves it, from its first request to a move or the end: server, replica sync, RPC service, meter.
+
+    A ``rebuilt`` stage gets a fresh inner optimizer at lr × 1.1 (CheckFree) and announces itself ``recovered``.
+    """
+
+    def __init__(
+        self, parts: PeerParts, stage: int, state: StageState | None, rebuilt: Rebuilt | None, recoveries: int
+    ) -> None:
+        cfg, config = parts.cfg, parts.config
+        self.parts, self.stage, self.state, self.rebuilt = parts, stage, state, rebuilt
+        self.server = StageServer(
+            cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0
+        )
+        self.sync = parts.peer_sync.sync(stage, self.server, parts.on_log)
+        self.meter = Meter(role="stage", stage=stage, state="serving")
+        self.meter.recoveries = recoveries
+        self.servicer = StageServicer(
+            MeteredBackend(self.server, self.meter.traffic),
+            stage=stage,
+            max_request_bytes=self.server.max_request_bytes,
+            max_pending=config.max_pending,
+            stream_timeout_s=cfg.timeouts.rpc_s,
+            verifier=config.credentials.verifier if config.credentials else None,
+        )
+        self.started = time.perf_counter()
+        self.background: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Install the state, take requests, and start announcing (and checkpointing)."""
+        parts, sync, server = self.parts, self.sync, self.server
+        provide_local_state(parts, sync)
+        if self.state is not None:
+            await sync.adopt(self.state)
+        if self.rebuilt is not None:
+            installed = await server.exclusive(lambda: weights_hash(dict(server.module.named_parameters())))
+            out, me = parts.config.out, parts.membership.peer_id.to_base58()[-8:]
+            dump = str(save_rebuild(self.rebuilt, out, me)) if out else None
+            parts.on_log(
+                {
+                    "event": "recovered",
+                    **self.rebuilt.event(),
+                    "installed_hash": installed,
+                    "lr_scale": RECOVERY_LR_SCALE,
+                    "saved": dump,
+                }
+            )
+        await self.servicer.add_p2p_handlers(parts.p2p, namespace=parts.cfg.swarm_id)
+        self.started = time.perf_counter()
+        self.background = [
+            asyncio.create_task(every(parts.cfg.timeouts.announce_period_s, self.announce)),
+            asyncio.create_task(sync.run()),
+        ]
+        if parts.config.checkpoint_every:
+            self.background.append(asyncio.create_task(self.checkpoints()))
+        parts.on_log(
+            {"event": "serving", "stage": self.stage, "outer_round": sync.round, "global_hash": sync.global_hash}
+        )
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "role": "stage",
+            "stage": self.stage,
+            "elapsed_s": time.perf_counter() - self.started,
+            "queue": self.servicer.pending,
+            "refused": self.servicer.refused,
+            **self.server.info(),
+            **self.sync.info(),
+        }
+
+    async def announce(self) -> None:
+        membership, server = self.parts.membership, self.server
+        status = server.status(queue=self.servicer.pending).copy(
+            update={**self.sync.status_fields(), "recovered": self.rebuilt is not None}
+        )
+        await membership.announce(self.stage, status)
+        await membership.publish_config()
+        microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
+        await membership.publish_metrics(
+            self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens)
+        )
+        self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
+
+    async def checkpoints(self) -> None:
+        """Write the stage's local weights to the checkpoint file every ``checkpoint_every`` inner steps (the rollback baseline)."""
+        path, every_steps = self.parts.config.stage_checkpoint, self.parts.config.checkpoint_every
+        assert path is not None  # PeerConfig checks that checkpoint_every comes with a file
+        written = self.server.inner_steps
+        while True:
+            await asyncio.sleep(self.parts.cfg.timeouts.announce_period_s)
+            if self.server.inner_steps < written + every_steps:
+                continue
+            written = self.server.inner_steps
+            blob = pack_state(await self.sync.local_state())
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            await asyncio.get_running_loop().run_in_executor(None, tmp.write_bytes, blob)
+            tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint
+            self.parts.on_log(
+                {"event": "stage_checkpoint", "stage": self.stage, "inner_steps": written, "path": str(path)}
+            )
+
+    async def close(self, *, retire: bool) -> None:
+        """Stop serving; ``retire`` the stage's record (a move: the next stage is announced as soon as it serves)."""
+        for task in self.background:
+            task.cancel()
+        await self.servicer.remove_p2p_handlers(self.parts.p2p, namespace=self.parts.cfg.swarm_id)
+        if retire:
+            await self.parts.membership.retire(self.stage)
+        self.server.shutdown()
+        self.sync.close()
