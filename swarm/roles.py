@@ -245,7 +245,11 @@ class TrainerRole:
         router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{membership.peer_id}"))
         meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining")
         # a trainer joining mid-run starts from the other trainers' stage 0
-        state = await peer_sync.download(EDGE_STAGE)
+        try:
+            state = await peer_sync.download(EDGE_STAGE)
+        except TransferError as e:  # trainers are listed but none delivers: train, and catch up at the next round
+            logger.warning(f"stage 0: no listed trainer delivered its state ({e}); starting from the seeded weights")
+            state = None
         trainer = Trainer(
             cfg,
             self.parts.client,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -77,28 +78,29 @@ class PeerSync:
         self.servicer.provide("state", sync.export_state)
         return sync
 
-    async def download(self, stage: int, attempts: int = 3) -> StageState | None:
-        """The current state of ``stage`` from its most advanced replica that delivers; None if it has no replica."""
+    async def download(self, stage: int) -> StageState | None:
+        """The current state of ``stage`` from its most advanced replica that delivers; None if it has no replica.
+
+        Records of replicas that just died stay listed until their TTL runs out, so a peer that finds
+        only dead ones keeps reading the records (every announce period) until they expire — then
+        the stage has no replica (None) — and raises ``TransferError`` only if replicas are still
+        listed after a record's lifetime but none delivers.
+        """
+        timeouts = self.cfg.timeouts
         template = stage_template(self.cfg.model, self.cfg.stages.num_stages, stage)  # shapes to check against
         fetch = functools.partial(self._fetch, max_bytes=state_bytes_bound(template))
-        for attempt in range(1, attempts + 1):
+        deadline = time.monotonic() + timeouts.record_ttl_s + timeouts.announce_period_s
+        while True:
             others = await self.replicas(stage)
             if not others:
                 return None
             try:
-                return (
-                    await download_state(
-                        fetch,
-                        sorted(others, key=lambda peer: (-others[peer].outer_round, peer)),
-                        stage=stage,
-                        template=template,
-                    )
-                )[1]
+                sources = sorted(others, key=lambda peer: (-others[peer].outer_round, peer))
+                return (await download_state(fetch, sources, stage=stage, template=template))[1]
             except TransferError:
-                if attempt == attempts:
+                if time.monotonic() >= deadline:
                     raise
-            await asyncio.sleep(self.cfg.timeouts.announce_period_s)  # the records may have changed: read them again
-        return None  # attempts < 1: nothing asked
+            await asyncio.sleep(timeouts.announce_period_s)  # the records may have changed: read them again
 
     async def _fetch(self, peer: str, name: str, *, max_bytes: int) -> bytes:
         return await self.client.fetch(peer, name, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)
