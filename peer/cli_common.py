@@ -67,7 +67,7 @@ def user_errors(fn: F) -> F:
 def swarm_user_errors() -> tuple[type[Exception], ...]:
     """User errors of modules that load hivemind: looked up once something failed, so other commands start fast."""
     from swarm.dht.membership import MembershipError
-    from swarm.rpc.admission import JoinError
+    from swarm.dht.start import JoinError
     from swarm.rpc.auth import AccessDenied, CredentialError
 
     return JoinError, AccessDenied, CredentialError, MembershipError

@@ -15,10 +15,11 @@ from typing import Any
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
+from swarm.dht.start import start_dht
 from swarm.export import download_model, export_sources
 from swarm.pipeline.protocol import StageClient
 from swarm.recovery.checkpoint import save_checkpoint
-from swarm.rpc.admission import Credentials, start_dht
+from swarm.rpc.admission import Credentials
 from swarm.rpc.blobs import BlobClient
 
 

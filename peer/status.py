@@ -14,7 +14,8 @@ from typing import Any
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
-from swarm.rpc.admission import Credentials, start_dht
+from swarm.dht.start import start_dht
+from swarm.rpc.admission import Credentials
 
 
 async def read_status(

@@ -40,9 +40,9 @@ from peer.credentials import PeerCredentials
 from swarm.config import SwarmConfig, load_config
 from swarm.dht.membership import Membership, MembershipError
 from swarm.dht.records import PeerMetrics
+from swarm.dht.start import JoinError, start_dht
 from swarm.errors import ConfigError
 from swarm.model.stages import split_layers
-from swarm.rpc.admission import JoinError, start_dht
 from swarm.rpc.auth import AccessDenied, CredentialError
 
 logger = logging.getLogger("dashboard")

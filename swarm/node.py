@@ -39,6 +39,7 @@ from hivemind.p2p import PeerID
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, pick_stage
 from swarm.dht.records import StageStatus
+from swarm.dht.start import start_dht
 from swarm.faults import kill_this_peer, wait_for_step
 from swarm.model.stages import EDGE_STAGE
 from swarm.outer.peers import PeerSync
@@ -47,7 +48,7 @@ from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import StageClient
 from swarm.recovery.rebalance import choose_stage_for_newcomer
 from swarm.roles import DataFactory, StageRole, TrainerRole, stage_loads
-from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, start_dht
+from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate
 
 __all__ = ["Node", "choose_role", "stage_loads", "DataFactory", "LogFn"]
 logger = logging.getLogger(__name__)

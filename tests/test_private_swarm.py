@@ -26,15 +26,9 @@ from peer.credentials import (
     peer_id_of_identity,
     revoke,
 )
+from swarm.dht.start import JoinError, explain_daemon_error, start_dht
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
-from swarm.rpc.admission import (
-    GATE_NAMESPACE,
-    AdmissionGate,
-    JoinError,
-    explain_daemon_error,
-    explain_refusal,
-    start_dht,
-)
+from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, explain_refusal
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 

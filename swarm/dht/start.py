@@ -1,0 +1,109 @@
+"""Starting this peer's DHT node, with errors that say what to do.
+
+hivemind reports a failed join in terms of its machinery ("Daemon failed to start: … failed to
+connect to bootstrap peers", "DHTNode bootstrap failed: none of the initial_peers responded to a
+ping"); ``start_dht`` turns each into a ``JoinError`` naming the cause and the fix. A private
+swarm's DHT refuses silently, so then the initial peers' admission gates are asked why
+(``swarm/rpc/admission.py``).
+
+    >>> dht = await start_dht(initial_peers=["/ip4/…/tcp/31337/p2p/12D3…"], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from hivemind.dht import DHT
+from hivemind.p2p import P2PDaemonError, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.rpc.admission import Credentials, ask_gates, explain_refusal
+
+BOOTSTRAP_FAILED = "DHTNode bootstrap failed"  # hivemind's RuntimeError when no initial peer answers the DHT
+_DAEMON_LOG_TIME = re.compile(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ")  # p2pd prefixes its messages with a timestamp
+
+
+class JoinError(RuntimeError):
+    """This peer could not start or join the swarm; the message says why and what to do."""
+
+
+async def start_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | None = None,
+    credentials: Credentials | None = None,
+    client_mode: bool = False,
+) -> DHT:
+    """A running DHT node in the swarm at ``initial_peers`` (none: a new swarm), or a JoinError that says what to do."""
+    for maddr in initial_peers:
+        check_peer_address(maddr)
+    try:
+        return DHT(
+            initial_peers=list(initial_peers) or None,
+            start=True,
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs) or None,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            check_if_identity_free=identity_path is not None,  # hivemind checks only when joining
+            authorizer=credentials.dht_authorizer() if credentials is not None else None,
+        )
+    except P2PDaemonError as e:
+        raise JoinError(
+            explain_daemon_error(
+                str(e), initial_peers=initial_peers, host_maddrs=host_maddrs, identity_path=identity_path
+            )
+        ) from None
+    except RuntimeError as e:
+        if BOOTSTRAP_FAILED not in str(e):
+            raise
+    certificate = credentials.certificate_bytes() if credentials is not None else None
+    answers = await ask_gates(initial_peers, identity_path=identity_path, certificate=certificate)
+    raise JoinError(
+        explain_refusal(initial_peers, answers, credentials=credentials is not None, identity=identity_path is not None)
+    )
+
+
+def check_peer_address(maddr: str) -> None:
+    """JoinError unless ``maddr`` is a multiaddr ending in the peer's id, as peers print theirs."""
+    try:
+        PeerID.from_base58(Multiaddr(maddr)["p2p"])
+    except (ValueError, LookupError):  # multiaddr's parse errors and "no /p2p/ part"
+        raise JoinError(
+            f"--initial-peers {maddr!r} is not a peer address: expected /ip4/<host>/tcp/<port>/p2p/<peer id>, "
+            f"as a running peer prints it ('join with --initial-peers …')"
+        ) from None
+
+
+def explain_daemon_error(
+    error: str, *, initial_peers: Sequence[str], host_maddrs: Sequence[str], identity_path: str | None
+) -> str:
+    """What a P2PDaemonError from starting hivemind's libp2p daemon means for the user."""
+    detail = _DAEMON_LOG_TIME.sub("", error.removeprefix("Daemon failed to start: ")).strip()
+    if "already taken by another peer" in error:
+        return (
+            f"the identity {identity_path} is in use by another running peer: each peer needs its own identity file. "
+            f"Stop the other peer, or create a new identity (`swarmloco swarm identity --out new.id`; in a private "
+            f"swarm its authority must invite the new peer id)"
+        )
+    if "failed to connect to bootstrap peers" in error:
+        return (
+            f"could not reach any initial peer (tried {', '.join(initial_peers)}): check that the address is current "
+            f"(a peer prints it when it starts; its /p2p/ id changes at every start unless it runs with --identity), "
+            f"that its TCP port is open to this machine (firewall, port forwarding), and that a peer behind NAT runs "
+            f"with --announce-maddrs /ip4/<its public ip>/tcp/<port> and --host-maddrs on that same port"
+        )
+    if "failed to listen" in error:
+        return (
+            f"cannot listen on --host-maddrs {' '.join(host_maddrs)} ({detail}): use an address of this machine "
+            f"(/ip4/0.0.0.0/tcp/<port> listens on all of them) and a free port (tcp/0 picks one)"
+        )
+    if "failed to parse" in error:
+        return f"an address given to libp2p is not a multiaddr ({detail}); e.g. /ip4/203.0.113.7/tcp/31337"
+    return (
+        f"the libp2p daemon (p2pd, shipped with hivemind) failed to start: {detail}. Check --host-maddrs and "
+        f"--announce-maddrs; if it says the binary is missing or incompatible, reinstall hivemind"
+    )
