@@ -42,7 +42,7 @@ from swarm.dht.records import StageStatus
 from swarm.dht.start import start_dht
 from swarm.faults import kill_this_peer, wait_for_step
 from swarm.model.stages import EDGE_STAGE
-from swarm.outer.peers import PeerSync
+from swarm.outer.service import OuterService
 from swarm.parts import LogFn, PeerParts
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import StageClient
@@ -78,7 +78,7 @@ class Node:
         self.on_log, self.on_ready, self.on_fault = on_log, on_ready, on_fault
         self.dht: DHT | None = None
         self.membership: Membership | None = None
-        self.peer_sync: PeerSync | None = None
+        self.outer_service: OuterService | None = None
         self.role: StageRole | TrainerRole | None = None
         self.maddrs: list[str] = []  # where others join through, once ready
         self._stop = asyncio.Event()
@@ -106,15 +106,15 @@ class Node:
             verifier = config.credentials.verifier if config.credentials else None
             await AdmissionGate(verifier).add_p2p_handlers(p2p, namespace=GATE_NAMESPACE)  # tells refused peers why
             client = StageClient(p2p, namespace=cfg.swarm_id, credentials=config.credentials)
-            self.peer_sync = PeerSync(cfg, membership, p2p, verifier=verifier, certificate=client.certificate)
-            await self.peer_sync.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
+            self.outer_service = OuterService(cfg, membership, p2p, verifier=verifier, certificate=client.certificate)
+            await self.outer_service.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
             parts = PeerParts(
                 cfg=cfg,
                 config=config,
                 membership=membership,
                 p2p=p2p,
                 client=client,
-                peer_sync=self.peer_sync,
+                outer_service=self.outer_service,
                 on_log=self.on_log,
                 ready=self._ready,
                 stop=self._stop,

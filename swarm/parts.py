@@ -16,7 +16,7 @@ from hivemind.p2p import P2P
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
-from swarm.outer.peers import PeerSync
+from swarm.outer.service import OuterService
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import StageClient
 
@@ -34,7 +34,7 @@ class PeerParts:
     membership: Membership
     p2p: P2P
     client: StageClient
-    peer_sync: PeerSync
+    outer_service: OuterService
     on_log: LogFn
     ready: Callable[[], None]  # the role takes calls now (the node tells its caller once)
     stop: asyncio.Event

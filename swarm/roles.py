@@ -106,9 +106,9 @@ class StageRole:
     async def _initial_state(self) -> tuple[StageState | None, Rebuilt | None]:
         """What a starting server serves: a live replica's state; else its own checkpoint (rollback); else, if the swarm has
         trained (the stage was lost), the stage rebuilt from its neighbours; else (a new swarm) None: the seeded weights."""
-        cfg, config, stage, peer_sync = self.parts.cfg, self.parts.config, self.stage, self.parts.peer_sync
+        cfg, config, stage, outer_service = self.parts.cfg, self.parts.config, self.stage, self.parts.outer_service
         try:
-            if (state := await peer_sync.download(stage)) is not None:
+            if (state := await outer_service.download(stage)) is not None:
                 return state, None
         except TransferError as e:  # the records still list replicas that just died
             logger.warning(f"stage {stage}: no listed replica delivered its state ({e}); taking the stage as lost")
@@ -135,13 +135,13 @@ class StageRole:
             await asyncio.sleep(
                 cfg.timeouts.announce_period_s
             )  # someone else rebuilds it: take its state once it serves
-            if (state := await peer_sync.download(stage)) is not None:
+            if (state := await outer_service.download(stage)) is not None:
                 return state, None
 
     async def _claim_and_rebuild(self, stage: int, priority: int) -> Rebuilt | None:
         """Rebuild ``stage`` if this peer's claim stands; None if another peer's does or the rebuild failed (the claim is then
         withdrawn); ``NoRecoverySource`` if the stage has no neighbour to be rebuilt from."""
-        timeouts, membership, peer_sync = self.parts.cfg.timeouts, self.parts.membership, self.parts.peer_sync
+        timeouts, membership, outer_service = self.parts.cfg.timeouts, self.parts.membership, self.parts.outer_service
         # the claim outlives a slow rebuild (two state downloads) and the first announce of the rebuilt stage
         if not await acquire_claim(
             membership,
@@ -152,12 +152,12 @@ class StageRole:
         ):
             return None
         try:
-            if await peer_sync.replicas(stage):  # it came back while we claimed: nothing to rebuild
+            if await outer_service.replicas(stage):  # it came back while we claimed: nothing to rebuild
                 raise TransferError("the stage has a live replica again")
-            fetch = lambda peer, name, max_bytes: peer_sync.client.fetch(
+            fetch = lambda peer, name, max_bytes: outer_service.client.fetch(
                 peer, name, timeout=timeouts.rpc_s, max_bytes=max_bytes
             )
-            return await rebuild_stage(self.parts.cfg, stage, peer_sync.replicas, fetch)
+            return await rebuild_stage(self.parts.cfg, stage, outer_service.replicas, fetch)
         except (TransferError, NoRecoverySource) as e:
             logger.warning(f"stage {stage}: not rebuilding it: {e}")
             with contextlib.suppress(Exception):
@@ -215,7 +215,7 @@ class StageRole:
                     if (rebuilt := await self._claim_and_rebuild(target, PRIORITY_MOVER)) is not None:
                         return Move(target, rebuilt.state, rebuilt)
                     continue
-                state = await self.parts.peer_sync.download(target)
+                state = await self.parts.outer_service.download(target)
                 # the download took a while: move only if that is still the plan
                 if plan_move(stage_loads(await membership.all_replicas(), num_stages), me) == target:
                     return Move(target, state)
@@ -236,17 +236,17 @@ class TrainerRole:
         return await until_stopped(self._train(), self.parts.stop) or {}
 
     async def _train(self) -> dict[str, Any]:
-        cfg, config, membership, peer_sync = (
+        cfg, config, membership, outer_service = (
             self.parts.cfg,
             self.parts.config,
             self.parts.membership,
-            self.parts.peer_sync,
+            self.parts.outer_service,
         )
         router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{membership.peer_id}"))
         meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining")
         # a trainer joining mid-run starts from the other trainers' stage 0
         try:
-            state = await peer_sync.download(EDGE_STAGE)
+            state = await outer_service.download(EDGE_STAGE)
         except TransferError as e:  # trainers are listed but none delivers: train, and catch up at the next round
             logger.warning(f"stage 0: no listed trainer delivered its state ({e}); starting from the seeded weights")
             state = None
@@ -259,7 +259,7 @@ class TrainerRole:
             traffic=meter.traffic,
         )
         self.holder = trainer
-        sync = peer_sync.sync(EDGE_STAGE, trainer, self.parts.on_log)
+        sync = outer_service.sync(EDGE_STAGE, trainer, self.parts.on_log)
         provide_local_state(self.parts, sync)  # what `swarmloco export` takes stage 0 from
         if state is not None:
             await sync.adopt(state)

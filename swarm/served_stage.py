@@ -42,7 +42,7 @@ def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
         parts.on_log({"event": "state_served", "stage": stage, "sha256": hashlib.sha256(blob).hexdigest()[:16]})
         return blob
 
-    parts.peer_sync.servicer.provide("local", provide)
+    parts.outer_service.servicer.provide("local", provide)
 
 
 class ServedStage:
@@ -59,7 +59,7 @@ class ServedStage:
         self.server = StageServer(
             cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0
         )
-        self.sync = parts.peer_sync.sync(stage, self.server, parts.on_log)
+        self.sync = parts.outer_service.sync(stage, self.server, parts.on_log)
         self.meter = Meter(role="stage", stage=stage, state="serving")
         self.meter.recoveries = recoveries
         self.servicer = StageServicer(

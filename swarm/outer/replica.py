@@ -26,9 +26,9 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   the larger peer id downloads the smaller's, so the stage converges on one copy. Local progress
   since the last snapshot is dropped on download.
 
-``PeerSync`` (``swarm/outer/peers.py``) wires this to the swarm and makes a replica's ``ReplicaSync``:
+``OuterService`` (``swarm/outer/service.py``) wires this to the swarm and makes a replica's ``ReplicaSync``:
 
-    >>> sync = peer_sync.sync(stage, server, on_log); await sync.adopt(state)
+    >>> sync = outer_service.sync(stage, server, on_log); await sync.adopt(state)
     >>> task = asyncio.create_task(sync.run())   # cancel to stop; sync.close() after
 """
 

@@ -20,7 +20,7 @@ The math is ``swarm/recovery/checkfree.py``; this module moves it onto the netwo
   with a fresh optimizer at lr × 1.1, announcing ``recovered=True``.
 
     >>> claimed = await acquire_claim(membership, stage=2, priority=PRIORITY_JOINER, ttl_s=60, settle_s=2)
-    >>> rebuilt = await rebuild_stage(cfg, 2, peer_sync.replicas, fetch)     # Rebuilt(state, sources, ...)
+    >>> rebuilt = await rebuild_stage(cfg, 2, outer_service.replicas, fetch)     # Rebuilt(state, sources, ...)
     >>> save_rebuild(rebuilt, Path("runs/x"))                                 # the merge inputs, for audit
 """
 

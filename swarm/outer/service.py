@@ -1,11 +1,11 @@
-"""A peer's entry to the outer step (``PeerSync``): its other replicas, a ``ReplicaSync`` per replica held, state downloads.
+"""This peer's outer-step service (``OuterService``): its other replicas, a ``ReplicaSync`` per replica held, state downloads.
 
-``PeerSync`` wires ``swarm/outer/replica.py`` to the swarm: one blob service (outer-round payloads
+``OuterService`` wires ``swarm/outer/replica.py`` to the swarm: one blob service (outer-round payloads
 and commits, and the state of the stage the peer holds), the DHT records, and state downloads for a newcomer.
 
-    >>> peer_sync = PeerSync(cfg, membership, p2p); await peer_sync.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
-    >>> state = await peer_sync.download(stage)                       # None: nobody holds the stage yet
-    >>> server = StageServer(cfg, stage, start_step=state.schedule_step); sync = peer_sync.sync(stage, server, on_log)
+    >>> outer_service = OuterService(cfg, membership, p2p); await outer_service.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
+    >>> state = await outer_service.download(stage)                       # None: nobody holds the stage yet
+    >>> server = StageServer(cfg, stage, start_step=state.schedule_step); sync = outer_service.sync(stage, server, on_log)
     >>> await sync.adopt(state); task = asyncio.create_task(sync.run())   # cancel to stop; sync.close() after
 """
 
@@ -31,7 +31,7 @@ from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
 
-class PeerSync:
+class OuterService:
     """This peer's outer-step plumbing over the swarm: one blob service, one board and one client, whatever stage it holds.
 
     The blob service answers ``outer/…`` from the board and ``state/<stage>`` from the current
