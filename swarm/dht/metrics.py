@@ -1,15 +1,15 @@
 """Peer metrics: the small signed record every peer publishes to the DHT every few seconds.
 
-Each peer stores a ``PeerMetrics`` under ``{swarm_id}/metrics`` with its own subkey (peer id +
+Each peer stores a ``PeerMetrics`` (schema in ``swarm/dht/records.py``) under ``{swarm_id}/metrics`` with its own subkey (peer id +
 owner marker, as stage records), so one DHT get returns every live peer's latest numbers
 (``Membership.metrics``), a record is schema-checked by every DHT node that stores it, and it
 expires with its peer. ``scripts/dashboard.py`` draws them; each peer also logs the record it
 published last with its JSONL lines (under ``"metrics"``), so the file and the dashboard agree.
 
 Counters are cumulative (bytes, recoveries) so a reader that misses a record loses nothing;
-tokens/s is a rate over the last period. Bytes are wire frames by kind, counted by thin wrappers
-around the calls a trainer makes (``MeteredCalls``) and the ones a stage server answers
-(``MeteredBackend``); other parts of a peer add their own kinds to ``meter.traffic``.
+tokens/s is a rate over the last period. Bytes are wire frames by kind, counted once into the peer's
+``Traffic``: by the trainer for the calls it makes (``Trainer._count``), by a thin wrapper for the
+ones a stage server answers (``MeteredBackend``, ``swarm/pipeline/metering.py``).
 
     >>> meter = Meter(role="stage", stage=1, state="serving")
     >>> servicer = StageServicer(MeteredBackend(server, meter.traffic), stage=1, max_request_bytes=server.max_request_bytes)
