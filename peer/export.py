@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership
-from swarm.dht.start import start_dht
+from swarm.dht.start import watch_swarm
 from swarm.export import download_model, export_sources
 from swarm.pipeline.protocol import StageClient
 from swarm.recovery.checkpoint import save_checkpoint
@@ -35,29 +34,20 @@ async def export_swarm(
     on_progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Write the swarm's current model to ``out``; returns the checkpoint's metadata."""
-    dht = await start_dht(
-        initial_peers=initial_peers,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        identity_path=identity_path,
-        credentials=credentials,
-        client_mode=True,
-    )
-    try:
-        membership = Membership(dht)
-        cfg = await membership.join(cfg, create=False, name=name)
+    async with watch_swarm(
+        initial_peers, cfg, name=name, identity_path=identity_path, credentials=credentials
+    ) as membership:
+        cfg = membership.cfg
         on_progress(
             f"swarm {cfg.swarm_id}: {cfg.stages.num_stages} middle stages + stage 0, {cfg.model.n_layers} blocks"
         )
         sources = export_sources(await membership.all_replicas(), cfg.stages.num_stages)
-        p2p = await dht.replicate_p2p()
-        certificate = StageClient(
-            p2p, namespace=cfg.swarm_id, credentials=credentials
-        ).certificate  # private swarms: sent with each request
+        p2p = await membership.dht.replicate_p2p()
+        # private swarms: the certificate goes with each request
+        certificate = StageClient(p2p, namespace=cfg.swarm_id, credentials=credentials).certificate
         client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
         fetch = lambda peer, blob, max_bytes: client.fetch(peer, blob, timeout=timeout_s, max_bytes=max_bytes)
         model, meta = await download_model(cfg, sources, fetch, on_progress=on_progress)
-    finally:
-        dht.shutdown()
     save_checkpoint(out, cfg, model, **meta)
     on_progress(f"wrote {out}: {sum(p.numel() for p in model.parameters()):,} parameters")
     return meta

@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership
-from swarm.dht.start import start_dht
+from swarm.dht.start import watch_swarm
 from swarm.rpc.admission import Credentials
 
 
@@ -27,19 +26,11 @@ async def read_status(
     credentials: Credentials | None = None,
 ) -> dict[str, Any]:
     """The swarm's state as plain data (``--json`` prints exactly this)."""
-    dht = await start_dht(
-        initial_peers=initial_peers,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        identity_path=identity_path,
-        credentials=credentials,
-        client_mode=True,
-    )
-    try:
-        membership = Membership(dht)
-        cfg = await membership.join(cfg, create=False, name=name)
+    async with watch_swarm(
+        initial_peers, cfg, name=name, identity_path=identity_path, credentials=credentials
+    ) as membership:
+        cfg = membership.cfg
         replicas, metrics = await membership.all_replicas(), await membership.metrics()
-    finally:
-        dht.shutdown()
     stages = []
     for stage, peers in replicas.items():
         rows = [

@@ -38,9 +38,9 @@ from hivemind.p2p import PeerID
 from peer.cli_common import swarm_credentials, swarm_name
 from peer.credentials import PeerCredentials
 from swarm.config import SwarmConfig, load_config
-from swarm.dht.membership import Membership, MembershipError
+from swarm.dht.membership import MembershipError
 from swarm.dht.records import PeerMetrics
-from swarm.dht.start import JoinError, start_dht
+from swarm.dht.start import JoinError, watch_swarm
 from swarm.errors import ConfigError
 from swarm.model.stages import split_layers
 from swarm.rpc.auth import AccessDenied, CredentialError
@@ -300,16 +300,14 @@ async def watch(
 
 async def serve(args: argparse.Namespace, cfg: SwarmConfig | None, credentials: PeerCredentials | None) -> None:
     """Join as a client, serve the page, and poll the swarm until SIGINT/SIGTERM."""
-    dht = await start_dht(
-        initial_peers=args.initial_peers,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        client_mode=True,
+    async with watch_swarm(
+        args.initial_peers,
+        cfg,
+        name=swarm_name(credentials, args.name),
         identity_path=str(args.identity) if args.identity else None,
         credentials=credentials,
-    )
-    try:
-        membership = Membership(dht)
-        cfg = await membership.join(cfg, create=False, name=swarm_name(credentials, args.name))
+    ) as membership:
+        cfg = membership.cfg
         period_s = args.poll_s or cfg.timeouts.announce_period_s
         history = History(leave_after_s=2.5 * period_s)
         info = swarm_info(cfg)
@@ -326,8 +324,6 @@ async def serve(args: argparse.Namespace, cfg: SwarmConfig | None, credentials: 
         finally:
             server.shutdown()
             server.server_close()
-    finally:
-        dht.shutdown()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

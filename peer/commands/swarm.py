@@ -22,6 +22,16 @@ CredentialsOpt = Annotated[
         "--credentials", help="Private swarms: this peer's certificate (`swarmloco swarm invite`); needs --identity."
     ),
 ]
+# status and export look at a running swarm from outside
+WatchedSwarmOpt = Annotated[
+    list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")
+]
+SwarmNameOpt = Annotated[
+    str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")
+]
+CheckedConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")
+]
 RevocationsOpt = Annotated[
     Path | None,
     typer.Option(
@@ -115,15 +125,9 @@ def run_cmd(
 @app.command("status")
 @user_errors
 def status_cmd(
-    initial_peers: Annotated[
-        list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")
-    ],
-    name: Annotated[
-        str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")
-    ] = None,
-    config: Annotated[
-        Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")
-    ] = None,
+    initial_peers: WatchedSwarmOpt,
+    name: SwarmNameOpt = None,
+    config: CheckedConfigOpt = None,
     credentials: CredentialsOpt = None,
     identity: Annotated[
         Path | None,
@@ -149,18 +153,12 @@ def status_cmd(
 @app.command("export")
 @user_errors
 def export_cmd(
-    initial_peers: Annotated[
-        list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")
-    ],
+    initial_peers: WatchedSwarmOpt,
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Checkpoint file to write (what `swarmloco eval` and `sample` load).")
     ] = Path("model.pt"),
-    name: Annotated[
-        str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")
-    ] = None,
-    config: Annotated[
-        Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")
-    ] = None,
+    name: SwarmNameOpt = None,
+    config: CheckedConfigOpt = None,
     credentials: CredentialsOpt = None,
     identity: Annotated[
         Path | None,

@@ -7,17 +7,22 @@ swarm's DHT refuses silently, so then the initial peers' admission gates are ask
 (``swarm/rpc/admission.py``).
 
     >>> dht = await start_dht(initial_peers=["/ip4/…/tcp/31337/p2p/12D3…"], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    >>> async with watch_swarm(initial_peers, None, name="swarmloco") as membership:  # status, export, dashboard
+    ...     replicas = await membership.all_replicas()
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 from hivemind.dht import DHT
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarm.config import SwarmConfig
+from swarm.dht.membership import Membership
 from swarm.rpc.admission import Credentials, ask_gates, explain_refusal
 
 BOOTSTRAP_FAILED = "DHTNode bootstrap failed"  # hivemind's RuntimeError when no initial peer answers the DHT
@@ -107,3 +112,29 @@ def explain_daemon_error(
         f"the libp2p daemon (p2pd, shipped with hivemind) failed to start: {detail}. Check --host-maddrs and "
         f"--announce-maddrs; if it says the binary is missing or incompatible, reinstall hivemind"
     )
+
+
+@asynccontextmanager
+async def watch_swarm(
+    initial_peers: Sequence[str],
+    cfg: SwarmConfig | None,
+    *,
+    name: str,
+    identity_path: str | None = None,
+    credentials: Credentials | None = None,
+) -> AsyncIterator[Membership]:
+    """A client-mode DHT node joined to the swarm (its config fetched, or ``cfg`` checked against it), shut down on exit:
+    how ``swarmloco status``, ``export`` and the dashboard look at a swarm without taking part."""
+    dht = await start_dht(
+        initial_peers=initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        identity_path=identity_path,
+        credentials=credentials,
+        client_mode=True,
+    )
+    try:
+        membership = Membership(dht)
+        await membership.join(cfg, create=False, name=name)
+        yield membership  # its .dht is the node
+    finally:
+        dht.shutdown()
