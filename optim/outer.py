@@ -218,9 +218,8 @@ class OuterOptimizer(ABC, Generic[Part]):
         finite = [(member, norm) for member, norm in zip(members, norms) if math.isfinite(norm)]
         norm_of = [norm for _, norm in finite]
         reference = statistics.median(norm_of) if len(finite) >= 3 else min(norm_of, default=0.0)
-        limit = (
-            MAX_NORM_RATIO * reference if len(finite) >= 2 and reference > 0 else math.inf
-        )  # else nothing to compare with
+        # no limit with fewer than two finite norms (nothing to compare with)
+        limit = MAX_NORM_RATIO * reference if len(finite) >= 2 and reference > 0 else math.inf
         if len(finite) == 2:
             screened = [self._scale_member(member, limit / norm) if norm > limit else member for member, norm in finite]
         else:

@@ -47,9 +47,8 @@ class PeerConfig:
     swarm_name: str = SwarmConfig().name  # which published config to fetch when none is given
     name: str | None = None  # this peer's name in logs, metrics and fault schedules (None: its role and pid)
     out: Path | None = None  # metrics go to OUT/<name>.jsonl; a peer that rebuilds a stage saves the merge there too
-    data: list[str] = field(
-        default_factory=list
-    )  # trainers: corpus files, directories or globs (none: the default corpus)
+    # trainers: corpus files, directories or globs (none: the default corpus)
+    data: list[str] = field(default_factory=list)
     seed: int = 0  # trainers: data stream offset (give each trainer its own)
     threads: int = 0  # torch threads (0: torch's default)
     steps: int = 100  # trainers: inner steps of stage 0 to run
@@ -59,9 +58,8 @@ class PeerConfig:
     rebalance_period_s: float | None = None  # stage servers: seconds between rebalancing checks (± 20%); 0 = never move
     stage_checkpoint: Path | None = None  # stage servers: a state file written every checkpoint_every inner steps, and
     checkpoint_every: int = 0  # loaded on start when the stage has no live replica (rollback); 0 = never write it
-    faults: FaultSchedule = field(
-        default_factory=FaultSchedule
-    )  # tests: this peer dies at its own step N (events naming it)
+    # tests: this peer dies at its own step N (events naming it)
+    faults: FaultSchedule = field(default_factory=FaultSchedule)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

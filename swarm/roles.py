@@ -132,9 +132,8 @@ class StageRole:
             except NoRecoverySource as e:  # S = 1: no neighbour to rebuild from
                 logger.warning(f"stage {stage} was lost and {e}; starting from the seeded weights")
                 return None, None
-            await asyncio.sleep(
-                cfg.timeouts.announce_period_s
-            )  # someone else rebuilds it: take its state once it serves
+            # someone else rebuilds it: take its state once it serves
+            await asyncio.sleep(cfg.timeouts.announce_period_s)
             if (state := await outer_service.download(stage)) is not None:
                 return state, None
 
@@ -278,9 +277,8 @@ class TrainerRole:
 
         def log(record: dict[str, Any]) -> None:
             meter.observe(record)
-            self.parts.on_log(
-                {**record, **sync.info(), "metrics": meter.last and meter.last.dict()}
-            )  # the record published last
+            # the record published last
+            self.parts.on_log({**record, **sync.info(), "metrics": meter.last and meter.last.dict()})
 
         refresher = asyncio.create_task(every(cfg.timeouts.announce_period_s, refresh))
         syncer = asyncio.create_task(sync.run())

@@ -77,9 +77,8 @@ RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {
     "metrics": PeerMetrics,
     "claim": RecoveryClaim,
 }
-PeerRecord = TypeVar(
-    "PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim
-)  # one per peer under a key, with a protocol version
+# one per peer under a key, with a protocol version
+PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim)
 
 
 class SwarmSchemaValidator(SchemaValidator):

@@ -54,12 +54,13 @@ class ConfigRecord(pydantic.BaseModel):
     toml: pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)
 
 
+# joining: not yet working (state download, waiting for stages)
 STATES = (
     "joining",
     "serving",
     "training",
     "recovering",
-)  # joining: not yet working (state download, waiting for stages)
+)
 MAX_KINDS = 16
 
 Kind = pydantic.constr(regex=r"^[a-z][a-z0-9_]{0,31}$", strict=True)  # activations, gradients, eval, ...

@@ -107,9 +107,8 @@ class ReplicaSync:
         self.global_hash = weights_hash(self.outer.global_params) if self.outer else ""
         self.counters: Counter[str] = Counter()
         self.round_s: list[float] = []  # wall time of each round done, declaration to install
-        self._fp32_bytes = 4 * sum(
-            p.numel() for p in self.params.values()
-        )  # a dense fp32 Δ: what a payload saves against
+        # a dense fp32 Δ: what a payload saves against
+        self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())
         self._exported: tuple[int, bytes] | None = None  # (round, state blob): built once per round
         self._last_group: tuple[str, ...] = ()  # contributors of the last round done
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last

@@ -158,9 +158,8 @@ async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, f
         except TransferError as e:
             if plan.kind != "merge":
                 raise
-            logger.warning(
-                f"stage {stage}: cannot merge, {e}; copying the other neighbour"
-            )  # two adjacent stages lost at once
+            # two adjacent stages lost at once
+            logger.warning(f"stage {stage}: cannot merge, {e}; copying the other neighbour")
     if plan.kind == "merge" and len(sources) == 1:
         plan = RecoveryPlan(stage=stage, sources=(sources[0].stage,), kind="copy-neighbour")
     elif len(sources) < len(plan.sources):
@@ -190,9 +189,8 @@ async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader
         return blobs[peer]
 
     order = sorted(found, key=lambda p: (-found[p].outer_round, p))  # the most advanced replica first
-    peer, state = await download_state(
-        fetch_kept, order, stage=stage, template=template, blob="local"
-    )  # current weights, not the last round's
+    # current weights, not the last round's
+    peer, state = await download_state(fetch_kept, order, stage=stage, template=template, blob="local")
     return Source(stage=stage, peer=peer, blob=blobs[peer], state=state, grad_norm=found[peer].grad_norm)
 
 

@@ -199,9 +199,8 @@ class Certificate:
 class RevocationList:
     swarm_id: str
     sequence: int = 0  # grows with every change: a peer keeps the newest list it has seen
-    revoked: dict[str, int] = field(
-        default_factory=dict
-    )  # peer id -> unix time; its certificates issued up to then are void
+    # peer id -> unix time; its certificates issued up to then are void
+    revoked: dict[str, int] = field(default_factory=dict)
 
     KIND = "revocations"
 
@@ -356,9 +355,8 @@ class CertificateAuthorizer(TokenAuthorizerBase):
         super().__init__(identity)
         self.peer_id = peer_id_of_public_key(self.local_public_key.to_bytes())
         self._load_certificate, self._verifier = load_certificate, verifier
-        verifier.check(
-            self.peer_id, load_certificate()
-        )  # a peer learns of its own bad certificate here, not from silence
+        # a peer learns of its own bad certificate here, not from silence
+        verifier.check(self.peer_id, load_certificate())
 
     async def get_token(self) -> AccessToken:
         certificate = self._load_certificate()

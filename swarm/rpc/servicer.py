@@ -54,12 +54,13 @@ logger = logging.getLogger(__name__)
 
 Request = TypeVar("Request")  # a dataclass whose fields are the envelope's
 MAX_STR_LEN = 1024  # the longest string any request field holds (ids and names; frames are bytes)
+# dead or unreachable peers
 TRANSPORT_ERRORS = (
     P2PDaemonError,
     P2PHandlerError,
     ConnectionError,
     asyncio.IncompleteReadError,
-)  # dead or unreachable peers
+)
 
 
 class RequestError(Exception):
