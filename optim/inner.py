@@ -1,17 +1,29 @@
-"""Inner optimizer: AdamW with linear warmup and cosine decay, built from the swarm config.
+"""Inner optimizer: AdamW with linear warmup and cosine decay, built from the swarm config, and the
+screen a stage server runs on each microbatch's gradient before it counts.
 
 >>> opt, sched = make_inner_optimizer(model.parameters(), InnerOptimConfig())
->>> loss.backward(); clip_and_step(opt, sched, cfg.grad_clip)
+>>> loss.backward(); clip_and_step(opt, sched, cfg.grad_clip)   # skips the step if the norm is not finite
+>>> screen = GradNormScreen(); screen.refusal(norm) or screen.accept(norm)
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 
 import torch
 
 from optim.config import InnerOptimConfig
+
+logger = logging.getLogger(__name__)
+
+# a microbatch's gradient norm may exceed the median of the recent accepted ones by this factor: honest
+# norms drift slowly (lr warmup, loss decay) and vary a few × between microbatches, so only a
+# gradient two orders of magnitude out is refused, and refusing honest data is a strike
+MAX_GRAD_NORM_RATIO = 100.0
 
 
 def lr_factor(step: int, cfg: InnerOptimConfig) -> float:
@@ -42,10 +54,55 @@ def make_inner_optimizer(
 
 
 def clip_and_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, grad_clip: float) -> float:
-    """Clip (if enabled), step, advance the schedule, zero grads; returns the pre-clip grad norm."""
+    """Clip (if enabled), step, advance the schedule, zero grads; returns the pre-clip grad norm.
+
+    A non-finite norm skips the step and the schedule (the gradients are dropped, with a warning):
+    clipping would turn an inf into NaN weights, which no later step repairs.
+    """
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
-    opt.step()
-    sched.step()
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = float(total)
+    if math.isfinite(norm):
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
+        opt.step()
+        sched.step()
+    else:
+        logger.warning("inner step skipped: the gradient norm is %s; the accumulated gradients are dropped", norm)
     opt.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm
+
+
+class GradNormScreen:
+    """Refuses a gradient whose norm is not finite, or far above the recent accepted ones.
+
+    The reference is the median of the last ``window`` accepted norms, so a minority of outsized
+    gradients cannot move it; until ``warmup`` norms are in only finiteness is checked.
+    """
+
+    def __init__(self, *, ratio: float = MAX_GRAD_NORM_RATIO, window: int = 64, warmup: int = 8) -> None:
+        if ratio <= 1 or window < 1 or not 1 <= warmup <= window:
+            raise ValueError(f"need ratio > 1 and 1 ≤ warmup ≤ window, got {ratio}, {warmup}, {window}")
+        self.ratio, self.warmup = ratio, warmup
+        self.recent: deque[float] = deque(maxlen=window)  # accepted norms, oldest first
+
+    @property
+    def limit(self) -> float:
+        """The largest norm accepted now."""
+        if len(self.recent) < self.warmup:
+            return math.inf
+        return self.ratio * statistics.median(self.recent)
+
+    def refusal(self, norm: float) -> str | None:
+        """Why a gradient of this norm is refused, or None if it is accepted."""
+        if not math.isfinite(norm):
+            return f"gradient norm is {norm}"
+        if norm > self.limit:
+            return (
+                f"gradient norm {norm:.3g} is over {self.ratio:g}× the median {self.limit / self.ratio:.3g} "
+                f"of the last {len(self.recent)} accepted"
+            )
+        return None
+
+    def accept(self, norm: float) -> None:
+        self.recent.append(norm)

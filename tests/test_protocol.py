@@ -230,13 +230,13 @@ def test_streamed_requests_are_reassembled_and_bounded(monkeypatch: pytest.Monke
 
 def test_activation_cache_is_bounded_by_count_and_bytes() -> None:
     entry = lambda n: CacheEntry(x=torch.zeros(n), tokens=None, forward_s=0.0)  # n float32 = 4n bytes
-    cache = ActivationCache(max_items=3, max_bytes=400)
+    cache = ActivationCache(max_items=3, max_bytes=400, share=1)
     for key in "abcd":
-        cache.put(key, entry(10))
-    assert len(cache) == 3 and cache.pop("a") is None and cache.evicted == 1
-    cache.put("big", entry(90))  # 360 bytes: the oldest go until 400 bytes fit
-    assert [key for key in "bcd" if cache.pop(key) is not None] == ["d"] and cache.nbytes == 360
-    assert cache.pop("big") is not None and cache.nbytes == 0
+        cache.put("p", key, entry(10))
+    assert len(cache) == 3 and cache.pop("p", "a") is None and cache.evicted == 1
+    cache.put("p", "big", entry(90))  # 360 bytes: the oldest go until 400 bytes fit
+    assert [key for key in "bcd" if cache.pop("p", key) is not None] == ["d"] and cache.nbytes == 360
+    assert cache.pop("p", "big") is not None and cache.nbytes == 0 and len(cache) == 0
 
 
 def test_stage_server_gradients_are_autograd_gradients_and_survive_a_lost_input() -> None:
@@ -387,3 +387,19 @@ def test_persistent_failures_stop_the_trainer_instead_of_spinning() -> None:
         and counters["started"] == counters["failed"] + counters["cancelled"]
         and counters["completed"] == 0
     )
+
+
+def test_a_flooding_owner_evicts_its_own_inputs_and_a_full_cache_evicts_the_largest_holder() -> None:
+    entry = lambda: CacheEntry(x=torch.zeros(10), tokens=None, forward_s=0.0)  # 40 bytes
+    cache = ActivationCache(max_items=8, max_bytes=10_000, share=4)  # 2 entries per owner
+    cache.put("honest", "h0", entry())
+    for i in range(100):  # forwards never followed by a backward
+        cache.put("flooder", f"f{i}", entry())
+    assert len(cache) == 3 and cache.evicted == 98
+    assert cache.pop("honest", "h0") is not None and cache.pop("flooder", "f0") is None
+    cache.put("honest", "h1", entry())
+    for owner in "abcdef":  # owners within their share overfill the cache: a largest holder loses its oldest
+        cache.put(owner, "1", entry())
+    assert len(cache) == 8 and cache.evicted == 99
+    assert cache.pop("flooder", "f98") is None and cache.pop("flooder", "f99") is not None
+    assert cache.pop("honest", "h1") is not None

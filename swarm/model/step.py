@@ -27,6 +27,7 @@ adds its samples (right after its own backward, or after the whole microbatch) c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -78,10 +79,45 @@ def stage_backward(
     ``y`` is the forward's output when its graph was kept (in process); without it the forward is
     recomputed from ``x`` (a stage server, which keeps no graph between the two calls).
     """
-    x = x if y is not None else x.detach().requires_grad_()
+    if y is None:
+        grad_x, grads = stage_gradients(stage, x, grad)
+        add_gradients(stage, grads)
+        return grad_x
     with torch.enable_grad():
-        (stage(x) if y is None else y).backward(grad)
+        y.backward(grad)
     return x.grad  # type: ignore[return-value]
+
+
+def trainable(stage: nn.Module) -> list[nn.Parameter]:
+    return [p for p in stage.parameters() if p.requires_grad]
+
+
+def stage_gradients(
+    stage: MiddleStage, x: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Step 4 recomputed from ``x``, held apart: the gradient w.r.t. ``x`` and this microbatch's parameter
+    gradients (in ``trainable(stage)`` order, None where unused), not yet accumulated.
+
+    A stage server screens them before ``add_gradients`` counts them, so one bad microbatch
+    cannot poison the gradients the others accumulated.
+    """
+    x = x.detach().requires_grad_()
+    params = trainable(stage)
+    with torch.enable_grad():
+        grad_x, *grads = torch.autograd.grad(stage(x), [x, *params], grad, allow_unused=True)
+    return grad_x, grads
+
+
+def add_gradients(stage: MiddleStage, grads: Sequence[torch.Tensor | None]) -> None:
+    """Accumulate ``stage_gradients``' parameter gradients into ``.grad``, as ``backward`` would have."""
+    with torch.no_grad():
+        for param, grad in zip(trainable(stage), grads, strict=True):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 def embed_backward(h0: torch.Tensor, grad: torch.Tensor) -> None:
@@ -141,24 +177,29 @@ class InnerStep:
         self.inner_batch, self.grad_clip = inner_batch, cfg.grad_clip
         self.samples = 0  # whose gradients are accumulated since the last step
         self.steps = 0  # taken by this copy
-        self.grad_norm = 0.0  # before clipping, at the last step
+        self.skipped = 0  # steps skipped for a non-finite gradient norm (their gradients dropped)
+        self.grad_norm = 0.0  # before clipping, at the last step taken: always finite (records refuse NaN)
 
     def add(self, samples: int, *, step_when_due: bool = True) -> bool:
-        """Count ``samples`` whose (loss-weighted) gradients were just accumulated; step once an inner batch is in.
+        """Count ``samples`` whose (loss-weighted) gradients were just accumulated; step once an inner batch is in
+        (True when it stepped).
 
         ``step_when_due=False`` only counts (DDP steps on the group's mean gradient every tick instead).
         """
         self.samples += samples
         if not step_when_due or self.samples < self.inner_batch:
             return False
-        self.step()
-        return True
+        return self.step()
 
-    def step(self) -> float:
-        """Clip, step, advance the schedule and zero the gradients now; returns the pre-clip norm."""
-        self.grad_norm = clip_and_step(self.optimizer, self.scheduler, self.grad_clip)
-        self.samples, self.steps = 0, self.steps + 1
-        return self.grad_norm
+    def step(self) -> bool:
+        """Clip, step, advance the schedule and zero the gradients now; False if a non-finite norm skipped the step."""
+        norm = clip_and_step(self.optimizer, self.scheduler, self.grad_clip)
+        self.samples = 0
+        if not math.isfinite(norm):
+            self.skipped += 1
+            return False
+        self.grad_norm, self.steps = norm, self.steps + 1
+        return True
 
     @property
     def lr(self) -> float:

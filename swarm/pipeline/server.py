@@ -1,9 +1,11 @@
 """A stage server: one middle stage computed for any trainer that calls it.
 
-Forward keeps the decoded input in a cache bounded by count and bytes; backward recomputes the
-stage from that input (or from an input the trainer resends when the entry is gone), so no
-autograd graph waits in memory between the two calls. Parameter gradients accumulate over the
-microbatches served, and an inner AdamW step is taken every ``train.inner_batch`` samples. All
+Forward keeps the decoded input in a cache bounded by count and bytes, and each calling peer to a
+share of it; backward recomputes the stage from that input (or from an input the trainer resends
+when the entry is gone), so no autograd graph waits in memory between the two calls. Each
+microbatch's parameter gradients are screened before they accumulate: a non-finite norm, or one
+far above the recent ones, is an invalid request (a strike against its sender), and the others'
+gradients stay as they were. An inner AdamW step is taken every ``train.inner_batch`` samples. All
 torch work runs on one worker thread: calls are serialised and the event loop stays free to
 accept (or refuse) requests.
 
@@ -26,11 +28,13 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.performance_ema import PerformanceEMA
 
+from compress.codecs import all_finite
 from compress.wire import WireLimits
+from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.model.stages import build_stage
-from swarm.model.step import InnerStep, stage_backward, stage_forward
+from swarm.model.step import InnerStep, add_gradients, stage_forward, stage_gradients
 from swarm.pipeline.boundary import boundary_codecs
 from swarm.pipeline.protocol import Backward, Forward, RequestError
 
@@ -46,31 +50,51 @@ class CacheEntry:
 
 
 class ActivationCache:
-    """Forward inputs awaiting their backward: least recently stored entries go first when full."""
+    """Forward inputs awaiting their backward, by owner (the calling peer) and key (its microbatch id).
 
-    def __init__(self, *, max_items: int, max_bytes: int) -> None:
+    An owner holds at most ``1 / share`` of the cache's items and bytes: one over it loses its own
+    oldest entries. When the whole cache is full, the owner holding the most bytes loses its
+    oldest: forwards never followed by a backward (a flood, from one peer or a few) evict the
+    flooders' inputs, not those of peers that keep less.
+    """
+
+    def __init__(self, *, max_items: int, max_bytes: int, share: int = 4) -> None:
         self.max_items, self.max_bytes = max_items, max_bytes
-        self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
+        self.max_items_per_owner, self.max_bytes_per_owner = max(1, max_items // share), max_bytes // share
+        self._owners: dict[Hashable, OrderedDict[Hashable, CacheEntry]] = {}  # owner → its entries, oldest first
+        self._owner_bytes: Counter[Hashable] = Counter()
         self.nbytes = 0
         self.evicted = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(map(len, self._owners.values()))
 
-    def put(self, key: Hashable, entry: CacheEntry) -> None:
-        self.pop(key)
-        self._entries[key] = entry
-        self.nbytes += self._size(entry)
-        while len(self._entries) > self.max_items or self.nbytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= self._size(old)
-            self.evicted += 1
+    def put(self, owner: Hashable, key: Hashable, entry: CacheEntry) -> None:
+        self.pop(owner, key)
+        self._owners.setdefault(owner, OrderedDict())[key] = entry
+        self._count(owner, self._size(entry))
+        entries = self._owners[owner]
+        while len(entries) > self.max_items_per_owner or self._owner_bytes[owner] > self.max_bytes_per_owner:
+            self._evict(owner)
+        while len(self) > self.max_items or self.nbytes > self.max_bytes:
+            self._evict(max(self._owner_bytes, key=self._owner_bytes.__getitem__))
 
-    def pop(self, key: Hashable) -> CacheEntry | None:
-        entry = self._entries.pop(key, None)
+    def pop(self, owner: Hashable, key: Hashable) -> CacheEntry | None:
+        entry = self._owners.get(owner, {}).pop(key, None)
         if entry is not None:
-            self.nbytes -= self._size(entry)
+            self._count(owner, -self._size(entry))
         return entry
+
+    def _evict(self, owner: Hashable) -> None:
+        _, old = self._owners[owner].popitem(last=False)
+        self._count(owner, -self._size(old))
+        self.evicted += 1
+
+    def _count(self, owner: Hashable, nbytes: int) -> None:
+        self.nbytes += nbytes
+        self._owner_bytes[owner] += nbytes
+        if not self._owners[owner]:  # forget owners with nothing cached: the table stays as small as the cache
+            del self._owners[owner], self._owner_bytes[owner]
 
     @staticmethod
     def _size(entry: CacheEntry) -> int:
@@ -113,6 +137,7 @@ class StageServer:
         )
         self.max_request_bytes = 2 * max_frame + 1024  # input + gradient frames and the envelope
         self.cache = ActivationCache(max_items=max_cached, max_bytes=max_cached * 4 * max_values)
+        self.screen = GradNormScreen()  # of each microbatch's parameter gradients, before they accumulate
         self.throughput = PerformanceEMA(alpha=0.1, paused=True)  # samples/s over forward + backward compute
         self.counters: Counter[str] = Counter()
         self.from_stage: Counter[int] = Counter()  # training inputs by the stage they came from: the paths seen
@@ -127,14 +152,14 @@ class StageServer:
         x, tokens = self._decode_input(request.x)
         y, elapsed = await self._run(self._compute_forward, x)
         if request.train:
-            self.cache.put((peer, request.mb), CacheEntry(x=x, tokens=tokens, forward_s=elapsed))
+            self.cache.put(peer, request.mb, CacheEntry(x=x, tokens=tokens, forward_s=elapsed))
             self.from_stage[request.prev_stage] += 1
         self.counters["forward" if request.train else "eval_forward"] += 1
         self.first_served_at = self.first_served_at or time.time()
         return self.act_codec.encode(y, tokens=tokens)
 
     async def backward(self, peer: PeerID, request: Backward) -> bytes:
-        entry = self.cache.pop((peer, request.mb))
+        entry = self.cache.pop(peer, request.mb)
         if entry is None:
             if request.x is None:
                 self.counters["cache_miss"] += 1
@@ -148,7 +173,11 @@ class StageServer:
                 RequestError.INVALID,
                 f"gradient of shape {tuple(grad.shape)} for an input of shape {tuple(entry.x.shape)}",
             )
-        grad_x, elapsed = await self._run(self._compute_backward, entry.x, grad)
+        try:
+            grad_x, elapsed = await self._run(self._compute_backward, entry.x, grad)
+        except RequestError:
+            self.counters["refused_gradient"] += 1
+            raise
         self.throughput.update(entry.x.shape[0], interval=entry.forward_s + elapsed)
         self.counters["backward"] += 1
         return self.grad_codec.encode(grad_x)
@@ -159,6 +188,7 @@ class StageServer:
             "inner_steps": self.inner_steps,
             "samples_per_s": self.samples_per_s,
             "grad_norm": self.inner.grad_norm,
+            "skipped_steps": self.inner.skipped,
             "cached": len(self.cache),
             "first_served_at": self.first_served_at,
             "evicted": self.cache.evicted,
@@ -216,6 +246,12 @@ class StageServer:
         return stage_forward(self.module, x)  # (B, T, d) → (B, T, d)
 
     def _compute_backward(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        grad_x = stage_backward(self.module, x, grad)  # steps 4 and 6 of swarm/model/step.py
-        self.inner.add(x.shape[0])
+        grad_x, grads = stage_gradients(self.module, x, grad)  # step 4 of swarm/model/step.py, held apart
+        norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
+        refusal = self.screen.refusal(norm) or (None if all_finite(grad_x) else "the input gradient is not finite")
+        if refusal is not None:  # the sender's gradient would poison the batch: refused before it counts
+            raise RequestError(RequestError.INVALID, f"microbatch gradient refused: {refusal}")
+        self.screen.accept(norm)
+        add_gradients(self.module, grads)
+        self.inner.add(x.shape[0])  # step 6
         return grad_x  # (B, T, d)
