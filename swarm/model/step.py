@@ -10,7 +10,8 @@ the same inner steps (``tests/test_training_step.py`` checks it):
 3. ``loss, grad = head_backward(edge, h, targets, inner_batch=...)``: the microbatch's mean
    cross-entropy, backpropagated with weight ``loss_weight(samples, inner_batch)``, so the
    gradients summed over an inner batch are those of the inner batch's mean loss
-4. ``grad = stage_backward(stage, x, grad)`` for each middle stage, last hop first
+4. ``grad = stage_backward(stage, x, grad)`` for each middle stage, last hop first (a stage server
+   takes it in two: ``stage_gradients``, screened, then ``add_gradients``)
 5. ``embed_backward(h0, grad)``
 6. ``inner.add(samples)`` on every stage copy that took part (an ``InnerStep``): once ``inner_batch``
    samples' gradients are in, clip the copy's gradients, step its AdamW and schedule, zero them
