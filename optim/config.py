@@ -1,7 +1,7 @@
 """Inner and outer optimizer hyper-parameters (part of the swarm config).
 
 >>> OuterOptimConfig(method="diloco", inner_steps=20).method  # 'diloco'
->>> OuterOptimConfig(method="adam")  # ConfigError: config field 'method': unknown value 'adam'; choose from none, diloco, sparseloco
+>>> OuterOptimConfig(method="adam")  # ConfigError: config field 'method': unknown value 'adam'; choose from none, diloco, sparseloco, noloco
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Literal, get_args
 from compress.config import check_choices, check_non_negative, check_positive
 from compress.errors import ConfigError
 
-OuterMethod = Literal["none", "diloco", "sparseloco"]  # none: replicas never sync
+OuterMethod = Literal["none", "diloco", "sparseloco", "noloco"]  # none: replicas never sync
 OUTER_METHODS: tuple[OuterMethod, ...] = get_args(OuterMethod)
 
 
@@ -51,9 +51,13 @@ class OuterOptimConfig:
     inner_steps: int = 50  # H
     diloco_lr: float = 0.7
     diloco_momentum: float = 0.9  # Nesterov
-    sparseloco_lr: float = 1.0  # plain SGD on the aggregated sparse pseudo-gradient
+    sparseloco_lr: float = 1.0  # SGD on the aggregated sparse pseudo-gradient
+    sparseloco_momentum: float = 0.0  # Nesterov; 0: plain SGD (the SparseLoCo paper's α = 1 step)
+    noloco_lr: float = 0.7  # NoLoCo: heavy-ball SGD on mean(Δ) plus the pull towards the partner's weights
+    noloco_momentum: float = 0.5
 
     def __post_init__(self) -> None:
         check_choices(self)
-        check_positive(self, "inner_steps", "diloco_lr", "sparseloco_lr")
-        _check_unit_interval(self, "diloco_momentum", closed=False)
+        check_positive(self, "inner_steps", "diloco_lr", "sparseloco_lr", "noloco_lr")
+        for momentum in ("diloco_momentum", "sparseloco_momentum", "noloco_momentum"):
+            _check_unit_interval(self, momentum, closed=False)

@@ -288,14 +288,14 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
 
 
 class SparseLoCo(OuterOptimizer[SparseTensor]):
-    """Error feedback + top-k 2-bit Δ, per-index mean over the senders, plain SGD (α = 1).
+    """Error feedback + top-k 2-bit Δ, per-index mean over the senders, SGD (default: plain, α = 1; optionally Nesterov).
 
     The error buffers are this replica's own residual; they are not part of ``state_dict`` and
     start at zero after ``load_state_dict``, as for a newcomer.
     """
 
-    def __init__(self, params: NamedTensors, *, lr: float = 1.0, codec: SparseLoCoCodec) -> None:
-        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr))
+    def __init__(self, params: NamedTensors, *, lr: float = 1.0, momentum: float = 0.0, codec: SparseLoCoCodec) -> None:
+        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0))
         self.codec = codec
         self._error = codec.new_state()
         self._error_before_payload: dict[str, torch.Tensor] | None = None
@@ -345,5 +345,9 @@ def build_outer_optimizer(params: NamedTensors, cfg: OuterOptimConfig, codecs: C
         raise ValueError(f"pseudo-gradient codec {codecs.pseudo_gradients!r} does not fit outer method {cfg.method!r}")
     if cfg.method == "diloco":
         return DiLoCo(params, lr=cfg.diloco_lr, momentum=cfg.diloco_momentum, codec=get_codec(codecs.pseudo_gradients))
+    if cfg.method == "noloco":
+        from optim.noloco import NoLoCo  # noloco.py builds on this module
+
+        return NoLoCo(params, lr=cfg.noloco_lr, momentum=cfg.noloco_momentum, codec=get_codec(codecs.pseudo_gradients))
     codec = SparseLoCoCodec(topk=codecs.topk, chunk_size=codecs.chunk_size, error_decay=codecs.error_decay)
-    return SparseLoCo(params, lr=cfg.sparseloco_lr, codec=codec)
+    return SparseLoCo(params, lr=cfg.sparseloco_lr, momentum=cfg.sparseloco_momentum, codec=codec)

@@ -154,7 +154,7 @@ def _fit_codecs(codecs: CodecConfig, model: ModelConfig, method: OuterMethod) ->
     """The pseudo-gradient codec the outer method can send, and a subspace model wherever a subspace codec is chosen."""
     if method == "sparseloco":
         codecs = dataclasses.replace(codecs, pseudo_gradients="sparseloco")
-    elif method == "diloco" and codecs.pseudo_gradients == "sparseloco":
+    elif method in ("diloco", "noloco") and codecs.pseudo_gradients == "sparseloco":
         codecs = dataclasses.replace(codecs, pseudo_gradients="fp32")
     if codecs.uses_subspace and not model.subspace_rank:
         model = dataclasses.replace(model, subspace_rank=model.d_model // SUBSPACE_RANK_DIVISOR)

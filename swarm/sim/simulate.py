@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from compress.codecs import Codec
+from optim.noloco import NoLoCo, partners
 from optim.outer import OuterOptimizer, build_outer_optimizer
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
@@ -156,6 +157,8 @@ def outer_round(group: list[Replica]) -> int:
     payloads = [r.outer.make_payload(r.params) for r in group]  # type: ignore[union-attr]
     for r in group:
         r.outer.apply(payloads, r.params)  # type: ignore[union-attr]
+    if isinstance(group[0].outer, NoLoCo):  # each payload reaches its partner(s) only
+        return sum(len(payloads[i]) * (len(pair) - 1) for pair in partners(len(group), 0) for i in pair)
     return sum(len(p) for p in payloads) * (len(group) - 1)  # all-gather: each payload reaches K−1 members
 
 
@@ -174,8 +177,12 @@ def simulate(
     S, K = cfg.stages.num_stages, sim.replicas
     tokens_per_tick = K * cfg.train.microbatch_size * cfg.train.seq_len
     ticks = max(1, sim.tokens // tokens_per_tick)
+    # H and the lr schedule count inner steps, as in the swarm: one per inner_batch samples a replica serves
+    ticks_per_step = cfg.train.inner_batch // cfg.train.microbatch_size
+    ticks_per_round = cfg.outer.inner_steps * ticks_per_step
     with_outer = sim.mode == "outer" and cfg.outer.method != "none"
-    replicas = {s: [make_replica(cfg, s, ticks, with_outer) for _ in range(K)] for s in range(S + 1)}
+    inner_steps = max(1, ticks // ticks_per_step)
+    replicas = {s: [make_replica(cfg, s, inner_steps, with_outer) for _ in range(K)] for s in range(S + 1)}
     link = Link(*boundary_codecs(cfg))
     skipped = outer_rounds = 0
     log: list[dict[str, float]] = []
@@ -187,10 +194,10 @@ def simulate(
             skipped += S - len(path)
             hops = [replicas[s][k] if sim.routing == "sticky" else rng.choice(replicas[s]) for s in path]
             losses.append(train_microbatch(trainer, hops, next(stream), link, step_when_due=sim.mode == "outer"))
-        if sim.mode == "ddp":
+        if sim.mode == "ddp" and tick % ticks_per_step == 0:
             for group in replicas.values():
                 link.bytes["gradients"] += ddp_step(group)
-        elif with_outer and (tick % cfg.outer.inner_steps == 0 or tick == ticks):
+        elif with_outer and (tick % ticks_per_round == 0 or tick == ticks):
             for group in replicas.values():
                 link.bytes["pseudo_gradients"] += outer_round(group)
             outer_rounds += 1

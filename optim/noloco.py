@@ -1,0 +1,116 @@
+"""NoLoCo: no all-reduce; each replica averages with one partner per round (Kolehmainen et al., 2025).
+
+Every replica keeps its *own* outer weights θᵢ (replicas are never forced equal) and heavy-ball
+momentum. In a round it is paired with one other replica, and both exchange their
+pseudo-gradient Δᵢ = θᵢ − θᵢ_local and their outer weights θᵢ. The step (the authors' code,
+jkolehm/noloco, ``sparse_optimizer_c.py``) writes into ``.grad`` of θᵢ
+
+    g = mean_pair(Δ) + (θᵢ − mean_pair(θ))        # a DiLoCo step plus a pull towards the partner
+
+and steps ``torch.optim.SGD(lr, momentum)`` (heavy ball, no Nesterov). The second term is
+gossip averaging: replicas that never meet directly still converge through partners of partners,
+so no round ever needs the whole group, and its cost per replica does not grow with the group.
+
+Pairs are drawn from the round's payloads alone (sorted, shuffled by the round number), so every
+member of a round computes the same pairing without another message. The in-process simulator
+sends each payload to its partner only; in a live swarm the pairing runs over the stage's group
+round (see docs/architecture.md).
+
+    >>> opt = NoLoCo(dict(model.named_parameters()), lr=0.7, momentum=0.5, codec=get_codec("fp32"))
+    >>> payload = opt.make_payload(local)          # Δ and θ, every parameter
+    >>> opt.apply(all_payloads_of_the_round, local)  # uses mine and my partner's only
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from compress.codecs import Codec, get_codec
+from compress.errors import MalformedFrame
+from optim.outer import NamedTensors, OuterOptimizer
+
+_SPLIT = struct.Struct("<I")  # length of the Δ frame; the weights frame follows it
+
+
+@dataclass(frozen=True)
+class PairPart:
+    """One member's decoded Δ and outer weights θ for one parameter."""
+
+    name: str
+    delta: torch.Tensor
+    weights: torch.Tensor
+
+
+def partners(count: int, round_: int) -> list[list[int]]:
+    """Split member indices 0..count−1 into random pairs (a triple when count is odd), the same on every member.
+
+    >>> partners(4, round_=7)  # e.g. [[2, 0], [3, 1]]
+    """
+    order = list(range(count))
+    random.Random(round_).shuffle(order)
+    groups = [order[i : i + 2] for i in range(0, count - 1, 2)]
+    if count % 2:
+        if groups:
+            groups[-1].append(order[-1])
+        else:
+            groups.append(order)
+    return groups
+
+
+class NoLoCo(OuterOptimizer[PairPart]):
+    """Pairwise gossip outer step: Δ through ``codec``, outer weights in fp32, heavy-ball SGD (lr 0.7, momentum 0.5)."""
+
+    def __init__(self, params: NamedTensors, *, lr: float = 0.7, momentum: float = 0.5, codec: Codec) -> None:
+        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum))
+        self.codec = codec
+        self.weights_codec = get_codec("fp32")  # the consensus term needs the partner's weights exactly
+        self._my_payload: bytes | None = None
+
+    def make_payload(self, local: NamedTensors) -> bytes:
+        self._my_payload = super().make_payload(local)
+        return self._my_payload
+
+    def apply(self, payloads: list[bytes], local: NamedTensors) -> int:
+        """Step with my partner's payload (chosen from the round's ``payloads``), not the whole group's."""
+        return super().apply(self.my_group(payloads), local)
+
+    def my_group(self, payloads: list[bytes]) -> list[bytes]:
+        """My payload and my partner's (or two partners'), as the round's shared pairing says."""
+        if self._my_payload is None or self._my_payload not in payloads:
+            return payloads  # I sent nothing this round: nothing to pair by (the base class drops what it cannot use)
+        ordered = sorted(payloads)
+        mine = ordered.index(self._my_payload)
+        group = next(g for g in partners(len(ordered), self.round) if mine in g)
+        return [ordered[i] for i in group]
+
+    def _encode(self, name: str, delta: torch.Tensor) -> bytes:
+        delta_frame = self.codec.encode(delta)
+        return _SPLIT.pack(len(delta_frame)) + delta_frame + self.weights_codec.encode(self._global[name].cpu())
+
+    def _decode(self, name: str, frame: bytes) -> PairPart:
+        if len(frame) < _SPLIT.size:
+            raise MalformedFrame(f"{name}: NoLoCo frame of {len(frame)} bytes is shorter than its header")
+        (delta_len,) = _SPLIT.unpack_from(frame)
+        if _SPLIT.size + delta_len > len(frame):
+            raise MalformedFrame(f"{name}: NoLoCo Δ frame of {delta_len} bytes overruns the payload")
+        delta = self.codec.decode(frame[_SPLIT.size : _SPLIT.size + delta_len])  # rejects NaN and inf
+        weights = self.weights_codec.decode(frame[_SPLIT.size + delta_len :])
+        self._check_shape(name, delta.shape)
+        self._check_shape(name, weights.shape)
+        return PairPart(name, delta, weights)
+
+    def _combine(self, parts: list[PairPart]) -> torch.Tensor:
+        name = parts[0].name
+        mean_delta = torch.stack([p.delta for p in parts]).mean(dim=0)
+        mean_weights = torch.stack([p.weights for p in parts]).mean(dim=0)
+        return mean_delta + (self._global[name].cpu() - mean_weights)
+
+    def _squared_norm(self, part: PairPart) -> float:
+        return float(part.delta.double().square().sum())
+
+    def _scale(self, part: PairPart, factor: float) -> PairPart:
+        return PairPart(part.name, part.delta * factor, part.weights)
