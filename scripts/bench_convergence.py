@@ -1,177 +1,334 @@
-"""Convergence versus bandwidth: centralized AdamW, ddp, DiLoCo and SparseLoCo at equal tokens.
+"""Convergence study: validation loss against tokens and bytes sent, for a list of rows, K replicas and seeds.
 
-Every run trains the default model on the default corpus for the same number of tokens and
-reports its full-pipeline validation loss and the bytes per token it would put on the wire.
-Ratios are taken against the ddp run of the same activation codec, measured in the same
-invocation.
+Every row at one K trains on the same tokens (``--steps`` inner steps per replica, each on
+``train.inner_batch`` samples): the data-parallel baseline ("ddp": fp32 gradient all-reduce every
+step, global batch K × inner_batch), one process on one replica's batch for K× the steps
+("one-process"), and the outer methods (DiLoCo, SparseLoCo, NoLoCo) with their settings. Each
+(row, K) is run for ``--seeds`` seeds and reported as the mean and sample std of the final
+validation loss, its ratio to ddp and to one-process at the same K, and its pseudo-gradient bytes
+per token against ddp's fp32 gradient bytes per token ("pg reduction").
 
-    python scripts/bench_convergence.py --tokens 600000 --json bench-convergence.json
+    python scripts/bench_convergence.py --preset small --steps 500 --replicas 2 4 --seeds 3 \\
+        --json bench-convergence.json --plot bench-convergence.png
+    python scripts/bench_convergence.py --steps 500 --only ddp sparseloco   # the default model
+
+Edit ``ROWS`` to change the study: each row is an outer method and dotted config overrides.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
 from peer.data import Corpus, load_corpus
-from swarm.config import OuterChoice, SwarmConfig, derive_config
+from swarm.config import ConfigValue, OuterChoice, SwarmConfig, derive_config
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import SimulationConfig, simulate
 
-VAL_BATCHES = 16
+VAL_BATCHES = 16  # held-out microbatches, the same for every run
+RowOuter = Literal["centralized"] | OuterChoice
 
 
-@dataclass(frozen=True)
-class Run:
+@dataclass(frozen=True, kw_only=True)
+class Row:
     name: str
-    outer: OuterChoice | Literal["centralized"]
-    act_codec: str = "int8"
-    inner_steps: int = 0
-    skip: float = 0.0
-    swaps: int = 0
-    routing: str = "random"
+    outer: RowOuter  # centralized: one process; ddp: gradient all-reduce every step; else the outer method
+    overrides: Mapping[str, ConfigValue] = field(default_factory=dict)  # dotted config paths, via derive_config
 
 
-def plan(h1: int, h2: int) -> list[Run]:
-    runs = [Run("centralized", "centralized", act_codec="none")]
-    for codec in ("int8", "subspace"):
-        runs.append(Run(f"ddp/{codec}", "ddp", codec))
-        for outer in ("diloco", "sparseloco"):
-            for h in (h1, h2) if codec == "int8" else (h1,):
-                runs.append(Run(f"{outer}/H{h}/{codec}", outer, codec, h))
-    runs.append(Run(f"sparseloco/H{h1}/int8/skip0.25+swaps", "sparseloco", "int8", h1, skip=0.25, swaps=1))
-    runs.append(Run(f"diloco/H{h1}/int8/sticky", "diloco", "int8", h1, routing="sticky"))  # isolates replica mixing
-    return runs
+AVERAGE = {"outer.diloco_lr": 1.0, "outer.diloco_momentum": 0.0}  # the outer step is the plain replica mean
+
+ROWS: list[Row] = [
+    Row(name="ddp", outer="ddp"),
+    Row(name="one-process", outer="centralized"),
+    Row(name="diloco", outer="diloco"),
+    Row(name="diloco/avg", outer="diloco", overrides=AVERAGE),
+    Row(name="sparseloco", outer="sparseloco"),
+    Row(
+        name="sparseloco/nesterov",
+        outer="sparseloco",
+        overrides={"outer.sparseloco_lr": 0.7, "outer.sparseloco_momentum": 0.9},
+    ),
+    Row(name="noloco", outer="noloco"),
+    Row(name="diloco/avg/H5", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 5}),
+    Row(name="diloco/avg/H10", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 10}),
+    Row(name="sparseloco/H10", outer="sparseloco", overrides={"outer.inner_steps": 10}),
+]
+
+PRESETS: dict[str, dict[str, ConfigValue]] = {
+    "default": {},
+    "small": {
+        "model.d_model": 64,
+        "model.n_layers": 4,
+        "model.max_seq_len": 64,
+        "stages.num_stages": 2,
+        "train.seq_len": 64,
+    },
+}
 
 
-def run_config(base: SwarmConfig, run: Run) -> SwarmConfig:
-    """The run's swarm config: its codec on both directions, its outer step, H and paths (the centralized run: no outer step)."""
-    codec = "fp32" if run.act_codec == "none" else run.act_codec
-    overrides = {
+def row_config(base: SwarmConfig, row: Row, *, codec: str, h: int, seed: int) -> SwarmConfig:
+    """The row's swarm config: ``codec`` on activations (and their gradients), fp32 pseudo-gradients unless
+    SparseLoCo (derive_config gives it its own), H = ``h`` unless the row sets it (0: the config's), seeded init.
+
+        >>> row_config(SwarmConfig(), Row(name="x", outer="diloco"), codec="int8", h=10, seed=0).outer.inner_steps  # 10
+    """
+    overrides: dict[str, ConfigValue] = {
         "codecs.activations": codec,
         "codecs.pseudo_gradients": "fp32",
-        "paths.skip_ratio": run.skip,
-        "paths.max_swaps": run.swaps,
+        "train.seed": seed,
+        "model.init_seed": seed,  # replicas still start identical; seeds differ in init as well as data
     }
-    if run.inner_steps:
-        overrides["outer.inner_steps"] = run.inner_steps
-    return derive_config(base, overrides, outer="none" if run.outer == "centralized" else run.outer)
+    if h:  # inert without an outer step, but keeps ddp's config the one `swarmloco simulate -H h` derives
+        overrides["outer.inner_steps"] = h
+    overrides |= row.overrides
+    return derive_config(base, overrides, outer="ddp" if row.outer == "centralized" else row.outer)
 
 
-def measure(run: Run, base: SwarmConfig, corpus: Corpus, replicas: int, tokens: int, seed: int) -> dict:
-    cfg = run_config(base, run)
+def horizon(cfg: SwarmConfig, row: Row) -> int | None:
+    """H of an outer row; None where there is no outer step."""
+    return None if row.outer in ("centralized", "ddp") else cfg.outer.inner_steps
+
+
+def run_one(
+    row: Row, cfg: SwarmConfig, corpus: Corpus, *, replicas: int, steps: int, seed: int, log_points: int
+) -> dict[str, Any]:
+    """One training run of ``row`` at K = ``replicas``; the record the JSON keeps."""
     t = cfg.train
     val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len, num_batches=VAL_BATCHES)
+    tokens = steps * replicas * t.inner_batch * t.seq_len  # the same for every row at this K
+    ticks = tokens // (replicas * t.microbatch_size * t.seq_len)  # the simulator's ticks: K microbatches each
+    log_every = max(1, ticks // log_points)
     started = time.perf_counter()
-    if run.outer == "centralized":  # same global batch and steps as ddp: K microbatches per step
-        global_batch = replicas * t.microbatch_size
-        steps = tokens // (global_batch * t.seq_len)
-        cfg = dataclasses.replace(
-            cfg,
-            train=dataclasses.replace(t, microbatch_size=global_batch, inner_batch=global_batch, seed=seed),
-            inner=dataclasses.replace(cfg.inner, total_steps=steps),
+    if row.outer == "centralized":
+        # a tick is K microbatches and a one-process step is one, so K× log_every lands on the same tokens
+        result = run_centralized(cfg, corpus, val, tokens=tokens, seed=seed, log_every=log_every * replicas)
+    else:
+        result = run_simulated(
+            cfg, corpus, val, row=row, replicas=replicas, tokens=tokens, seed=seed, log_every=log_every
         )
-        batches = corpus.sample_batches("train", batch_size=global_batch, seq_len=t.seq_len, seed=seed)
-        log: list[dict] = []
-        train_centralized(cfg, batches, val, steps=steps, log_every=steps, on_log=log.append)
-        return {
-            "name": run.name,
-            "val_loss": log[-1]["val_loss"],
-            "tokens": log[-1]["tokens"],
-            "wall_s": time.perf_counter() - started,
-            "bytes_per_token": {"total": 0.0},
-            "seed": seed,
-        }
+    return {
+        "row": row.name,
+        "outer": row.outer,
+        "K": replicas,
+        "H": horizon(cfg, row),
+        "seed": seed,
+        "wall_s": time.perf_counter() - started,
+    } | result
+
+
+def run_centralized(
+    cfg: SwarmConfig, corpus: Corpus, val: list, *, tokens: int, seed: int, log_every: int
+) -> dict[str, Any]:
+    """One process on one replica's batch (microbatch_size), as many steps as the tokens take, its lr schedule fitted."""
+    batch, seq_len = cfg.train.microbatch_size, cfg.train.seq_len
+    steps = tokens // (batch * seq_len)
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, inner_batch=batch),
+        inner=dataclasses.replace(cfg.inner, total_steps=steps),
+    )
+    batches = corpus.sample_batches("train", batch_size=batch, seq_len=seq_len, seed=seed)
+    log: list[dict[str, float]] = []
+    train_centralized(cfg, batches, val, steps=steps, log_every=log_every, on_log=log.append)
+    for record in log:
+        record["bytes_per_token"] = 0.0  # nothing leaves the process
+    return {"val_loss": log[-1]["val_loss"], "tokens": log[-1]["tokens"], "bytes_by_kind": {}, "log": log}
+
+
+def run_simulated(
+    cfg: SwarmConfig, corpus: Corpus, val: list, *, row: Row, replicas: int, tokens: int, seed: int, log_every: int
+) -> dict[str, Any]:
+    """The simulated swarm: ddp all-reduces gradients every step, the others run their outer step every H."""
+    t = cfg.train
     streams = [
         corpus.sample_batches("train", batch_size=t.microbatch_size, seq_len=t.seq_len, seed=seed + 1000 * k)
         for k in range(replicas)
     ]
     sim = SimulationConfig(
-        replicas=replicas,
-        mode="ddp" if run.outer == "ddp" else "outer",
-        tokens=tokens,
-        seed=seed,
-        log_every=10**9,
-        routing=run.routing,
+        replicas=replicas, mode="ddp" if row.outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=log_every
     )
     result = simulate(cfg, sim, streams, val)
     return {
-        "name": run.name,
         "val_loss": result.val_loss,
         "tokens": result.tokens,
-        "wall_s": result.wall_s,
-        "bytes_per_token": result.bytes_per_token,
         "outer_rounds": result.outer_rounds,
-        "seed": seed,
-        "act_codec": run.act_codec,
-        "inner_steps": run.inner_steps,
-        "skip": run.skip,
-        "swaps": run.swaps,
-        "routing": run.routing,
+        "bytes_by_kind": result.bytes_by_kind,
+        "log": result.log,
     }
 
 
-def median_record(records: list[dict]) -> dict:
-    out = dict(records[0])
-    out["val_loss"] = statistics.median(r["val_loss"] for r in records)
-    out["wall_s"] = statistics.median(r["wall_s"] for r in records)
-    out["val_loss_runs"] = [r["val_loss"] for r in records]
-    return out
+def per_token(record: dict[str, Any], kind: str) -> float:
+    return record["bytes_by_kind"].get(kind, 0) / record["tokens"]
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (row, K), in run order: mean and sample std of the final val loss, ratios, bytes per token."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["row"], r["K"]), []).append(r)
+    summary = []
+    for (name, k), runs in groups.items():
+        losses = [r["val_loss"] for r in runs]
+        summary.append(
+            {
+                "row": name,
+                "K": k,
+                "H": runs[0]["H"],
+                "seeds": len(runs),
+                "tokens": runs[0]["tokens"],
+                "val_loss_mean": statistics.fmean(losses),
+                "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+                "pg_bytes_per_token": statistics.fmean(per_token(r, "pseudo_gradients") for r in runs),
+                "bytes_per_token": statistics.fmean(sum(r["bytes_by_kind"].values()) / r["tokens"] for r in runs),
+            }
+        )
+    for s in summary:  # the references are rows of the same K, whichever were run
+        ddp = next((d for d in summary if d["row"] == "ddp" and d["K"] == s["K"]), None)
+        one = next((d for d in summary if d["row"] == "one-process" and d["K"] == s["K"]), None)
+        ddp_grad = statistics.fmean(per_token(r, "gradients") for r in groups[("ddp", s["K"])]) if ddp else None
+        s["vs_ddp"] = s["val_loss_mean"] / ddp["val_loss_mean"] if ddp else None
+        s["vs_one_process"] = s["val_loss_mean"] / one["val_loss_mean"] if one else None
+        s["ddp_grad_bytes_per_token"] = ddp_grad
+        s["pg_reduction"] = ddp_grad / s["pg_bytes_per_token"] if ddp_grad and s["pg_bytes_per_token"] else None
+    return summary
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(summary: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'row':<22} {'K':>2} {'H':>4} {'n':>2} {'val mean':>8} {'std':>7} {'÷ddp':>6} {'÷1proc':>6} "
+        f"{'pg B/tok':>9} {'ddp grad B/tok':>14} {'pg reduction':>12} {'total B/tok':>11}"
+    )
+    print("\n" + header + "\n" + "-" * len(header))
+    for s in summary:
+        print(
+            f"{s['row']:<22} {s['K']:>2} {fmt(s['H'], 'd'):>4} {s['seeds']:>2} {s['val_loss_mean']:8.4f} "
+            f"{fmt(s['val_loss_std'], '.4f'):>7} {fmt(s['vs_ddp'], '.3f'):>6} {fmt(s['vs_one_process'], '.3f'):>6} "
+            f"{s['pg_bytes_per_token']:9.3f} {fmt(s['ddp_grad_bytes_per_token'], '.1f'):>14} "
+            f"{fmt(s['pg_reduction'], '.1f'):>12} {s['bytes_per_token']:11.1f}",
+            flush=True,
+        )
+
+
+def mean_curve(runs: list[dict[str, Any]]) -> tuple[list[float], list[float], list[float]]:
+    """Tokens, cumulative bytes sent (all kinds) and val loss at each log point, averaged over seeds."""
+    logs = [r["log"] for r in runs]
+    n = min(len(log) for log in logs)  # seeds of one row log at the same points; guard anyway
+    tokens = [logs[0][i]["tokens"] for i in range(n)]
+    sent = [statistics.fmean(log[i]["bytes_per_token"] * log[i]["tokens"] for log in logs) for i in range(n)]
+    loss = [statistics.fmean(log[i]["val_loss"] for log in logs) for i in range(n)]
+    return tokens, sent, loss
+
+
+def plot(records: list[dict[str, Any]], path: str) -> None:
+    """Two panels: mean val loss against tokens, and against cumulative bytes sent (one process sends none)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["row"], r["K"]), []).append(r)
+    fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(13, 5))
+    for (name, k), runs in groups.items():
+        tokens, sent, loss = mean_curve(runs)
+        label = f"{name} K={k}"
+        (line,) = by_tokens.plot(tokens, loss, marker=".", label=label)
+        if sent[-1] > 0:  # a log axis has no room for zero bytes
+            by_bytes.plot(sent, loss, marker=".", color=line.get_color(), label=label)
+    by_tokens.set(xlabel="training tokens", ylabel="val loss (mean over seeds)", title="val loss against tokens")
+    by_bytes.set(
+        xlabel="bytes sent, all kinds (log)",
+        ylabel="val loss (mean over seeds)",
+        xscale="log",
+        title="val loss against bytes sent",
+    )
+    by_tokens.legend(fontsize=7)
+    by_bytes.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def write_json(path: str, args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "records": records, "summary": summarize(records)}, f, indent=1)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="default", help="small: a 64-wide, 4-layer, 2-stage model"
+    )
+    parser.add_argument(
+        "--replicas", type=int, nargs="+", default=[2, 4], help="K replicas per stage; every row runs at each"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=500, help="inner steps per replica (tokens = steps·K·inner_batch·seq_len)"
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per row and K (0..N-1)")
+    parser.add_argument(
+        "--h", type=int, default=20, help="H for outer rows that do not set their own (0: the config's)"
+    )
+    parser.add_argument("--codec", choices=["fp32", "int8"], default="int8", help="activation codec of every row")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only rows whose name contains one of these")
+    parser.add_argument("--log-points", type=int, default=10, help="val-loss evaluations per run, for the curves")
+    parser.add_argument(
+        "--corpus", nargs="+", metavar="PATH", help="text files or folders (default: the stdlib sources)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--json", help="write args, per-run records and the summary here (rewritten after every run)")
+    parser.add_argument(
+        "--plot", metavar="PATH.png", help="plot val loss against tokens and bytes sent (needs matplotlib)"
+    )
+    args = parser.parse_args()
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after hours of training
+        parser.error("--plot needs matplotlib, which is not installed: `pip install matplotlib`, or leave --plot out")
+    if min(args.replicas) < 1 or args.steps < 1 or args.seeds < 1 or args.log_points < 1 or args.h < 0:
+        parser.error("--replicas, --steps, --seeds and --log-points must be positive, --h non-negative")
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=600_000, help="training tokens per run (all trainers together)")
-    parser.add_argument("--replicas", type=int, default=2, help="K replicas per stage")
-    parser.add_argument("--h1", type=int, default=10, help="first outer interval H")
-    parser.add_argument("--h2", type=int, default=25, help="second outer interval H")
-    parser.add_argument("--seeds", type=int, default=1, help="repeats per run with different seeds (median reported)")
-    parser.add_argument("--only", nargs="*", help="run only these names (substring match)")
-    parser.add_argument("--json", help="write the records here")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    base, corpus = SwarmConfig(), load_corpus()
-    records = []
-    for run in plan(args.h1, args.h2):
-        if args.only and not any(s in run.name for s in args.only):
-            continue
-        rec = median_record(
-            [measure(run, base, corpus, args.replicas, args.tokens, seed) for seed in range(args.seeds)]
-        )
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    base = derive_config(SwarmConfig(), PRESETS[args.preset])
+    corpus = load_corpus(args.corpus)
+    rows = [r for r in ROWS if not args.only or any(s in r.name for s in args.only)]
+    if not rows:
+        raise SystemExit(f"no row matches --only {' '.join(args.only)}; rows: {', '.join(r.name for r in ROWS)}")
+    plan = [(row, k, seed) for k in args.replicas for row in rows for seed in range(args.seeds)]
+    records: list[dict[str, Any]] = []
+    for i, (row, k, seed) in enumerate(plan, 1):
+        cfg = row_config(base, row, codec=args.codec, h=args.h, seed=seed)
+        rec = run_one(row, cfg, corpus, replicas=k, steps=args.steps, seed=seed, log_points=args.log_points)
         records.append(rec)
         print(
-            f"{rec['name']:<38} val {rec['val_loss']:.4f}  {rec['bytes_per_token']['total']:10.1f} B/token  {rec['wall_s']:6.0f}s",
+            f"[{i}/{len(plan)}] {row.name:<22} K={k} seed={seed} val {rec['val_loss']:.4f} "
+            f"pg {per_token(rec, 'pseudo_gradients'):.3f} B/tok  {rec['tokens']} tokens  {rec['wall_s']:.0f}s",
             flush=True,
         )
-    print_table(records)
+        if args.json:  # a long study interrupted keeps what it measured
+            write_json(args.json, args, records)
+    print_table(summarize(records))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"tokens": args.tokens, "replicas": args.replicas, "seeds": args.seeds, "records": records}, f, indent=1
-            )
         print(f"wrote {args.json}")
-
-
-def print_table(records: list[dict]) -> None:
-    ddp = {r["act_codec"]: r for r in records if r["name"].startswith("ddp/")}
-    header = f"{'run':<38} {'val_loss':>8} {'vs ddp':>7} {'B/token':>10} {'act':>8} {'act-grad':>8} {'pseudo':>8} {'ddp-grad':>9} {'bytes vs ddp':>12}"
-    print("\n" + header + "\n" + "-" * len(header))
-    for r in records:
-        ref = ddp.get(r.get("act_codec", ""))
-        b = r["bytes_per_token"]
-        loss_ratio = f"{r['val_loss'] / ref['val_loss']:.3f}" if ref else "-"
-        bytes_ratio = f"{b['total'] / ref['bytes_per_token']['total']:.3f}" if ref and b["total"] else "-"
-        print(
-            f"{r['name']:<38} {r['val_loss']:8.4f} {loss_ratio:>7} {b['total']:10.1f} {b.get('activations', 0):8.1f} "
-            f"{b.get('activation_gradients', 0):8.1f} {b.get('pseudo_gradients', 0):8.3f} {b.get('gradients', 0):9.1f} {bytes_ratio:>12}"
-        )
+    if args.plot:
+        plot(records, args.plot)
 
 
 if __name__ == "__main__":
