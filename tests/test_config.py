@@ -271,18 +271,18 @@ def test_simulate_keeps_its_flags() -> None:
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp16", "subspace"])
-@pytest.mark.parametrize("outer", ["diloco", "sparseloco"])
+@pytest.mark.parametrize("outer", ["diloco", "sparseloco", "noloco"])
 def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(
         str(Path(__file__).resolve().parents[1] / "scripts")
     )  # bench_e2e imports its siblings by name
     bench_e2e, bench_swarm = importlib.import_module("bench_e2e"), importlib.import_module("bench_swarm")
     from peer.launch import LocalSwarm, local_config
-    from scripts.bench_convergence import Run, run_config
+    from scripts.bench_convergence import Row, row_config
 
     base, h = SwarmConfig(), 10
     cli = _cli_config(base, ["--outer", outer, "-H", str(h), "--act-codec", codec])
-    assert cli == run_config(base, Run("run", outer, codec, h))
+    assert cli == row_config(base, Row(name="run", outer=outer), codec=codec, h=h, seed=0)
     assert cli.model.subspace_rank == (base.model.d_model // 8 if codec == "subspace" else 0)
     layout = LocalSwarm(peers=5, stages=3, trainers=2)
     local = _cli_config(local_config(base, layout), ["--outer", outer, "-H", str(h), "--act-codec", codec])
@@ -291,4 +291,6 @@ def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, mo
     )
     assert local == bench_swarm.bench_config(local_config(base, layout), outer, h, codec)
     ddp = _cli_config(base, ["--outer", "ddp", "-H", str(h), "--act-codec", codec])
-    assert ddp.outer.method == "none" and ddp == run_config(base, Run("run", "ddp", codec, h))
+    assert ddp.outer.method == "none" and ddp == row_config(
+        base, Row(name="run", outer="ddp"), codec=codec, h=h, seed=0
+    )
