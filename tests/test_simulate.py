@@ -123,3 +123,34 @@ def test_validation_loss_falls(corpus) -> None:
         tiny(codecs=CodecConfig(activations="int8", gradients="int8", pseudo_gradients="fp32")), corpus, ticks=30
     )
     assert result.log[-1]["val_loss"] < 4.0 < 5.55  # ln(256) at initialisation
+
+
+def test_h_and_the_lr_schedule_count_inner_steps_not_microbatches(corpus) -> None:
+    """With two microbatches per inner step, H = 3 inner steps is a round every 6 ticks (as in the swarm)."""
+    cfg = tiny(train=dataclasses.replace(tiny().train, inner_batch=2 * MICRO))
+    result = run(cfg, corpus, ticks=12)  # 6 inner steps: rounds after inner steps 3 and 6
+    assert result.outer_rounds == 2 and all_replicas_agree(result.replicas)
+    trainer = result.replicas[0][0].inner
+    # the cosine schedule ended with the run, not halfway through it
+    assert trainer.steps == 6 and trainer.lr == pytest.approx(cfg.inner.lr * cfg.inner.min_lr_ratio)
+
+
+def test_averaging_every_step_tracks_data_parallel_training(corpus) -> None:
+    """H = 1 with a plain average (outer lr 1, no momentum) trains at least as well as averaging gradients every step."""
+    ddp = run(tiny(outer=OuterOptimConfig(method="none")), corpus, ticks=24, mode="ddp")
+    every_step = run(
+        tiny(outer=OuterOptimConfig(method="diloco", inner_steps=1, diloco_lr=1.0, diloco_momentum=0.0)),
+        corpus,
+        ticks=24,
+    )
+    assert every_step.outer_rounds == 24 and all_replicas_agree(every_step.replicas)
+    assert every_step.val_loss < 1.01 * ddp.val_loss < 0.9 * 5.55  # both learned (ln 256 at initialisation)
+
+
+def test_noloco_pairs_replicas_without_forcing_them_equal(corpus) -> None:
+    cfg = tiny(outer=OuterOptimConfig(method="noloco", inner_steps=3))
+    result = run(cfg, corpus, ticks=30, replicas=4)
+    assert result.outer_rounds == 10 and not all_replicas_agree(result.replicas)
+    fp32_pair_payload = 2 * 4 * sum(p.numel() for p in result.replicas[1][0].module.parameters())  # Δ and θ
+    assert result.bytes_by_kind["pseudo_gradients"] > 10 * 4 * fp32_pair_payload  # 10 rounds × 4 replicas × 1 partner
+    assert result.log[-1]["val_loss"] < 4.0
