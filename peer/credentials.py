@@ -28,14 +28,11 @@ from pathlib import Path
 import base58
 import multihash
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
-from hivemind.proto import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, save_config
+from swarm.dht.identity import identity_peer_id, load_identity_key
 from swarm.rpc.auth import (
     Certificate,
     CertificateAuthorizer,
@@ -44,7 +41,6 @@ from swarm.rpc.auth import (
     RevocationList,
     decode_public_key,
     encode_public_key,
-    peer_id_of_public_key,
 )
 
 AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, REVOCATIONS = (
@@ -126,13 +122,6 @@ def revoke(
     return updated
 
 
-class IdentityKey(RSAPrivateKey):
-    """hivemind's RSA key type around an existing libp2p identity key (``RSAPrivateKey()`` makes a new one)."""
-
-    def __init__(self, private_key: rsa.RSAPrivateKey) -> None:
-        self._private_key = private_key
-
-
 def new_identity(path: Path) -> str:
     """Create a libp2p identity file the way hivemind does (RSA, mode 0400); returns its peer id."""
     if path.exists():
@@ -145,21 +134,7 @@ def new_identity(path: Path) -> str:
 
 
 def peer_id_of_identity(path: Path) -> str:
-    return peer_id_of_public_key(load_identity_key(path).get_public_key().to_bytes())
-
-
-def load_identity_key(path: Path) -> IdentityKey:
-    data = _read(path)
-    try:
-        proto = crypto_pb2.PrivateKey.FromString(data)
-        if proto.key_type != crypto_pb2.RSA:
-            raise ValueError(f"key type {crypto_pb2.KeyType.Name(proto.key_type)}, hivemind signs with RSA")
-        key = serialization.load_der_private_key(proto.data, password=None)
-    except (DecodeError, ValueError) as e:
-        raise CredentialError(f"{path} is not a libp2p identity file: {e}") from None
-    if not isinstance(key, rsa.RSAPrivateKey):
-        raise CredentialError(f"{path} holds a {type(key).__name__}, expected an RSA key")
-    return IdentityKey(key)
+    return identity_peer_id(load_identity_key(path))
 
 
 def check_peer_id(peer_id: str) -> str:

@@ -6,6 +6,12 @@ silent peer vanishes on its own. The owner marker makes hivemind's ``RSASignatur
 require the owner's signature, and a ``SchemaValidator`` rejects records that do not match the
 pydantic models below, on every DHT node that stores or returns them.
 
+The owner key is the peer's libp2p identity key (``SwarmDHT.identity``), so the peer id in front
+of it is not a claim but a fact to check: ``OwnerBindingValidator`` (``swarm/dht/identity.py``)
+refuses a record whose peer id is not the one its owner key derives to, and readers take the peer
+id from the owner key (``peer_from_subkey``). A peer cannot announce records under a peer id whose
+key it does not hold.
+
 A peer about to rebuild a lost stage stores a ``RecoveryClaim`` under ``{swarm_id}/recovery/{i}``
 (same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/recovery/rebuild.py``); a
 rebuilt replica's stage record carries ``recovered=True``.
@@ -14,7 +20,7 @@ The swarm config is published under ``{name}/config`` by every peer (so it outli
 a joining peer without a config fetches it, one with a different config gets an error naming
 both hashes.
 
-    >>> membership = Membership(dht)                                    # a running hivemind DHT
+    >>> membership = Membership(dht)                                    # a running SwarmDHT (swarm/dht/process.py)
     >>> cfg = await membership.join(SwarmConfig(), create=True)         # or join(None, name=...)
     >>> await membership.announce(2, StageStatus(samples_per_s=40.0))
     >>> await membership.replicas(2)                                    # {PeerID: StageStatus}
@@ -27,13 +33,13 @@ import tomllib
 from typing import TypeVar
 
 import pydantic.v1 as pydantic
-from hivemind.dht import DHT
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, config_from_dict, dumps_config
+from swarm.dht.identity import peer_from_subkey
+from swarm.dht.process import SwarmDHT
 from swarm.dht.records import (
     PROTOCOL_VERSION,
     ConfigRecord,
@@ -43,8 +49,6 @@ from swarm.dht.records import (
     StageStatus,
 )
 from swarm.errors import ConfigError
-
-OWNER_MARKER = b"[owner:"  # subkey = peer id + this + the owner's public key
 
 
 class MembershipError(RuntimeError):
@@ -108,15 +112,6 @@ def stage_validator(cfg: SwarmConfig) -> SwarmSchemaValidator:
     return SwarmSchemaValidator({**stages, **claims, metrics_key(cfg.swarm_id): "metrics"})
 
 
-def peer_from_subkey(subkey: bytes) -> PeerID | None:
-    """The peer id in front of the owner marker, or None for a malformed subkey."""
-    head, marker, _ = subkey.partition(OWNER_MARKER)
-    try:
-        return PeerID.from_base58(head.decode("ascii")) if marker and head else None
-    except ValueError:
-        return None
-
-
 def parse_config_record(value: object) -> SwarmConfig | None:
     """A published config whose TOML really hashes to the hash it claims, else None."""
     try:
@@ -151,11 +146,11 @@ def reconcile_config(name: str, local: SwarmConfig | None, published: list[Swarm
 class Membership:
     """One peer's view of the swarm in the DHT: its own records and everyone else's."""
 
-    def __init__(self, dht: DHT, private_key: RSAPrivateKey | None = None) -> None:
+    def __init__(self, dht: SwarmDHT) -> None:
         self.dht = dht
         self.peer_id: PeerID = dht.peer_id
-        self._signer = RSASignatureValidator(private_key)
-        self.subkey = self.peer_id.to_base58().encode() + self._signer.local_public_key
+        # the identity's key (SwarmDHT signs with it): records name this peer id only
+        self.subkey = self.peer_id.to_base58().encode() + RSASignatureValidator(dht.identity).local_public_key
         self._cfg: SwarmConfig | None = None  # set by join(); every record key holds its swarm id
         self.announced: set[int] = set()  # stages this peer holds a record for
 
@@ -164,7 +159,7 @@ class Membership:
     ) -> SwarmConfig:
         """Publish (``create``) or fetch-and-check the swarm config; from then on, check this swarm's stage records too."""
         name = cfg.name if cfg is not None else name
-        self.dht.add_validators([config_validator(name), self._signer])
+        self.dht.add_validators([config_validator(name)])
         if create:
             if cfg is None:
                 raise MembershipError("the peer that creates a swarm needs a config")
