@@ -50,6 +50,8 @@ AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, REVOCATIONS = (
     "revocations.json",
 )
 DAY_S = 86_400
+# a certificate counts whole seconds: under a minute it is void before its peer has started; 100 years is forever
+MIN_DAYS, MAX_DAYS = 60 / DAY_S, 36_525.0
 
 
 def create_swarm(name: str, out: Path, *, private: bool) -> SwarmConfig:
@@ -93,8 +95,10 @@ def invite(
     authority: Path, swarm_id: str, peer_id: str, *, days: float, out: Path, clock: Callable[[], float] = time.time
 ) -> Certificate:
     """Sign a certificate admitting ``peer_id`` to the swarm for ``days`` and write it to ``out``."""
-    if days <= 0:
-        raise CredentialError(f"--days must be positive, got {days}")
+    if not MIN_DAYS <= days <= MAX_DAYS:  # NaN too
+        raise CredentialError(
+            f"--days must be between {MIN_DAYS:.5f} (one minute) and {MAX_DAYS:g} (100 years), got {days:g}"
+        )
     key = load_authority(authority)
     now = int(clock())
     cert = Certificate(

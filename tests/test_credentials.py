@@ -1,6 +1,7 @@
 """Credential files: the authority, identities, invitations and revocations, in Python and through the CLI."""
 
 import json
+import math
 import stat
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from peer.credentials import (
+    MIN_DAYS,
     check_peer_id,
     create_swarm,
     invite,
@@ -80,8 +82,12 @@ def test_invite_then_load_credentials(private_swarm: tuple[Path, SwarmConfig], t
         load_credentials(tmp_path / "me.id", tmp_path / "me.cert", cfg.swarm_id, clock=lambda: NOW + 3 * 86400)
     with pytest.raises(AccessDenied, match="for swarm"):
         load_credentials(tmp_path / "me.id", tmp_path / "me.cert", "other-0123456789abcdef", clock=lambda: NOW + 1)
-    with pytest.raises(CredentialError, match="must be positive"):
-        invite(root / "authority.key", cfg.swarm_id, someone, days=0, out=tmp_path / "x.cert")
+    for days in (0, 0.000001, -1, math.nan, math.inf, 1e9):  # 0.000001 days is 0.09 s: void before it is issued
+        with pytest.raises(CredentialError, match=r"--days must be between 0\.00069 \(one minute\) and 36525"):
+            invite(root / "authority.key", cfg.swarm_id, someone, days=days, out=tmp_path / "x.cert")
+    assert not (tmp_path / "x.cert").exists()
+    shortest = invite(root / "authority.key", cfg.swarm_id, someone, days=MIN_DAYS, out=tmp_path / "x.cert")
+    assert shortest.expires_at - shortest.issued_at == 60
 
 
 def test_revoke_appends_to_a_signed_list(private_swarm: tuple[Path, SwarmConfig], tmp_path: Path) -> None:
@@ -186,6 +192,19 @@ def test_cli_errors_are_one_line(private_swarm: tuple[Path, SwarmConfig], tmp_pa
             "x",
         ): "does not exist",
         ("identity", "--out", str(root / "swarm.toml")): "not a libp2p identity file",
+        (
+            "invite",
+            "--authority",
+            key,
+            "--config",
+            config,
+            "--peer-id",
+            "nope",
+            "--days",
+            "0.000001",
+            "-o",
+            str(tmp_path / "x.cert"),
+        ): "--days must be between 0.00069 (one minute) and 36525 (100 years), got 1e-06",
     }
     for args, says in cases.items():
         result = CliRunner().invoke(app, ["swarm", *args])

@@ -79,7 +79,9 @@ def swarm_invite(
     config: SwarmTomlOpt,
     peer_id: PeerIdOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Certificate file to write (the peer's --credentials).")],
-    days: Annotated[float, typer.Option(help="Validity in days.")] = 30.0,
+    days: Annotated[
+        float, typer.Option(help="Validity in days, from one minute (0.0007) to 100 years (36525).")
+    ] = 30.0,
 ) -> None:
     """Admit a peer to a private swarm: sign a certificate for its peer id."""
     from peer.credentials import invite
