@@ -55,23 +55,24 @@ MIN_DAYS, MAX_DAYS = 60 / DAY_S, 36_525.0
 
 
 def create_swarm(name: str, out: Path, *, private: bool) -> SwarmConfig:
-    """Write ``out/swarm.toml`` and, for a private swarm, a new authority key pair beside it."""
-    cfg = SwarmConfig(name=name)
+    """Write ``out/swarm.toml`` and, for a private swarm, a new authority key pair beside it, named in the config
+    (so the swarm id is this authority's: another private swarm of the same name gets another id)."""
     targets = [out / CONFIG_FILE] + ([out / AUTHORITY_KEY, out / AUTHORITY_PUB] if private else [])
     for path in targets:
         if path.exists():
             raise CredentialError(
                 f"{path} already exists; choose another --out (an overwritten authority key is a lost swarm)"
             )
+    key = Ed25519PrivateKey.generate() if private else None
+    cfg = SwarmConfig(name=name, authority=encode_public_key(key.public_key()) if key else "")
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / CONFIG_FILE)
-    if private:
-        key = Ed25519PrivateKey.generate()
+    if key is not None:
         pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
         _write_new(out / AUTHORITY_KEY, pem, mode=0o600)
-        _write_new(out / AUTHORITY_PUB, f"{encode_public_key(key.public_key())}\n".encode(), mode=0o644)
+        _write_new(out / AUTHORITY_PUB, f"{cfg.authority}\n".encode(), mode=0o644)
     return cfg
 
 

@@ -37,7 +37,7 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership, pick_stage
+from swarm.dht.membership import Membership, check_access, pick_stage
 from swarm.dht.records import StageStatus
 from swarm.dht.start import start_dht
 from swarm.faults import kill_this_peer, wait_for_step
@@ -49,6 +49,7 @@ from swarm.pipeline.protocol import StageClient
 from swarm.recovery.rebalance import choose_stage_for_newcomer
 from swarm.roles import DataFactory, StageRole, TrainerRole, stage_loads
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate
+from swarm.rpc.auth import encode_public_key
 
 __all__ = ["Node", "choose_role", "stage_loads", "DataFactory", "LogFn"]
 logger = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class Node:
         if self.dht is not None:
             raise RuntimeError("this node has started already")
         config = self.config
+        authority = encode_public_key(config.credentials.verifier.authority) if config.credentials else None
+        if self.cfg is not None:
+            check_access(self.cfg, authority)  # before this peer starts a swarm that lets anyone in
         self.dht = dht = await start_dht(
             initial_peers=config.initial_peers,
             host_maddrs=config.host_maddrs,
@@ -100,6 +104,7 @@ class Node:
         try:
             self.membership = membership = Membership(dht)
             self.cfg = cfg = await membership.join(self.cfg, create=not config.initial_peers, name=config.swarm_name)
+            check_access(cfg, authority)
             if cfg.stages.num_stages < (config.stage or 0):
                 raise ValueError(f"this swarm has stages 1..{cfg.stages.num_stages}, not {config.stage}")
             p2p = await dht.replicate_p2p()

@@ -21,6 +21,7 @@ from peer.credentials import (
     revoke,
 )
 from swarm.config import SwarmConfig, load_config
+from swarm.errors import ConfigError
 from swarm.rpc.auth import AccessDenied, Certificate, CredentialError, RevocationList, decode_public_key
 
 NOW = 1_700_000_000.0
@@ -37,15 +38,30 @@ def private_swarm(tmp_path: Path) -> tuple[Path, SwarmConfig]:
 
 def test_create_writes_config_and_a_secret_authority(private_swarm: tuple[Path, SwarmConfig], tmp_path: Path) -> None:
     root, cfg = private_swarm
-    assert load_config(root / "swarm.toml") == cfg == SwarmConfig(name="demo")
+    assert load_config(root / "swarm.toml") == cfg == SwarmConfig(name="demo", authority=cfg.authority)
     assert mode(root / "authority.key") == 0o600
     key = load_authority(root / "authority.key")
-    assert decode_public_key((root / "authority.pub").read_text()) == key.public_key()
+    assert (
+        decode_public_key((root / "authority.pub").read_text()) == key.public_key() == decode_public_key(cfg.authority)
+    )
     with pytest.raises(CredentialError, match="already exists"):
         create_swarm("demo", root, private=True)
     assert load_authority(root / "authority.key").private_bytes_raw() == key.private_bytes_raw(), "the key must survive"
     public = create_swarm("open", tmp_path / "open", private=False)
     assert sorted(p.name for p in (tmp_path / "open").iterdir()) == ["swarm.toml"] and public.name == "open"
+    assert public == SwarmConfig(name="open") and not public.authority
+
+
+def test_private_swarms_of_one_name_get_their_authoritys_id(
+    private_swarm: tuple[Path, SwarmConfig], tmp_path: Path
+) -> None:
+    _, first = private_swarm
+    second = create_swarm("demo", tmp_path / "again", private=True)
+    public = create_swarm("demo", tmp_path / "public", private=False)
+    assert len({first.swarm_id, second.swarm_id, public.swarm_id}) == 3 and first.authority != second.authority
+    assert public.swarm_id == "demo-83e917c95e7300ee", "a public swarm's id must not change with the new field"
+    with pytest.raises(ConfigError, match="authority.pub"):
+        SwarmConfig(name="demo", authority="not a key")
 
 
 def test_authority_readable_by_others_is_refused(private_swarm: tuple[Path, SwarmConfig]) -> None:
@@ -127,6 +143,9 @@ def test_cli_create_identity_invite_revoke(tmp_path: Path) -> None:
     assert created.returncode == 0, created.stderr
     cfg = load_config(root / "swarm.toml")
     assert cfg.swarm_id in created.stdout and mode(root / "authority.key") == 0o600
+    again = swarmloco("create", "--name", "demo", "--private", "--out", str(tmp_path / "again"))
+    assert again.returncode == 0 and load_config(tmp_path / "again" / "swarm.toml").swarm_id in again.stdout
+    assert cfg.swarm_id not in again.stdout, "two private swarms named demo share an id"
 
     identity = swarmloco("identity", "--out", str(tmp_path / "peer.id"))
     assert identity.returncode == 0, identity.stderr

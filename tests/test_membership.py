@@ -6,9 +6,11 @@ import asyncio
 import dataclasses
 import math
 import pickle
+import re
 from collections.abc import Iterator
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
@@ -34,6 +36,7 @@ from swarm.dht.membership import (
     Membership,
     MembershipError,
     StageStatus,
+    check_access,
     config_validator,
     parse_config_record,
     pick_stage,
@@ -45,6 +48,7 @@ from swarm.dht.process import SwarmDHT
 from swarm.model.transformer import ModelConfig
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.trainer import Batch
+from swarm.rpc.auth import encode_public_key
 
 CFG = SwarmConfig()
 OTHER = dataclasses.replace(CFG, model=ModelConfig(d_model=64))
@@ -136,6 +140,20 @@ def test_reconciling_configs() -> None:
         reconcile_config("lost", None, [])
     with pytest.raises(MembershipError, match="several configs"):
         reconcile_config("swarmloco", None, [CFG, OTHER])
+
+
+def test_a_private_swarm_admits_only_its_own_authoritys_peers() -> None:
+    mine, theirs = (encode_public_key(Ed25519PrivateKey.generate().public_key()) for _ in range(2))
+    private = SwarmConfig(name="demo", authority=mine)
+    check_access(private, mine)
+    for authority in (None, mine, theirs):
+        check_access(CFG, authority)  # a public config (or one written before configs named authorities)
+    with pytest.raises(MembershipError, match=f"swarm {private.swarm_id} is private.*--credentials"):
+        check_access(private, None)
+    with pytest.raises(
+        MembershipError, match=re.escape(f"comes from authority {theirs}, but swarm {private.swarm_id} is run by")
+    ):
+        check_access(private, theirs)
 
 
 def test_new_servers_join_the_stage_with_fewest_replicas_then_least_throughput() -> None:

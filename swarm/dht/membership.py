@@ -143,6 +143,26 @@ def reconcile_config(name: str, local: SwarmConfig | None, published: list[Swarm
     return next(cfg for cfg in published if cfg.hash() == hashes[0])
 
 
+def check_access(cfg: SwarmConfig, authority: str | None) -> None:
+    """MembershipError unless this peer's certificate authority (None: no credentials) is the one ``cfg`` names.
+
+    A private swarm's config names its authority (and so does its id); a public config names none,
+    and a config written before configs named authorities may still be run with credentials.
+    """
+    if not cfg.authority:
+        return
+    if authority is None:
+        raise MembershipError(
+            f"swarm {cfg.swarm_id} is private (authority {cfg.authority}): run with --identity and --credentials, "
+            f"a certificate from its authority (`swarmloco swarm invite`)"
+        )
+    if authority != cfg.authority:
+        raise MembershipError(
+            f"this peer's certificate comes from authority {authority}, but swarm {cfg.swarm_id} is run by "
+            f"authority {cfg.authority} (another swarm of the same name?): ask that authority for a certificate"
+        )
+
+
 class Membership:
     """One peer's view of the swarm in the DHT: its own records and everyone else's."""
 
