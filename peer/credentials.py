@@ -159,10 +159,15 @@ class PeerCredentials:
     identity: Path
     certificate: Path
     verifier: CertificateVerifier
+    revocations: Path | None = None  # the signed revocation list it was started with, re-read while it runs
 
     def certificate_bytes(self) -> bytes:
         """Read the file (a renewal may have replaced it): at start and when the certificate expires, not per request."""
         return _read(self.certificate).strip()
+
+    def revocations_bytes(self) -> bytes | None:
+        """The revocation list file as it is now (an authority's newer list may have replaced it), if there is one."""
+        return _read(self.revocations).strip() if self.revocations is not None else None
 
     def dht_authorizer(self) -> CertificateAuthorizer:
         return CertificateAuthorizer(load_identity_key(self.identity), self.certificate_bytes, self.verifier)
@@ -186,7 +191,7 @@ def load_credentials(
             decode_public_key(cert.authority), swarm_id, revocations=signed_list, clock=clock
         )
     verifier.check(peer_id_of_identity(identity), data)
-    return PeerCredentials(identity=identity, certificate=certificate, verifier=verifier)
+    return PeerCredentials(identity=identity, certificate=certificate, verifier=verifier, revocations=revocations)
 
 
 @contextlib.contextmanager

@@ -110,5 +110,6 @@ def swarm_revoke(
     path = revocations or authority.parent / REVOCATIONS
     updated = revoke(authority, load_config(config).swarm_id, peer_id, revocations=path)
     typer.echo(
-        f"revoked {peer_id}: wrote {path} (list #{updated.sequence}, {len(updated.revoked)} peers); hand it to every peer"
+        f"revoked {peer_id}: wrote {path} (list #{updated.sequence}, {len(updated.revoked)} peers); give it to one "
+        f"running peer (replace its --revocations file) or start one with it: the swarm's peers pass it on"
     )

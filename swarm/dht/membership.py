@@ -12,6 +12,9 @@ refuses a record whose peer id is not the one its owner key derives to, and read
 id from the owner key (``peer_from_subkey``). A peer cannot announce records under a peer id whose
 key it does not hold.
 
+Peers of a private swarm republish the newest signed revocation list they know under
+``{swarm_id}/revocations`` (``swarm/dht/revocations.py``), so running peers learn of revocations.
+
 A peer about to rebuild a lost stage stores a ``RecoveryClaim`` under ``{swarm_id}/recovery/{i}``
 (same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/recovery/rebuild.py``); a
 rebuilt replica's stage record carries ``recovered=True``.
@@ -45,6 +48,7 @@ from swarm.dht.records import (
     ConfigRecord,
     PeerMetrics,
     RecoveryClaim,
+    RevocationRecord,
     RoundDeclaration,
     StageStatus,
 )
@@ -75,14 +79,19 @@ def recovery_key(swarm_id: str, stage: int) -> str:
     return f"{swarm_id}/recovery/{stage}"
 
 
+def revocations_key(swarm_id: str) -> str:
+    return f"{swarm_id}/revocations"
+
+
 RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {
     "stage": StageStatus,
     "config": ConfigRecord,
     "metrics": PeerMetrics,
     "claim": RecoveryClaim,
+    "revocations": RevocationRecord,
 }
 # one per peer under a key, with a protocol version
-PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim)
+PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim, RevocationRecord)
 
 
 class SwarmSchemaValidator(SchemaValidator):
@@ -106,10 +115,11 @@ def config_validator(name: str) -> SwarmSchemaValidator:
 
 
 def stage_validator(cfg: SwarmConfig) -> SwarmSchemaValidator:
-    """This swarm's stage records, recovery claims and metrics records."""
+    """This swarm's stage records, recovery claims, metrics records and revocation lists."""
     stages = {stage_key(cfg.swarm_id, i): "stage" for i in range(cfg.stages.num_stages + 1)}
     claims = {recovery_key(cfg.swarm_id, i): "claim" for i in range(1, cfg.stages.num_stages + 1)}
-    return SwarmSchemaValidator({**stages, **claims, metrics_key(cfg.swarm_id): "metrics"})
+    others = {metrics_key(cfg.swarm_id): "metrics", revocations_key(cfg.swarm_id): "revocations"}
+    return SwarmSchemaValidator({**stages, **claims, **others})
 
 
 def parse_config_record(value: object) -> SwarmConfig | None:
@@ -264,6 +274,17 @@ class Membership:
     async def recovery_claims(self, stage: int) -> dict[PeerID, RecoveryClaim]:
         """Live claims to rebuild ``stage`` (this peer's included)."""
         return await self._read(recovery_key(self.cfg.swarm_id, stage), RecoveryClaim)
+
+    async def publish_revocations(self, signed: bytes) -> None:
+        """Republish the authority's signed revocation list (one copy per peer: none can be hidden by another)."""
+        await self._store(revocations_key(self.cfg.swarm_id), RevocationRecord(signed=signed).dict())
+
+    async def revocation_lists(self) -> list[bytes]:
+        """The signed revocation lists live peers republish, unchecked: the authority's signature is the reader's to check."""
+        return [
+            record.signed
+            for record in (await self._read(revocations_key(self.cfg.swarm_id), RevocationRecord)).values()
+        ]
 
     async def _read(self, key: str, kind: type[PeerRecord]) -> dict[PeerID, PeerRecord]:
         found = await self.dht.get(key, latest=True, return_future=True)
