@@ -28,14 +28,11 @@ from pathlib import Path
 import base58
 import multihash
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
-from hivemind.proto import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, save_config
+from swarm.dht.identity import identity_peer_id, load_identity_key
 from swarm.rpc.auth import (
     Certificate,
     CertificateAuthorizer,
@@ -44,7 +41,6 @@ from swarm.rpc.auth import (
     RevocationList,
     decode_public_key,
     encode_public_key,
-    peer_id_of_public_key,
 )
 
 AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, REVOCATIONS = (
@@ -54,26 +50,29 @@ AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, REVOCATIONS = (
     "revocations.json",
 )
 DAY_S = 86_400
+# a certificate counts whole seconds: under a minute it is void before its peer has started; 100 years is forever
+MIN_DAYS, MAX_DAYS = 60 / DAY_S, 36_525.0
 
 
 def create_swarm(name: str, out: Path, *, private: bool) -> SwarmConfig:
-    """Write ``out/swarm.toml`` and, for a private swarm, a new authority key pair beside it."""
-    cfg = SwarmConfig(name=name)
+    """Write ``out/swarm.toml`` and, for a private swarm, a new authority key pair beside it, named in the config
+    (so the swarm id is this authority's: another private swarm of the same name gets another id)."""
     targets = [out / CONFIG_FILE] + ([out / AUTHORITY_KEY, out / AUTHORITY_PUB] if private else [])
     for path in targets:
         if path.exists():
             raise CredentialError(
                 f"{path} already exists; choose another --out (an overwritten authority key is a lost swarm)"
             )
+    key = Ed25519PrivateKey.generate() if private else None
+    cfg = SwarmConfig(name=name, authority=encode_public_key(key.public_key()) if key else "")
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / CONFIG_FILE)
-    if private:
-        key = Ed25519PrivateKey.generate()
+    if key is not None:
         pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
         _write_new(out / AUTHORITY_KEY, pem, mode=0o600)
-        _write_new(out / AUTHORITY_PUB, f"{encode_public_key(key.public_key())}\n".encode(), mode=0o644)
+        _write_new(out / AUTHORITY_PUB, f"{cfg.authority}\n".encode(), mode=0o644)
     return cfg
 
 
@@ -97,8 +96,10 @@ def invite(
     authority: Path, swarm_id: str, peer_id: str, *, days: float, out: Path, clock: Callable[[], float] = time.time
 ) -> Certificate:
     """Sign a certificate admitting ``peer_id`` to the swarm for ``days`` and write it to ``out``."""
-    if days <= 0:
-        raise CredentialError(f"--days must be positive, got {days}")
+    if not MIN_DAYS <= days <= MAX_DAYS:  # NaN too
+        raise CredentialError(
+            f"--days must be between {MIN_DAYS:.5f} (one minute) and {MAX_DAYS:g} (100 years), got {days:g}"
+        )
     key = load_authority(authority)
     now = int(clock())
     cert = Certificate(
@@ -126,13 +127,6 @@ def revoke(
     return updated
 
 
-class IdentityKey(RSAPrivateKey):
-    """hivemind's RSA key type around an existing libp2p identity key (``RSAPrivateKey()`` makes a new one)."""
-
-    def __init__(self, private_key: rsa.RSAPrivateKey) -> None:
-        self._private_key = private_key
-
-
 def new_identity(path: Path) -> str:
     """Create a libp2p identity file the way hivemind does (RSA, mode 0400); returns its peer id."""
     if path.exists():
@@ -145,21 +139,7 @@ def new_identity(path: Path) -> str:
 
 
 def peer_id_of_identity(path: Path) -> str:
-    return peer_id_of_public_key(load_identity_key(path).get_public_key().to_bytes())
-
-
-def load_identity_key(path: Path) -> IdentityKey:
-    data = _read(path)
-    try:
-        proto = crypto_pb2.PrivateKey.FromString(data)
-        if proto.key_type != crypto_pb2.RSA:
-            raise ValueError(f"key type {crypto_pb2.KeyType.Name(proto.key_type)}, hivemind signs with RSA")
-        key = serialization.load_der_private_key(proto.data, password=None)
-    except (DecodeError, ValueError) as e:
-        raise CredentialError(f"{path} is not a libp2p identity file: {e}") from None
-    if not isinstance(key, rsa.RSAPrivateKey):
-        raise CredentialError(f"{path} holds a {type(key).__name__}, expected an RSA key")
-    return IdentityKey(key)
+    return identity_peer_id(load_identity_key(path))
 
 
 def check_peer_id(peer_id: str) -> str:
@@ -179,10 +159,15 @@ class PeerCredentials:
     identity: Path
     certificate: Path
     verifier: CertificateVerifier
+    revocations: Path | None = None  # the signed revocation list it was started with, re-read while it runs
 
     def certificate_bytes(self) -> bytes:
         """Read the file (a renewal may have replaced it): at start and when the certificate expires, not per request."""
         return _read(self.certificate).strip()
+
+    def revocations_bytes(self) -> bytes | None:
+        """The revocation list file as it is now (an authority's newer list may have replaced it), if there is one."""
+        return _read(self.revocations).strip() if self.revocations is not None else None
 
     def dht_authorizer(self) -> CertificateAuthorizer:
         return CertificateAuthorizer(load_identity_key(self.identity), self.certificate_bytes, self.verifier)
@@ -206,7 +191,7 @@ def load_credentials(
             decode_public_key(cert.authority), swarm_id, revocations=signed_list, clock=clock
         )
     verifier.check(peer_id_of_identity(identity), data)
-    return PeerCredentials(identity=identity, certificate=certificate, verifier=verifier)
+    return PeerCredentials(identity=identity, certificate=certificate, verifier=verifier, revocations=revocations)
 
 
 @contextlib.contextmanager

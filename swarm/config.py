@@ -2,7 +2,8 @@
 
 Each component keeps its config beside it (model, stages, codecs, optimizers, paths); this
 module composes them. The hash identifies the swarm: it is part of every DHT key, so peers
-with different configs never mix. Choice fields are ``Literal`` types; every section validates
+with different configs never mix. A private swarm's config names its authority's public key, so
+two private swarms of one name never share an id (a public swarm's hash leaves the empty field out). Choice fields are ``Literal`` types; every section validates
 in ``__post_init__`` and raises ``ConfigError`` with the field relative to itself, and
 ``from_dict`` prefixes each enclosing section, so errors name the full dotted path.
 
@@ -14,6 +15,7 @@ in ``__post_init__`` and raises ``ConfigError`` with the field relative to itsel
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -40,6 +42,7 @@ OuterChoice = Literal[
 ]  # ddp: no outer step (method "none"); the simulator all-reduces fp32 gradients every step
 OUTER_CHOICES: tuple[OuterChoice, ...] = get_args(OuterChoice)
 SUBSPACE_RANK_DIVISOR = 8  # a subspace codec chosen without a rank gets k = d_model / 8
+AUTHORITY_KEY_BYTES = 32  # an Ed25519 public key, in base64 in authority.pub and the config
 
 
 @dataclass(kw_only=True)
@@ -69,6 +72,7 @@ class TimeoutConfig:
 @dataclass(kw_only=True)
 class SwarmConfig:
     name: str = "swarmloco"
+    authority: str = ""  # a private swarm's authority (authority.pub, base64); "" for a public swarm
     model: ModelConfig = field(default_factory=ModelConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -81,6 +85,10 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError("name", f"must be non-empty letters, digits, '-' or '_', got {self.name!r}")
+        if self.authority and not _is_public_key(self.authority):
+            raise ConfigError(
+                "authority", f"must be the swarm authority's public key (authority.pub), got {self.authority[:60]!r}"
+            )
         if self.stages.num_stages > self.model.n_layers:
             raise ConfigError(
                 "stages.num_stages",
@@ -111,12 +119,22 @@ class SwarmConfig:
 
     def hash(self) -> str:
         """Stable 16-hex-digit identity of the swarm (any field change gives a new swarm)."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        fields = self.to_dict()
+        if not fields["authority"]:
+            del fields["authority"]  # public swarms keep the ids they had before the field existed
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @property
     def swarm_id(self) -> str:
         return f"{self.name}-{self.hash()}"
+
+
+def _is_public_key(text: str) -> bool:
+    try:
+        return len(base64.b64decode(text, validate=True)) == AUTHORITY_KEY_BYTES
+    except ValueError:  # not base64
+        return False
 
 
 def derive_config(

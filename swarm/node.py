@@ -4,7 +4,9 @@ The peer that starts with no initial peers creates the swarm and publishes its c
 other joins through initial peers and fetches (or checks) the config. A stage server serves its
 stage over hivemind P2P and re-announces itself every ``announce_period_s``; a trainer keeps its
 router in sync with the announced replicas and trains (the roles: ``swarm/roles.py``). On ``stop``
-(SIGINT / SIGTERM in the CLI) the peer retires its DHT records and shuts its DHT down.
+(SIGINT / SIGTERM in the CLI) the peer retires its DHT records and shuts its DHT down. A peer of a
+private swarm follows the authority's newest signed revocation list while it runs (its
+``--revocations`` file and the DHT: ``swarm/dht/revocations.py``).
 
 Every replica takes part in its stage's outer rounds (``swarm/outer/replica.py``). A peer that joins a
 running swarm first downloads its stage's current state from a live replica, so it starts at the
@@ -37,8 +39,9 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership, pick_stage
+from swarm.dht.membership import Membership, check_access, pick_stage
 from swarm.dht.records import StageStatus
+from swarm.dht.revocations import RevocationFollower
 from swarm.dht.start import start_dht
 from swarm.faults import kill_this_peer, wait_for_step
 from swarm.model.stages import EDGE_STAGE
@@ -49,6 +52,7 @@ from swarm.pipeline.protocol import StageClient
 from swarm.recovery.rebalance import choose_stage_for_newcomer
 from swarm.roles import DataFactory, StageRole, TrainerRole, stage_loads
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate
+from swarm.rpc.auth import encode_public_key
 
 __all__ = ["Node", "choose_role", "stage_loads", "DataFactory", "LogFn"]
 logger = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class Node:
         self.dht: DHT | None = None
         self.membership: Membership | None = None
         self.outer_service: OuterService | None = None
+        self.revocations: RevocationFollower | None = None  # private swarms: follows the authority's newest list
         self.role: StageRole | TrainerRole | None = None
         self.maddrs: list[str] = []  # where others join through, once ready
         self._stop = asyncio.Event()
@@ -90,6 +95,9 @@ class Node:
         if self.dht is not None:
             raise RuntimeError("this node has started already")
         config = self.config
+        authority = encode_public_key(config.credentials.verifier.authority) if config.credentials else None
+        if self.cfg is not None:
+            check_access(self.cfg, authority)  # before this peer starts a swarm that lets anyone in
         self.dht = dht = await start_dht(
             initial_peers=config.initial_peers,
             host_maddrs=config.host_maddrs,
@@ -100,6 +108,7 @@ class Node:
         try:
             self.membership = membership = Membership(dht)
             self.cfg = cfg = await membership.join(self.cfg, create=not config.initial_peers, name=config.swarm_name)
+            check_access(cfg, authority)
             if cfg.stages.num_stages < (config.stage or 0):
                 raise ValueError(f"this swarm has stages 1..{cfg.stages.num_stages}, not {config.stage}")
             p2p = await dht.replicate_p2p()
@@ -108,6 +117,10 @@ class Node:
             client = StageClient(p2p, namespace=cfg.swarm_id, credentials=config.credentials)
             self.outer_service = OuterService(cfg, membership, p2p, verifier=verifier, certificate=client.certificate)
             await self.outer_service.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
+            if config.credentials is not None:
+                self.revocations = RevocationFollower(
+                    membership, config.credentials, on_log=self.on_log, period_s=cfg.timeouts.announce_period_s
+                )
             parts = PeerParts(
                 cfg=cfg,
                 config=config,
@@ -143,12 +156,14 @@ class Node:
             if self.role is None:
                 await self.start()
             assert self.role is not None
-            fault = asyncio.create_task(self._inject_fault()) if self._fault_step() is not None else None
+            background = [asyncio.create_task(self._inject_fault())] if self._fault_step() is not None else []
+            if self.revocations is not None:
+                background.append(asyncio.create_task(self.revocations.run()))
             try:
                 return await self.role.run()
             finally:
-                if fault is not None:
-                    fault.cancel()
+                for task in background:
+                    task.cancel()
         finally:
             await self._shut_down()
             self._finished.set()

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from hivemind.dht import DHT
 
 from optim.config import InnerOptimConfig
 from peer.launch import REPO_ROOT, spawn_peer, stop_processes, wait_for_address
 from swarm.config import SwarmConfig, TrainConfig, save_config
 from swarm.dht.membership import Membership
+from swarm.dht.process import SwarmDHT
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import ModelConfig
 
@@ -185,7 +185,7 @@ class Swarm:
     @contextlib.contextmanager
     def observer(self) -> Iterator[Membership]:
         """A DHT node of the test's own, joined to the swarm, to ask what the peers see: ``asyncio.run(membership.replicas(1))``."""
-        dht = DHT(initial_peers=[self.join[1]], start=True, host_maddrs=[LOOPBACK])
+        dht = SwarmDHT(initial_peers=[self.join[1]], host_maddrs=[LOOPBACK])
         try:
             membership = Membership(dht)
             asyncio.run(membership.join(None, create=False, name=self.cfg.name))

@@ -1,6 +1,7 @@
 """Credential files: the authority, identities, invitations and revocations, in Python and through the CLI."""
 
 import json
+import math
 import stat
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from peer.credentials import (
+    MIN_DAYS,
     check_peer_id,
     create_swarm,
     invite,
@@ -19,6 +21,7 @@ from peer.credentials import (
     revoke,
 )
 from swarm.config import SwarmConfig, load_config
+from swarm.errors import ConfigError
 from swarm.rpc.auth import AccessDenied, Certificate, CredentialError, RevocationList, decode_public_key
 
 NOW = 1_700_000_000.0
@@ -35,15 +38,30 @@ def private_swarm(tmp_path: Path) -> tuple[Path, SwarmConfig]:
 
 def test_create_writes_config_and_a_secret_authority(private_swarm: tuple[Path, SwarmConfig], tmp_path: Path) -> None:
     root, cfg = private_swarm
-    assert load_config(root / "swarm.toml") == cfg == SwarmConfig(name="demo")
+    assert load_config(root / "swarm.toml") == cfg == SwarmConfig(name="demo", authority=cfg.authority)
     assert mode(root / "authority.key") == 0o600
     key = load_authority(root / "authority.key")
-    assert decode_public_key((root / "authority.pub").read_text()) == key.public_key()
+    assert (
+        decode_public_key((root / "authority.pub").read_text()) == key.public_key() == decode_public_key(cfg.authority)
+    )
     with pytest.raises(CredentialError, match="already exists"):
         create_swarm("demo", root, private=True)
     assert load_authority(root / "authority.key").private_bytes_raw() == key.private_bytes_raw(), "the key must survive"
     public = create_swarm("open", tmp_path / "open", private=False)
     assert sorted(p.name for p in (tmp_path / "open").iterdir()) == ["swarm.toml"] and public.name == "open"
+    assert public == SwarmConfig(name="open") and not public.authority
+
+
+def test_private_swarms_of_one_name_get_their_authoritys_id(
+    private_swarm: tuple[Path, SwarmConfig], tmp_path: Path
+) -> None:
+    _, first = private_swarm
+    second = create_swarm("demo", tmp_path / "again", private=True)
+    public = create_swarm("demo", tmp_path / "public", private=False)
+    assert len({first.swarm_id, second.swarm_id, public.swarm_id}) == 3 and first.authority != second.authority
+    assert public.swarm_id == "demo-83e917c95e7300ee", "a public swarm's id must not change with the new field"
+    with pytest.raises(ConfigError, match="authority.pub"):
+        SwarmConfig(name="demo", authority="not a key")
 
 
 def test_authority_readable_by_others_is_refused(private_swarm: tuple[Path, SwarmConfig]) -> None:
@@ -80,8 +98,12 @@ def test_invite_then_load_credentials(private_swarm: tuple[Path, SwarmConfig], t
         load_credentials(tmp_path / "me.id", tmp_path / "me.cert", cfg.swarm_id, clock=lambda: NOW + 3 * 86400)
     with pytest.raises(AccessDenied, match="for swarm"):
         load_credentials(tmp_path / "me.id", tmp_path / "me.cert", "other-0123456789abcdef", clock=lambda: NOW + 1)
-    with pytest.raises(CredentialError, match="must be positive"):
-        invite(root / "authority.key", cfg.swarm_id, someone, days=0, out=tmp_path / "x.cert")
+    for days in (0, 0.000001, -1, math.nan, math.inf, 1e9):  # 0.000001 days is 0.09 s: void before it is issued
+        with pytest.raises(CredentialError, match=r"--days must be between 0\.00069 \(one minute\) and 36525"):
+            invite(root / "authority.key", cfg.swarm_id, someone, days=days, out=tmp_path / "x.cert")
+    assert not (tmp_path / "x.cert").exists()
+    shortest = invite(root / "authority.key", cfg.swarm_id, someone, days=MIN_DAYS, out=tmp_path / "x.cert")
+    assert shortest.expires_at - shortest.issued_at == 60
 
 
 def test_revoke_appends_to_a_signed_list(private_swarm: tuple[Path, SwarmConfig], tmp_path: Path) -> None:
@@ -121,6 +143,9 @@ def test_cli_create_identity_invite_revoke(tmp_path: Path) -> None:
     assert created.returncode == 0, created.stderr
     cfg = load_config(root / "swarm.toml")
     assert cfg.swarm_id in created.stdout and mode(root / "authority.key") == 0o600
+    again = swarmloco("create", "--name", "demo", "--private", "--out", str(tmp_path / "again"))
+    assert again.returncode == 0 and load_config(tmp_path / "again" / "swarm.toml").swarm_id in again.stdout
+    assert cfg.swarm_id not in again.stdout, "two private swarms named demo share an id"
 
     identity = swarmloco("identity", "--out", str(tmp_path / "peer.id"))
     assert identity.returncode == 0, identity.stderr
@@ -186,6 +211,19 @@ def test_cli_errors_are_one_line(private_swarm: tuple[Path, SwarmConfig], tmp_pa
             "x",
         ): "does not exist",
         ("identity", "--out", str(root / "swarm.toml")): "not a libp2p identity file",
+        (
+            "invite",
+            "--authority",
+            key,
+            "--config",
+            config,
+            "--peer-id",
+            "nope",
+            "--days",
+            "0.000001",
+            "-o",
+            str(tmp_path / "x.cert"),
+        ): "--days must be between 0.00069 (one minute) and 36525 (100 years), got 1e-06",
     }
     for args, says in cases.items():
         result = CliRunner().invoke(app, ["swarm", *args])

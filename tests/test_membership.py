@@ -6,32 +6,49 @@ import asyncio
 import dataclasses
 import math
 import pickle
+import re
 from collections.abc import Iterator
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from node_harness import LOOPBACK, BackgroundNode
+from swarm_harness import DATA, tiny_config
 
-from swarm.config import SwarmConfig, dumps_config
+from peer.data import load_corpus
+from swarm.config import SwarmConfig, TimeoutConfig, dumps_config
+from swarm.dht.identity import (
+    OwnerBindingValidator,
+    identity_file,
+    identity_peer_id,
+    load_identity_key,
+    peer_from_subkey,
+)
 from swarm.dht.membership import (
     ConfigRecord,
     Membership,
     MembershipError,
     StageStatus,
+    check_access,
     config_validator,
     parse_config_record,
-    peer_from_subkey,
     pick_stage,
     reconcile_config,
     stage_key,
     stage_validator,
 )
+from swarm.dht.process import SwarmDHT
 from swarm.model.transformer import ModelConfig
+from swarm.peer_config import PeerConfig
+from swarm.pipeline.trainer import Batch
+from swarm.rpc.auth import encode_public_key
 
 CFG = SwarmConfig()
 OTHER = dataclasses.replace(CFG, model=ModelConfig(d_model=64))
@@ -50,10 +67,35 @@ def record(raw_key: str, subkey: bytes, value: object) -> DHTRecord:
     )
 
 
-def test_peer_id_is_read_back_from_the_subkey() -> None:
-    assert peer_from_subkey(PEER.to_base58().encode() + OWNER) == PEER
-    for bad in (OWNER, PEER.to_base58().encode(), b"not-a-peer-id" + OWNER, b"\xff\xfe" + OWNER):
-        assert peer_from_subkey(bad) is None
+def signed_subkey(key: RSAPrivateKey, peer_id: str | None = None) -> bytes:
+    """A record subkey naming ``peer_id`` (default: the key's own) beside ``key``'s owner marker, as a peer writes it."""
+    return (peer_id or identity_peer_id(key)).encode() + RSASignatureValidator(key).local_public_key
+
+
+def test_the_peer_id_is_the_owner_keys_and_a_subkey_naming_another_is_refused() -> None:
+    key, other = RSAPrivateKey(), RSAPrivateKey()
+    mine = signed_subkey(key)
+    assert peer_from_subkey(mine) == PeerID.from_base58(identity_peer_id(key))
+    owner = RSASignatureValidator(key).local_public_key
+    forged = [
+        signed_subkey(key, identity_peer_id(other)),  # someone else's id beside my key
+        signed_subkey(key, PEER.to_base58()),  # a made-up id
+        PEER.to_base58().encode() + OWNER,  # an id beside a key that is no key
+        owner,  # no id
+        identity_peer_id(key).encode(),  # no key
+        b"\xff\xfe" + owner,
+        mine[:-1],  # the marker not closed
+    ]
+    for bad in forged:
+        assert peer_from_subkey(bad) is None, bad
+    binding, key_name = OwnerBindingValidator(), stage_key(CFG.swarm_id, 1)
+    value = StageStatus().dict()
+    assert binding.validate(record(key_name, mine, value))
+    assert binding.validate(record(key_name, b"no marker: other validators decide", value))
+    for bad in forged[:4]:
+        assert not binding.validate(record(key_name, bad, value)), bad
+    assert not binding.validate(record(key_name, b"[owner:" + b"\xc1" * 8, value))  # not msgpack
+    assert pickle.loads(pickle.dumps(binding)).merge_with(binding)  # one per DHT process
 
 
 @pytest.mark.parametrize(
@@ -100,6 +142,20 @@ def test_reconciling_configs() -> None:
         reconcile_config("swarmloco", None, [CFG, OTHER])
 
 
+def test_a_private_swarm_admits_only_its_own_authoritys_peers() -> None:
+    mine, theirs = (encode_public_key(Ed25519PrivateKey.generate().public_key()) for _ in range(2))
+    private = SwarmConfig(name="demo", authority=mine)
+    check_access(private, mine)
+    for authority in (None, mine, theirs):
+        check_access(CFG, authority)  # a public config (or one written before configs named authorities)
+    with pytest.raises(MembershipError, match=f"swarm {private.swarm_id} is private.*--credentials"):
+        check_access(private, None)
+    with pytest.raises(
+        MembershipError, match=re.escape(f"comes from authority {theirs}, but swarm {private.swarm_id} is run by")
+    ):
+        check_access(private, theirs)
+
+
 def test_new_servers_join_the_stage_with_fewest_replicas_then_least_throughput() -> None:
     status = lambda rate: StageStatus(samples_per_s=rate)
     replicas = {
@@ -113,23 +169,21 @@ def test_new_servers_join_the_stage_with_fewest_replicas_then_least_throughput()
 
 
 @pytest.fixture(scope="module")
-def two_dhts() -> Iterator[tuple[DHT, DHT]]:
-    first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = DHT(
-        initial_peers=[str(m) for m in first.get_visible_maddrs()], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
-    )
+def two_dhts() -> Iterator[tuple[SwarmDHT, SwarmDHT]]:
+    first = SwarmDHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = SwarmDHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     yield first, second
     second.shutdown()
     first.shutdown()
 
 
 @pytest.mark.timeout(60)
-def test_config_is_fetched_checked_and_records_are_signed(two_dhts: tuple[DHT, DHT]) -> None:
+def test_config_is_fetched_checked_and_records_are_signed(two_dhts: tuple[SwarmDHT, SwarmDHT]) -> None:
     asyncio.run(_membership_over_dht(*two_dhts))
 
 
-async def _membership_over_dht(first: DHT, second: DHT) -> None:
-    creator, joiner = Membership(first, RSAPrivateKey()), Membership(second, RSAPrivateKey())
+async def _membership_over_dht(first: SwarmDHT, second: SwarmDHT) -> None:
+    creator, joiner = Membership(first), Membership(second)
     assert await creator.join(CFG, create=True) == CFG
     with pytest.raises(
         MembershipError, match=f"runs config {CFG.hash()} but this peer's config hashes to {OTHER.hash()}"
@@ -157,3 +211,67 @@ async def _membership_over_dht(first: DHT, second: DHT) -> None:
 
     await joiner.retire(1)
     assert set(await creator.replicas(1)) == {first.peer_id}
+
+
+TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+
+
+async def forge_replicas(attacker: DHT, signer: RSASignatureValidator, key: str, victim: PeerID) -> set[bytes]:
+    """Store attractive stage records under made-up peer ids and the victim's, signed with the attacker's own key
+    (valid signatures: only the peer id is a lie); the forged subkeys a reader without the binding check sees."""
+    made_up = [identity_peer_id(RSAPrivateKey()) for _ in range(3)] + [victim.to_base58()]
+    subkeys = {peer.encode() + signer.local_public_key for peer in made_up}
+    bait = StageStatus(samples_per_s=1e6, inner_steps=1).dict()  # far faster than the honest replica: routing's pick
+    for subkey in subkeys:
+        await attacker.store(key, bait, get_dht_time() + 300, subkey=subkey, return_future=True)
+    return subkeys & await stored_subkeys(attacker, key)
+
+
+def modified_peer(initial_peers: list[str]) -> tuple[DHT, RSASignatureValidator]:
+    """A peer whose DHT node signs what it stores with its identity key and checks nothing else."""
+    with identity_file(None) as (path, _):
+        signer = RSASignatureValidator(load_identity_key(path))
+        return DHT(
+            initial_peers=initial_peers,
+            start=True,
+            host_maddrs=LOOPBACK,
+            identity_path=str(path),
+            record_validators=[signer],
+        ), signer
+
+
+async def stored_subkeys(dht: DHT, key: str) -> set[bytes]:
+    """The subkeys under ``key`` that ``dht``'s node accepts (its validators checked each)."""
+    found = await dht.get(key, latest=True, return_future=True)
+    return set(found.value) if found is not None else set()
+
+
+def corpus_batches(cfg: SwarmConfig) -> tuple[Iterator[Batch], list[Batch]]:
+    corpus = load_corpus([DATA])
+    kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
+    return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_batches=1, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_stage_records_under_made_up_peer_ids_are_refused_and_never_routed_to() -> None:
+    cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=TIMEOUTS)
+    key = stage_key(cfg.swarm_id, 1)
+    with BackgroundNode(PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK), cfg) as server:
+        honest = server.call(lambda node: asyncio.sleep(0, node.dht.peer_id))
+        attacker, signer = modified_peer(server.maddrs)
+        try:
+            forged = asyncio.run(forge_replicas(attacker, signer, key, honest))
+            assert len(forged) == 4, "the forged records are in the DHT: a reader that trusts subkeys sees them"
+            trainer = PeerConfig(
+                role="trainer", name="trainer", initial_peers=server.maddrs, host_maddrs=LOOPBACK, steps=8
+            )
+            with BackgroundNode(trainer, data=corpus_batches) as peer:
+                for node in (server, peer):  # neither the schema-checked DHT nor the reader lets them in
+                    assert not forged & node.call(lambda n: stored_subkeys(n.dht, key)), node.config.name
+                    assert set(node.call(lambda n: n.membership.replicas(1))) == {honest}
+                last = peer.result(timeout=180)
+        finally:
+            attacker.shutdown()
+    assert last["step"] == 8 and last["failed"] == 0
+    assert last["hop_failures"] == 0 and last["skipped_hops"] == 0, "routing picked a forged replica"

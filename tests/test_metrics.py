@@ -8,19 +8,18 @@ import pickle
 from collections.abc import Iterator
 
 import pytest
-from hivemind.dht import DHT
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, metrics_key, stage_validator
 from swarm.dht.metrics import Meter, Traffic
+from swarm.dht.process import SwarmDHT
 from swarm.dht.records import MAX_KINDS, STATES, PeerMetrics, StageStatus
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
@@ -180,13 +179,12 @@ def test_a_server_counts_requests_as_received_and_replies_as_sent_by_kind() -> N
 
 
 @pytest.fixture(scope="module")
-def peer_and_client() -> Iterator[tuple[DHT, DHT]]:
+def peer_and_client() -> Iterator[tuple[SwarmDHT, SwarmDHT]]:
     """A peer's DHT node and a client-mode node joined through it, as the dashboard's."""
-    peer = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = DHT(
+    peer = SwarmDHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = SwarmDHT(
         initial_peers=[str(m) for m in peer.get_visible_maddrs()],
         client_mode=True,
-        start=True,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
     )
     yield peer, client
@@ -195,12 +193,12 @@ def peer_and_client() -> Iterator[tuple[DHT, DHT]]:
 
 
 @pytest.mark.timeout(60)
-def test_metrics_are_read_back_signed_and_retired(peer_and_client: tuple[DHT, DHT]) -> None:
+def test_metrics_are_read_back_signed_and_retired(peer_and_client: tuple[SwarmDHT, SwarmDHT]) -> None:
     asyncio.run(_round_trip(*peer_and_client))
 
 
-async def _round_trip(peer_dht: DHT, client_dht: DHT) -> None:
-    peer, client = Membership(peer_dht, RSAPrivateKey()), Membership(client_dht, RSAPrivateKey())
+async def _round_trip(peer_dht: SwarmDHT, client_dht: SwarmDHT) -> None:
+    peer, client = Membership(peer_dht), Membership(client_dht)
     await peer.join(CFG, create=True)
     await client.join(None, create=False, name=CFG.name, fetch_timeout_s=5)
     metrics = PeerMetrics.parse_obj(GOOD)

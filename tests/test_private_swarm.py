@@ -4,6 +4,7 @@ a valid certificate, and a refused or failed join explains itself (``swarm/rpc/a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Iterator
@@ -14,6 +15,8 @@ import pytest
 import torch
 from hivemind.dht import DHT
 from hivemind.p2p import P2P
+from node_harness import BackgroundNode
+from swarm_harness import tiny_config
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
@@ -26,9 +29,11 @@ from peer.credentials import (
     peer_id_of_identity,
     revoke,
 )
+from swarm.config import TimeoutConfig
 from swarm.dht.start import JoinError, explain_daemon_error, start_dht
+from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
-from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, explain_refusal
+from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, ask_gates, explain_refusal
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
@@ -67,7 +72,7 @@ def swarm_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     ``member``, one ``member`` extended by hand, and a certificate of another authority for the same swarm."""
     root = tmp_path_factory.mktemp("private")
     swarm_id = create_swarm("demo", root / "swarm", private=True).swarm_id
-    create_swarm("demo", root / "rogue", private=True)  # same config, so the same swarm id: a different authority
+    create_swarm("demo", root / "rogue", private=True)  # another authority, signing certificates for our swarm id
     for name in ("server", "member", "revoked", "thief", "outsider"):
         peer = new_identity(root / f"{name}.id")
         if name in ("server", "member", "revoked"):
@@ -274,6 +279,65 @@ def test_refused_joins_say_why(swarm_dir: tuple[Path, str], server: tuple[DHT, P
             member.shutdown()
 
     asyncio.run(scenario())
+
+
+TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+
+
+def revocation_events(node: BackgroundNode, sequence: int) -> list[dict]:
+    return [event for event in node.events("revocations") if event["sequence"] == sequence]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_running_peers_follow_a_revocation_published_in_the_dht(tmp_path: Path) -> None:
+    """Peer a was started with a revocation list file, b with none; the authority then revokes c and the new list
+    replaces a's file: a reads it, republishes it in the DHT, and b (never given it) refuses c at its gate and DHT."""
+    authority = create_swarm("live", tmp_path / "swarm", private=True).authority
+    cfg = dataclasses.replace(tiny_config(stages=1, timeouts=TIMEOUTS), name="live", authority=authority)
+    key, listing = tmp_path / "swarm" / "authority.key", tmp_path / "revocations.json"
+    ids = {name: new_identity(tmp_path / f"{name}.id") for name in ("a", "b", "c", "gone")}
+    for name in ("a", "b", "c"):
+        invite(key, cfg.swarm_id, ids[name], days=1, out=tmp_path / f"{name}.cert")
+    revoke(key, cfg.swarm_id, ids["gone"], revocations=listing)  # list #1, which a starts with
+
+    def peer(name: str, join: list[str], **kwargs) -> PeerConfig:
+        creds = credentials(tmp_path, cfg.swarm_id, name, **kwargs)
+        return PeerConfig(
+            role="stage",
+            stage=1,
+            name=name,
+            initial_peers=join,
+            host_maddrs=LOOPBACK,
+            identity=tmp_path / f"{name}.id",
+            credentials=creds,
+        )
+
+    def c_at_gate(node: BackgroundNode) -> dict:
+        gate = ask_gates(node.maddrs, identity_path=str(tmp_path / "c.id"), certificate=certificate_of(tmp_path, "c"))
+        (answer,) = asyncio.run(gate)
+        return answer
+
+    with BackgroundNode(peer("a", [], revocations=listing), cfg) as a:
+        with BackgroundNode(peer("b", a.maddrs), cfg) as b:
+            b.wait("list #1 from the DHT", lambda: revocation_events(b, 1), 30)
+            assert c_at_gate(b)["admitted"]
+
+            revoke(key, cfg.swarm_id, ids["c"], revocations=listing)  # list #2 replaces a's file while a runs
+            (read,) = a.wait("a to read list #2 from its file", lambda: revocation_events(a, 2), 30)
+            (spread,) = b.wait("b to learn list #2 from the DHT", lambda: revocation_events(b, 2), 30)
+            assert (read["source"], spread["source"], spread["revoked"]) == ("file", "dht", 2)
+            answer = c_at_gate(b)
+            assert not answer["admitted"] and answer["reason"] == "revoked", answer
+            with pytest.raises(JoinError, match="revoked peer"):  # b's DHT process refuses c too
+                asyncio.run(
+                    start_dht(
+                        initial_peers=b.maddrs,
+                        host_maddrs=LOOPBACK,
+                        identity_path=str(tmp_path / "c.id"),
+                        credentials=credentials(tmp_path, cfg.swarm_id, "c"),
+                    )
+                )
 
 
 # ---- the explanations themselves (pure) ----

@@ -79,7 +79,9 @@ def swarm_invite(
     config: SwarmTomlOpt,
     peer_id: PeerIdOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Certificate file to write (the peer's --credentials).")],
-    days: Annotated[float, typer.Option(help="Validity in days.")] = 30.0,
+    days: Annotated[
+        float, typer.Option(help="Validity in days, from one minute (0.0007) to 100 years (36525).")
+    ] = 30.0,
 ) -> None:
     """Admit a peer to a private swarm: sign a certificate for its peer id."""
     from peer.credentials import invite
@@ -108,5 +110,6 @@ def swarm_revoke(
     path = revocations or authority.parent / REVOCATIONS
     updated = revoke(authority, load_config(config).swarm_id, peer_id, revocations=path)
     typer.echo(
-        f"revoked {peer_id}: wrote {path} (list #{updated.sequence}, {len(updated.revoked)} peers); hand it to every peer"
+        f"revoked {peer_id}: wrote {path} (list #{updated.sequence}, {len(updated.revoked)} peers); give it to one "
+        f"running peer (replace its --revocations file) or start one with it: the swarm's peers pass it on"
     )

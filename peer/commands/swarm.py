@@ -35,7 +35,9 @@ CheckedConfigOpt = Annotated[
 RevocationsOpt = Annotated[
     Path | None,
     typer.Option(
-        "--revocations", help="Private swarms: the authority's signed revocation list (`swarmloco swarm revoke`)."
+        "--revocations",
+        help="Private swarms: the authority's signed revocation list (`swarmloco swarm revoke`); re-read while the "
+        "peer runs, and passed on to the swarm through the DHT.",
     ),
 ]
 

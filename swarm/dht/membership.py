@@ -6,6 +6,15 @@ silent peer vanishes on its own. The owner marker makes hivemind's ``RSASignatur
 require the owner's signature, and a ``SchemaValidator`` rejects records that do not match the
 pydantic models below, on every DHT node that stores or returns them.
 
+The owner key is the peer's libp2p identity key (``SwarmDHT.identity``), so the peer id in front
+of it is not a claim but a fact to check: ``OwnerBindingValidator`` (``swarm/dht/identity.py``)
+refuses a record whose peer id is not the one its owner key derives to, and readers take the peer
+id from the owner key (``peer_from_subkey``). A peer cannot announce records under a peer id whose
+key it does not hold.
+
+Peers of a private swarm republish the newest signed revocation list they know under
+``{swarm_id}/revocations`` (``swarm/dht/revocations.py``), so running peers learn of revocations.
+
 A peer about to rebuild a lost stage stores a ``RecoveryClaim`` under ``{swarm_id}/recovery/{i}``
 (same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/recovery/rebuild.py``); a
 rebuilt replica's stage record carries ``recovered=True``.
@@ -14,7 +23,7 @@ The swarm config is published under ``{name}/config`` by every peer (so it outli
 a joining peer without a config fetches it, one with a different config gets an error naming
 both hashes.
 
-    >>> membership = Membership(dht)                                    # a running hivemind DHT
+    >>> membership = Membership(dht)                                    # a running SwarmDHT (swarm/dht/process.py)
     >>> cfg = await membership.join(SwarmConfig(), create=True)         # or join(None, name=...)
     >>> await membership.announce(2, StageStatus(samples_per_s=40.0))
     >>> await membership.replicas(2)                                    # {PeerID: StageStatus}
@@ -27,24 +36,23 @@ import tomllib
 from typing import TypeVar
 
 import pydantic.v1 as pydantic
-from hivemind.dht import DHT
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig, config_from_dict, dumps_config
+from swarm.dht.identity import peer_from_subkey
+from swarm.dht.process import SwarmDHT
 from swarm.dht.records import (
     PROTOCOL_VERSION,
     ConfigRecord,
     PeerMetrics,
     RecoveryClaim,
+    RevocationRecord,
     RoundDeclaration,
     StageStatus,
 )
 from swarm.errors import ConfigError
-
-OWNER_MARKER = b"[owner:"  # subkey = peer id + this + the owner's public key
 
 
 class MembershipError(RuntimeError):
@@ -71,14 +79,19 @@ def recovery_key(swarm_id: str, stage: int) -> str:
     return f"{swarm_id}/recovery/{stage}"
 
 
+def revocations_key(swarm_id: str) -> str:
+    return f"{swarm_id}/revocations"
+
+
 RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {
     "stage": StageStatus,
     "config": ConfigRecord,
     "metrics": PeerMetrics,
     "claim": RecoveryClaim,
+    "revocations": RevocationRecord,
 }
 # one per peer under a key, with a protocol version
-PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim)
+PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim, RevocationRecord)
 
 
 class SwarmSchemaValidator(SchemaValidator):
@@ -102,19 +115,11 @@ def config_validator(name: str) -> SwarmSchemaValidator:
 
 
 def stage_validator(cfg: SwarmConfig) -> SwarmSchemaValidator:
-    """This swarm's stage records, recovery claims and metrics records."""
+    """This swarm's stage records, recovery claims, metrics records and revocation lists."""
     stages = {stage_key(cfg.swarm_id, i): "stage" for i in range(cfg.stages.num_stages + 1)}
     claims = {recovery_key(cfg.swarm_id, i): "claim" for i in range(1, cfg.stages.num_stages + 1)}
-    return SwarmSchemaValidator({**stages, **claims, metrics_key(cfg.swarm_id): "metrics"})
-
-
-def peer_from_subkey(subkey: bytes) -> PeerID | None:
-    """The peer id in front of the owner marker, or None for a malformed subkey."""
-    head, marker, _ = subkey.partition(OWNER_MARKER)
-    try:
-        return PeerID.from_base58(head.decode("ascii")) if marker and head else None
-    except ValueError:
-        return None
+    others = {metrics_key(cfg.swarm_id): "metrics", revocations_key(cfg.swarm_id): "revocations"}
+    return SwarmSchemaValidator({**stages, **claims, **others})
 
 
 def parse_config_record(value: object) -> SwarmConfig | None:
@@ -148,14 +153,34 @@ def reconcile_config(name: str, local: SwarmConfig | None, published: list[Swarm
     return next(cfg for cfg in published if cfg.hash() == hashes[0])
 
 
+def check_access(cfg: SwarmConfig, authority: str | None) -> None:
+    """MembershipError unless this peer's certificate authority (None: no credentials) is the one ``cfg`` names.
+
+    A private swarm's config names its authority (and so does its id); a public config names none,
+    and a config written before configs named authorities may still be run with credentials.
+    """
+    if not cfg.authority:
+        return
+    if authority is None:
+        raise MembershipError(
+            f"swarm {cfg.swarm_id} is private (authority {cfg.authority}): run with --identity and --credentials, "
+            f"a certificate from its authority (`swarmloco swarm invite`)"
+        )
+    if authority != cfg.authority:
+        raise MembershipError(
+            f"this peer's certificate comes from authority {authority}, but swarm {cfg.swarm_id} is run by "
+            f"authority {cfg.authority} (another swarm of the same name?): ask that authority for a certificate"
+        )
+
+
 class Membership:
     """One peer's view of the swarm in the DHT: its own records and everyone else's."""
 
-    def __init__(self, dht: DHT, private_key: RSAPrivateKey | None = None) -> None:
+    def __init__(self, dht: SwarmDHT) -> None:
         self.dht = dht
         self.peer_id: PeerID = dht.peer_id
-        self._signer = RSASignatureValidator(private_key)
-        self.subkey = self.peer_id.to_base58().encode() + self._signer.local_public_key
+        # the identity's key (SwarmDHT signs with it): records name this peer id only
+        self.subkey = self.peer_id.to_base58().encode() + RSASignatureValidator(dht.identity).local_public_key
         self._cfg: SwarmConfig | None = None  # set by join(); every record key holds its swarm id
         self.announced: set[int] = set()  # stages this peer holds a record for
 
@@ -164,7 +189,7 @@ class Membership:
     ) -> SwarmConfig:
         """Publish (``create``) or fetch-and-check the swarm config; from then on, check this swarm's stage records too."""
         name = cfg.name if cfg is not None else name
-        self.dht.add_validators([config_validator(name), self._signer])
+        self.dht.add_validators([config_validator(name)])
         if create:
             if cfg is None:
                 raise MembershipError("the peer that creates a swarm needs a config")
@@ -249,6 +274,17 @@ class Membership:
     async def recovery_claims(self, stage: int) -> dict[PeerID, RecoveryClaim]:
         """Live claims to rebuild ``stage`` (this peer's included)."""
         return await self._read(recovery_key(self.cfg.swarm_id, stage), RecoveryClaim)
+
+    async def publish_revocations(self, signed: bytes) -> None:
+        """Republish the authority's signed revocation list (one copy per peer: none can be hidden by another)."""
+        await self._store(revocations_key(self.cfg.swarm_id), RevocationRecord(signed=signed).dict())
+
+    async def revocation_lists(self) -> list[bytes]:
+        """The signed revocation lists live peers republish, unchecked: the authority's signature is the reader's to check."""
+        return [
+            record.signed
+            for record in (await self._read(revocations_key(self.cfg.swarm_id), RevocationRecord)).values()
+        ]
 
     async def _read(self, key: str, kind: type[PeerRecord]) -> dict[PeerID, PeerRecord]:
         found = await self.dht.get(key, latest=True, return_future=True)

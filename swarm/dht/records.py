@@ -49,6 +49,17 @@ class RoundDeclaration(pydantic.BaseModel):
     version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
 
 
+MAX_REVOCATIONS_BYTES = 1 << 16  # a signed list grows ~60 bytes per revoked peer: about a thousand peers
+
+
+class RevocationRecord(pydantic.BaseModel):
+    """The authority's signed revocation list (``swarm/rpc/auth.py``) as a peer republishes it
+    (``swarm/dht/revocations.py``); readers check the authority's signature, not the publisher's word."""
+
+    signed: pydantic.conbytes(max_length=MAX_REVOCATIONS_BYTES, strict=True)
+    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
 class ConfigRecord(pydantic.BaseModel):
     hash: pydantic.constr(regex=r"^[0-9a-f]{16}$", strict=True)
     toml: pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)

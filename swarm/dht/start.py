@@ -17,12 +17,12 @@ import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
-from hivemind.dht import DHT
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
+from swarm.dht.process import SwarmDHT
 from swarm.rpc.admission import Credentials, ask_gates, explain_refusal
 
 BOOTSTRAP_FAILED = "DHTNode bootstrap failed"  # hivemind's RuntimeError when no initial peer answers the DHT
@@ -41,19 +41,19 @@ async def start_dht(
     identity_path: str | None = None,
     credentials: Credentials | None = None,
     client_mode: bool = False,
-) -> DHT:
-    """A running DHT node in the swarm at ``initial_peers`` (none: a new swarm), or a JoinError that says what to do."""
+) -> SwarmDHT:
+    """A running DHT node in the swarm at ``initial_peers`` (none: a new swarm), or a JoinError that says what to do.
+
+    Without ``identity_path`` the node runs a fresh identity (a new peer id at every start)."""
     for maddr in initial_peers:
         check_peer_address(maddr)
     try:
-        return DHT(
+        return SwarmDHT(
             initial_peers=list(initial_peers) or None,
-            start=True,
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) or None,
             identity_path=identity_path,
             client_mode=client_mode,
-            check_if_identity_free=identity_path is not None,  # hivemind checks only when joining
             authorizer=credentials.dht_authorizer() if credentials is not None else None,
         )
     except P2PDaemonError as e:

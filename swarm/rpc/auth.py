@@ -378,5 +378,9 @@ class CertificateAuthorizer(TokenAuthorizerBase):
             logger.debug(f"DHT access denied, unreadable token: {e}")
         return False
 
+    def update_revocations(self, signed_list: bytes) -> bool:
+        """Adopt a newer signed revocation list (the DHT process holds its own copy of the verifier)."""
+        return self._verifier.update_revocations(signed_list)
+
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         return self._verifier.clock() >= int(access_token.expiration_time)

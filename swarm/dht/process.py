@@ -1,0 +1,115 @@
+"""``SwarmDHT``: hivemind's DHT process, with the identity key this peer signs its records with, dying with its peer.
+
+The key is the libp2p identity's own (``swarm/dht/identity.py``): a record signed with it names
+the peer id that ``dht.peer_id`` is, and no other. The node checks signatures and that binding on
+every record from its start (records stored before a validator is added are never checked again).
+A DHT started without an identity file gets a fresh one for the start of its daemon only.
+
+The DHT process (hivemind's, a child of the peer) runs the libp2p daemon p2pd as its own child.
+Neither may outlive the peer: a SIGKILLed or OOM-killed peer would otherwise leave both running on a
+volunteer's machine. So the DHT process asks Linux for a signal when its parent dies
+(``PR_SET_PDEATHSIG``) and a watchdog thread checks ``os.getppid()`` (the backstop elsewhere); once
+the parent is gone (or ``SIGTERM_GRACE_S`` after a SIGTERM, if the peer has not shut it down by
+then) it shuts its node down the way ``DHT.shutdown`` does (which stops p2pd), and if that hangs it
+kills its children and exits.
+
+    >>> dht = SwarmDHT(initial_peers=[...], host_maddrs=["/ip4/0.0.0.0/tcp/0"])   # started, as DHT(start=True)
+    >>> Membership(dht)                                                            # signs with dht.identity
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+
+from swarm.dht.identity import (
+    IdentityKey,
+    OwnerBindingValidator,
+    identity_file,
+    identity_peer_id,
+    load_identity_key,
+)
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_DEATH_SIGNAL = signal.SIGUSR2  # not SIGTERM: Linux also sends it when the thread that started the DHT ends
+PARENT_CHECK_S = 0.5  # how often the watchdog looks at its parent without a signal
+SHUTDOWN_GRACE_S = 5.0  # for the node's clean shutdown, then its children are killed
+# a SIGTERM to the whole process group also reaches the peer, which then retires its records through this node
+# and shuts it down itself: give it that long before leaving on our own
+SIGTERM_GRACE_S = 10.0
+
+
+class SwarmDHT(DHT):
+    """A started hivemind DHT whose ``identity`` is the private key of its peer id; its process dies with its parent."""
+
+    identity: IdentityKey
+
+    def __init__(self, *, identity_path: str | None = None, check_if_identity_free: bool = True, **kwargs: Any) -> None:
+        self._peer_pid = os.getpid()  # the DHT process's parent, for as long as the peer lives
+        with identity_file(identity_path) as (path, fresh):
+            self.identity = load_identity_key(path)
+            super().__init__(
+                start=True,
+                identity_path=str(path),
+                # from the first record on: one stored before these were added would be served unchecked later
+                record_validators=[RSASignatureValidator(self.identity), OwnerBindingValidator()],
+                # a fresh identity is nobody's: asking the swarm would only cost a second daemon's start
+                check_if_identity_free=check_if_identity_free and not fresh,
+                **kwargs,
+            )
+        if identity_peer_id(self.identity) != self.peer_id.to_base58():  # hivemind changed how it reads identities
+            self.shutdown()
+            raise RuntimeError(
+                f"the libp2p daemon runs peer id {self.peer_id}, not the one of {identity_path or 'its key'}"
+            )
+
+    def run(self) -> None:
+        """The DHT process: hivemind's loop, with a watchdog that ends it when the peer is gone or on SIGTERM."""
+        wake, stop = threading.Event(), threading.Event()
+        signal.set_wakeup_fd(-1)  # inherited from the peer's event loop: our signals must not reach the peer's
+        signal.signal(signal.SIGTERM, lambda *_: (stop.set(), wake.set()))
+        signal.signal(PARENT_DEATH_SIGNAL, lambda *_: wake.set())
+        set_parent_death_signal(PARENT_DEATH_SIGNAL)
+        threading.Thread(target=self._watch, args=(wake, stop), name="dht-lifeline", daemon=True).start()
+        super().run()
+
+    def _watch(self, wake: threading.Event, stop: threading.Event) -> None:
+        """Wait for the peer's death (checked on its signal, and every PARENT_CHECK_S) or SIGTERM_GRACE_S after a
+        SIGTERM, then leave."""
+        deadline = float("inf")
+        while os.getppid() == self._peer_pid and time.monotonic() < deadline:
+            wake.wait(PARENT_CHECK_S)
+            wake.clear()
+            if stop.is_set():
+                deadline = min(deadline, time.monotonic() + SIGTERM_GRACE_S)
+        with contextlib.suppress(OSError):  # the loop has gone already: the fallback below
+            self._outer_pipe.send(("_shutdown", [], {}))  # DHT.shutdown's request, from inside: the node stops p2pd
+        time.sleep(SHUTDOWN_GRACE_S)  # the process exits when run() returns, and this thread with it
+        kill_children(os.getpid())  # still here: the shutdown hung
+        os._exit(1)
+
+
+def set_parent_death_signal(sig: signal.Signals) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies; False where there is no prctl."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def kill_children(pid: int) -> None:
+    """SIGKILL every live child of ``pid`` (Linux: read from /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a process that exited while we looked
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # "pid (comm) state ppid …"
+                os.kill(int(stat.parent.name), signal.SIGKILL)
