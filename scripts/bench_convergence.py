@@ -62,6 +62,7 @@ ROWS: list[Row] = [
     Row(name="diloco/avg/H5", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 5}),
     Row(name="diloco/avg/H10", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 10}),
     Row(name="sparseloco/H10", outer="sparseloco", overrides={"outer.inner_steps": 10}),
+    Row(name="sparseloco/H50", outer="sparseloco", overrides={"outer.inner_steps": 50}),
 ]
 
 PRESETS: dict[str, dict[str, ConfigValue]] = {
@@ -285,7 +286,7 @@ def parse_args() -> argparse.Namespace:
         "--h", type=int, default=20, help="H for outer rows that do not set their own (0: the config's)"
     )
     parser.add_argument("--codec", choices=["fp32", "int8"], default="int8", help="activation codec of every row")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only rows whose name contains one of these")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these rows (exact names)")
     parser.add_argument("--log-points", type=int, default=10, help="val-loss evaluations per run, for the curves")
     parser.add_argument(
         "--corpus", nargs="+", metavar="PATH", help="text files or folders (default: the stdlib sources)"
@@ -308,7 +309,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     base = derive_config(SwarmConfig(), PRESETS[args.preset])
     corpus = load_corpus(args.corpus)
-    rows = [r for r in ROWS if not args.only or any(s in r.name for s in args.only)]
+    rows = [r for r in ROWS if not args.only or r.name in args.only]
     if not rows:
         raise SystemExit(f"no row matches --only {' '.join(args.only)}; rows: {', '.join(r.name for r in ROWS)}")
     plan = [(row, k, seed) for k in args.replicas for row in rows for seed in range(args.seeds)]
