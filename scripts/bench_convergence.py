@@ -59,6 +59,10 @@ ROWS: list[Row] = [
         overrides={"outer.sparseloco_lr": 0.7, "outer.sparseloco_momentum": 0.9},
     ),
     Row(name="noloco", outer="noloco"),
+    Row(name="diloco/lr2", outer="diloco", overrides={"outer.diloco_lr": 2.0, "outer.diloco_momentum": 0.0}),
+    Row(name="diloco/avg/inner-lr×2", outer="diloco", overrides=AVERAGE | {"inner.lr": 6e-3}),
+    Row(name="diloco/avg/inner-lr÷2", outer="diloco", overrides=AVERAGE | {"inner.lr": 1.5e-3}),
+    Row(name="diloco/avg/H1", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 1}),
     Row(name="diloco/avg/H5", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 5}),
     Row(name="diloco/avg/H10", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 10}),
     Row(name="sparseloco/H10", outer="sparseloco", overrides={"outer.inner_steps": 10}),
@@ -270,6 +274,24 @@ def write_json(path: str, args: argparse.Namespace, records: list[dict[str, Any]
         json.dump({"args": vars(args), "records": records, "summary": summarize(records)}, f, indent=1)
 
 
+def parse_overrides(pairs: list[str]) -> dict[str, ConfigValue]:
+    """``["train.inner_batch=64", "inner.lr=0.001"]`` → {path: int, float or str}."""
+    overrides: dict[str, ConfigValue] = {}
+    for pair in pairs:
+        path, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {pair!r}: expected PATH=VALUE, e.g. train.inner_batch=64")
+        for parse in (int, float):
+            try:
+                overrides[path] = parse(text)
+                break
+            except ValueError:
+                continue
+        else:
+            overrides[path] = text
+    return overrides
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -282,6 +304,13 @@ def parse_args() -> argparse.Namespace:
         "--steps", type=int, default=500, help="inner steps per replica (tokens = steps·K·inner_batch·seq_len)"
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per row and K (0..N-1)")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="PATH=VALUE",
+        help="config overrides for every row, baselines included (e.g. train.inner_batch=64: a larger batch per replica)",
+    )
     parser.add_argument(
         "--h", type=int, default=20, help="H for outer rows that do not set their own (0: the config's)"
     )
@@ -307,7 +336,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    base = derive_config(SwarmConfig(), PRESETS[args.preset])
+    base = derive_config(SwarmConfig(), PRESETS[args.preset] | parse_overrides(args.set))
     corpus = load_corpus(args.corpus)
     rows = [r for r in ROWS if not args.only or r.name in args.only]
     if not rows:
