@@ -20,11 +20,13 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   swapped in at a moment when no microbatch is between its forward and its backward. The
   global weights (held by the outer optimizer, served to newcomers, hashed into ``global_hash``)
   are bitwise identical on every member of the round.
-- **Catch-up.** Every tick the replica reads its stage's records. Seeing a replica at a later round
-  (this one was late, its round failed, or it had no steps to contribute), it downloads that
-  replica's state; seeing one at the same round with other weights (a group split by a DHT race),
-  the larger peer id downloads the smaller's, so the stage converges on one copy. Local progress
-  since the last snapshot is dropped on download.
+- **Catch-up.** Every tick the replica reads its stage's records. Seeing a later round (this one
+  was late, its round failed, or it had no steps to contribute), it downloads that state; seeing
+  its own round with other weights (a group split by a DHT race), the copy held by fewer replicas
+  (or, as many, by the larger peer ids) downloads the other, so the stage converges on one copy.
+  It follows only claims vouched for by two or more replicas whenever the stage has one, and
+  downloads exactly the claimed weights (``swarm/outer/transfer.py``): one peer announcing a
+  later round takes over nothing. Local progress since the last snapshot is dropped on download.
 
 ``OuterService`` (``swarm/outer/service.py``) wires this to the swarm and makes a replica's ``ReplicaSync``:
 
@@ -48,7 +50,16 @@ from optim.outer import build_outer_optimizer
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.outer.rounds import Board, GroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
-from swarm.outer.transfer import StageState, download_state, pack_state, weights_hash
+from swarm.outer.transfer import (
+    LONE_CLAIM_MAX_NORM_RATIO,
+    StageState,
+    StateClaim,
+    catch_up_claims,
+    download_state,
+    pack_state,
+    stage_claims,
+    weights_hash,
+)
 from swarm.rpc.blobs import TransferError
 
 logger = logging.getLogger(__name__)
@@ -198,18 +209,14 @@ class ReplicaSync:
         return result
 
     async def catch_up(self) -> bool:
-        """Download the stage's state if a replica is at a later round, or at this round with other weights; True if it did."""
+        """Download the stage's state if the records show a better claim than this replica's own (``catch_up_claims``:
+        a later round, or this round with other weights held by more replicas); True if it did."""
         others = await self.replicas()
         self._others = others
-        ahead = sorted(
-            (peer for peer, s in others.items() if s.outer_round > self.round),
-            key=lambda peer: (-others[peer].outer_round, peer),
-        )
-        if ahead:
-            return await self._download(ahead, "behind")
-        same = sorted(peer for peer, s in others.items() if s.outer_round == self.round and s.global_hash)
-        if same and same[0] < self.net.me and others[same[0]].global_hash != self.global_hash:
-            return await self._download(same[:1], "diverged")
+        claims = stage_claims(others, me=(self.net.me, self.round, self.global_hash))
+        for claim in catch_up_claims(claims, round_=self.round, weights_hash=self.global_hash, me=self.net.me):
+            if await self._download(claim, "behind" if claim.round > self.round else "diverged"):
+                return True
         return False
 
     async def adopt(self, state: StageState) -> None:
@@ -315,9 +322,19 @@ class ReplicaSync:
         logger.warning(f"stage {self.stage}: no replica got past outer round {round_}; keeping it")
         return False
 
-    async def _download(self, peers: list[str], reason: str) -> bool:
+    async def _download(self, claim: StateClaim, reason: str) -> bool:
+        """Download and adopt the state ``claim`` announces, from one of its holders; False if none delivers it."""
+        holders = [peer for peer in claim.holders if peer != self.net.me]
         try:
-            peer, state = await download_state(self.fetch, peers, stage=self.stage, template=self.params)
+            peer, state = await download_state(
+                self.fetch,
+                holders,
+                stage=self.stage,
+                template=self.params,
+                check=claim.acceptance(
+                    self.outer.global_params if self.outer else self.params, max_norm_ratio=LONE_CLAIM_MAX_NORM_RATIO
+                ),
+            )
         except TransferError as e:
             logger.warning(f"stage {self.stage}: could not catch up ({reason}): {e}")
             return False
@@ -329,6 +346,7 @@ class ReplicaSync:
                 "stage": self.stage,
                 "from": peer,
                 "reason": reason,
+                "vouched_by": len(claim.holders),
                 "outer_round": self.round,
                 "global_hash": self.global_hash,
             }

@@ -26,7 +26,14 @@ from swarm.dht.records import StageStatus
 from swarm.model.stages import stage_template
 from swarm.outer.replica import Holder, ReplicaSync
 from swarm.outer.rounds import Board, P2PGroupNetwork, RoundTiming
-from swarm.outer.transfer import StageState, download_state, state_bytes_bound
+from swarm.outer.transfer import (
+    NEWCOMER_MAX_NORM_RATIO,
+    StageState,
+    download_state,
+    newcomer_claims,
+    stage_claims,
+    state_bytes_bound,
+)
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
@@ -79,11 +86,14 @@ class OuterService:
         return sync
 
     async def download(self, stage: int) -> StageState | None:
-        """The current state of ``stage`` from its most advanced replica that delivers; None if it has no replica.
+        """The current state of ``stage`` from its replicas; None if it has no replica.
 
-        Records of replicas that just died stay listed until their TTL runs out, so a peer that finds
-        only dead ones keeps reading the records (every announce period) until they expire — then
-        the stage has no replica (None) — and raises ``TransferError`` only if replicas are still
+        The claims vouched for by two or more replicas are tried, latest round first; only a stage
+        where no two replicas agree falls back to a lone claim whose weights stay within
+        ``NEWCOMER_MAX_NORM_RATIO`` of the seeded ones (``swarm/outer/transfer.py``). Records of
+        replicas that just died stay listed until their TTL runs out, so a peer that finds only
+        dead ones keeps reading the records (every announce period) until they expire — then the
+        stage has no replica (None) — and raises ``TransferError`` only if replicas are still
         listed after a record's lifetime but none delivers.
         """
         timeouts = self.cfg.timeouts
@@ -94,12 +104,15 @@ class OuterService:
             others = await self.replicas(stage)
             if not others:
                 return None
-            try:
-                sources = sorted(others, key=lambda peer: (-others[peer].outer_round, peer))
-                return (await download_state(fetch, sources, stage=stage, template=template))[1]
-            except TransferError:
-                if time.monotonic() >= deadline:
-                    raise
+            failures = []
+            for claim in newcomer_claims(stage_claims(others)):
+                try:
+                    check = claim.acceptance(template, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
+                    return (await download_state(fetch, claim.holders, stage=stage, template=template, check=check))[1]
+                except TransferError as e:
+                    failures.append(str(e))
+            if time.monotonic() >= deadline:
+                raise TransferError("; ".join(failures))
             await asyncio.sleep(timeouts.announce_period_s)  # the records may have changed: read them again
 
     async def _fetch(self, peer: str, name: str, *, max_bytes: int) -> bytes:

@@ -1,0 +1,243 @@
+"""Attacks on the outer step, played against real peers on loopback: each replica its own hivemind DHT node and libp2p
+daemon, its real ``Membership``, ``OuterService`` (blob service) and ``ReplicaSync``; the attacker a peer of its own.
+
+A replica's holder is the tiny model's real stage 1, and an inner step moves every weight by a small seeded random
+step: the outer step only ever sees weights, so this is all of training it needs, at no compute cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from hivemind.dht import DHT
+from hivemind.p2p import P2P
+from swarm_harness import LOOPBACK, tiny_config
+
+from compress.config import CodecConfig
+from optim.config import OuterOptimConfig
+from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.dht.membership import Membership
+from swarm.dht.records import StageStatus
+from swarm.model.stages import build_stage
+from swarm.outer.replica import ReplicaSync
+from swarm.outer.service import OuterService
+from swarm.outer.transfer import StageState, pack_state, weights_hash
+from swarm.rpc.blobs import BlobServicer
+
+T = TypeVar("T")
+STAGE = 1
+TIMEOUTS = TimeoutConfig(rpc_s=2.0, matchmaking_s=1.0, announce_period_s=0.5, record_ttl_s=3.0)
+STEP_EVERY_S = 0.05  # one inner step of every replica
+
+
+def outer_config(method: str = "diloco") -> SwarmConfig:
+    return tiny_config(
+        stages=1,
+        outer=OuterOptimConfig(method=method, inner_steps=3),
+        codecs=CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"),
+        timeouts=TIMEOUTS,
+    )
+
+
+def seeded_weights(cfg: SwarmConfig) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in build_stage(cfg.model, 1, STAGE).named_parameters()}
+
+
+class StageHolder:
+    """A ``Holder``: stage 1 of the tiny model, whose inner step is a small seeded random move of every weight."""
+
+    def __init__(self, cfg: SwarmConfig, seed: int, step_size: float = 3e-4) -> None:
+        self.module = build_stage(cfg.model, cfg.stages.num_stages, STAGE)
+        self.inner_steps = self.start_step = 0
+        self.step_size, self.rng = step_size, torch.Generator().manual_seed(seed)
+
+    async def exclusive(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def settled(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def train(self) -> None:
+        for p in self.module.parameters():
+            p.add_(self.step_size * torch.randn(p.shape, generator=self.rng))
+        self.inner_steps += 1
+
+
+async def start_dht(initial_peers: list[str]) -> DHT:
+    return await asyncio.to_thread(DHT, initial_peers=initial_peers or None, start=True, host_maddrs=[LOOPBACK])
+
+
+@dataclasses.dataclass
+class Peer:
+    """A DHT node joined to the swarm, its P2P and membership; ``tasks`` run until ``stop``."""
+
+    name: str
+    dht: DHT
+    membership: Membership
+    p2p: P2P
+    tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    @property
+    def maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    @classmethod
+    async def join(cls, name: str, cfg: SwarmConfig, initial_peers: list[str]) -> Peer:
+        dht = await start_dht(initial_peers)
+        membership = Membership(dht)
+        await membership.join(cfg, create=not initial_peers)
+        return cls(name, dht, membership, await dht.replicate_p2p())
+
+    def every(self, period_s: float, action: Callable[[], Any]) -> None:
+        """Run ``action`` (sync or async) every ``period_s`` seconds until the peer stops."""
+
+        async def loop() -> None:
+            while True:
+                if asyncio.iscoroutine(result := action()):
+                    await result
+                await asyncio.sleep(period_s)
+
+        self.tasks.append(asyncio.create_task(loop()))
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.to_thread(self.dht.shutdown)
+
+
+@dataclasses.dataclass
+class Replica:
+    """An honest replica of stage 1: it downloads the stage's state when it joins, trains, and takes part in rounds."""
+
+    peer: Peer
+    holder: StageHolder
+    sync: ReplicaSync
+    events: list[dict[str, Any]]
+
+    @classmethod
+    async def start(cls, name: str, cfg: SwarmConfig, initial_peers: list[str], *, seed: int) -> Replica:
+        peer = await Peer.join(name, cfg, initial_peers)
+        service = OuterService(cfg, peer.membership, peer.p2p)
+        await service.servicer.add_p2p_handlers(peer.p2p, namespace=cfg.swarm_id)
+        state = await service.download(STAGE)
+        holder, events = StageHolder(cfg, seed), []
+        sync = service.sync(STAGE, holder, events.append)
+        if state is not None:
+            await sync.adopt(state)
+            events.append({"event": "joined_from", "outer_round": state.round, "global_hash": sync.global_hash})
+        replica = cls(peer, holder, sync, events)
+        peer.every(cfg.timeouts.announce_period_s, replica.announce)
+        peer.every(STEP_EVERY_S, holder.train)
+        peer.tasks.append(asyncio.create_task(sync.run()))
+        return replica
+
+    async def announce(self) -> None:
+        status = StageStatus(inner_steps=self.holder.inner_steps, **self.sync.status_fields())
+        await self.peer.membership.announce(STAGE, status)
+
+    def rounds(self, *, contributors: int = 1) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.events
+            if e["event"] == "outer_round" and e["outcome"] == "done" and e["contributors"] >= contributors
+        ]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.holder.module.named_parameters()}
+
+    async def stop(self) -> None:
+        await self.peer.stop()
+        self.sync.close()
+
+
+def largest_norm_ratio(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest factor by which a tensor's norm differs from the reference's, either way (inf if not finite)."""
+    ratios = [float(weights[n].norm() / reference[n].norm()) for n in reference]
+    return max(max(r, 1 / r) if math.isfinite(r) and r > 0 else math.inf for r in ratios)
+
+
+async def wait_for(what: str, check: Callable[[], bool], timeout: float, explain: Callable[[], Any] = str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout:.0f}s: {explain()}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def stopping(*peers: Replica | Peer) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        await asyncio.gather(*(p.stop() for p in peers), return_exceptions=True)
+
+
+# ---- item 2: a peer claiming a later round serves scaled weights ----------------------------------------------------
+
+
+async def start_state_liar(cfg: SwarmConfig, initial_peers: list[str], *, round_: int, scale: float) -> Peer:
+    """A peer announcing stage 1 at ``round_`` and serving the seeded weights ×``scale`` as that round's state (its
+    record announces exactly those weights' hash, so only the vouching, not the hash check, can stop it)."""
+    liar = await Peer.join("liar", cfg, initial_peers)
+    weights = {name: scale * t for name, t in seeded_weights(cfg).items()}
+    blob = pack_state(StageState(stage=STAGE, round=round_, schedule_step=0, params=weights, optimizer=None))
+    servicer = BlobServicer()
+
+    async def provide(name: str) -> bytes:
+        return blob
+
+    servicer.provide("state", provide)
+    await servicer.add_p2p_handlers(liar.p2p, namespace=cfg.swarm_id)
+    status = StageStatus(outer_round=round_, global_hash=weights_hash(weights))
+    liar.every(cfg.timeouts.announce_period_s, lambda: liar.membership.announce(STAGE, status))
+    liar.servicer = servicer  # type: ignore[attr-defined]  # its served_bytes tell whether anyone fetched the lie
+    return liar
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_claiming_a_later_round_with_scaled_weights_takes_over_no_replica() -> None:
+    cfg = outer_config()
+    seeded = seeded_weights(cfg)
+
+    async def scenario() -> None:
+        a = await Replica.start("a", cfg, [], seed=1)
+        liar = await start_state_liar(cfg, a.peer.maddrs, round_=1000, scale=1000.0)
+        async with stopping(a, liar):
+            # alone with the liar, a has no second replica to vouch for anything: it tries the lone claim, and refuses
+            # weights a thousand times its own
+            await wait_for("download attempt of the lie", lambda: liar.servicer.served_bytes > 0, 60)
+            rounds_before = len(a.rounds())
+            await wait_for("two more rounds of a", lambda: len(a.rounds()) >= rounds_before + 2, 60, lambda: a.events)
+            # a newcomer tries the liar's claim first (the latest round), refuses it, and takes a's state instead
+            b = await Replica.start("b", cfg, a.peer.maddrs, seed=2)
+            async with stopping(b):
+                (joined,) = [e for e in b.events if e["event"] == "joined_from"]
+                assert joined["outer_round"] < 1000
+                await wait_for(
+                    "two rounds of a and b together",
+                    lambda: len(a.rounds(contributors=2)) >= 2 and len(b.rounds(contributors=2)) >= 2,
+                    90,
+                    lambda: (a.events[-5:], b.events[-5:]),
+                )
+                for replica in (a, b):
+                    assert not [e for e in replica.events if e.get("from") == liar.id], replica.events
+                    assert replica.sync.round < 1000
+                    # the random inner steps grow the weights a little; a takeover would make them ×1000
+                    assert largest_norm_ratio(replica.weights(), seeded) < 3.0
+                    assert largest_norm_ratio(dict(replica.sync.outer.global_params), seeded) < 3.0
+
+    asyncio.run(scenario())
