@@ -88,13 +88,16 @@ class StateClaim:
             raise ValueError(f"served weights hashing to {served}, its record claims {self.weights_hash}")
 
     def acceptance(self, reference: Mapping[str, torch.Tensor], *, max_norm_ratio: float) -> StateCheck:
-        """What a state downloaded for this claim must pass: be the claimed one (``check``) and, on one peer's word
-        only, hold weights whose norms stay within ``max_norm_ratio`` of ``reference``'s (``check_plausible``)."""
+        """What a state downloaded for this claim must pass: when vouched for, be exactly the claimed one (``check``);
+        on one peer's word only, be of the claimed round or a later one (the peer may have done rounds since it
+        announced; its word is all there is either way) and hold weights whose norms stay within
+        ``max_norm_ratio`` of ``reference``'s (``check_plausible``)."""
         if self.vouched:
             return self.check
 
         def check(state: StageState) -> None:
-            self.check(state)
+            if state.round < self.round:
+                raise ValueError(f"served the state of round {state.round}, its record claims round {self.round}")
             check_plausible(state.params, reference, max_norm_ratio=max_norm_ratio)
 
         return check
