@@ -18,14 +18,17 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from hivemind.dht import DHT
+from hivemind.dht.schema import RSASignatureValidator
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from swarm_harness import LOOPBACK, tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
-from swarm.dht.membership import Membership
-from swarm.dht.records import StageStatus
+from swarm.dht.membership import Membership, round_key
+from swarm.dht.records import PROTOCOL_VERSION, StageStatus
 from swarm.model.stages import build_stage
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.service import OuterService
@@ -35,7 +38,7 @@ from swarm.rpc.blobs import BlobServicer
 T = TypeVar("T")
 STAGE = 1
 TIMEOUTS = TimeoutConfig(rpc_s=2.0, matchmaking_s=1.0, announce_period_s=0.5, record_ttl_s=3.0)
-STEP_EVERY_S = 0.05  # one inner step of every replica
+STEP_EVERY_S = 0.1  # one inner step of every replica: a round every 0.3 s or so
 
 
 def outer_config(method: str = "diloco") -> SwarmConfig:
@@ -239,5 +242,57 @@ def test_a_peer_claiming_a_later_round_with_scaled_weights_takes_over_no_replica
                     # the random inner steps grow the weights a little; a takeover would make them ×1000
                     assert largest_norm_ratio(replica.weights(), seeded) < 3.0
                     assert largest_norm_ratio(dict(replica.sync.outer.global_params), seeded) < 3.0
+
+    asyncio.run(scenario())
+
+
+# ---- item 3: one peer's round declarations stall every round -------------------------------------------------------
+
+
+async def start_round_staller(cfg: SwarmConfig, initial_peers: list[str], honest: list[Replica]) -> DHT:
+    """A DHT node that keeps declaring itself in the honest replicas' next round with a time that would close the
+    window before they arrive: 0 (the DHT's schema refuses it) and, in turn, a window and a bit ago (plausible)."""
+    signer = RSASignatureValidator(RSAPrivateKey())  # its records are signed: only the schema and the readers stop them
+    dht = await asyncio.to_thread(
+        DHT, initial_peers=initial_peers, start=True, host_maddrs=[LOOPBACK], record_validators=[signer]
+    )
+    subkey, key = dht.peer_id.to_base58().encode() + signer.local_public_key, round_key(cfg.swarm_id, STAGE)
+
+    async def declare(opened_at: float) -> None:
+        for round_ in sorted({replica.sync.round for replica in honest}):
+            value = {"round": round_, "opened_at": opened_at, "version": PROTOCOL_VERSION}
+            await dht.store(key, value, get_dht_time() + 30, subkey=subkey, return_future=True)
+
+    async def stall() -> None:
+        while True:
+            await declare(0.0)
+            await asyncio.sleep(0.1)
+            await declare(get_dht_time() - cfg.timeouts.matchmaking_s - 0.5)
+            await asyncio.sleep(0.1)
+
+    dht.stall = asyncio.create_task(stall())  # type: ignore[attr-defined]
+    return dht
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_declaring_every_round_long_opened_stalls_no_round() -> None:
+    cfg = outer_config()
+
+    async def scenario() -> None:
+        a = await Replica.start("a", cfg, [], seed=1)
+        b = await Replica.start("b", cfg, a.peer.maddrs, seed=2)
+        staller = await start_round_staller(cfg, a.peer.maddrs, [a, b])
+        try:
+            async with stopping(a, b):
+                await wait_for(
+                    "four rounds of a and b together",
+                    lambda: len(a.rounds(contributors=2)) >= 4 and len(b.rounds(contributors=2)) >= 4,
+                    120,
+                    lambda: (a.events[-5:], b.events[-5:]),
+                )
+                assert a.sync.global_hash == b.sync.global_hash or a.sync.round != b.sync.round
+        finally:
+            staller.stall.cancel()
+            await asyncio.to_thread(staller.shutdown)
 
     asyncio.run(scenario())

@@ -49,7 +49,16 @@ import torch
 from optim.outer import build_outer_optimizer
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
-from swarm.outer.rounds import Board, GroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
+from swarm.outer.rounds import (
+    Board,
+    GroupNetwork,
+    RoundKey,
+    RoundResult,
+    RoundTiming,
+    plausible_arrivals,
+    run_round,
+    window_opening,
+)
 from swarm.outer.transfer import (
     LONE_CLAIM_MAX_NORM_RATIO,
     StageState,
@@ -199,7 +208,7 @@ class ReplicaSync:
                 "reason": result.reason,
                 "group": len(result.group),
                 "contributors": len(result.contributors),
-                "leader": result.group[0] if result.group else None,
+                "leader": result.leader,
                 "outer_round": self.round,
                 "global_hash": self.global_hash,
                 "round_s": time.perf_counter() - started,
@@ -355,8 +364,11 @@ class ReplicaSync:
 
     async def _window_open(self) -> bool:
         """Whether another replica has opened this replica's next round and its window is still open."""
-        seen = await self.net.declarations(RoundKey(self.stage, self.round))
-        return bool(seen) and self.clock() <= min(seen.values()) + self.timing.window_s
+        seen, now = await self.net.declarations(RoundKey(self.stage, self.round)), self.clock()
+        others = {peer: t for peer, t in plausible_arrivals(seen, now, self.timing) if peer != self.net.me}
+        return (
+            bool(others) and now <= window_opening(others, own=now, now=now, timing=self.timing) + self.timing.window_s
+        )
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
