@@ -111,7 +111,8 @@ class OuterOptimizer(ABC, Generic[Part]):
 
     @abstractmethod
     def _decode(self, name: str, frame: bytes) -> Part:
-        """Decode one member's frame; raise WireError or ValueError if it is unusable."""
+        """Decode one member's frame for parameter ``name``; raise WireError or ValueError if it is unusable. The
+        frame's declared shape must be the parameter's, checked before anything is allocated."""
 
     @abstractmethod
     def _combine(self, parts: list[Part]) -> torch.Tensor:
@@ -273,9 +274,8 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
         return self.codec.encode(delta)
 
     def _decode(self, name: str, frame: bytes) -> torch.Tensor:
-        delta = self.codec.decode(frame)  # rejects NaN and inf
-        self._check_shape(name, delta.shape)
-        return delta
+        # the parameter's shape is checked from the frame's header, before any allocation; NaN and inf are refused
+        return self.codec.decode(frame, expected_shape=tuple(self._global[name].shape))
 
     def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(parts).mean(dim=0)
@@ -304,9 +304,9 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
         return self.codec.encode(name, delta, self._error)
 
     def _decode(self, name: str, frame: bytes) -> SparseTensor:
-        part = self.codec.decode(frame)  # rejects NaN and inf, indices out of range or repeated
-        self._check_shape(name, torch.Size(part.shape))
-        return part
+        # the parameter's shape is checked from the frame's header, before any allocation; NaN and inf, indices out
+        # of range or repeated are refused
+        return self.codec.decode(frame, expected_shape=tuple(self._global[name].shape))
 
     def _combine(self, parts: list[SparseTensor]) -> torch.Tensor:
         return aggregate_mean(parts)
