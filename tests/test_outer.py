@@ -41,7 +41,7 @@ def run_round(
         received = list(payloads)
         if shuffle is not None:
             shuffle.shuffle(received)
-        used.append(opt.apply(received, local))
+        used.append(opt.apply(received, local).used)
     return used
 
 
@@ -97,7 +97,7 @@ def test_group_of_one_without_momentum_adopts_local_params() -> None:
     opt = DiLoCo(local, lr=1.0, momentum=0.0, codec=get_codec("fp32"))
     trained = {name: t + torch.randn_like(t) for name, t in local.items()}
     local = {name: t.clone() for name, t in trained.items()}
-    assert opt.step(local, lambda payload: [payload]) == 1
+    assert opt.step(local, lambda payload: [payload]).used == 1
     for name in trained:
         torch.testing.assert_close(opt.global_params[name], trained[name])
         torch.testing.assert_close(local[name], trained[name])
@@ -328,7 +328,8 @@ def test_bad_payload_is_dropped_with_a_warning(method: str, bad: str, caplog: py
     payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
     clean.apply(payloads, {"w": start["w"].clone()})
     with caplog.at_level(logging.WARNING, logger="optim.outer"):
-        assert dirty.apply(payloads + [_bad_payload(bad, method, start)], {"w": start["w"].clone()}) == 2
+        screening = dirty.apply(payloads + [_bad_payload(bad, method, start)], {"w": start["w"].clone()})
+    assert screening.used == 2 and list(screening.dropped) == [2]  # the bad one, by its index
     assert "dropped" in caplog.text
     assert torch.equal(dirty.global_params["w"], clean.global_params["w"])
 
@@ -377,7 +378,7 @@ def test_a_frame_declaring_a_huge_shape_is_refused_from_its_header_in_bounded_me
     tracemalloc.start()
     try:
         with caplog.at_level(logging.WARNING, logger="optim.outer"):
-            assert dirty.apply([*payloads, hostile], {"w": start["w"].clone()}) == 2
+            assert dirty.apply([*payloads, hostile], {"w": start["w"].clone()}).used == 2
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -390,7 +391,7 @@ def test_no_usable_payload_leaves_everything_in_place(caplog: pytest.LogCaptureF
     start = params(w=[1.0, 2.0])
     opt, local = DiLoCo(start, codec=get_codec("fp32")), params(w=[3.0, 4.0])
     with caplog.at_level(logging.WARNING, logger="optim.outer"):
-        assert opt.apply([b"junk"], local) == 0
+        assert opt.apply([b"junk"], local).used == 0
     assert torch.equal(opt.global_params["w"], start["w"]) and torch.equal(local["w"], torch.tensor([3.0, 4.0]))
     assert opt.round == 1
 

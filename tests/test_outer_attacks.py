@@ -296,3 +296,41 @@ def test_a_peer_declaring_every_round_long_opened_stalls_no_round() -> None:
             await asyncio.to_thread(staller.shutdown)
 
     asyncio.run(scenario())
+
+
+# ---- item 5: a member of the round sends a ×1000 pseudo-gradient ----------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_a_member_sending_a_scaled_pseudo_gradient_is_dropped_named_and_banned_from_later_rounds() -> None:
+    cfg = outer_config()
+    seeded = seeded_weights(cfg)
+
+    async def scenario() -> None:
+        a = await Replica.start("a", cfg, [], seed=1)
+        x = await Replica.start("x", cfg, a.peer.maddrs, seed=2)
+        outer, make_payload = x.sync.outer, x.sync.outer.make_payload
+        # x takes part in every round as an honest replica would, but sends 1000 × its Δ = θ_global − θ_local
+        outer.make_payload = lambda local: make_payload(
+            {name: g - 1000.0 * (g - local[name]) for name, g in outer.global_params.items()}
+        )
+        async with stopping(a, x):
+            banned = lambda: [e for e in a.events if e["event"] == "outer_strike" and e["banned"]]  # noqa: E731
+            await wait_for("x banned by a", banned, 90, lambda: a.events[-5:])
+            after = len(a.rounds())
+            await wait_for("three rounds of a after the ban", lambda: len(a.rounds()) >= after + 3, 60)
+        (ban,) = banned()
+        assert ban["peer"] == x.peer.id
+        strikes = [e for e in a.events if e["event"] == "outer_strike"]
+        assert [e["peer"] for e in strikes] == [x.peer.id] * 2 and "this replica's own" in strikes[0]["reason"]
+        together = a.rounds(contributors=2)
+        assert together, "x never made it into a round"
+        for r in together:  # x's Δ went into no round of a: dropped each time, never clipped and applied
+            assert r["dropped"] == [x.peer.id] and r["clipped"] == [], r
+        for r in a.rounds()[after:]:  # banned: x is in no group of a any more
+            assert (r["group"], r["contributors"]) == (1, 1), r
+        assert not [e for e in a.events if e["event"] == "state_download" and e["from"] == x.peer.id]
+        assert largest_norm_ratio(a.weights(), seeded) < 3.0
+        assert largest_norm_ratio(dict(a.sync.outer.global_params), seeded) < 3.0
+
+    asyncio.run(scenario())

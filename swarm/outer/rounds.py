@@ -25,6 +25,7 @@ Round r of stage s, for each replica that takes part (``run_round``; the network
    no commit (the leader died) ends the round as *failed* and catches up by state download; if no
    replica got further, everyone keeps round r and tries again later.
 
+Peers the caller bans (``excluded``) count as not declared: they join no group and lead none.
 Every wait is bounded (``RoundTiming.max_round_s``): a round never hangs. Views of the DHT can
 still differ in rare races, and a replica that closes its window early can lead a smaller group
 than a later arrival sees (two leaders); ``ReplicaSync`` then notices replicas at the same round
@@ -102,6 +103,7 @@ class RoundResult:
     contributors: tuple[str, ...] = ()  # whose payloads, sorted
     group: tuple[str, ...] = ()  # who declared within the window, sorted
     leader: str | None = None  # whose commit fixed the set
+    relayed: frozenset[str] = frozenset()  # contributors whose payload came from the leader, not from them
     received: int = 0  # payloads this member fetched
     received_bytes: int = 0
     reason: str = ""  # why the round was not done
@@ -215,22 +217,24 @@ async def run_round(
     *,
     clock: Callable[[], float],
     expected: Collection[str] | None = None,
+    excluded: Callable[[str], bool] = lambda peer: False,
     on_declared: Callable[[], None] = lambda: None,
 ) -> RoundResult:
     """Take part in outer round ``key`` with ``payload``; returns the agreed payloads or why there are none.
 
     Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s``
-    (at once for an empty set); None waits it out.
+    (at once for an empty set); None waits it out. Peers ``excluded`` (banned) count as not declared.
     """
     now = clock()
-    declared = {peer: t for peer, t in (await net.declarations(key)).items() if peer != net.me}
+    declared = await _declarations(net, key, excluded)
     if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
         return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
     opened = now
     board.offer(key, net.me, payload)
     await net.declare(key, opened, opened + timing.max_round_s)
     on_declared()
-    seen = await _arrivals(net, key, opened, None if expected is None else set(expected) - {net.me}, timing, clock)
+    waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
+    seen = await _arrivals(net, key, opened, waited_for, timing, clock, excluded)
     now = clock()
     close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
     group = tuple(
@@ -252,6 +256,7 @@ async def run_round(
     # none (gone, or declared only to stall the round) leads nothing.
     arrived = seen | {net.me: opened}
     leader = min(got, key=lambda peer: (arrived[peer], peer))
+    relayed: set[str] = set()  # contributors whose payload this member has only the leader's word for
     if leader == net.me:
         entries = sorted((owner, digest(data)) for owner, data in got.items())
         board.commit(key, entries)
@@ -260,9 +265,12 @@ async def run_round(
         try:
             entries = parse_commit(await net.fetch(leader, key.blob("commit"), 2 * timing.timeout_s))
             for owner, wanted in entries:
+                if owner == net.me and wanted != digest(payload):
+                    raise TransferError("the leader's commit holds another payload as this replica's own")
                 if owner not in got or digest(got[owner]) != wanted:
                     got[owner] = await net.fetch(leader, key.blob(f"payload/{owner}"), timing.timeout_s)
                     received.append(got[owner])
+                    relayed.add(owner)
                     if digest(got[owner]) != wanted:
                         raise TransferError(f"the leader's copy of {owner}'s payload does not match its commit")
         except TransferError as e:
@@ -280,6 +288,7 @@ async def run_round(
         contributors=tuple(owner for owner, _ in entries),
         group=group,
         leader=leader,
+        relayed=frozenset(relayed),
         received=len(received),
         received_bytes=sum(map(len, received)),
     )
@@ -309,15 +318,21 @@ async def _arrivals(
     expected: set[str] | None,
     timing: RoundTiming,
     clock: Callable[[], float],
+    excluded: Callable[[str], bool],
 ) -> dict[str, float]:
     """Who else declared for ``key``: read until the window has closed and settled, or until every expected peer is in."""
     while True:
-        seen = {peer: t for peer, t in (await net.declarations(key)).items() if peer != net.me}
+        seen = await _declarations(net, key, excluded)
         remaining = window_opening(seen, own=opened, now=clock(), timing=timing) + timing.window_s
         remaining += timing.settle_s - clock()
         if remaining <= 0 or (expected is not None and expected <= seen.keys()):
             return seen
         await asyncio.sleep(min(remaining, timing.poll_s))
+
+
+async def _declarations(net: GroupNetwork, key: RoundKey, excluded: Callable[[str], bool]) -> dict[str, float]:
+    """The other peers' declared arrivals for ``key``, those of excluded peers left out."""
+    return {peer: t for peer, t in (await net.declarations(key)).items() if peer != net.me and not excluded(peer)}
 
 
 async def _fetch_or_none(net: GroupNetwork, peer: str, name: str, timeout: float) -> bytes | None:

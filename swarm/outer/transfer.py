@@ -235,6 +235,7 @@ async def download_state(
     template: Mapping[str, torch.Tensor],
     blob: str = "state",
     check: StateCheck = lambda state: None,
+    blame: Callable[[str, str], None] = lambda peer, why: None,
 ) -> tuple[str, StageState]:
     """The state of ``stage`` from the first of ``peers`` that delivers a valid one (each tried once, in order).
 
@@ -242,13 +243,19 @@ async def download_state(
 
     ``fetch(peer, name)`` returns a whole, hash-checked blob or raises ``TransferError``; a blob
     that arrives whole but does not fit the stage, or that ``check`` refuses (``StateClaim.check``:
-    not the claimed weights), counts as a failed transfer too.
+    not the claimed weights), counts as a failed transfer too, and ``blame(peer, why)`` hears of it:
+    the peer sent it, whole and hash-checked.
     """
     failures = []
     for peer in peers:
         try:
-            state = unpack_state(await fetch(peer, f"{blob}/{stage}"), stage=stage, template=template)
-            check(state)
+            data = await fetch(peer, f"{blob}/{stage}")
+            try:
+                state = unpack_state(data, stage=stage, template=template)
+                check(state)
+            except ValueError as e:
+                blame(peer, str(e))
+                raise
             return peer, state
         except (TransferError, ValueError) as e:
             logger.warning(f"state of stage {stage} from {peer}: {e}; trying another replica")
