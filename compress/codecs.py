@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.errors import MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
-from compress.wire import DEFAULT_LIMITS, CodecId, Frame, WireLimits, decode_frame, encode_frame, header_bytes
+from compress.wire import CodecId, Frame, WireLimits, decode_frame, encode_frame, header_bytes, receiver_limits
 
 Kind = Literal["activation", "gradient"]
 
@@ -67,15 +67,40 @@ class Codec(ABC):
         return encode_frame(self.codec_id, body, dtype=x.dtype, shape=tuple(x.shape), meta=meta)
 
     def decode(
-        self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False
+        self,
+        data: bytes,
+        *,
+        limits: WireLimits | None = None,
+        allow_nonfinite: bool = False,
+        expected_shape: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        return self.decode_with_tokens(data, limits=limits, allow_nonfinite=allow_nonfinite)[0]
+        return self.decode_with_tokens(
+            data, limits=limits, allow_nonfinite=allow_nonfinite, expected_shape=expected_shape
+        )[0]
 
     def decode_with_tokens(
-        self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False
+        self,
+        data: bytes,
+        *,
+        limits: WireLimits | None = None,
+        allow_nonfinite: bool = False,
+        expected_shape: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The tensor and, for subspace activations, the token ids the frame carries (else None)."""
-        return self.from_frame(decode_frame(data, limits=limits), allow_nonfinite=allow_nonfinite)
+        """The tensor and, for subspace activations, the token ids the frame carries (else None).
+
+        ``expected_shape``: the receiver's own shape for the tensor. A frame declaring another is
+        refused from its header, and the body may not exceed what that shape needs in this codec
+        (``limits_for``), so nothing is allocated for a tensor the receiver does not hold;
+        ``limits`` (default ``DEFAULT_LIMITS``) tighten that further.
+        """
+        shape_limits = None if expected_shape is None else self.limits_for(tuple(expected_shape))
+        frame = decode_frame(data, limits=receiver_limits(limits, shape_limits), expected_shape=expected_shape)
+        return self.from_frame(frame, allow_nonfinite=allow_nonfinite)
+
+    def limits_for(self, shape: tuple[int, ...]) -> WireLimits:
+        """The bounds of a frame of ``shape`` in this codec: no more metadata and body than the shape needs."""
+        needed = self.payload_bytes(shape)  # meta + body
+        return WireLimits.for_shape(shape, body_bytes=needed, meta_bytes=needed)
 
     def from_frame(self, frame: Frame, *, allow_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.matches(frame):

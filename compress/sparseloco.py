@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from compress.errors import MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
-from compress.wire import DEFAULT_LIMITS, CodecId, WireLimits, decode_frame, encode_frame
+from compress.wire import CodecId, WireLimits, decode_frame, encode_frame, receiver_limits
 
 _META = struct.Struct("<HH")  # topk, tile side
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
@@ -99,6 +99,12 @@ class _Tiling:
     def n_groups(self) -> int:
         return -(-self.n_chunks // self.chunks_per_group)
 
+    @functools.cached_property
+    def body_bytes(self) -> int:
+        """Index deltas (2 bytes each), 2-bit codes and a bf16 (a, b) pair per scale group."""
+        m = self.n_chunks * self.k
+        return 2 * m + -(-m // 4) + 4 * self.n_groups
+
     def magnitude_keys(self, x: np.ndarray) -> np.ndarray:
         """(rows·cols,) float32 → (n_chunks, th·tw) int32 keys that order like |x|.
 
@@ -155,6 +161,12 @@ class SparseLoCoCodec:
     def new_state(self) -> SparseLoCoState:
         return SparseLoCoState()
 
+    def limits_for(self, shape: tuple[int, ...]) -> WireLimits:
+        """The bounds of a frame of ``shape``: its body has exactly the size the shape fixes."""
+        return WireLimits.for_shape(
+            shape, body_bytes=_Tiling.of(shape, self.tile, self.topk).body_bytes, meta_bytes=_META.size
+        )
+
     def encode(self, name: str, delta: torch.Tensor, state: SparseLoCoState) -> bytes:
         """Fold ``delta`` into the error buffer of ``name``, send its top-k per chunk, keep the rest."""
         delta = delta.detach().float().cpu()
@@ -182,9 +194,17 @@ class SparseLoCoCodec:
         )
 
     def decode(
-        self, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, allow_nonfinite: bool = False
+        self,
+        data: bytes,
+        *,
+        limits: WireLimits | None = None,
+        allow_nonfinite: bool = False,
+        expected_shape: tuple[int, ...] | None = None,
     ) -> SparseTensor:
-        frame = decode_frame(data, limits=limits)
+        """The sent values of one tensor; ``expected_shape`` (the receiver's parameter) refuses a frame of another
+        shape from its header and bounds its body by what that shape needs (``limits_for``), before any allocation."""
+        shape_limits = None if expected_shape is None else self.limits_for(tuple(expected_shape))
+        frame = decode_frame(data, limits=receiver_limits(limits, shape_limits), expected_shape=expected_shape)
         if frame.codec_id != self.codec_id:
             raise UnknownCodec(f"frame has codec id {frame.codec_id}, expected SparseLoCo (id {int(self.codec_id)})")
         if frame.meta != _META.pack(self.topk, self.tile):
@@ -194,9 +214,9 @@ class SparseLoCoCodec:
         tiling = _Tiling.of(frame.shape, self.tile, self.topk)
         m, n_groups = tiling.n_chunks * tiling.k, tiling.n_groups
         n_codes = -(-m // 4)
-        if len(frame.body) != 2 * m + n_codes + 4 * n_groups:
+        if len(frame.body) != tiling.body_bytes:
             raise ShapeMismatch(
-                f"SparseLoCo body holds {len(frame.body)} bytes; shape {frame.shape} needs {2 * m + n_codes + 4 * n_groups}"
+                f"SparseLoCo body holds {len(frame.body)} bytes; shape {frame.shape} needs {tiling.body_bytes}"
             )
         planes = np.frombuffer(frame.body, np.uint8, 2 * m).reshape(2, m)
         deltas = (planes[0] | planes[1].astype(np.int64) << 8).reshape(tiling.n_chunks, tiling.k)

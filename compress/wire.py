@@ -14,7 +14,10 @@ frame except its own field.
 Decoding checks the cheap things first and bounds every declared size against ``WireLimits``
 before anything is allocated or decompressed: the zstd frame must declare exactly ``body_len``
 bytes, and one-shot decompression writes into a buffer of that size, so a decompression bomb
-fails with a ``WireError`` instead of growing memory.
+fails with a ``WireError`` instead of growing memory. A receiver that knows the tensor it expects
+passes ``expected_shape``: a frame declaring another shape is refused from its header, and the
+codecs then bound the body by what that shape needs (``Codec.limits_for``), so a small frame
+cannot make a receiver allocate for a tensor larger than its own.
 
     >>> frame = decode_frame(encode_frame(CodecId.FP32, b"\\0" * 8, dtype=torch.float32, shape=(2,)))
     >>> frame.shape, frame.body  # ((2,), b'\\x00…')
@@ -79,12 +82,17 @@ class CodecId(IntEnum):
 
 @dataclass(kw_only=True)
 class WireLimits:
-    """What a receiver is willing to allocate for one frame."""
+    """What a receiver is willing to allocate for one frame.
 
-    max_frame_bytes: int = 256 << 20  # the encoded frame as received
-    max_body_bytes: int = 256 << 20  # the body after decompression
+    The defaults bound a receiver that knows nothing of the tensor it expects; every receiver of
+    the swarm's own traffic knows more (``expected_shape``, the stage server's limits) and is
+    tighter. 64 MiB holds a microbatch of 16 × 1024 tokens of width 1024 in fp32.
+    """
+
+    max_frame_bytes: int = 64 << 20  # the encoded frame as received
+    max_body_bytes: int = 64 << 20  # the body after decompression
     max_meta_bytes: int = 64 << 10
-    max_elements: int = 64 << 20  # elements of the declared tensor shape
+    max_elements: int = 16 << 20  # elements of the declared tensor shape
     max_ndim: int = 8
 
     def __post_init__(self) -> None:
@@ -94,8 +102,31 @@ class WireLimits:
         if self.max_ndim > 255:
             raise ValueError(f"WireLimits.max_ndim is at most 255 (one header byte), got {self.max_ndim}")
 
+    def tightest(self, other: WireLimits) -> WireLimits:
+        """Each bound the smaller of the two."""
+        return WireLimits(**{name: min(value, getattr(other, name)) for name, value in vars(self).items()})
+
+    @classmethod
+    def for_shape(cls, shape: tuple[int, ...], *, body_bytes: int, meta_bytes: int) -> WireLimits:
+        """The bounds of a frame of exactly ``shape`` whose codec needs at most ``body_bytes`` and ``meta_bytes``."""
+        return cls(
+            max_frame_bytes=header_bytes(len(shape)) + meta_bytes + body_bytes + 1,
+            max_body_bytes=max(1, body_bytes),
+            max_meta_bytes=max(1, meta_bytes),
+            max_elements=max(1, math.prod(shape)),
+            max_ndim=min(255, max(1, len(shape))),
+        )
+
 
 DEFAULT_LIMITS = WireLimits()
+
+
+def receiver_limits(limits: WireLimits | None, shape_limits: WireLimits | None) -> WireLimits:
+    """The bounds a decode applies: ``limits`` (``DEFAULT_LIMITS`` if None), or those of the expected shape when the
+    receiver knows it (tightened by ``limits`` when both are given)."""
+    if shape_limits is None:
+        return limits or DEFAULT_LIMITS
+    return shape_limits if limits is None else limits.tightest(shape_limits)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,13 +166,14 @@ def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple
     return b"".join((header[:_CRC_OFFSET], struct.pack("<I", crc), tail, payload))
 
 
-def decode_frame(data: bytes, *, limits: WireLimits = DEFAULT_LIMITS) -> Frame:
-    """Parse and validate a frame. Raises only ``WireError`` subclasses, whatever ``data`` holds."""
+def decode_frame(
+    data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, expected_shape: tuple[int, ...] | None = None
+) -> Frame:
+    """Parse and validate a frame; one of another shape than ``expected_shape`` is refused from its header, before
+    anything is decompressed. Raises only ``WireError`` subclasses, whatever ``data`` holds."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MalformedFrame(f"a frame is bytes, got {type(data).__name__}")
     data = memoryview(data).cast("B")
-    if len(data) > limits.max_frame_bytes:
-        raise LimitExceeded(f"frame of {len(data)} bytes is over the limit of {limits.max_frame_bytes}")
     if len(data) < len(MAGIC):
         raise TruncatedFrame(f"frame of {len(data)} bytes is shorter than its magic")
     if bytes(data[:4]) != MAGIC:
@@ -161,6 +193,10 @@ def decode_frame(data: bytes, *, limits: WireLimits = DEFAULT_LIMITS) -> Frame:
     if len(data) < shape_end:
         raise TruncatedFrame(f"frame of {len(data)} bytes ends inside its shape field")
     shape = struct.unpack_from(f"<{ndim}I", data, _HEADER.size)
+    if expected_shape is not None and shape != tuple(expected_shape):
+        raise ShapeMismatch(f"frame declares shape {shape}, the receiver expects {tuple(expected_shape)}")
+    if len(data) > limits.max_frame_bytes:  # (the header read so far is bounded by max_ndim)
+        raise LimitExceeded(f"frame of {len(data)} bytes is over the limit of {limits.max_frame_bytes}")
     if math.prod(shape) > limits.max_elements:
         raise LimitExceeded(f"shape {shape} has {math.prod(shape)} elements, over the limit of {limits.max_elements}")
     if meta_len > limits.max_meta_bytes:

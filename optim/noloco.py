@@ -31,7 +31,7 @@ import torch
 
 from compress.codecs import Codec, get_codec
 from compress.errors import MalformedFrame
-from optim.outer import NamedTensors, OuterOptimizer
+from optim.outer import NamedTensors, OuterOptimizer, Screening
 
 _SPLIT = struct.Struct("<I")  # length of the Δ frame; the weights frame follows it
 
@@ -64,6 +64,8 @@ def partners(count: int, round_: int) -> list[list[int]]:
 class NoLoCo(OuterOptimizer[PairPart]):
     """Pairwise gossip outer step: Δ through ``codec``, outer weights in fp32, heavy-ball SGD (lr 0.7, momentum 0.5)."""
 
+    replicas_agree = False  # each keeps its own outer weights; the pull towards partners brings them together
+
     def __init__(self, params: NamedTensors, *, lr: float = 0.7, momentum: float = 0.5, codec: Codec) -> None:
         super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum))
         self.codec = codec
@@ -74,18 +76,29 @@ class NoLoCo(OuterOptimizer[PairPart]):
         self._my_payload = super().make_payload(local)
         return self._my_payload
 
-    def apply(self, payloads: list[bytes], local: NamedTensors) -> int:
-        """Step with my partner's payload (chosen from the round's ``payloads``), not the whole group's."""
-        return super().apply(self.my_group(payloads), local)
+    def apply(self, payloads: list[bytes], local: NamedTensors) -> Screening:
+        """Step with my partner's payload (chosen from the round's ``payloads``), not the whole group's.
 
-    def my_group(self, payloads: list[bytes]) -> list[bytes]:
-        """My payload and my partner's (or two partners'), as the round's shared pairing says."""
+        The screening's indices refer to ``payloads``, as for any outer optimizer.
+        """
+        mine = self.my_group(payloads)
+        screening = super().apply([payloads[i] for i in mine], local)
+        return Screening(
+            used=screening.used,
+            dropped={mine[i]: why for i, why in screening.dropped.items()},
+            clipped={mine[i]: factor for i, factor in screening.clipped.items()},
+        )
+
+    def my_group(self, payloads: list[bytes]) -> list[int]:
+        """Indices in ``payloads`` of mine and my partner's (or two partners'), as the round's shared pairing says."""
         if self._my_payload is None or self._my_payload not in payloads:
-            return payloads  # I sent nothing this round: nothing to pair by (the base class drops what it cannot use)
-        ordered = sorted(payloads)
-        mine = ordered.index(self._my_payload)
-        group = next(g for g in partners(len(ordered), self.round) if mine in g)
-        return [ordered[i] for i in group]
+            return list(
+                range(len(payloads))
+            )  # I sent nothing this round: nothing to pair by (apply drops what it cannot use)
+        order = sorted(range(len(payloads)), key=lambda i: payloads[i])  # the same on every member
+        me = order.index(payloads.index(self._my_payload))
+        group = next(g for g in partners(len(order), self.round) if me in g)
+        return sorted(order[i] for i in group)
 
     def _encode(self, name: str, delta: torch.Tensor) -> bytes:
         delta_frame = self.codec.encode(delta)

@@ -27,8 +27,9 @@ import math
 import statistics
 import struct
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -44,12 +45,32 @@ AllGather = Callable[[bytes], list[bytes]]  # send my payload, get every member'
 NamedTensors = Mapping[str, torch.Tensor]  # e.g. dict(module.named_parameters())
 
 Part = TypeVar("Part")  # one member's decoded Δ for one parameter
-MAX_NORM_RATIO = 10.0  # a member's ‖Δ‖ may exceed the group median ‖Δ‖ (or, in a pair, the other's) by this factor
+# A member's ‖Δ‖ may exceed the group median ‖Δ‖ (in a pair, the other's), or the median of this replica's own
+# recent ‖Δ‖, by this factor.
+MAX_NORM_RATIO = 10.0
+OWN_NORM_HISTORY = 8  # rounds of this replica's own ‖Δ‖ it screens the others' against
 
 # payload = header, then per parameter: entry header, name (utf-8), codec frame
 _HEADER = struct.Struct("<4sQI")  # magic, round, number of parameters
 _ENTRY = struct.Struct("<HI")  # name length, frame length
 _MAGIC = b"SLOX"
+
+
+@dataclasses.dataclass(frozen=True)
+class Screening:
+    """What ``apply`` made of a round's payloads, by their index in the list it was given: who was used, who dropped
+    (and why), who clipped (by which factor). A caller that knows each payload's sender can hold it to account."""
+
+    used: int
+    dropped: dict[int, str] = dataclasses.field(default_factory=dict)
+    clipped: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Screened(Generic[Part]):
+    kept: list[dict[str, Part]]  # in the canonical order, clipped where need be
+    dropped: dict[int, str]
+    clipped: dict[int, float]
 
 
 def _pack(round_: int, frames: Mapping[str, bytes]) -> bytes:
@@ -93,6 +114,8 @@ class OuterOptimizer(ABC, Generic[Part]):
     Subclasses say how one parameter's Δ is encoded, decoded (and validated) and combined.
     """
 
+    replicas_agree: ClassVar[bool] = True  # after a round every replica holds the same global weights (not NoLoCo)
+
     def __init__(
         self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     ) -> None:
@@ -101,6 +124,8 @@ class OuterOptimizer(ABC, Generic[Part]):
         self._global = {name: p.detach().clone() for name, p in params.items()}
         self.optimizer = make_optimizer(list(self._global.values()))
         self.round = 0  # completed outer steps; part of the group's DHT key
+        self._own_norms: deque[float] = deque(maxlen=OWN_NORM_HISTORY)  # ‖Δ‖ of this replica's recent payloads
+        self._own_payload: bytes | None = None  # the last one it made: told apart from the others' in ``apply``
 
     @property
     def global_params(self) -> NamedTensors:
@@ -111,7 +136,8 @@ class OuterOptimizer(ABC, Generic[Part]):
 
     @abstractmethod
     def _decode(self, name: str, frame: bytes) -> Part:
-        """Decode one member's frame; raise WireError or ValueError if it is unusable."""
+        """Decode one member's frame for parameter ``name``; raise WireError or ValueError if it is unusable. The
+        frame's declared shape must be the parameter's, checked before anything is allocated."""
 
     @abstractmethod
     def _combine(self, parts: list[Part]) -> torch.Tensor:
@@ -129,36 +155,48 @@ class OuterOptimizer(ABC, Generic[Part]):
         self._check_names(local)
         # Codecs (and SparseLoCo's error buffers) live on the CPU, next to the network.
         frames = {name: self._encode(name, (g - local[name].detach()).cpu()) for name, g in self._global.items()}
-        return _pack(self.round, frames)
+        payload = _pack(self.round, frames)
+        # what the others will receive, decoded as they will: the scale the others' Δ are screened against
+        try:
+            self._own_norms.append(self._member_norm(self._decode_member(payload)))
+        except (WireError, ValueError):
+            pass  # a non-finite Δ: the others drop it, and it says nothing of the scale of this replica's Δ
+        self._own_payload = payload
+        return payload
 
-    def apply(self, payloads: list[bytes], local: NamedTensors) -> int:
+    def apply(self, payloads: list[bytes], local: NamedTensors) -> Screening:
         """Combine the group's payloads, step the global copy, reset ``local`` to it.
 
-        A member whose payload is unusable, or whose Δ is far larger than the others'
-        (``_screen``), is dropped with a warning. Returns how many members were used; with none,
-        nothing moves (the local parameters keep their progress).
+        A member whose payload is unusable, or whose Δ is far larger than the others' or than this
+        replica's own recent ones (``_screen``), is dropped with a warning. Returns how many members
+        were used and which payloads (by index in ``payloads``) were dropped or clipped; with none
+        used, nothing moves (the local parameters keep their progress).
         """
         self._check_names(local)
         # A canonical order makes the floating-point sums identical on every replica,
         # whatever order the exchange delivered the payloads in.
-        members = []
-        for payload in sorted(payloads):
+        members: list[tuple[int, dict[str, Part]]] = []
+        dropped: dict[int, str] = {}
+        for index in sorted(range(len(payloads)), key=lambda i: payloads[i]):
             try:
-                members.append(self._decode_member(payload))
+                members.append((index, self._decode_member(payloads[index])))
             except (WireError, ValueError) as e:
                 logger.warning("outer round %d: dropped a pseudo-gradient: %s", self.round, e)
+                dropped[index] = f"unusable: {e}"
+        own = next((i for i, payload in enumerate(payloads) if payload == self._own_payload), None)
         round_, self.round = self.round, self.round + 1
-        members = self._screen(members, round_)
-        if not members:
+        screened = self._screen(members, round_, own)
+        screening = Screening(used=len(screened.kept), dropped=dropped | screened.dropped, clipped=screened.clipped)
+        if not screened.kept:
             logger.warning("outer round %d: no usable pseudo-gradient; parameters unchanged", round_)
             self.discard_payload()
-            return 0
+            return screening
         for name, g in self._global.items():
-            g.grad = self._combine([m[name] for m in members]).to(g)
+            g.grad = self._combine([m[name] for m in screened.kept]).to(g)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.copy_global_to(local)
-        return len(members)
+        return screening
 
     @torch.no_grad()
     def apply_alone(self, local: NamedTensors) -> None:
@@ -180,8 +218,8 @@ class OuterOptimizer(ABC, Generic[Part]):
     def discard_payload(self) -> None:
         """The round the last ``make_payload`` was for applied nothing: undo what making it changed (SparseLoCo's error buffer)."""
 
-    def step(self, local: NamedTensors, all_gather: AllGather) -> int:
-        """One outer step: exchange Δ with the group, step, reset ``local``; returns members used."""
+    def step(self, local: NamedTensors, all_gather: AllGather) -> Screening:
+        """One outer step: exchange Δ with the group, step, reset ``local``; returns what was used."""
         return self.apply(all_gather(self.make_payload(local)), local)
 
     @torch.no_grad()
@@ -205,37 +243,56 @@ class OuterOptimizer(ABC, Generic[Part]):
         self.optimizer.load_state_dict(state["optimizer"])
         self.round = int(state["round"])
 
-    def _screen(self, members: list[dict[str, Part]], round_: int) -> list[dict[str, Part]]:
-        """Defend the group against a member sending a huge (scaled, diverged or hostile) Δ.
+    def _screen(self, members: list[tuple[int, dict[str, Part]]], round_: int, own: int | None) -> _Screened[Part]:
+        """Defend the group against a member sending a huge (scaled, diverged or hostile) Δ; ``members`` are
+        (payload index, decoded Δ), ``own`` the index of this replica's own payload if it is among them.
 
-        With 3 or more members, drop each whose ‖Δ‖ (over all parameters) exceeds
-        MAX_NORM_RATIO × the group's median ‖Δ‖: a majority of honest members fixes the median.
-        With 2 there is no majority to say which one is wrong, so the larger is clipped to
-        MAX_NORM_RATIO × the smaller, bounding the harm either way. Every member runs this on the
-        same payloads in the same (sorted) order, so all replicas make the same choice.
+        Dropped first: a ‖Δ‖ that is not finite, or (another member's) over MAX_NORM_RATIO × the
+        median of this replica's own recent ‖Δ‖, which every replica knows without trusting anyone.
+        Then, with 3 or more members, each over MAX_NORM_RATIO × the group's median ‖Δ‖: a majority of
+        honest members fixes the median. With 2 there is no majority to say which one is wrong, so
+        the larger is clipped to MAX_NORM_RATIO × the smaller, bounding the harm either way. Every
+        member runs this on the same payloads in the same (sorted) order; honest replicas' own ‖Δ‖
+        are alike, so they make the same choice (a rare disagreement splits the group, which
+        ``swarm/outer/replica.py`` repairs by download).
         """
-        norms = [math.sqrt(sum(self._squared_norm(part) for part in member.values())) for member in members]
-        finite = [(member, norm) for member, norm in zip(members, norms) if math.isfinite(norm)]
-        norm_of = [norm for _, norm in finite]
+        norms = {index: self._member_norm(member) for index, member in members}
+        own_limit = MAX_NORM_RATIO * statistics.median(self._own_norms) if self._own_norms else math.inf
+        dropped: dict[int, str] = {}
+        for index, norm in norms.items():
+            if not math.isfinite(norm):
+                dropped[index] = "‖Δ‖ is not finite"
+            elif index != own and norm > own_limit:
+                dropped[index] = f"‖Δ‖ {norm:.3g} is over {own_limit:.3g}, ×{MAX_NORM_RATIO:g} this replica's own"
+        finite = [(index, member) for index, member in members if index not in dropped]
+        norm_of = [norms[index] for index, _ in finite]
         reference = statistics.median(norm_of) if len(finite) >= 3 else min(norm_of, default=0.0)
-        # no limit with fewer than two finite norms (nothing to compare with)
+        # no limit with fewer than two (nothing to compare with)
         limit = MAX_NORM_RATIO * reference if len(finite) >= 2 and reference > 0 else math.inf
-        if len(finite) == 2:
-            screened = [self._scale_member(member, limit / norm) if norm > limit else member for member, norm in finite]
-        else:
-            screened = [member for member, norm in finite if norm <= limit]
-        if len(screened) < len(members):
+        clipped: dict[int, float] = {}
+        kept = []
+        for index, member in finite:
+            if norms[index] <= limit:
+                kept.append(member)
+            elif len(finite) == 2:
+                clipped[index] = limit / norms[index]
+                kept.append(self._scale_member(member, clipped[index]))
+            else:
+                dropped[index] = f"‖Δ‖ {norms[index]:.3g} is over {limit:.3g}, ×{MAX_NORM_RATIO:g} the group's median"
+        if dropped or clipped:
             logger.warning(
-                "outer round %d: dropped %d of %d pseudo-gradients (‖Δ‖ over %.3g or not finite; norms %s)",
+                "outer round %d: of %d pseudo-gradients dropped %d (%s), clipped %d; norms %s",
                 round_,
-                len(members) - len(screened),
                 len(members),
-                limit,
-                ", ".join(f"{norm:.3g}" for norm in norms),
+                len(dropped),
+                "; ".join(dropped.values()),
+                len(clipped),
+                ", ".join(f"{norm:.3g}" for norm in norms.values()),
             )
-        elif any(norm > limit for norm in norms):
-            logger.warning("outer round %d: clipped a pseudo-gradient from ‖Δ‖ %.3g to %.3g", round_, max(norms), limit)
-        return screened
+        return _Screened(kept=kept, dropped=dropped, clipped=clipped)
+
+    def _member_norm(self, member: Mapping[str, Part]) -> float:
+        return math.sqrt(sum(self._squared_norm(part) for part in member.values()))
 
     def _scale_member(self, member: dict[str, Part], factor: float) -> dict[str, Part]:
         return {name: self._scale(part, factor) for name, part in member.items()}
@@ -273,9 +330,8 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
         return self.codec.encode(delta)
 
     def _decode(self, name: str, frame: bytes) -> torch.Tensor:
-        delta = self.codec.decode(frame)  # rejects NaN and inf
-        self._check_shape(name, delta.shape)
-        return delta
+        # the parameter's shape is checked from the frame's header, before any allocation; NaN and inf are refused
+        return self.codec.decode(frame, expected_shape=tuple(self._global[name].shape))
 
     def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(parts).mean(dim=0)
@@ -304,9 +360,9 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
         return self.codec.encode(name, delta, self._error)
 
     def _decode(self, name: str, frame: bytes) -> SparseTensor:
-        part = self.codec.decode(frame)  # rejects NaN and inf, indices out of range or repeated
-        self._check_shape(name, torch.Size(part.shape))
-        return part
+        # the parameter's shape is checked from the frame's header, before any allocation; NaN and inf, indices out
+        # of range or repeated are refused
+        return self.codec.decode(frame, expected_shape=tuple(self._global[name].shape))
 
     def _combine(self, parts: list[SparseTensor]) -> torch.Tensor:
         return aggregate_mean(parts)
@@ -323,10 +379,10 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
         self._error_before_payload = dict(self._error.errors)
         return super().make_payload(local)
 
-    def apply(self, payloads: list[bytes], local: NamedTensors) -> int:
-        used = super().apply(payloads, local)
+    def apply(self, payloads: list[bytes], local: NamedTensors) -> Screening:
+        screening = super().apply(payloads, local)
         self._error_before_payload = None  # applied (or discarded, with no usable member): no undo any more
-        return used
+        return screening
 
     def discard_payload(self) -> None:
         if self._error_before_payload is not None:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compress.codecs import CODEC_NAMES, Codec, get_codec
-from compress.errors import NonFiniteValues, ShapeMismatch, UnknownCodec, WireError
+from compress.errors import LimitExceeded, NonFiniteValues, ShapeMismatch, UnknownCodec, WireError
 from compress.wire import CodecId, WireLimits, decode_frame, encode_frame
 from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
 
@@ -221,3 +221,25 @@ def test_decoding_is_bounded_by_declared_shape() -> None:
     frame = encode_frame(CodecId.INT8, b"\0" * 16, dtype=torch.float32, shape=(1 << 20, 0), meta=b"\0\0\x80?")
     with pytest.raises(ShapeMismatch):  # 0 elements but 2**20 token scales declared
         get_codec("int8").decode(frame)
+
+
+def test_a_receiver_that_knows_the_shape_allocates_nothing_for_another() -> None:
+    for codec in ALL:
+        frame = codec.encode(H, tokens=TOKENS)
+        assert codec.decode(frame, expected_shape=tuple(H.shape)).shape == H.shape  # the shape's own limits fit it
+        with pytest.raises(ShapeMismatch, match="the receiver expects"):
+            codec.decode(frame, expected_shape=(H.shape[0], H.shape[1] + 1, H.shape[2]))
+    # the right shape, but a body (an 8 KiB zstd frame of zeros) far larger than that shape needs in fp32
+    fp32 = get_codec("fp32")
+    bomb = encode_frame(CodecId.FP32, bytes(4 << 20), dtype=torch.float32, shape=(64, 64))
+    assert len(bomb) < 8 << 10
+    with pytest.raises(LimitExceeded, match="body of"):
+        fp32.decode(bomb, expected_shape=(64, 64))
+    assert fp32.limits_for((64, 64)).max_body_bytes == 4 * 64 * 64
+
+
+def test_default_limits_keep_a_small_frame_from_becoming_a_huge_body() -> None:
+    bomb = encode_frame(CodecId.FP32, bytes(256 << 20), dtype=torch.float32, shape=(64 << 20,))  # ~8 KiB on the wire
+    assert len(bomb) < 16 << 10
+    with pytest.raises(LimitExceeded):
+        get_codec("fp32").decode(bomb)

@@ -337,7 +337,7 @@ def outer_step(
         received = list(payloads)
         random.Random(seed).shuffle(received)
         local = {k: t.clone() for k, t in start.items()}
-        used.append(make(method, start).apply(received, local))
+        used.append(make(method, start).apply(received, local).used)
         results.append(local)
     return used, results
 
@@ -361,7 +361,7 @@ def test_a_non_finite_pseudo_gradient_is_dropped(caplog: pytest.LogCaptureFixtur
     diverged = {k: t.clone() for k, t in start.items()}
     diverged["b"][7] = math.nan  # fp32 frames carry NaN; decoding refuses it
     local = {k: t.clone() for k, t in start.items()}
-    assert DiLoCo(start, codec=FP32).apply([*honest, DiLoCo(start, codec=FP32).make_payload(diverged)], local) == 3
+    assert DiLoCo(start, codec=FP32).apply([*honest, DiLoCo(start, codec=FP32).make_payload(diverged)], local).used == 3
     assert all(torch.isfinite(t).all() for t in local.values())
     assert "dropped a pseudo-gradient" in caplog.text
 
@@ -395,3 +395,31 @@ def test_screened_groups_agree_and_keep_nothing_far_above_the_median(scales: lis
     expected = len(norms) if median == 0 else sum(n <= MAX_NORM_RATIO * median for n in norms)
     assert used == [expected, expected]
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_in_a_pair_a_delta_far_above_this_replicas_own_is_dropped_and_its_sender_named(method: str) -> None:
+    start = start_params()
+    own, other = deltas(2)
+    me, clean = make(method, start), make(method, start)
+    mine = me.make_payload({k: start[k] - own[k] for k in start})  # this replica's ‖Δ‖ is now on record
+    huge = make(method, start).make_payload({k: start[k] - 1000.0 * other[k] for k in start})
+    local = {k: t.clone() for k, t in start.items()}
+    screening = me.apply([huge, mine], local)
+    assert screening.used == 1 and list(screening.dropped) == [0] and not screening.clipped  # the sender, by index
+    assert "this replica's own" in screening.dropped[0]
+    clean_local = {k: t.clone() for k, t in start.items()}
+    clean.apply([clean.make_payload({k: start[k] - own[k] for k in start})], clean_local)
+    assert all(torch.equal(local[k], clean_local[k]) for k in start)  # exactly the round without the attacker
+
+    if method == "sparseloco":  # (its error feedback would send the earlier rounds' residual: no small Δ below)
+        return
+    # within ×10 of this replica's recent ‖Δ‖ but over ×10 the other member's (this round's own is small): clipped,
+    # and named too
+    me, small = make(method, start), {k: 0.01 * t for k, t in own.items()}
+    for _ in range(2):
+        me.make_payload({k: start[k] - own[k] for k in start})
+    mine = me.make_payload({k: start[k] - small[k] for k in start})
+    larger = make(method, start).make_payload({k: start[k] - 5.0 * other[k] for k in start})
+    screening = me.apply([mine, larger], {k: t.clone() for k, t in start.items()})
+    assert screening.used == 2 and list(screening.clipped) == [1] and not screening.dropped

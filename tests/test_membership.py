@@ -41,6 +41,7 @@ from swarm.dht.membership import (
     parse_config_record,
     pick_stage,
     reconcile_config,
+    round_key,
     stage_key,
     stage_validator,
 )
@@ -211,6 +212,26 @@ async def _membership_over_dht(first: SwarmDHT, second: SwarmDHT) -> None:
 
     await joiner.retire(1)
     assert set(await creator.replicas(1)) == {first.peer_id}
+
+    # outer-round declarations: one per peer and stage, the round in the record, checked by the DHT's schema
+    now = get_dht_time()
+    await creator.declare_round(1, 3, opened_at=now, expiration=now + 30)
+    await joiner.declare_round(1, 3, opened_at=now + 1, expiration=now + 30)
+    assert await creator.round_declarations(1, 3) == {first.peer_id: now, second.peer_id: now + 1}
+    await joiner.declare_round(1, 4, opened_at=now + 2, expiration=now + 31)  # replaces its round-3 declaration
+    assert await creator.round_declarations(1, 3) == {first.peer_id: now}
+    assert await creator.round_declarations(1, 4) == {second.peer_id: now + 2}
+    key = round_key(CFG.swarm_id, 1)
+    for forged in (
+        {"round": 3, "opened_at": 0.0},
+        {"round": 3, "opened_at": now + 1e9},
+        {"round": -1, "opened_at": now},
+    ):
+        # signed by the creator, newer than its declaration, but off-schema: a time no round can have, or no round
+        await first.store(key, {**forged, "version": 1}, now + 32, subkey=creator.subkey, return_future=True)
+        assert await joiner.round_declarations(1, 3) == {first.peer_id: now}  # no honest node took the record
+        found = await second.get(key, latest=True, return_future=True)
+        assert found.value[creator.subkey].value == {"round": 3, "opened_at": now, "version": 1}
 
 
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)

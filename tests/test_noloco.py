@@ -32,7 +32,7 @@ def test_step_is_mean_delta_plus_pull_towards_the_partner() -> None:
     local_b["w"] -= 0.1 * torch.randn(8, 4)
     delta_a, delta_b = theta_a - local_a["w"], theta_b - local_b["w"]
     payloads = [a.make_payload(local_a), b.make_payload(local_b)]
-    assert a.apply(payloads, local_a) == 2 and b.apply(payloads, local_b) == 2
+    assert a.apply(payloads, local_a).used == 2 and b.apply(payloads, local_b).used == 2
     mean_delta, mean_theta = (delta_a + delta_b) / 2, (theta_a + theta_b) / 2
     torch.testing.assert_close(a.global_params["w"], theta_a - 0.7 * (mean_delta + theta_a - mean_theta))
     torch.testing.assert_close(b.global_params["w"], theta_b - 0.7 * (mean_delta + theta_b - mean_theta))
@@ -47,5 +47,5 @@ def test_gossip_brings_replicas_together_without_an_all_reduce() -> None:
     for _ in range(12):  # no training between rounds: only the consensus term acts
         payloads = [opt.make_payload(local) for opt, local in replicas]
         for opt, local in replicas:
-            assert opt.apply(payloads, local) == 2  # my partner and I, never the whole group
+            assert opt.apply(payloads, local).used == 2  # my partner and I, never the whole group
     assert spread() < 0.01 * before

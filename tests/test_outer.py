@@ -5,18 +5,22 @@ from __future__ import annotations
 import io
 import logging
 import random
+import struct
+import tracemalloc
+import zlib
 
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor
-from compress.wire import decode_frame, encode_frame
+from compress.wire import MAGIC, VERSION, CodecId, decode_frame, encode_frame
 from optim.config import OuterOptimConfig
-from optim.outer import DiLoCo, NamedTensors, OuterOptimizer, SparseLoCo, build_outer_optimizer
+from optim.outer import DiLoCo, NamedTensors, OuterOptimizer, SparseLoCo, _pack, _unpack, build_outer_optimizer
 
 
 def params(**values: list[float]) -> dict[str, torch.Tensor]:
@@ -37,7 +41,7 @@ def run_round(
         received = list(payloads)
         if shuffle is not None:
             shuffle.shuffle(received)
-        used.append(opt.apply(received, local))
+        used.append(opt.apply(received, local).used)
     return used
 
 
@@ -57,8 +61,10 @@ class RegistryCodec:
         )
         return str(len(self.sent) - 1).encode()
 
-    def decode(self, data: bytes) -> SparseTensor:
-        return self.sent[int(data)]
+    def decode(self, data: bytes, *, expected_shape: tuple[int, ...]) -> SparseTensor:
+        sent = self.sent[int(data)]
+        assert sent.shape == expected_shape
+        return sent
 
 
 # --- DiLoCo ---------------------------------------------------------------------------------
@@ -91,7 +97,7 @@ def test_group_of_one_without_momentum_adopts_local_params() -> None:
     opt = DiLoCo(local, lr=1.0, momentum=0.0, codec=get_codec("fp32"))
     trained = {name: t + torch.randn_like(t) for name, t in local.items()}
     local = {name: t.clone() for name, t in trained.items()}
-    assert opt.step(local, lambda payload: [payload]) == 1
+    assert opt.step(local, lambda payload: [payload]).used == 1
     for name in trained:
         torch.testing.assert_close(opt.global_params[name], trained[name])
         torch.testing.assert_close(local[name], trained[name])
@@ -322,8 +328,62 @@ def test_bad_payload_is_dropped_with_a_warning(method: str, bad: str, caplog: py
     payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
     clean.apply(payloads, {"w": start["w"].clone()})
     with caplog.at_level(logging.WARNING, logger="optim.outer"):
-        assert dirty.apply(payloads + [_bad_payload(bad, method, start)], {"w": start["w"].clone()}) == 2
+        screening = dirty.apply(payloads + [_bad_payload(bad, method, start)], {"w": start["w"].clone()})
+    assert screening.used == 2 and list(screening.dropped) == [2]  # the bad one, by its index
     assert "dropped" in caplog.text
+    assert torch.equal(dirty.global_params["w"], clean.global_params["w"])
+
+
+def zeros_zstd(size: int) -> bytes:
+    """``size`` zero bytes, zstd-compressed with their size declared, without ever holding them: a bomb of a body."""
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor().stream_writer(out, size=size, closefd=False) as writer:
+        for start in range(0, size, 1 << 20):
+            writer.write(bytes(min(1 << 20, size - start)))
+    return out.getvalue()
+
+
+def bomb_frame(codec_id: int, shape: tuple[int, ...], meta: bytes, body_len: int) -> bytes:
+    """A checksummed frame declaring ``shape`` and a zstd body of ``body_len`` zero bytes (the layout of compress/wire.py)."""
+    payload, tail = zeros_zstd(body_len), struct.pack(f"<{len(shape)}I", *shape) + meta
+    head = struct.pack("<4sBBBBBIIII", MAGIC, VERSION, codec_id, 0, 1, len(shape), len(meta), body_len, len(payload), 0)
+    crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(head[:-4])))
+    return head[:-4] + struct.pack("<I", crc) + tail + payload
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_a_frame_declaring_a_huge_shape_is_refused_from_its_header_in_bounded_memory(
+    method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(6)
+    cfg, codecs = (
+        OuterOptimConfig(method=method),
+        CodecConfig(pseudo_gradients="fp32" if method == "diloco" else "sparseloco"),
+    )
+    start = {"w": torch.randn(64, 64)}
+    clean, dirty = build_outer_optimizer(start, cfg, codecs), build_outer_optimizer(start, cfg, codecs)
+    payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
+    round_, frames = _unpack(payloads[0])
+    if method == "sparseloco":  # (1, 64M): 18 KB on the wire, 3.4 GB to decode, said issue 20
+        shape = (1, 64 << 20)
+        bomb = bomb_frame(
+            CodecId.SPARSELOCO, shape, decode_frame(frames["w"]).meta, clean.codec.limits_for(shape).max_body_bytes
+        )
+    else:  # a 64 MiB fp32 body, within the default limits of a receiver that would not know the shape
+        shape = (4096, 4096)
+        bomb = bomb_frame(CodecId.FP32, shape, b"", 4 * (4096 * 4096))
+    hostile = _pack(round_, {"w": bomb})
+    assert len(hostile) < 32 << 10
+    clean.apply(payloads, {"w": start["w"].clone()})
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="optim.outer"):
+            assert dirty.apply([*payloads, hostile], {"w": start["w"].clone()}).used == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"frame declares shape {shape}, the receiver expects (64, 64)" in caplog.text
+    assert peak < 4 << 20  # decoding the bomb would hold its whole body: 64 MiB or more
     assert torch.equal(dirty.global_params["w"], clean.global_params["w"])
 
 
@@ -331,7 +391,7 @@ def test_no_usable_payload_leaves_everything_in_place(caplog: pytest.LogCaptureF
     start = params(w=[1.0, 2.0])
     opt, local = DiLoCo(start, codec=get_codec("fp32")), params(w=[3.0, 4.0])
     with caplog.at_level(logging.WARNING, logger="optim.outer"):
-        assert opt.apply([b"junk"], local) == 0
+        assert opt.apply([b"junk"], local).used == 0
     assert torch.equal(opt.global_params["w"], start["w"]) and torch.equal(local["w"], torch.tensor([3.0, 4.0]))
     assert opt.round == 1
 

@@ -213,3 +213,13 @@ def test_fuzz_arbitrary_frames(shape: list[int], body: bytes, meta: bytes) -> No
             CodecId.SPARSELOCO, body, dtype=torch.float32, shape=tuple(shape), meta=decode_frame(VALID[0][0]).meta
         )
     )
+
+
+def test_a_frame_of_another_shape_is_refused_from_its_header() -> None:
+    frame, shape = VALID[0]
+    assert CODEC.decode(frame, expected_shape=shape).shape == shape
+    assert CODEC.limits_for(shape).max_body_bytes == len(decode_frame(frame).body)  # the shape fixes the body's size
+    with pytest.raises(ShapeMismatch, match=r"declares shape \(70, 130\), the receiver expects \(1, 67108864\)"):
+        CODEC.decode(frame, expected_shape=(1, 64 << 20))
+    huge = CODEC.limits_for((1, 64 << 20)).max_body_bytes  # what a (1, 64M) frame would make a receiver hold
+    assert huge > 128 << 20

@@ -15,7 +15,19 @@ from hivemind.proto import runtime_pb2
 
 import swarm.outer.transfer as state_sync
 import swarm.rpc.blobs as blobs
-from swarm.outer.transfer import StageState, download_state, pack_state, state_bytes_bound, unpack_state, weights_hash
+from swarm.dht.records import StageStatus
+from swarm.outer.transfer import (
+    StageState,
+    StateClaim,
+    catch_up_claims,
+    download_state,
+    newcomer_claims,
+    pack_state,
+    stage_claims,
+    state_bytes_bound,
+    unpack_state,
+    weights_hash,
+)
 from swarm.rpc.auth import AccessDenied
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
@@ -109,6 +121,59 @@ def test_download_moves_on_to_the_next_replica_until_one_delivers() -> None:
         asyncio.run(download_state(fetch, ["gone", "broken"], stage=2, template=template()))
     with pytest.raises(TransferError, match="no replica to ask"):
         asyncio.run(download_state(fetch, [], stage=2, template=template()))
+
+
+H5, H6, LIE = "5" * 16, "6" * 16, "f" * 16  # weights hashes
+
+
+def follows(
+    others: dict[str, tuple[int, str]], me: str, own: tuple[int, str]
+) -> list[tuple[int, str, tuple[str, ...]]]:
+    """The claims a replica ``me`` holding (round, hash) ``own`` would download, as (round, hash, holders)."""
+    statuses = {peer: StageStatus(outer_round=r, global_hash=h) for peer, (r, h) in others.items()}
+    claims = stage_claims(statuses, me=(me, *own))
+    return [
+        (c.round, c.weights_hash, c.holders) for c in catch_up_claims(claims, round_=own[0], weights_hash=own[1], me=me)
+    ]
+
+
+def test_a_replica_follows_a_claim_two_replicas_vouch_for_and_never_one_peer_against_them() -> None:
+    liar = {"liar": (1000, LIE)}
+    # b agrees with me at round 5: the stage has a vouched claim, and the liar's later round is one peer's word
+    assert follows({"b": (5, H5), **liar}, "c", (5, H5)) == []
+    # two replicas vouch for round 6: that is the one to take, never the liar's
+    assert follows({"a": (6, H6), "b": (6, H6), **liar}, "c", (5, H5)) == [(6, H6, ("a", "b"))]
+    # a split round: the copy held by more replicas wins, whatever the peer ids; with as many, the smallest id
+    assert follows({"b": (5, H6), "c": (5, H6)}, "a", (5, H5)) == [(5, H6, ("b", "c"))]
+    assert follows({"a": (5, H6)}, "b", (5, H5)) == [(5, H6, ("a",))]
+    assert follows({"b": (5, H6)}, "a", (5, H5)) == []
+    # nobody agrees with anybody (a lone replica and the liar): the lone claim is tried, and checked for plausibility
+    assert follows(liar, "c", (5, H5)) == [(1000, LIE, ("liar",))]
+
+
+def test_a_newcomer_tries_vouched_claims_first_and_lone_ones_only_when_no_two_replicas_agree() -> None:
+    status = lambda r, h: StageStatus(outer_round=r, global_hash=h)
+    claims = stage_claims({"a": status(5, H5), "b": status(5, H5), "liar": status(1000, LIE)})
+    assert [(c.round, c.holders) for c in newcomer_claims(claims)] == [(5, ("a", "b"))]
+    claims = stage_claims({"a": status(5, H5), "liar": status(1000, LIE)})
+    assert [(c.round, c.holders) for c in newcomer_claims(claims)] == [(1000, ("liar",)), (5, ("a",))]
+
+
+def test_a_downloaded_state_must_be_the_claimed_one_and_a_lone_claim_plausible() -> None:
+    good = state(round_=5)
+    claim = StateClaim(round=5, weights_hash=weights_hash(good.params), holders=("a", "b"))
+    claim.check(good)
+    with pytest.raises(ValueError, match="round 6, its record claims round 5"):
+        claim.check(state(round_=6))
+    with pytest.raises(ValueError, match="its record claims"):
+        claim.check(state(round_=5, seed=1))
+    scaled = StageState(**{**vars(good), "params": {n: 1000 * t for n, t in good.params.items()}})
+    lone = StateClaim(round=5, weights_hash=weights_hash(scaled.params), holders=("liar",))
+    claim.acceptance(good.params, max_norm_ratio=10)(good)
+    with pytest.raises(ValueError, match="beyond ×10"):
+        lone.acceptance(good.params, max_norm_ratio=10)(scaled)
+    vouched = StateClaim(round=5, weights_hash=weights_hash(scaled.params), holders=("a", "b"))
+    vouched.acceptance(good.params, max_norm_ratio=10)(scaled)  # two replicas' word: a replica may have diverged
 
 
 def test_state_bound_covers_weights_and_a_momentum_buffer() -> None:

@@ -73,18 +73,18 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
         lambda: all(sum(r["contributors"] == 3 for r in swarm.rounds(n)) >= 2 for n in trainers),
         120,
     )
-    victim = max(
-        trainers, key=lambda n: swarm.ids[n]
-    )  # not the leader (the smallest id): the others' round must end without it
+    done_before = max(r["round"] for n in trainers for r in swarm.rounds(n))
+
+    def next_declarations() -> dict[str, dict] | None:
+        found = {n: [r for r in swarm.records(n, "outer_declared") if r["round"] > done_before] for n in trainers}
+        return {n: rs[0] for n, rs in found.items()} if all(found.values()) else None
+
+    declared = swarm.wait("every trainer to declare the next round", next_declarations, 60)
+    # the last to arrive, so not the leader (the earliest arrival): the others' round must end without it
+    victim = max(trainers, key=lambda n: declared[n]["time"])
     survivors = [n for n in trainers if n != victim]
-    done_before = max(r["round"] for r in swarm.rounds(victim))
-    declared = swarm.wait(
-        f"{victim} to declare",
-        lambda: [r for r in swarm.records(victim, "outer_declared") if r["round"] > done_before],
-        60,
-    )
     swarm.kill(victim)
-    killed_at, round_ = time.time(), declared[0]["round"]
+    killed_at, round_ = time.time(), declared[victim]["round"]
 
     for name in survivors:  # done with the members that delivered (the victim's payload only if fetched before it died)
         ended = swarm.wait(

@@ -15,6 +15,9 @@ key it does not hold.
 Peers of a private swarm republish the newest signed revocation list they know under
 ``{swarm_id}/revocations`` (``swarm/dht/revocations.py``), so running peers learn of revocations.
 
+Replicas declare their arrival in an outer round of stage i under ``{swarm_id}/outer/{i}`` (the
+round in the record; ``swarm/outer/rounds.py``).
+
 A peer about to rebuild a lost stage stores a ``RecoveryClaim`` under ``{swarm_id}/recovery/{i}``
 (same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/recovery/rebuild.py``); a
 rebuilt replica's stage record carries ``recovered=True``.
@@ -71,8 +74,9 @@ def metrics_key(swarm_id: str) -> str:
     return f"{swarm_id}/metrics"
 
 
-def round_key(swarm_id: str, stage: int, round_: int) -> str:
-    return f"{swarm_id}/outer/{stage}/{round_}"
+def round_key(swarm_id: str, stage: int) -> str:
+    """Where the replicas of ``stage`` declare their arrival in an outer round (the round is in the record)."""
+    return f"{swarm_id}/outer/{stage}"
 
 
 def recovery_key(swarm_id: str, stage: int) -> str:
@@ -89,6 +93,7 @@ RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {
     "metrics": PeerMetrics,
     "claim": RecoveryClaim,
     "revocations": RevocationRecord,
+    "round": RoundDeclaration,
 }
 # one per peer under a key, with a protocol version
 PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim, RevocationRecord)
@@ -115,11 +120,12 @@ def config_validator(name: str) -> SwarmSchemaValidator:
 
 
 def stage_validator(cfg: SwarmConfig) -> SwarmSchemaValidator:
-    """This swarm's stage records, recovery claims, metrics records and revocation lists."""
+    """This swarm's stage records, outer-round declarations, recovery claims, metrics records and revocation lists."""
     stages = {stage_key(cfg.swarm_id, i): "stage" for i in range(cfg.stages.num_stages + 1)}
+    rounds = {round_key(cfg.swarm_id, i): "round" for i in range(cfg.stages.num_stages + 1)}
     claims = {recovery_key(cfg.swarm_id, i): "claim" for i in range(1, cfg.stages.num_stages + 1)}
     others = {metrics_key(cfg.swarm_id): "metrics", revocations_key(cfg.swarm_id): "revocations"}
-    return SwarmSchemaValidator({**stages, **claims, **others})
+    return SwarmSchemaValidator({**stages, **rounds, **claims, **others})
 
 
 def parse_config_record(value: object) -> SwarmConfig | None:
@@ -249,19 +255,15 @@ class Membership:
         return await self._read(metrics_key(self.cfg.swarm_id), PeerMetrics)
 
     async def declare_round(self, stage: int, round_: int, *, opened_at: float, expiration: float) -> None:
-        """Tell the replicas of ``stage`` that this peer takes part in outer round ``round_``."""
-        await self._store(
-            round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration(opened_at=opened_at).dict(), expiration
-        )
+        """Tell the replicas of ``stage`` that this peer takes part in outer round ``round_`` (replacing its declaration
+        of an earlier round: a peer is in one round of a stage at a time)."""
+        declaration = RoundDeclaration(round=round_, opened_at=opened_at)
+        await self._store(round_key(self.cfg.swarm_id, stage), declaration.dict(), expiration)
 
     async def round_declarations(self, stage: int, round_: int) -> dict[PeerID, float]:
         """Who declared for outer round ``round_`` of ``stage`` (this peer included), and when."""
-        return {
-            peer: record.opened_at
-            for peer, record in (
-                await self._read(round_key(self.cfg.swarm_id, stage, round_), RoundDeclaration)
-            ).items()
-        }
+        declared = await self._read(round_key(self.cfg.swarm_id, stage), RoundDeclaration)
+        return {peer: record.opened_at for peer, record in declared.items() if record.round == round_}
 
     async def claim_recovery(self, stage: int, claim: RecoveryClaim, *, expiration: float) -> None:
         """Tell the swarm this peer means to rebuild ``stage``, until ``expiration`` (DHT time) at most."""

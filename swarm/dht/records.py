@@ -11,12 +11,16 @@ without importing the DHT layer.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional
 
 import pydantic.v1 as pydantic
 
 PROTOCOL_VERSION = 1  # bumped on any incompatible change of records or RPC messages
 MAX_CONFIG_CHARS = 1 << 16
+# A round declaration's time must be within this of the checking node's clock (hivemind's DHT time is the wall clock):
+# far above any honest skew, and it keeps absurd times (0, the far future) out of every honest node.
+MAX_DECLARED_TIME_OFFSET_S = 86400.0
 
 
 class StageStatus(pydantic.BaseModel):
@@ -43,10 +47,21 @@ class RecoveryClaim(pydantic.BaseModel):
 
 
 class RoundDeclaration(pydantic.BaseModel):
-    """A replica's arrival for an outer round (``swarm/outer/rounds.py``): the window closes ``matchmaking_s`` after the first."""
+    """A replica's arrival for outer round ``round`` of its stage (``swarm/outer/rounds.py``), one per peer and stage.
 
+    The round is in the record, not in its key, so every stage has one declarations key that the
+    DHT's schema validator knows (keys holding round numbers could not be listed, so went unchecked).
+    """
+
+    round: pydantic.conint(ge=0, strict=True)
     opened_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
     version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+    @pydantic.validator("opened_at")
+    def _about_now(cls, opened_at: float) -> float:
+        if abs(opened_at - time.time()) > MAX_DECLARED_TIME_OFFSET_S:
+            raise ValueError(f"declared at {opened_at}, more than {MAX_DECLARED_TIME_OFFSET_S:.0f} s from now")
+        return opened_at
 
 
 MAX_REVOCATIONS_BYTES = 1 << 16  # a signed list grows ~60 bytes per revoked peer: about a thousand peers

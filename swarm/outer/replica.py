@@ -20,11 +20,18 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   swapped in at a moment when no microbatch is between its forward and its backward. The
   global weights (held by the outer optimizer, served to newcomers, hashed into ``global_hash``)
   are bitwise identical on every member of the round.
-- **Catch-up.** Every tick the replica reads its stage's records. Seeing a replica at a later round
-  (this one was late, its round failed, or it had no steps to contribute), it downloads that
-  replica's state; seeing one at the same round with other weights (a group split by a DHT race),
-  the larger peer id downloads the smaller's, so the stage converges on one copy. Local progress
-  since the last snapshot is dropped on download.
+- **Accountability.** The outer optimizer reports whose Δ it dropped or clipped (non-finite, far
+  above this replica's own recent ‖Δ‖ or the group's median); each such sender that served its
+  Δ itself, a leader that served its payload but no usable commit, and a peer that served a state
+  it does not hold get a strike (``OUTER_PEER_LIMITS``); a banned peer's declarations, payloads,
+  claims and states are ignored, so a repeat offender takes part in no later round.
+- **Catch-up.** Every tick the replica reads its stage's records. Seeing a later round (this one
+  was late, its round failed, or it had no steps to contribute), it downloads that state; seeing
+  its own round with other weights (a group split by a DHT race), the copy held by fewer replicas
+  (or, as many, by the larger peer ids) downloads the other, so the stage converges on one copy.
+  It follows only claims vouched for by two or more replicas whenever the stage has one, and
+  downloads exactly the claimed weights (``swarm/outer/transfer.py``): one peer announcing a
+  later round takes over nothing. Local progress since the last snapshot is dropped on download.
 
 ``OuterService`` (``swarm/outer/service.py``) wires this to the swarm and makes a replica's ``ReplicaSync``:
 
@@ -44,14 +51,36 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from optim.outer import build_outer_optimizer
+from optim.outer import Screening, build_outer_optimizer
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
-from swarm.outer.rounds import Board, GroupNetwork, RoundKey, RoundResult, RoundTiming, run_round
-from swarm.outer.transfer import StageState, download_state, pack_state, weights_hash
+from swarm.outer.rounds import (
+    Board,
+    GroupNetwork,
+    RoundKey,
+    RoundResult,
+    RoundTiming,
+    plausible_arrivals,
+    run_round,
+    window_opening,
+)
+from swarm.outer.transfer import (
+    LONE_CLAIM_MAX_NORM_RATIO,
+    StageState,
+    StateClaim,
+    catch_up_claims,
+    download_state,
+    pack_state,
+    stage_claims,
+    weights_hash,
+)
 from swarm.rpc.blobs import TransferError
+from swarm.rpc.defences import PeerGuard, PeerLimits
 
 logger = logging.getLogger(__name__)
+# Two offences within an hour (a Δ dropped or clipped, a withheld commit, a false state) keep a peer out of this
+# replica's rounds and downloads for an hour: one may be bad luck (a diverged replica, a dropped link), a repeat is not.
+OUTER_PEER_LIMITS = PeerLimits(strikes=2, strike_window_s=3600.0, ban_s=3600.0)
 T = TypeVar("T")
 StatusReader = Callable[[], Awaitable[Mapping[str, StageStatus]]]  # peer id → status of the stage's *other* replicas
 Fetch = Callable[[str, str], Awaitable[bytes]]  # (peer, blob name) → hash-checked blob, or TransferError
@@ -89,8 +118,10 @@ class ReplicaSync:
         fetch: Fetch,
         on_log: Callable[[dict[str, Any]], None] = lambda record: None,
         clock: Callable[[], float] = time.time,
+        guard: PeerGuard | None = None,
     ) -> None:
         self.cfg, self.stage, self.holder = cfg, stage, holder
+        self.guard = guard or PeerGuard(OUTER_PEER_LIMITS)  # strikes and bans of peers that sent bad Δ or states
         self.net, self.board, self.replicas, self.fetch, self.on_log, self.clock = (
             net,
             board,
@@ -152,7 +183,8 @@ class ReplicaSync:
     async def step(self) -> RoundResult:
         """One round: snapshot, encode Δ, meet the group, install the agreed result (or catch up)."""
         key, steps = RoundKey(self.stage, self.round), self.holder.inner_steps
-        self._others = await self.replicas()  # a fresh view: whom to wait for (a replica that just joined counts)
+        # a fresh view: whom to wait for (a replica that just joined counts)
+        self._others = {peer: status for peer, status in (await self.replicas()).items() if not self.excluded(peer)}
         snapshot = await snapshot_weights(self.holder)
         payload = await self._on_thread(self.outer.make_payload, snapshot)
         started = time.perf_counter()
@@ -164,18 +196,25 @@ class ReplicaSync:
             self.timing,
             clock=self.clock,
             expected=self._expected(),
+            excluded=self.excluded,
             on_declared=lambda: self.on_log({"event": "outer_declared", "stage": self.stage, "round": key.round}),
         )
         self.counters.update(
             pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=result.received * self._fp32_bytes
         )
         self.counters[f"outer_{result.outcome}"] += 1
+        screening = None
         if result.outcome == "done":
             alone = result.contributors == (self.net.me,)
-            await self._install(None if alone else result.payloads, snapshot)
+            screening = await self._install(None if alone else result.payloads, snapshot)
+            if screening is not None:
+                self._hold_to_account(result, screening)
             self.synced_at, self._last_group = steps, result.contributors
             self.round_s.append(time.perf_counter() - started)
         else:
+            if result.outcome == "failed" and result.leader not in (None, self.net.me):
+                # it served its payload moments ago, then no (or a false) commit: gone, or stalling the round
+                self.strike(result.leader, result.reason)
             await self._on_thread(self.outer.discard_payload)  # the next payload carries this round's Δ again
             if not await self._await_progress(key.round):
                 self.synced_at = steps  # nobody got past this round: try it again after another H steps
@@ -188,28 +227,35 @@ class ReplicaSync:
                 "reason": result.reason,
                 "group": len(result.group),
                 "contributors": len(result.contributors),
-                "leader": result.group[0] if result.group else None,
+                "leader": result.leader,
                 "outer_round": self.round,
                 "global_hash": self.global_hash,
                 "round_s": time.perf_counter() - started,
                 "received_bytes": result.received_bytes,
+                # whose Δ the screening left out or clipped (their senders got a strike unless relayed)
+                "dropped": sorted(result.contributors[i] for i in screening.dropped) if screening else [],
+                "clipped": sorted(result.contributors[i] for i in screening.clipped) if screening else [],
             }
         )
         return result
 
     async def catch_up(self) -> bool:
-        """Download the stage's state if a replica is at a later round, or at this round with other weights; True if it did."""
-        others = await self.replicas()
+        """Download the stage's state if the records show a better claim than this replica's own (``catch_up_claims``:
+        a later round, or this round with other weights held by more replicas); True if it did."""
+        others = {peer: status for peer, status in (await self.replicas()).items() if not self.excluded(peer)}
         self._others = others
-        ahead = sorted(
-            (peer for peer, s in others.items() if s.outer_round > self.round),
-            key=lambda peer: (-others[peer].outer_round, peer),
+        # A member of this replica's last round applied the same commit: other weights for that round are its own
+        # doing (its screening differed, or it lies), not a split group to converge with.
+        claims = stage_claims(
+            {peer: s for peer, s in others.items() if not self._disowned(peer, s)},
+            me=(self.net.me, self.round, self.global_hash),
         )
-        if ahead:
-            return await self._download(ahead, "behind")
-        same = sorted(peer for peer, s in others.items() if s.outer_round == self.round and s.global_hash)
-        if same and same[0] < self.net.me and others[same[0]].global_hash != self.global_hash:
-            return await self._download(same[:1], "diverged")
+        follow = catch_up_claims(claims, round_=self.round, weights_hash=self.global_hash, me=self.net.me)
+        if self.outer is not None and not self.outer.replicas_agree:  # NoLoCo: other weights at my round are normal
+            follow = [claim for claim in follow if claim.round > self.round]
+        for claim in follow:
+            if await self._download(claim, "behind" if claim.round > self.round else "diverged"):
+                return True
         return False
 
     async def adopt(self, state: StageState) -> None:
@@ -272,16 +318,17 @@ class ReplicaSync:
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _install(self, payloads: tuple[bytes, ...] | None, snapshot: dict[str, torch.Tensor]) -> None:
-        """Install a round's result; ``payloads`` None: the round was this replica's alone, and the snapshot becomes global."""
-        if (
-            payloads is None
-        ):  # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
+    async def _install(self, payloads: tuple[bytes, ...] | None, snapshot: dict[str, torch.Tensor]) -> Screening | None:
+        """Install a round's result; ``payloads`` None: the round was this replica's alone, and the snapshot becomes global.
+        Returns what the outer optimizer made of the payloads (None alone)."""
+        if payloads is None:
+            # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
             await self._on_thread(self.outer.apply_alone, snapshot)
             self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
-            return
+            return None
         target = {name: torch.empty_like(t) for name, t in snapshot.items()}
-        await self._on_thread(self.outer.apply, list(payloads), target)  # target ← the new global weights
+        # target ← the new global weights
+        screening = await self._on_thread(self.outer.apply, list(payloads), target)
         self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
 
         @torch.no_grad()
@@ -295,14 +342,39 @@ class ReplicaSync:
         while not self.holder.settled() and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
         await self.holder.exclusive(swap)
+        return screening
+
+    def _disowned(self, peer: str, status: StageStatus) -> bool:
+        """``peer`` took part in this replica's last round, yet announces other weights for it."""
+        return peer in self._last_group and status.outer_round == self.round and status.global_hash != self.global_hash
+
+    def excluded(self, peer: str) -> bool:
+        """Whether ``peer`` is banned from this replica's rounds and downloads."""
+        return self.guard.banned_for(peer) > 0
+
+    def strike(self, peer: str, reason: str) -> None:
+        """Count one offence of ``peer`` (a dropped or clipped Δ, a withheld commit, a false state); enough ban it."""
+        banned = self.guard.strike(peer)
+        self.counters["outer_strikes"] += 1
+        self.counters["outer_bans"] += banned
+        logger.warning(f"stage {self.stage}: {'banned' if banned else 'a strike against'} {peer}: {reason}")
+        self.on_log({"event": "outer_strike", "stage": self.stage, "peer": peer, "reason": reason, "banned": banned})
+
+    def _hold_to_account(self, result: RoundResult, screening: Screening) -> None:
+        """A strike for each member whose Δ the outer optimizer dropped or clipped, if it served that Δ itself (a
+        payload relayed by the leader is only the leader's word)."""
+        offences = {**{i: f"clipped ×{f:.3g}" for i, f in screening.clipped.items()}, **screening.dropped}
+        for index, why in sorted(offences.items()):
+            sender = result.contributors[index]
+            if sender != self.net.me and sender not in result.relayed:
+                self.strike(sender, f"its pseudo-gradient for round {self.round - 1}: {why}")
 
     def _expected(self) -> set[str] | None:
         """Whom the window waits for: the last round's members and the replicas at this round; if there are
         other replicas but none of those (records lag behind a replica that just caught up), the whole
         window (None); nobody when this replica is alone."""
-        expected = {*self._last_group, *(peer for peer, s in self._others.items() if s.outer_round == self.round)} - {
-            self.net.me
-        }
+        expected = {*self._last_group, *(peer for peer, s in self._others.items() if s.outer_round == self.round)}
+        expected = {peer for peer in expected if peer != self.net.me and not self.excluded(peer)}
         return expected or (None if self._others else set())
 
     async def _await_progress(self, round_: int) -> bool:
@@ -315,9 +387,20 @@ class ReplicaSync:
         logger.warning(f"stage {self.stage}: no replica got past outer round {round_}; keeping it")
         return False
 
-    async def _download(self, peers: list[str], reason: str) -> bool:
+    async def _download(self, claim: StateClaim, reason: str) -> bool:
+        """Download and adopt the state ``claim`` announces, from one of its holders; False if none delivers it."""
+        holders = [peer for peer in claim.holders if peer != self.net.me]
         try:
-            peer, state = await download_state(self.fetch, peers, stage=self.stage, template=self.params)
+            peer, state = await download_state(
+                self.fetch,
+                holders,
+                stage=self.stage,
+                template=self.params,
+                blame=lambda peer, why: self.strike(peer, f"its state for round {claim.round}: {why}"),
+                check=claim.acceptance(
+                    self.outer.global_params if self.outer else self.params, max_norm_ratio=LONE_CLAIM_MAX_NORM_RATIO
+                ),
+            )
         except TransferError as e:
             logger.warning(f"stage {self.stage}: could not catch up ({reason}): {e}")
             return False
@@ -329,6 +412,7 @@ class ReplicaSync:
                 "stage": self.stage,
                 "from": peer,
                 "reason": reason,
+                "vouched_by": len(claim.holders),
                 "outer_round": self.round,
                 "global_hash": self.global_hash,
             }
@@ -337,8 +421,11 @@ class ReplicaSync:
 
     async def _window_open(self) -> bool:
         """Whether another replica has opened this replica's next round and its window is still open."""
-        seen = await self.net.declarations(RoundKey(self.stage, self.round))
-        return bool(seen) and self.clock() <= min(seen.values()) + self.timing.window_s
+        seen, now = await self.net.declarations(RoundKey(self.stage, self.round)), self.clock()
+        others = {peer: t for peer, t in plausible_arrivals(seen, now, self.timing) if peer != self.net.me}
+        return (
+            bool(others) and now <= window_opening(others, own=now, now=now, timing=self.timing) + self.timing.window_s
+        )
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)

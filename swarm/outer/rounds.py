@@ -2,22 +2,30 @@
 
 Round r of stage s, for each replica that takes part (``run_round``; the network is passed in):
 
-1. **Matchmaking.** The replica declares itself under the DHT key of (s, r) with its arrival time.
-   The window closes ``window_s`` after the *first* arrival, or as soon as everyone the replica
-   expects (the members of its previous round and the replicas the DHT shows at its round) has
-   arrived; whoever declared by then is the group; a replica that expects nobody goes on alone. So a long window, which tolerates members finishing their previous round at different
-   times, costs nothing when the group is complete. A replica that finds the window already
-   closed is *late*: it catches up by state download.
+1. **Matchmaking.** The replica declares itself for round r in stage s's declarations (DHT key
+   ``{swarm}/outer/{s}``) with its arrival time. The window closes ``window_s`` after it opened,
+   or as soon as everyone the replica expects (the members of its previous round and the replicas
+   the DHT shows at its round) has arrived; whoever declared by then is the group; a replica that
+   expects nobody goes on alone. So a long window, which tolerates members finishing their
+   previous round at different times, costs nothing when the group is complete. A replica that
+   finds the window already closed is *late*: it catches up by state download. Declared times are
+   each one peer's word, so the window opens at the *second* earliest plausible arrival, this
+   replica's own counted (``window_opening``): one declaration, however early, closes nobody's
+   window, and times no live round can have are ignored.
 2. **All-gather.** Each member fetches every other member's payload (the outer optimizer's encoded
    Δ, whatever the method) from that member's ``Board`` through the blob service of
    ``swarm/outer/transfer.py``. A member that vanished or is too slow is left out after ``timeout_s``.
 3. **Commit.** Fetches can fail differently on different members, so the group's leader (the
-   smallest peer id) publishes the list of (contributor, SHA-256) it gathered, and every member
-   applies exactly that set, fetching from the leader any payload it lacks. ``apply`` sorts the
+   earliest arrival, then the smallest peer id, among the members whose payload arrived: one that
+   serves none, gone or there only to stall, leads nothing) publishes the list of (contributor,
+   SHA-256) it gathered, and every member applies exactly that set, fetching from the leader any
+   payload it lacks. A member that arrived after the leader's window closed applies the leader's
+   set without its own payload, and keeps its progress for the next round. ``apply`` sorts the
    payloads, so the same set gives bitwise identical global weights everywhere. A member that gets
    no commit (the leader died) ends the round as *failed* and catches up by state download; if no
    replica got further, everyone keeps round r and tries again later.
 
+Peers the caller bans (``excluded``) count as not declared: they join no group and lead none.
 Every wait is bounded (``RoundTiming.max_round_s``): a round never hangs. Views of the DHT can
 still differ in rare races, and a replica that closes its window early can lead a smaller group
 than a later arrival sees (two leaders); ``ReplicaSync`` then notices replicas at the same round
@@ -33,7 +41,7 @@ import asyncio
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,7 +101,9 @@ class RoundResult:
     outcome: str  # done | late | failed
     payloads: tuple[bytes, ...] = ()  # the agreed set (done), in contributor order
     contributors: tuple[str, ...] = ()  # whose payloads, sorted
-    group: tuple[str, ...] = ()  # who declared within the window, sorted; group[0] leads
+    group: tuple[str, ...] = ()  # who declared within the window, sorted
+    leader: str | None = None  # whose commit fixed the set
+    relayed: frozenset[str] = frozenset()  # contributors whose payload came from the leader, not from them
     received: int = 0  # payloads this member fetched
     received_bytes: int = 0
     reason: str = ""  # why the round was not done
@@ -207,23 +217,29 @@ async def run_round(
     *,
     clock: Callable[[], float],
     expected: Collection[str] | None = None,
+    excluded: Callable[[str], bool] = lambda peer: False,
     on_declared: Callable[[], None] = lambda: None,
 ) -> RoundResult:
     """Take part in outer round ``key`` with ``payload``; returns the agreed payloads or why there are none.
 
     Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s``
-    (at once for an empty set); None waits it out.
+    (at once for an empty set); None waits it out. Peers ``excluded`` (banned) count as not declared.
     """
-    seen = await net.declarations(key)
-    if seen and clock() > min(seen.values()) + timing.window_s:
+    now = clock()
+    declared = await _declarations(net, key, excluded)
+    if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
         return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
-    opened = clock()
+    opened = now
     board.offer(key, net.me, payload)
     await net.declare(key, opened, opened + timing.max_round_s)
     on_declared()
-    seen = await _arrivals(net, key, opened, None if expected is None else set(expected) - {net.me}, timing, clock)
-    close = min(seen.values()) + timing.window_s
-    group = tuple(sorted(peer for peer, arrived in seen.items() if arrived <= close))
+    waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
+    seen = await _arrivals(net, key, opened, waited_for, timing, clock, excluded)
+    now = clock()
+    close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
+    group = tuple(
+        sorted(peer for peer, arrived in [*plausible_arrivals(seen, now, timing), (net.me, opened)] if arrived <= close)
+    )
     if net.me not in group:
         return RoundResult(outcome="late", group=group, reason=f"arrived after the window of {key} closed")
 
@@ -236,7 +252,11 @@ async def run_round(
     for owner, data in got.items():
         board.offer(key, owner, data)  # the leader hands out what others could not fetch themselves
 
-    leader = group[0]
+    # The first to arrive leads (a late arrival that joined takes its set), of those whose payload came: one that serves
+    # none (gone, or declared only to stall the round) leads nothing.
+    arrived = seen | {net.me: opened}
+    leader = min(got, key=lambda peer: (arrived[peer], peer))
+    relayed: set[str] = set()  # contributors whose payload this member has only the leader's word for
     if leader == net.me:
         entries = sorted((owner, digest(data)) for owner, data in got.items())
         board.commit(key, entries)
@@ -245,15 +265,19 @@ async def run_round(
         try:
             entries = parse_commit(await net.fetch(leader, key.blob("commit"), 2 * timing.timeout_s))
             for owner, wanted in entries:
+                if owner == net.me and wanted != digest(payload):
+                    raise TransferError("the leader's commit holds another payload as this replica's own")
                 if owner not in got or digest(got[owner]) != wanted:
                     got[owner] = await net.fetch(leader, key.blob(f"payload/{owner}"), timing.timeout_s)
                     received.append(got[owner])
+                    relayed.add(owner)
                     if digest(got[owner]) != wanted:
                         raise TransferError(f"the leader's copy of {owner}'s payload does not match its commit")
         except TransferError as e:
             return RoundResult(
                 outcome="failed",
                 group=group,
+                leader=leader,
                 received=len(received),
                 received_bytes=sum(map(len, received)),
                 reason=f"no usable commit from leader {leader}: {e}",
@@ -263,9 +287,28 @@ async def run_round(
         payloads=tuple(got[owner] for owner, _ in entries),
         contributors=tuple(owner for owner, _ in entries),
         group=group,
+        leader=leader,
+        relayed=frozenset(relayed),
         received=len(received),
         received_bytes=sum(map(len, received)),
     )
+
+
+def window_opening(arrivals: Mapping[str, float], *, own: float, now: float, timing: RoundTiming) -> float:
+    """When a round's window opened, for a replica arriving at ``own`` that sees the other declarations ``arrivals``.
+
+    Each declared time is one peer's word. A time no live round can have (before ``now − max_round_s``,
+    or after ``now + window_s``: beyond any clock skew) is ignored; of the rest and ``own``, the window
+    opens at the second earliest, so a single early declaration closes no window before this
+    replica arrives, and never after ``own``, so a declaration from the future holds no window open.
+    """
+    times = sorted([own, *(t for _, t in plausible_arrivals(arrivals, now, timing))])
+    return min(times[1] if len(times) > 1 else own, own)
+
+
+def plausible_arrivals(arrivals: Mapping[str, float], now: float, timing: RoundTiming) -> list[tuple[str, float]]:
+    """The (peer, declared time) pairs a live round can have: not before ``now − max_round_s``, not after ``now + window_s``."""
+    return [(peer, t) for peer, t in arrivals.items() if now - timing.max_round_s <= t <= now + timing.window_s]
 
 
 async def _arrivals(
@@ -275,14 +318,21 @@ async def _arrivals(
     expected: set[str] | None,
     timing: RoundTiming,
     clock: Callable[[], float],
+    excluded: Callable[[str], bool],
 ) -> dict[str, float]:
-    """Who declared for ``key``: read until the window has closed and settled, or until every expected peer is in."""
+    """Who else declared for ``key``: read until the window has closed and settled, or until every expected peer is in."""
     while True:
-        seen = await net.declarations(key) | {net.me: opened}
-        remaining = min(seen.values()) + timing.window_s + timing.settle_s - clock()
+        seen = await _declarations(net, key, excluded)
+        remaining = window_opening(seen, own=opened, now=clock(), timing=timing) + timing.window_s
+        remaining += timing.settle_s - clock()
         if remaining <= 0 or (expected is not None and expected <= seen.keys()):
             return seen
         await asyncio.sleep(min(remaining, timing.poll_s))
+
+
+async def _declarations(net: GroupNetwork, key: RoundKey, excluded: Callable[[str], bool]) -> dict[str, float]:
+    """The other peers' declared arrivals for ``key``, those of excluded peers left out."""
+    return {peer: t for peer, t in (await net.declarations(key)).items() if peer != net.me and not excluded(peer)}
 
 
 async def _fetch_or_none(net: GroupNetwork, peer: str, name: str, timeout: float) -> bytes | None:

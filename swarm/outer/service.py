@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,11 +25,21 @@ from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.records import StageStatus
 from swarm.model.stages import stage_template
-from swarm.outer.replica import Holder, ReplicaSync
+from swarm.outer.replica import OUTER_PEER_LIMITS, Holder, ReplicaSync
 from swarm.outer.rounds import Board, P2PGroupNetwork, RoundTiming
-from swarm.outer.transfer import StageState, download_state, state_bytes_bound
+from swarm.outer.transfer import (
+    NEWCOMER_MAX_NORM_RATIO,
+    StageState,
+    download_state,
+    newcomer_claims,
+    stage_claims,
+    state_bytes_bound,
+)
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
+from swarm.rpc.defences import PeerGuard
+
+logger = logging.getLogger(__name__)
 
 
 class OuterService:
@@ -48,6 +59,7 @@ class OuterService:
         certificate: Callable[[], bytes | None] = lambda: None,
     ) -> None:
         self.cfg, self.membership = cfg, membership
+        self.guard = PeerGuard(OUTER_PEER_LIMITS)  # one record of offences, whatever stage this peer holds
         self.board = Board(retention_s=RoundTiming.of(cfg.timeouts).max_round_s, clock=get_dht_time)
         self.servicer = BlobServicer(verifier=verifier, wait_s=2 * cfg.timeouts.rpc_s)
         self.servicer.provide("outer", self.board.get)
@@ -74,16 +86,20 @@ class OuterService:
             fetch=functools.partial(self._fetch, max_bytes=state_bytes_bound(params)),
             on_log=on_log,
             clock=get_dht_time,
+            guard=self.guard,
         )
         self.servicer.provide("state", sync.export_state)
         return sync
 
     async def download(self, stage: int) -> StageState | None:
-        """The current state of ``stage`` from its most advanced replica that delivers; None if it has no replica.
+        """The current state of ``stage`` from its replicas; None if it has no replica.
 
-        Records of replicas that just died stay listed until their TTL runs out, so a peer that finds
-        only dead ones keeps reading the records (every announce period) until they expire — then
-        the stage has no replica (None) — and raises ``TransferError`` only if replicas are still
+        The claims vouched for by two or more replicas are tried, latest round first; only a stage
+        where no two replicas agree falls back to a lone claim whose weights stay within
+        ``NEWCOMER_MAX_NORM_RATIO`` of the seeded ones (``swarm/outer/transfer.py``). Records of
+        replicas that just died stay listed until their TTL runs out, so a peer that finds only
+        dead ones keeps reading the records (every announce period) until they expire — then the
+        stage has no replica (None) — and raises ``TransferError`` only if replicas are still
         listed after a record's lifetime but none delivers.
         """
         timeouts = self.cfg.timeouts
@@ -91,16 +107,28 @@ class OuterService:
         fetch = functools.partial(self._fetch, max_bytes=state_bytes_bound(template))
         deadline = time.monotonic() + timeouts.record_ttl_s + timeouts.announce_period_s
         while True:
-            others = await self.replicas(stage)
+            others = {peer: s for peer, s in (await self.replicas(stage)).items() if not self.guard.banned_for(peer)}
             if not others:
                 return None
-            try:
-                sources = sorted(others, key=lambda peer: (-others[peer].outer_round, peer))
-                return (await download_state(fetch, sources, stage=stage, template=template))[1]
-            except TransferError:
-                if time.monotonic() >= deadline:
-                    raise
+            failures = []
+            for claim in newcomer_claims(stage_claims(others)):
+                try:
+                    check = claim.acceptance(template, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
+                    return (
+                        await download_state(
+                            fetch, claim.holders, stage=stage, template=template, check=check, blame=self._blame
+                        )
+                    )[1]
+                except TransferError as e:
+                    failures.append(str(e))
+            if time.monotonic() >= deadline:
+                raise TransferError("; ".join(failures))
             await asyncio.sleep(timeouts.announce_period_s)  # the records may have changed: read them again
+
+    def _blame(self, peer: str, why: str) -> None:
+        """A strike against ``peer``, which served a state it does not hold (or no stage's state at all)."""
+        if self.guard.strike(peer):
+            logger.warning(f"banned {peer} from this peer's outer rounds and downloads: {why}")
 
     async def _fetch(self, peer: str, name: str, *, max_bytes: int) -> bytes:
         return await self.client.fetch(peer, name, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from compress.errors import ShapeMismatch, WireError
+from compress.errors import WireError
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus
@@ -303,9 +303,8 @@ class Trainer:
         try:
             out = await call(peer, request, timeout=timeout)
             self._count(mb, kind, out, sent=False)
-            value = codec.decode(out)  # a bad reply is this server's fault, not the next hop's
-            if value.shape != mb.shape:
-                raise ShapeMismatch(f"reply of shape {tuple(value.shape)}, expected {mb.shape}")
+            # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
+            value = codec.decode(out, expected_shape=mb.shape)
         except TimeoutError:
             self.counters["hop_timeouts"] += 1
             self.router.report_timeout(stage, peer, timeout)
