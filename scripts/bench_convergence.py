@@ -67,6 +67,8 @@ ROWS: list[Row] = [
     Row(name="diloco/avg/H10", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 10}),
     Row(name="sparseloco/H10", outer="sparseloco", overrides={"outer.inner_steps": 10}),
     Row(name="sparseloco/H50", outer="sparseloco", overrides={"outer.inner_steps": 50}),
+    Row(name="sparseloco/k128", outer="sparseloco", overrides={"codecs.topk": 128}),  # 3.1% density
+    Row(name="sparseloco/H10/k128", outer="sparseloco", overrides={"outer.inner_steps": 10, "codecs.topk": 128}),
 ]
 
 PRESETS: dict[str, dict[str, ConfigValue]] = {
