@@ -1,0 +1,381 @@
+"""Every attack of issue 20 against a small swarm, next to a clean run of the same swarm: does the honest side hold?
+
+The attacks are the ones the tests reproduce (tests/test_stage_poisoning.py, test_outer_attacks.py,
+test_membership.py, test_outer.py), played here with their own helpers:
+
+- stage-nan, cache-flood, forged-records: a real stage server and a real trainer (tiny model, in-process
+  ``BackgroundNode``s on loopback) train ``--steps`` inner steps on Python's email sources while the attacker
+  poisons backward gradients (an int8 scale of 3.4e38, or ×10⁴), floods forwards, or forges stage records; the
+  honest outcome is the trainer's validation loss against the clean run's.
+- state-liar, round-staller, pg-x1000: honest replicas of stage 1 (the tests' ``Replica``: real membership,
+  outer service and rounds; random inner steps) run for ``--window`` seconds with a peer serving ×1000 weights under
+  a later round, declaring every round long opened, or sending a ×1000 pseudo-gradient as the only other member of
+  the round. No loss exists there: the honest outcome is how far the honest weights' norms moved from the seed
+  (the largest per-tensor ratio) against the clean run's, and the outer rounds the honest replica completed.
+- memory-bomb: a real ``OuterOptimizer`` applies a round with a SparseLoCo frame declaring (1, 64M) and a DiLoCo
+  fp32 frame declaring (4096, 4096); tracemalloc's peak against the same round without the bomb.
+
+Each run is a fresh process of this script, so each peak RSS (VmHWM) is that run's own.
+
+    python3 scripts/bench_adversary.py                                  # every attack, table on stdout
+    python3 scripts/bench_adversary.py --only stage-nan pg-x1000 --json /tmp/adv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the attacks are the tests' own helpers
+
+ATTACKS = (
+    "stage-nan",
+    "state-liar",
+    "round-staller",
+    "pg-x1000",
+    "forged-records",
+    "memory-bomb",
+    "cache-flood",
+)
+PIPELINE = {"stage-nan", "cache-flood", "forged-records"}  # the rest: outer attacks, and the in-process memory bomb
+OUTER = {"state-liar", "round-staller", "pg-x1000"}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+# ---- stage-nan, cache-flood, forged-records: a stage server and a trainer ---------------------------------------
+
+
+def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
+    import torch
+    from hivemind.p2p import P2P, PeerID
+    from node_harness import LOOPBACK, BackgroundNode
+    from swarm_harness import DATA, tiny_config
+    from test_membership import TIMEOUTS, forge_replicas, modified_peer, stored_subkeys
+    from test_stage_poisoning import INT8, activations, microbatch, poisoned
+
+    from peer.data import load_corpus
+    from swarm.dht.membership import stage_key
+    from swarm.peer_config import PeerConfig
+    from swarm.pipeline.protocol import Forward, RemoteError, RequestError, StageClient
+
+    torch.set_num_threads(1)
+    cfg = tiny_config(stages=1, steps=steps, outer={"method": "none"}, timeouts=TIMEOUTS)
+
+    def data(cfg: Any) -> Any:
+        corpus = load_corpus([DATA])
+        kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
+        return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_batches=4, **kw)
+
+    outcome: dict[str, Any] = {"banned": "n.a."}
+    stop = threading.Event()
+
+    def attacker(server_maddrs: list[str], server: PeerID) -> None:
+        async def play() -> None:
+            p2p = await P2P.create(initial_peers=server_maddrs, host_maddrs=LOOPBACK)
+            client = StageClient(p2p, namespace=cfg.swarm_id)
+            refused = sent = 0
+            try:
+                while not stop.is_set():
+                    sent += 1
+                    try:
+                        if attack == "stage-nan":
+                            await microbatch(client, server, cfg, f"evil{sent}", grad=poisoned(cfg, sent))
+                        else:  # cache-flood: forwards never followed by a backward
+                            x = INT8.encode(activations(cfg))
+                            await client.forward(server, Forward(mb=f"f{sent}", stage=1, prev_stage=0, x=x), timeout=10)
+                    except RemoteError as e:
+                        refused += 1
+                        if e.code == RequestError.BANNED:
+                            outcome["banned"] = "yes"
+                            break
+                    await asyncio.sleep(0.05 if attack == "stage-nan" else 0.02)
+            finally:
+                outcome.update(attacker_requests=sent, attacker_refused=refused)
+                await p2p.shutdown()
+
+        asyncio.run(play())
+
+    stage = PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK)
+    with BackgroundNode(stage, cfg) as server_node:
+        server = server_node.call(lambda node: asyncio.sleep(0, node.dht.peer_id))
+        forger = None
+        if attack == "forged-records":
+            forger, signer = modified_peer(server_node.maddrs)
+            key = stage_key(cfg.swarm_id, 1)
+            forged = asyncio.run(forge_replicas(forger, signer, key, server))
+            accepted = forged & server_node.call(lambda n: stored_subkeys(n.dht, key))
+            outcome["banned"] = "no" if accepted else "yes"  # refused: no forged record accepted
+        thread = None
+        if attack in ("stage-nan", "cache-flood"):
+            outcome["banned"] = "no"
+            thread = threading.Thread(target=attacker, args=(server_node.maddrs, server), daemon=True)
+        trainer = PeerConfig(
+            role="trainer", name="trainer", initial_peers=server_node.maddrs, host_maddrs=LOOPBACK, steps=steps
+        )
+        try:
+            with BackgroundNode(trainer, data=data) as peer:
+                if thread is not None:
+                    peer.wait("the first progress", lambda: peer.records, 120)  # the screen's warm-up is honest
+                    thread.start()
+                last = peer.result(timeout=300)
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join(30)
+            if forger is not None:
+                forger.shutdown()
+    if attack == "forged-records" and last["hop_failures"]:
+        outcome["banned"] = "no"
+    return {
+        **outcome,
+        "metric": "val_loss",
+        "value": last.get("val_loss"),
+        "step": last["step"],
+        "failed": last["failed"],
+        "hop_failures": last["hop_failures"],
+        "rounds": None,
+    }
+
+
+# ---- state-liar, round-staller, pg-x1000: honest replicas of stage 1 in outer rounds -----------------------------
+
+
+def outer_run(attack: str | None, window_s: float) -> dict[str, Any]:
+    import test_outer_attacks
+    import torch
+    from test_outer_attacks import (
+        LOOPBACK,
+        Replica,
+        largest_norm_ratio,
+        outer_config,
+        seeded_weights,
+        start_round_staller,
+        start_state_liar,
+        stopping,
+    )
+
+    from swarm.dht.process import SwarmDHT
+
+    async def start_dht(initial_peers: list[str]) -> SwarmDHT:
+        # Membership signs with SwarmDHT's identity key since item 6; the test module still starts a plain DHT
+        return await asyncio.to_thread(SwarmDHT, initial_peers=initial_peers or None, host_maddrs=[LOOPBACK])
+
+    test_outer_attacks.start_dht = start_dht
+    torch.set_num_threads(1)
+    cfg = outer_config()
+    seeded = seeded_weights(cfg)
+
+    async def scenario() -> dict[str, Any]:
+        a = await Replica.start("a", cfg, [], seed=1)
+        extra: list[Any] = []
+        outcome: dict[str, Any] = {"banned": "n.a."}
+        if attack == "state-liar":
+            liar = await start_state_liar(cfg, a.peer.maddrs, round_=1000, scale=1000.0)
+            extra.append(liar)
+            await asyncio.sleep(3.0)  # a has seen the claim before b joins
+        b = await Replica.start("x" if attack == "pg-x1000" else "b", cfg, a.peer.maddrs, seed=2)
+        if attack == "pg-x1000":  # b is the attacker: 1000 × its Δ = θ_global − θ_local, every round
+            outer, make_payload = b.sync.outer, b.sync.outer.make_payload
+            outer.make_payload = lambda local: make_payload(
+                {name: g - 1000.0 * (g - local[name]) for name, g in outer.global_params.items()}
+            )
+        staller = await start_round_staller(cfg, a.peer.maddrs, [a, b]) if attack == "round-staller" else None
+        try:
+            async with stopping(a, b, *extra):
+                await asyncio.sleep(window_s)
+                honest = [a] if attack == "pg-x1000" else [a, b]
+                if attack == "pg-x1000":
+                    bans = [e for e in a.events if e["event"] == "outer_strike" and e["banned"]]
+                    outcome["banned"] = "yes" if any(e["peer"] == b.peer.id for e in bans) else "no"
+                if attack == "state-liar":
+                    took = [e for r in honest for e in r.events if e.get("from") == extra[0].id]
+                    outcome["banned"] = "no" if took or any(r.sync.round >= 1000 for r in honest) else "yes"
+                ratios = [largest_norm_ratio(r.weights(), seeded) for r in honest]
+                return {
+                    **outcome,
+                    "metric": "weight_norm_ratio",
+                    "value": max(ratios),
+                    "rounds": min(len(r.rounds()) for r in honest),
+                    "rounds_together": min(len(r.rounds(contributors=2)) for r in honest),
+                    "finite": all(math.isfinite(x) for x in ratios),
+                }
+        finally:
+            if staller is not None:
+                staller.stall.cancel()
+                await asyncio.to_thread(staller.shutdown)
+
+    return asyncio.run(scenario())
+
+
+# ---- memory-bomb: a real OuterOptimizer decodes a round's payloads --------------------------------------------
+
+
+def memory_bomb_run(attack: str | None) -> dict[str, Any]:
+    import torch
+    from test_outer import bomb_frame, minus
+
+    from compress.config import CodecConfig
+    from compress.wire import CodecId, decode_frame
+    from optim.config import OuterOptimConfig
+    from optim.outer import _pack, _unpack, build_outer_optimizer
+
+    peaks, dropped, equal = {}, 0, True
+    for method in ("sparseloco", "diloco"):
+        torch.manual_seed(6)
+        codecs = CodecConfig(pseudo_gradients="fp32" if method == "diloco" else "sparseloco")
+        start = {"w": torch.randn(64, 64)}
+        reference = build_outer_optimizer(start, OuterOptimConfig(method=method), codecs)
+        opt = build_outer_optimizer(start, OuterOptimConfig(method=method), codecs)
+        payloads = [reference.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
+        if attack:
+            round_, frames = _unpack(payloads[0])
+            if method == "sparseloco":
+                shape = (1, 64 << 20)
+                meta = decode_frame(frames["w"]).meta
+                bomb = bomb_frame(CodecId.SPARSELOCO, shape, meta, opt.codec.limits_for(shape).max_body_bytes)
+            else:
+                bomb = bomb_frame(CodecId.FP32, (4096, 4096), b"", 4 * 4096 * 4096)
+            payloads = [*payloads, _pack(round_, {"w": bomb})]
+        reference.apply(payloads[:2], {"w": start["w"].clone()})
+        tracemalloc.start()
+        try:
+            used = opt.apply(payloads, {"w": start["w"].clone()}).used
+            peaks[method] = tracemalloc.get_traced_memory()[1] / 1e6
+        finally:
+            tracemalloc.stop()
+        dropped += len(payloads) - used
+        equal = equal and torch.equal(opt.global_params["w"], reference.global_params["w"])
+    return {
+        "banned": ("yes" if dropped == 2 else "no") if attack else "n.a.",
+        "metric": "global_params_equal",
+        "value": 1.0 if equal else math.nan,
+        "rounds": None,
+        "tracemalloc_peak_mb": peaks,
+        "peak_mb": max(peaks.values()),
+    }
+
+
+def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run (``variant``: clean or attack) in this process; what it measured."""
+    import logging
+
+    logging.disable(logging.WARNING)  # the attacks make the honest peers warn a lot; the numbers are the point
+    name = attack if variant == "attack" else None
+    started = time.monotonic()
+    if attack in PIPELINE:
+        result = pipeline_run(name, args.steps)
+    elif attack in OUTER:
+        result = outer_run(name, args.window)
+    else:
+        result = memory_bomb_run(name)
+    result["wall_s"] = time.monotonic() - started
+    result.setdefault("peak_mb", peak_rss_mb())
+    return result
+
+
+def spawn(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", attack, variant, "--steps", str(args.steps)]
+    command += ["--window", str(args.window)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
+
+
+CLEAN_OF: dict[str, str] = {**{a: "pipeline" for a in PIPELINE}, **{a: "outer" for a in OUTER}}
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
+def row(attack: str, clean: dict[str, Any], hit: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "attack": attack,
+        "metric": hit.get("metric"),
+        "clean": clean.get("value"),
+        "attacked": hit.get("value"),
+        "ratio": ratio(hit.get("value"), clean.get("value")),
+        "rounds_clean": clean.get("rounds"),
+        "rounds_attacked": hit.get("rounds"),
+        "banned": hit.get("banned"),
+        "peak_mb_clean": clean.get("peak_mb"),
+        "peak_mb_attacked": hit.get("peak_mb"),
+        "peak_ratio": ratio(hit.get("peak_mb"), clean.get("peak_mb")),
+        "clean_run": clean,
+        "attack_run": hit,
+    }
+
+
+def fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = f"{'attack':<15} {'metric':<20} {'clean':>7} {'attacked':>8} {'ratio':>6} {'rounds':>7} {'banned':>6} {'peak MB':>13} {'×':>5}"
+    print(head)
+    for r in rows:
+        rounds = "-" if r["rounds_attacked"] is None else f"{r['rounds_attacked']}/{r['rounds_clean']}"
+        peak = f"{fmt(r['peak_mb_attacked'], '.1f')}/{fmt(r['peak_mb_clean'], '.1f')}"
+        print(
+            f"{r['attack']:<15} {r['metric'] or 'error':<20} {fmt(r['clean'])!s:>7} {fmt(r['attacked']):>8} "
+            f"{fmt(r['ratio']):>6} {rounds:>7} {r['banned'] or '-':>6} {peak:>13} {fmt(r['peak_ratio'], '.2f'):>5}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=ATTACKS, default=list(ATTACKS))
+    parser.add_argument("--steps", type=int, default=60, help="the trainer's inner steps (pipeline attacks)")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds of outer rounds (outer attacks)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", nargs=2, metavar=("ATTACK", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child, args)), flush=True)
+        return
+    import os
+
+    cleans: dict[str, dict[str, Any]] = {}
+    rows, loads = [], []
+    for attack in args.only:
+        group = CLEAN_OF.get(attack, attack)
+        if group not in cleans:
+            cleans[group] = spawn(attack, "clean", args)
+            loads.append(os.getloadavg()[0])
+        hit = spawn(attack, "attack", args)
+        loads.append(os.getloadavg()[0])
+        rows.append(row(attack, cleans[group], hit))
+        print(f"{attack}: {json.dumps({k: v for k, v in rows[-1].items() if not k.endswith('_run')})}", flush=True)
+    print()
+    print_table(rows)
+    load = {"mean_1min": sum(loads) / len(loads), "max_1min": max(loads), "cpus": os.cpu_count()}
+    print(f"load average (1 min) during the runs: mean {load['mean_1min']:.1f}, max {load['max_1min']:.1f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({"rows": rows, "load": load, "args": vars(args) | {"json": str(args.json)}}, indent=1) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
