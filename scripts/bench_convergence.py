@@ -50,7 +50,8 @@ AVERAGE = {"outer.diloco_lr": 1.0, "outer.diloco_momentum": 0.0}  # the outer st
 ROWS: list[Row] = [
     Row(name="ddp", outer="ddp"),
     Row(name="one-process", outer="centralized"),
-    Row(name="diloco", outer="diloco"),
+    Row(name="diloco", outer="diloco"),  # the config's outer step (since the study: a plain average)
+    Row(name="diloco/nesterov", outer="diloco", overrides={"outer.diloco_lr": 0.7, "outer.diloco_momentum": 0.9}),
     Row(name="diloco/avg", outer="diloco", overrides=AVERAGE),
     Row(name="sparseloco", outer="sparseloco"),
     Row(
@@ -59,7 +60,7 @@ ROWS: list[Row] = [
         overrides={"outer.sparseloco_lr": 0.7, "outer.sparseloco_momentum": 0.9},
     ),
     Row(name="noloco", outer="noloco"),
-    Row(name="diloco/lr2", outer="diloco", overrides={"outer.diloco_lr": 2.0, "outer.diloco_momentum": 0.0}),
+    Row(name="diloco/lr2", outer="diloco", overrides=AVERAGE | {"outer.diloco_lr": 2.0}),
     Row(name="diloco/avg/inner-lr×2", outer="diloco", overrides=AVERAGE | {"inner.lr": 6e-3}),
     Row(name="diloco/avg/inner-lr÷2", outer="diloco", overrides=AVERAGE | {"inner.lr": 1.5e-3}),
     Row(name="diloco/avg/H1", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 1}),
