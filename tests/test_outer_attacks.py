@@ -28,6 +28,7 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.membership import Membership, round_key
+from swarm.dht.process import SwarmDHT
 from swarm.dht.records import PROTOCOL_VERSION, StageStatus
 from swarm.model.stages import build_stage
 from swarm.outer.replica import ReplicaSync
@@ -75,8 +76,8 @@ class StageHolder:
         self.inner_steps += 1
 
 
-async def start_dht(initial_peers: list[str]) -> DHT:
-    return await asyncio.to_thread(DHT, initial_peers=initial_peers or None, start=True, host_maddrs=[LOOPBACK])
+async def start_dht(initial_peers: list[str]) -> SwarmDHT:
+    return await asyncio.to_thread(SwarmDHT, initial_peers=initial_peers or None, host_maddrs=[LOOPBACK])
 
 
 @dataclasses.dataclass
