@@ -324,11 +324,14 @@ def parse_args() -> argparse.Namespace:
         "--corpus", nargs="+", metavar="PATH", help="text files or folders (default: the stdlib sources)"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--replot", metavar="JSON", help="only draw --plot from the records of an earlier --json")
     parser.add_argument("--json", help="write args, per-run records and the summary here (rewritten after every run)")
     parser.add_argument(
         "--plot", metavar="PATH.png", help="plot val loss against tokens and bytes sent (needs matplotlib)"
     )
     args = parser.parse_args()
+    if args.replot and not args.plot:
+        parser.error("--replot needs --plot PATH.png")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after hours of training
         parser.error("--plot needs matplotlib, which is not installed: `pip install matplotlib`, or leave --plot out")
     if min(args.replicas) < 1 or args.steps < 1 or args.seeds < 1 or args.log_points < 1 or args.h < 0:
@@ -338,6 +341,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.replot:  # draw a finished study's curves again, without training
+        with open(args.replot) as f:
+            plot(json.load(f)["records"], args.plot)
+        return
     torch.set_num_threads(args.threads)
     base = derive_config(SwarmConfig(), PRESETS[args.preset] | parse_overrides(args.set))
     corpus = load_corpus(args.corpus)
