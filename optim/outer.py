@@ -49,6 +49,8 @@ Part = TypeVar("Part")  # one member's decoded Δ for one parameter
 # recent ‖Δ‖, by this factor.
 MAX_NORM_RATIO = 10.0
 OWN_NORM_HISTORY = 8  # rounds of this replica's own ‖Δ‖ it screens the others' against
+OWN_NORM_SEASONED = 4  # own ‖Δ‖ known before the ratio tightens from WARMUP_NORM_RATIO to MAX_NORM_RATIO
+WARMUP_NORM_RATIO = 100.0  # a ×1000 Δ is still refused; an honest partner ahead in warm-up is not
 
 # payload = header, then per parameter: entry header, name (utf-8), codec frame
 _HEADER = struct.Struct("<4sQI")  # magic, round, number of parameters
@@ -247,8 +249,9 @@ class OuterOptimizer(ABC, Generic[Part]):
         """Defend the group against a member sending a huge (scaled, diverged or hostile) Δ; ``members`` are
         (payload index, decoded Δ), ``own`` the index of this replica's own payload if it is among them.
 
-        Dropped first: a ‖Δ‖ that is not finite, or (another member's) over MAX_NORM_RATIO × the
-        median of this replica's own recent ‖Δ‖, which every replica knows without trusting anyone.
+        Dropped first: a ‖Δ‖ that is not finite, or, in a pair, the other's over MAX_NORM_RATIO × the
+        median of this replica's own recent ‖Δ‖ (WARMUP_NORM_RATIO × in its first rounds), which every
+        replica knows without trusting anyone.
         Then, with 3 or more members, each over MAX_NORM_RATIO × the group's median ‖Δ‖: a majority of
         honest members fixes the median. With 2 there is no majority to say which one is wrong, so
         the larger is clipped to MAX_NORM_RATIO × the smaller, bounding the harm either way. Every
@@ -257,13 +260,20 @@ class OuterOptimizer(ABC, Generic[Part]):
         ``swarm/outer/replica.py`` repairs by download).
         """
         norms = {index: self._member_norm(member) for index, member in members}
-        own_limit = MAX_NORM_RATIO * statistics.median(self._own_norms) if self._own_norms else math.inf
+        # Only a pair needs this replica's own history: three or more have a median. Early rounds allow more,
+        # since in warm-up a replica that took fewer inner steps (random routing) has a far smaller honest Δ.
+        seasoned = len(self._own_norms) >= OWN_NORM_SEASONED
+        own_limit = (
+            (MAX_NORM_RATIO if seasoned else WARMUP_NORM_RATIO) * statistics.median(self._own_norms)
+            if self._own_norms and len(members) <= 2
+            else math.inf
+        )
         dropped: dict[int, str] = {}
         for index, norm in norms.items():
             if not math.isfinite(norm):
                 dropped[index] = "‖Δ‖ is not finite"
             elif index != own and norm > own_limit:
-                dropped[index] = f"‖Δ‖ {norm:.3g} is over {own_limit:.3g}, ×{MAX_NORM_RATIO:g} this replica's own"
+                dropped[index] = f"‖Δ‖ {norm:.3g} is over {own_limit:.3g}, a bound from this replica's own ‖Δ‖"
         finite = [(index, member) for index, member in members if index not in dropped]
         norm_of = [norms[index] for index, _ in finite]
         reference = statistics.median(norm_of) if len(finite) >= 3 else min(norm_of, default=0.0)

@@ -412,3 +412,19 @@ def test_build_outer_optimizer_follows_the_config() -> None:
     assert isinstance(build_outer_optimizer(start, OuterOptimConfig(method="sparseloco"), CodecConfig()), SparseLoCo)
     with pytest.raises(ValueError, match="does not fit"):
         build_outer_optimizer(start, OuterOptimConfig(method="diloco"), CodecConfig(pseudo_gradients="sparseloco"))
+
+
+def test_a_replica_behind_in_warm_up_keeps_the_groups_larger_deltas() -> None:
+    """Random routing leaves a replica a few inner steps (and, in warm-up, a far smaller Δ): with a group to
+    take the median of, its own history must not drop the others' honest Δs."""
+    torch.manual_seed(3)
+    start = {"w": torch.randn(16, 8)}
+    replicas = [
+        (DiLoCo(start, lr=1.0, momentum=0.0, codec=get_codec("fp32")), {"w": start["w"].clone()}) for _ in range(4)
+    ]
+    for k, (_, local) in enumerate(replicas):
+        local["w"] -= (0.001 if k == 0 else 0.05) * torch.randn(16, 8)  # replica 0 took far fewer steps
+    payloads = [opt.make_payload(local) for opt, local in replicas]
+    screenings = [opt.apply(payloads, local) for opt, local in replicas]
+    assert all(s.used == 4 and not s.dropped for s in screenings)
+    assert all(torch.equal(replicas[0][0].global_params["w"], opt.global_params["w"]) for opt, _ in replicas)
