@@ -262,12 +262,10 @@ class OuterOptimizer(ABC, Generic[Part]):
         norms = {index: self._member_norm(member) for index, member in members}
         # Only a pair needs this replica's own history: three or more have a median. Early rounds allow more,
         # since in warm-up a replica that took fewer inner steps (random routing) has a far smaller honest Δ.
-        seasoned = len(self._own_norms) >= OWN_NORM_SEASONED
-        own_limit = (
-            (MAX_NORM_RATIO if seasoned else WARMUP_NORM_RATIO) * statistics.median(self._own_norms)
-            if self._own_norms and len(members) <= 2
-            else math.inf
-        )
+        # A round in which this replica served no microbatch (random routing) gives it Δ = 0: no bound from that.
+        moved = [norm for norm in self._own_norms if norm > 0]
+        ratio = MAX_NORM_RATIO if len(moved) >= OWN_NORM_SEASONED else WARMUP_NORM_RATIO
+        own_limit = ratio * statistics.median(moved) if moved and len(members) <= 2 else math.inf
         dropped: dict[int, str] = {}
         for index, norm in norms.items():
             if not math.isfinite(norm):

@@ -540,9 +540,10 @@ def test_a_replica_alone_crosses_rounds_without_losing_progress(method: str) -> 
 
 
 def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -> None:
-    swarm = Swarm(sync_config(), ["a", "c"])
+    nesterov = sync_config(diloco_lr=0.7, diloco_momentum=0.9)  # an outer optimizer with state to carry
+    swarm = Swarm(nesterov, ["a", "c"])
     a, c = swarm.syncs["a"], swarm.syncs["c"]
-    b = Swarm(sync_config(), ["b"]).syncs["b"]
+    b = Swarm(nesterov, ["b"]).syncs["b"]
 
     async def scenario() -> StageState:
         a.holder.train()

@@ -136,7 +136,7 @@ def test_h_and_the_lr_schedule_count_inner_steps_not_microbatches(corpus) -> Non
 
 
 def test_averaging_every_step_tracks_data_parallel_training(corpus) -> None:
-    """H = 1 with a plain average (outer lr 1, no momentum) trains at least as well as averaging gradients every step."""
+    """H = 1 with a plain average (outer lr 1, no momentum) trains as well as averaging gradients every step (within 3%)."""
     ddp = run(tiny(outer=OuterOptimConfig(method="none")), corpus, ticks=24, mode="ddp")
     every_step = run(
         tiny(outer=OuterOptimConfig(method="diloco", inner_steps=1, diloco_lr=1.0, diloco_momentum=0.0)),
@@ -144,7 +144,7 @@ def test_averaging_every_step_tracks_data_parallel_training(corpus) -> None:
         ticks=24,
     )
     assert every_step.outer_rounds == 24 and all_replicas_agree(every_step.replicas)
-    assert every_step.val_loss < 1.01 * ddp.val_loss < 0.9 * 5.55  # both learned (ln 256 at initialisation)
+    assert every_step.val_loss < 1.03 * ddp.val_loss < 0.9 * 5.55  # both learned (ln 256 at initialisation)
 
 
 def test_noloco_pairs_replicas_without_forcing_them_equal(corpus) -> None:
