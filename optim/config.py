@@ -51,7 +51,7 @@ class OuterOptimConfig:
     # H. 10: SparseLoCo's pseudo-gradients stay >1000× below per-step fp32 gradients at K = 2, and the
     # gap to data-parallel training roughly halves against H = 20 (docs/benchmarks.md, "Convergence")
     inner_steps: int = 10
-    # A plain average (lr 1, no momentum) trains 11-13% better than DiLoCo's Nesterov 0.7/0.9 at these model
+    # A plain average (lr 1, no momentum) reaches a 9-12% lower loss than DiLoCo's Nesterov 0.7/0.9 at these model
     # sizes and horizons (docs/benchmarks.md); the paper's values are for 150M+ models and H = 500.
     diloco_lr: float = 1.0
     diloco_momentum: float = 0.0  # Nesterov when > 0
