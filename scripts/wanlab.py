@@ -361,6 +361,13 @@ def parse_caps(text: str, peers: int | None) -> list[float | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The command owns its signals: a parent may have left SIGINT/SIGTERM blocked or ignored (both survive exec),
+    # and a lab that ignores them is never taken down.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # Python then never installed its KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{check,up,run,selftest,cleanup}")
     sub.add_parser("check", help="say whether this machine can host a lab")

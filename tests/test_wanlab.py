@@ -86,6 +86,26 @@ def test_cli_up_takes_the_lab_down_on_signal(sig: signal.Signals) -> None:
     assert lab_namespaces(prefix) == []
 
 
+def test_cli_up_comes_down_on_ctrl_c_even_when_its_parent_ignored_sigint() -> None:
+    """An ignored SIGINT survives exec (a test runner that started a hivemind DHT in-process had one): the
+    command must still take the lab down on Ctrl+C."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "up", "--peers", "2", "--caps", "20"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[2].startswith("lab is up"), lines
+        prefix = lines[0].split()[-2].removesuffix("p0")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+    finally:
+        proc.kill()
+    assert lab_namespaces(prefix) == []
+
+
 def test_cleanup_removes_a_crashed_labs_leftovers() -> None:
     crash = (
         "import os, signal, subprocess\nfrom scripts.wanlab import WanLab\n"
