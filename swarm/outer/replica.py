@@ -361,9 +361,10 @@ class ReplicaSync:
         self.on_log({"event": "outer_strike", "stage": self.stage, "peer": peer, "reason": reason, "banned": banned})
 
     def _hold_to_account(self, result: RoundResult, screening: Screening) -> None:
-        """A strike for each member whose Δ the outer optimizer dropped or clipped, if it served that Δ itself (a
+        """A strike for each member whose Δ the outer optimizer dropped, if it served that Δ itself (a
         payload relayed by the leader is only the leader's word)."""
-        offences = {**{i: f"clipped ×{f:.3g}" for i, f in screening.clipped.items()}, **screening.dropped}
+        # Clipped is no offence: a pair clips the larger honest Δ of two replicas that trained at different speeds.
+        offences = dict(screening.dropped)
         for index, why in sorted(offences.items()):
             sender = result.contributors[index]
             if sender != self.net.me and sender not in result.relayed:
