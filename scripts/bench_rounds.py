@@ -38,8 +38,13 @@ LINK_MBIT = 100.0  # the projection's per-replica download link
 # ---- one (n, method): real replicas in rounds -----------------------------------------------------------------------
 
 
-def group_run(n: int, method: str, rounds: int, timeout_s: float) -> dict[str, Any]:
-    """Start ``n`` replicas, wait for ``rounds`` rounds of all n together on every one; the rounds' records."""
+def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: float | None = None) -> dict[str, Any]:
+    """Start ``n`` replicas, wait for ``rounds`` rounds of all n together on every one; the rounds' records.
+
+    ``window_s``: the matchmaking window (default: the tests' 1 s; the swarm's default is 5 s).
+    """
+    import dataclasses
+
     import torch
     from test_outer_attacks import Replica, outer_config, stopping
 
@@ -47,6 +52,8 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float) -> dict[str, A
 
     torch.set_num_threads(1)
     cfg = outer_config(method)
+    if window_s is not None:
+        cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, matchmaking_s=window_s))
     reads: dict[int, Counter] = {}  # id(membership) -> kind -> calls / records
     original_read = Membership._read
 
@@ -101,6 +108,7 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float) -> dict[str, A
         return {
             "n": n,
             "method": method,
+            "matchmaking_window_s": cfg.timeouts.matchmaking_s,
             "start_s": round(started_s, 2),
             "window_s": round(window, 2),
             "rounds_done_min": min(len(full(i)) for i in range(n)),
@@ -219,17 +227,18 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["diloco"], choices=["diloco", "sparseloco"])
     parser.add_argument("--rounds", type=int, default=5, help="rounds of all n together per replica")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds of rounds at most per (n, method)")
+    parser.add_argument("--window-s", type=float, help="matchmaking window in seconds (default: the tests' 1 s)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", nargs=2, metavar=("N", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(group_run(int(args.one[0]), args.one[1], args.rounds, args.timeout)))
+        print(json.dumps(group_run(int(args.one[0]), args.one[1], args.rounds, args.timeout, args.window_s)))
         return
     runs = []
     for method in args.methods:
         for n in args.sizes:
             cmd = [sys.executable, __file__, "--one", str(n), method, "--rounds", str(args.rounds)]
-            cmd += ["--timeout", str(args.timeout)]
+            cmd += ["--timeout", str(args.timeout)] + (["--window-s", str(args.window_s)] if args.window_s else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 300)
             if proc.returncode != 0:
                 print(f"n={n} {method}: exit {proc.returncode}\n{proc.stderr[-2000:]}", file=sys.stderr)

@@ -22,13 +22,13 @@ from swarm_harness import DATA, Swarm, tiny_config
 from peer.launch import REPO_ROOT
 from scripts.dashboard import PROMETHEUS_TYPE, History, main, make_handler, prometheus_text, swarm_info, watch
 from swarm.config import TimeoutConfig
-from swarm.dht.records import PeerMetrics
+from swarm.dht.records import PROTOCOL_VERSION, PeerMetrics
 
 CFG = tiny_config(stages=2, steps=2000, timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0))
 
 
 def record(**fields: object) -> PeerMetrics:
-    return PeerMetrics(**{"role": "stage", "stage": 1, "state": "serving", "step": 0, "version": 1, **fields})
+    return PeerMetrics(**{"role": "stage", "stage": 1, "state": "serving", "step": 0, "version": PROTOCOL_VERSION, **fields})
 
 
 def trainer(**fields: object) -> PeerMetrics:

@@ -46,6 +46,7 @@ from swarm.dht.membership import (
     stage_validator,
 )
 from swarm.dht.process import SwarmDHT
+from swarm.dht.records import PROTOCOL_VERSION
 from swarm.model.transformer import ModelConfig
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.trainer import Batch
@@ -228,10 +229,12 @@ async def _membership_over_dht(first: SwarmDHT, second: SwarmDHT) -> None:
         {"round": -1, "opened_at": now},
     ):
         # signed by the creator, newer than its declaration, but off-schema: a time no round can have, or no round
-        await first.store(key, {**forged, "version": 1}, now + 32, subkey=creator.subkey, return_future=True)
+        await first.store(
+            key, {**forged, "version": PROTOCOL_VERSION}, now + 32, subkey=creator.subkey, return_future=True
+        )
         assert await joiner.round_declarations(1, 3) == {first.peer_id: now}  # no honest node took the record
         found = await second.get(key, latest=True, return_future=True)
-        assert found.value[creator.subkey].value == {"round": 3, "opened_at": now, "version": 1}
+        assert found.value[creator.subkey].value == {"round": 3, "opened_at": now, "version": PROTOCOL_VERSION}
 
 
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)

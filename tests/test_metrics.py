@@ -20,7 +20,7 @@ from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, metrics_key, stage_validator
 from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.process import SwarmDHT
-from swarm.dht.records import MAX_KINDS, STATES, PeerMetrics, StageStatus
+from swarm.dht.records import MAX_KINDS, PROTOCOL_VERSION, STATES, PeerMetrics, StageStatus
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
 
@@ -36,7 +36,7 @@ GOOD = PeerMetrics(
     tokens_per_s=812.5,
     bytes_sent={"activations": 1000, "gradients": 900},
     bytes_received={"activations": 1000},
-    version=1,
+    version=PROTOCOL_VERSION,
 ).dict()
 
 
@@ -117,7 +117,7 @@ def test_every_record_a_peer_can_build_is_accepted_unchanged(
         outer_round=outer_round,
         recoveries=recoveries,
         bans=bans,
-        version=1,
+        version=PROTOCOL_VERSION,
     )
     assert stage_validator(CFG).validate(stored(metrics.dict()))
     assert PeerMetrics.parse_obj(DHTProtocol.serializer.loads(DHTProtocol.serializer.dumps(metrics.dict()))) == metrics

@@ -18,7 +18,7 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.outer.replica import ReplicaSync
+from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync
 from swarm.outer.rounds import (
     Board,
     RoundKey,
@@ -436,6 +436,23 @@ def test_replicas_stepping_at_different_paces_hold_identical_global_weights_afte
     assert len(by_round) >= 3, swarm.events
     assert all(len(hashes) == 1 for hashes in by_round.values()), by_round
     assert sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6  # most rounds had everyone
+
+
+def test_a_round_waits_for_every_replica_at_its_round_or_one_behind_not_only_its_last_group() -> None:
+    # Two halves that once met apart ({a, b} and {c, ...}) must not each close the window on their own half again:
+    # a waits for b (last group), c (this round) and d (one behind, finishing its last round); not for e, two
+    # behind (it catches up by download), nor f, ahead (a catches up to it), nor the banned g.
+    swarm = Swarm(sync_config(), ["a"])
+    a = swarm.syncs["a"]
+    a.outer.round, a._last_group = 5, ("a", "b")
+    rounds = {"b": 5, "c": 5, "d": 4, "e": 3, "f": 6, "g": 5}
+    a._others = {peer: StageStatus(outer_round=r, global_hash="0" * 16) for peer, r in rounds.items()}
+    for _ in range(OUTER_PEER_LIMITS.strikes):
+        a.strike("g", "test")
+    assert a._expected() == {"b", "c", "d"}
+    a._others, a._last_group = {}, ()
+    assert a._expected() == set()  # alone in its stage: nobody to wait for
+    a.close()
 
 
 def test_an_idle_replica_catches_up_by_state_download() -> None:

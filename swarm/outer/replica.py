@@ -371,11 +371,15 @@ class ReplicaSync:
                 self.strike(sender, f"its pseudo-gradient for round {self.round - 1}: {why}")
 
     def _expected(self) -> set[str] | None:
-        """Whom the window waits for: the last round's members and the replicas at this round; if there are
-        other replicas but none of those (records lag behind a replica that just caught up), the whole
-        window (None); nobody when this replica is alone."""
-        expected = {*self._last_group, *(peer for peer, s in self._others.items() if s.outer_round == self.round)}
-        expected = {peer for peer in expected if peer != self.net.me and not self.excluded(peer)}
+        """Whom the window waits for: the last round's members and every replica the records show at this round or one
+        behind (finishing its last round, or catching up to this one); if there are other replicas but none of those
+        (records lag behind a replica that just caught up), the whole window (None); nobody when this replica is alone.
+
+        Waiting only for the last round's members would keep a split group split: two halves that once met
+        apart would each close their window as soon as their own half was in, round after round.
+        """
+        current = (peer for peer, s in self._others.items() if self.round - 1 <= s.outer_round <= self.round)
+        expected = {peer for peer in {*self._last_group, *current} if peer != self.net.me and not self.excluded(peer)}
         return expected or (None if self._others else set())
 
     async def _await_progress(self, round_: int) -> bool:
