@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -453,6 +454,47 @@ def test_a_round_waits_for_every_replica_at_its_round_or_one_behind_not_only_its
     a._others, a._last_group = {}, ()
     assert a._expected() == set()  # alone in its stage: nobody to wait for
     a.close()
+
+
+def test_a_replica_due_for_a_round_others_have_passed_downloads_instead_of_opening_it() -> None:
+    # A stale replica that opened its own round would meet the other stale ones there, and that half of the stage
+    # would go on meeting apart, one download behind. Records are read every 30 s here: only the due-round check
+    # can see that a and b have moved on.
+    cfg = sync_config()
+    cfg = dataclasses.replace(
+        cfg, timeouts=dataclasses.replace(cfg.timeouts, announce_period_s=30.0, record_ttl_s=60.0)
+    )
+    swarm = Swarm(cfg, ["a", "b", "c"])
+    c = swarm.syncs["c"]
+    checks = []
+    original = c.catch_up
+
+    async def counted() -> bool:
+        checks.append(time.monotonic())
+        return await original()
+
+    c.catch_up = counted  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        task = asyncio.create_task(c.run())
+        try:
+            while not checks:  # c's first look at the records: all at round 0, nothing to catch up
+                await asyncio.sleep(0.01)
+            for name in ("a", "b"):  # a and b (identical weights: one vouched claim) are two rounds on
+                swarm.syncs[name].outer.round = 2
+            for _ in range(cfg.outer.inner_steps):
+                c.holder.train()
+            while not any(
+                e["peer"] == "c" and e["event"] in ("state_download", "outer_declared") for e in swarm.events
+            ):
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    first = next(e for e in swarm.events if e["peer"] == "c")
+    assert first["event"] == "state_download" and first["reason"] == "behind" and c.round == 2, swarm.events
 
 
 def test_an_idle_replica_catches_up_by_state_download() -> None:

@@ -12,7 +12,10 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   often as each trainer). One with fewer steps sits the round out and downloads its result: its
   small Δ would count as much as the others' in the mean (and the group's outlier screening
   clips a Δ far above the others'). The window closes as soon as the replicas it expects are in
-  (``_expected``); a replica alone in its stage does not wait at all.
+  (``_expected``: the last round's members and every replica at this round or one behind); a
+  replica alone in its stage does not wait at all. A replica due for a round that the records show
+  others have passed downloads their state instead of opening it: a stale half of the stage that
+  met on its own would stay apart for good.
 - **Alone.** A round nobody else joined changes no weight: the snapshot becomes the global
   weights (``OuterOptimizer.apply_alone``), so a replica alone in its stage never loses progress.
 - **Install.** Training goes on during the exchange, so the new local weights are the round's
@@ -174,7 +177,10 @@ class ReplicaSync:
                         continue
                 taken, h = self.holder.inner_steps - self.synced_at, self.cfg.outer.inner_steps
                 if taken >= h or (taken >= (h + 1) // 2 and await self._window_open()):
-                    await self.step()
+                    # Never open a round others have passed: a stale half of the stage would go on meeting on
+                    # its own, round after round, one download behind the rest.
+                    if not await self.catch_up():
+                        await self.step()
             except Exception as e:  # a peer or the network failed us: say so, keep serving, try again later
                 logger.warning(
                     f"stage {self.stage} outer step: {type(e).__name__}: {e}", exc_info=not isinstance(e, TransferError)
