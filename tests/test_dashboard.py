@@ -28,7 +28,9 @@ CFG = tiny_config(stages=2, steps=2000, timeouts=TimeoutConfig(rpc_s=10.0, annou
 
 
 def record(**fields: object) -> PeerMetrics:
-    return PeerMetrics(**{"role": "stage", "stage": 1, "state": "serving", "step": 0, "version": PROTOCOL_VERSION, **fields})
+    return PeerMetrics(
+        **{"role": "stage", "stage": 1, "state": "serving", "step": 0, "version": PROTOCOL_VERSION, **fields}
+    )
 
 
 def trainer(**fields: object) -> PeerMetrics:
