@@ -4,12 +4,14 @@ The commands live in peer/commands/ and register on ``app`` when peer.cli import
 """
 
 import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
+from peer import logs
 from peer.data import DataError
 from swarm.config import SwarmConfig, load_config
 from swarm.errors import ConfigError
@@ -36,6 +38,15 @@ DataOpt = Annotated[
     ),
 ]
 
+LogLevelOpt = Annotated[
+    logs.LogLevel,
+    typer.Option(
+        "--log-level",
+        help="What to log to stderr: debug (hivemind's internals too), info (failed calls, bans, rebalancing, "
+        "recoveries, outer rounds left out), warning, error.",
+    ),
+]
+
 F = TypeVar("F", bound=Callable[..., Any])
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 
@@ -46,10 +57,12 @@ def fail(message: str) -> None:
 
 
 def user_errors(fn: F) -> F:
-    """Turn the errors a user can fix into one clear line and exit status 2, not a traceback."""
+    """Give a command ``--log-level`` (configured before it runs) and turn the errors a user can fix into one clear
+    line and exit status 2, not a traceback."""
 
     @functools.wraps(fn)  # typer reads the options from the wrapped signature
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, log_level: logs.LogLevel = logs.DEFAULT_LEVEL, **kwargs: Any) -> Any:
+        logs.configure(log_level)
         try:
             return fn(*args, **kwargs)
         except USER_ERRORS as e:
@@ -61,6 +74,13 @@ def user_errors(fn: F) -> F:
                 raise
             fail(str(e))
 
+    # the command's own options, then --log-level: one place gives it to every command
+    signature = inspect.signature(fn)
+    level = inspect.Parameter(
+        "log_level", inspect.Parameter.KEYWORD_ONLY, default=logs.DEFAULT_LEVEL, annotation=LogLevelOpt
+    )
+    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), level])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {**fn.__annotations__, "log_level": LogLevelOpt}
     return wrapper  # type: ignore[return-value]
 
 

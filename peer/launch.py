@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import torch
 
+from peer import logs
 from peer.data import load_corpus
 from swarm.config import SwarmConfig, load_config, save_config
 from swarm.model.stages import StagesConfig
@@ -51,6 +52,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         or {"trainer": "trainer", "stage": f"stage{peer.stage or ''}"}.get(peer.role, "peer") + f"-{os.getpid()}"
     )
     peer = dataclasses.replace(peer, name=name)
+    logs.set_peer_name(name)
     corpus = load_corpus(peer.data) if peer.role == "trainer" else None  # fail on bad --data before joining
 
     def batches(cfg: SwarmConfig) -> tuple[Any, list[Any]]:
@@ -175,7 +177,7 @@ def launch_local(
     out.mkdir(parents=True, exist_ok=True)
     cfg = local_config(config or SwarmConfig(), layout)
     save_config(cfg, out / "swarm.toml")
-    common = ["--out", str(out), "--threads", "1", *extra_args]
+    common = ["--out", str(out), "--threads", "1", "--log-level", logs.current_level(), *extra_args]
     for spec in data or ():
         common += ["--data", absolute_spec(spec)]
 

@@ -135,7 +135,7 @@ def test_public_swarm_status_and_start_up_errors(tmp_path: Path, child_processes
     unreachable = address.replace(address.split("/tcp/")[1].split("/")[0], "1", 1)
 
     status, twin, lost, mismatch, certified = swarmloco(
-        ["status", *join, "--name", "open", "--json"],
+        ["status", *join, "--swarm", "open", "--json"],
         ["run", "--role", "stage", *join, "--identity", str(tmp_path / "first.id"), *LOOPBACK],
         ["run", "--role", "stage", "--initial-peers", unreachable, *LOOPBACK],
         ["run", "--role", "stage", *join, "--config", str(tmp_path / "other.toml"), *LOOPBACK],

@@ -27,7 +27,10 @@ WatchedSwarmOpt = Annotated[
     list[str], typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable.")
 ]
 SwarmNameOpt = Annotated[
-    str | None, typer.Option(help="The swarm's name (default: from --config or --credentials, else swarmloco).")
+    str | None,
+    typer.Option(
+        "--swarm", help="The swarm's name, as `swarmloco run --swarm` (default: from --config or --credentials, else swarmloco)."
+    ),
 ]
 CheckedConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="The swarm's swarm.toml: checked against the config the swarm runs.")
@@ -128,7 +131,7 @@ def run_cmd(
 @user_errors
 def status_cmd(
     initial_peers: WatchedSwarmOpt,
-    name: SwarmNameOpt = None,
+    swarm: SwarmNameOpt = None,
     config: CheckedConfigOpt = None,
     credentials: CredentialsOpt = None,
     identity: Annotated[
@@ -145,7 +148,7 @@ def status_cmd(
 
     cfg = load_config(config) if config else None
     creds = swarm_credentials(credentials, identity, revocations, config)
-    name = name or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    name = swarm or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
     status = asyncio.run(
         read_status(initial_peers, cfg, name=name, identity_path=str(identity) if identity else None, credentials=creds)
     )
@@ -159,7 +162,7 @@ def export_cmd(
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Checkpoint file to write (what `swarmloco eval` and `sample` load).")
     ] = Path("model.pt"),
-    name: SwarmNameOpt = None,
+    swarm: SwarmNameOpt = None,
     config: CheckedConfigOpt = None,
     credentials: CredentialsOpt = None,
     identity: Annotated[
@@ -175,7 +178,7 @@ def export_cmd(
 
     cfg = load_config(config) if config else None
     creds = swarm_credentials(credentials, identity, revocations, config)
-    name = name or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    name = swarm or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
     try:
         asyncio.run(
             export_swarm(

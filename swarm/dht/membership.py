@@ -150,7 +150,8 @@ def reconcile_config(name: str, local: SwarmConfig | None, published: list[Swarm
         return local
     if not hashes:
         raise MembershipError(
-            f"no swarm config is published under the name {name!r}; pass --config, or check --initial-peers"
+            f"no swarm config is published under the name {name!r}: pass the name the swarm runs under with --swarm "
+            "NAME, or its swarm.toml with --config, or check --initial-peers"
         )
     if len(hashes) > 1:
         raise MembershipError(
