@@ -9,13 +9,14 @@ writes the checkpoint ``swarmloco eval`` and ``swarmloco sample`` load.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from swarm.config import SwarmConfig
 from swarm.dht.start import watch_swarm
 from swarm.export import download_model, export_sources
+from swarm.outer.transfer import StageState
 from swarm.pipeline.protocol import StageClient
 from swarm.recovery.checkpoint import save_checkpoint
 from swarm.rpc.admission import Credentials
@@ -31,9 +32,11 @@ async def export_swarm(
     identity_path: str | None = None,
     credentials: Credentials | None = None,
     timeout_s: float = 60.0,
+    have: Mapping[int, StageState] | None = None,
     on_progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Write the swarm's current model to ``out``; returns the checkpoint's metadata."""
+    """Write the swarm's current model to ``out`` (the stages in ``have`` from there, not the swarm); returns the
+    checkpoint's metadata."""
     async with watch_swarm(
         initial_peers, cfg, name=name, identity_path=identity_path, credentials=credentials
     ) as membership:
@@ -41,13 +44,13 @@ async def export_swarm(
         on_progress(
             f"swarm {cfg.swarm_id}: {cfg.stages.num_stages} middle stages + stage 0, {cfg.model.n_layers} blocks"
         )
-        sources = export_sources(await membership.all_replicas(), cfg.stages.num_stages)
+        sources = export_sources(await membership.all_replicas(), cfg.stages.num_stages, have=have or {})
         p2p = await membership.dht.replicate_p2p()
         # private swarms: the certificate goes with each request
         certificate = StageClient(p2p, namespace=cfg.swarm_id, credentials=credentials).certificate
         client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
         fetch = lambda peer, blob, max_bytes: client.fetch(peer, blob, timeout=timeout_s, max_bytes=max_bytes)
-        model, meta = await download_model(cfg, sources, fetch, on_progress=on_progress)
+        model, meta = await download_model(cfg, sources, fetch, have=have, on_progress=on_progress)
     save_checkpoint(out, cfg, model, **meta)
     on_progress(f"wrote {out}: {sum(p.numel() for p in model.parameters()):,} parameters")
     return meta

@@ -167,11 +167,14 @@ def launch_local(
     echo: Callable[[str], None] = print,
     ready_timeout_s: float = 120.0,
     place: Callable[[str], Placement] = lambda name: LOOPBACK,
+    export: bool = True,
 ) -> int:
     """Run a whole swarm until its trainers finish; 0 if every trainer succeeded.
 
     Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
-    peers run in ``out``, so every path handed to them is made absolute first.
+    peers run in ``out``, so every path handed to them is made absolute first. With ``export``, the
+    model is saved to ``out/model.pt`` before the servers stop: stage 0 as the first trainer left it
+    (each trainer writes ``out/<name>.stage0``), the middle stages from their live servers.
     """
     out = out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -195,12 +198,18 @@ def launch_local(
         procs[first] = spawn(
             first, ["--role", "stage", "--stage", str(first_stage), "--config", str(out / "swarm.toml")]
         )
-        join = ["--initial-peers", wait_for_address(procs[first], out / f"{first}.log", ready_timeout_s)]
+        address = wait_for_address(procs[first], out / f"{first}.log", ready_timeout_s)
+        join = ["--initial-peers", address]
+        for line in watch_commands(address, cfg.name):
+            echo(line)
         for name, stage in others:
             procs[name] = spawn(name, ["--role", "stage", "--stage", str(stage), *join])
         trainers = [f"trainer-{i}" for i in range(layout.trainers)]
         for i, name in enumerate(trainers):
-            procs[name] = spawn(name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *join])
+            saved = ["--stage-checkpoint", str(stage0_file(out, name))]
+            procs[name] = spawn(
+                name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *saved, *join]
+            )
         joiners, join_at = [f"joiner-{i}" for i in range(layout.joiners)], []
 
         def start_joiners() -> None:  # join_after_s once every trainer has logged progress: the swarm is running
@@ -212,6 +221,8 @@ def launch_local(
                 echo(f"{name} joins the running swarm")
 
         codes = follow_trainers({name: procs[name] for name in trainers}, out, echo, tick=start_joiners)
+        if export:
+            export_model(address, cfg, out, [name for name in trainers if codes[name] == 0], echo)
     finally:
         stop_processes(procs.values())
     for name, code in codes.items():
@@ -221,6 +232,45 @@ def launch_local(
         echo(line)
     echo(f"swarm stopped; per-peer metrics in {out}/<peer>.jsonl, logs in {out}/<peer>.log")
     return max(codes.values(), key=abs)
+
+
+def stage0_file(out: Path, trainer: str) -> Path:
+    """Where a local swarm's trainer saves stage 0 when it finishes."""
+    return out / f"{trainer}.stage0"
+
+
+def export_model(
+    address: str, cfg: SwarmConfig, out: Path, finished: Sequence[str], echo: Callable[[str], None]
+) -> None:
+    """Save the swarm's model to ``out/model.pt`` while its servers still run: stage 0 from the first finished
+    trainer's saved file, the middle stages from the swarm. A failure is reported, not raised: training is done."""
+    from peer.export import export_swarm
+    from swarm.recovery.rebuild import load_stage_checkpoint
+
+    saved = [stage0_file(out, name) for name in finished if stage0_file(out, name).exists()]
+    if not saved:
+        echo("no model exported: no trainer finished and saved stage 0")
+        return
+    path = out / "model.pt"
+    try:
+        stage0 = load_stage_checkpoint(saved[0], cfg, 0)
+        asyncio.run(export_swarm([address], cfg, path, name=cfg.name, have={0: stage0}, on_progress=lambda line: None))
+    except Exception as e:  # the export is a convenience at the end: say why it failed, keep the run's outcome
+        echo(f"could not export the model: {type(e).__name__}: {e}; the stages' logs are in {out}")
+        return
+    echo(f"model saved: {path}  (swarmloco eval --checkpoint {path}; swarmloco sample --checkpoint {path})")
+
+
+def watch_commands(address: str, swarm: str) -> list[str]:
+    """What a user pastes to watch, join or export this swarm while it runs: its address and ready commands."""
+    named = "" if swarm == SwarmConfig().name else f" --swarm {swarm}"
+    return [
+        f"swarm address: {address}",
+        f"  watch:  swarmloco dashboard --initial-peers {address}{named}",
+        f"  status: swarmloco status --initial-peers {address}{named}",
+        f"  join:   swarmloco run --initial-peers {address}{named}",
+        f"  export: swarmloco export --initial-peers {address}{named} -o model.pt",
+    ]
 
 
 def last_records(out: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:

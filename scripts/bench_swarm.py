@@ -105,7 +105,7 @@ def run_swarm(
 ) -> dict[str, Any]:
     """Run the swarm to the end; its loss, throughput and traffic from the peers' metrics (``place``: see ``launch_local``)."""
     started = time.perf_counter()
-    code = launch_local(layout, out=out, config=cfg, data=data, place=place)
+    code = launch_local(layout, out=out, config=cfg, data=data, place=place, export=False)
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")
     peers = read_peers(out)

@@ -14,14 +14,14 @@ it with untrained weights.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.model.stages import assemble_model, stage_template
 from swarm.model.transformer import Transformer
-from swarm.outer.transfer import download_state, state_bytes_bound
+from swarm.outer.transfer import StageState, download_state, state_bytes_bound
 from swarm.rpc.blobs import TransferError
 
 SizedFetch = Callable[
@@ -33,9 +33,13 @@ class ExportError(RuntimeError):
     """The swarm cannot give a whole model right now (a stage has no live replica, or none delivered)."""
 
 
-def export_sources(replicas: Mapping[int, Mapping[Any, StageStatus]], num_stages: int) -> dict[int, list[str]]:
-    """Peers to download each stage 0..S from, the most advanced (latest outer round) first; ExportError names empty stages."""
-    missing = [stage for stage in range(num_stages + 1) if not replicas.get(stage)]
+def export_sources(
+    replicas: Mapping[int, Mapping[Any, StageStatus]], num_stages: int, *, have: Collection[int] = ()
+) -> dict[int, list[str]]:
+    """Peers to download each stage 0..S but those in ``have`` from, the most advanced (latest outer round) first;
+    ExportError names empty stages."""
+    wanted = [stage for stage in range(num_stages + 1) if stage not in have]
+    missing = [stage for stage in wanted if not replicas.get(stage)]
     if missing:
         names = ", ".join("0 (no trainer)" if stage == 0 else str(stage) for stage in missing)
         raise ExportError(
@@ -44,7 +48,7 @@ def export_sources(replicas: Mapping[int, Mapping[Any, StageStatus]], num_stages
         )
     return {
         stage: [str(peer) for peer in sorted(replicas[stage], key=lambda p: (-replicas[stage][p].outer_round, str(p)))]
-        for stage in range(num_stages + 1)
+        for stage in wanted
     }
 
 
@@ -53,11 +57,16 @@ async def download_model(
     sources: Mapping[int, list[str]],
     fetch: SizedFetch,
     *,
+    have: Mapping[int, StageState] | None = None,
     on_progress: Callable[[str], None] = lambda line: None,
 ) -> tuple[Transformer, dict[str, Any]]:
-    """Every stage's state from the first of its ``sources`` that delivers, assembled; plus where each came from."""
+    """Every stage's state from the first of its ``sources`` that delivers (or from ``have``, e.g. a stopped
+    trainer's saved stage 0), assembled; plus where each came from."""
     num_stages, states, meta = cfg.stages.num_stages, {}, {"exported_from": cfg.swarm_id, "stages": {}}
-    for stage in range(num_stages + 1):
+    for stage, state in (have or {}).items():
+        states[stage] = state.params
+        meta["stages"][str(stage)] = {"peer": "saved", "outer_round": state.round, "schedule_step": state.schedule_step}
+    for stage in sorted(set(range(num_stages + 1)) - set(states)):
         template = stage_template(cfg.model, num_stages, stage)
         try:
             bound = state_bytes_bound(template)

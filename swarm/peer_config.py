@@ -56,8 +56,10 @@ class PeerConfig:
     max_pending: int = 8  # stage servers: requests held at once; more are refused as busy
     wait_for_stages_s: float = 120.0  # trainers: how long to wait for every stage to have a replica
     rebalance_period_s: float | None = None  # stage servers: seconds between rebalancing checks (± 20%); 0 = never move
-    stage_checkpoint: Path | None = None  # stage servers: a state file written every checkpoint_every inner steps, and
-    checkpoint_every: int = 0  # loaded on start when the stage has no live replica (rollback); 0 = never write it
+    # stage servers: a state file written every checkpoint_every inner steps (0 = never), and loaded on start when the
+    # stage has no live replica (rollback); trainers: stage 0's weights, written when training ends
+    stage_checkpoint: Path | None = None
+    checkpoint_every: int = 0
     # tests: this peer dies at its own step N (events naming it)
     faults: FaultSchedule = field(default_factory=FaultSchedule)
 

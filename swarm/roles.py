@@ -44,6 +44,7 @@ from swarm.recovery.rebuild import (
     empty_stages,
     load_stage_checkpoint,
     rebuild_stage,
+    save_stage_checkpoint,
     swarm_has_trained,
 )
 from swarm.served_stage import ServedStage, provide_local_state
@@ -285,7 +286,13 @@ class TrainerRole:
         try:
             await wait_for_stages(router, cfg.stages.num_stages, config.wait_for_stages_s)
             meter.state = "training"
-            return await trainer.train(batches, steps=config.steps, val_batches=val_batches, on_log=log)
+            last = await trainer.train(batches, steps=config.steps, val_batches=val_batches, on_log=log)
+            if config.stage_checkpoint is not None:  # stage 0 outlives the trainer: what a local swarm exports
+                await save_stage_checkpoint(config.stage_checkpoint, await sync.local_state())
+                self.parts.on_log(
+                    {"event": "stage_checkpoint", "stage": EDGE_STAGE, "path": str(config.stage_checkpoint)}
+                )
+            return last
         finally:
             refresher.cancel()
             syncer.cancel()

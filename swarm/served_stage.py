@@ -24,7 +24,7 @@ from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageServer
 from swarm.recovery.checkfree import RECOVERY_LR_SCALE
-from swarm.recovery.rebuild import Rebuilt, save_rebuild
+from swarm.recovery.rebuild import Rebuilt, save_rebuild, save_stage_checkpoint
 
 
 def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
@@ -138,10 +138,7 @@ class ServedStage:
             if self.server.inner_steps < written + every_steps:
                 continue
             written = self.server.inner_steps
-            blob = pack_state(await self.sync.local_state())
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            await asyncio.get_running_loop().run_in_executor(None, tmp.write_bytes, blob)
-            tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint
+            await save_stage_checkpoint(path, await self.sync.local_state())
             self.parts.on_log(
                 {"event": "stage_checkpoint", "stage": self.stage, "inner_steps": written, "path": str(path)}
             )

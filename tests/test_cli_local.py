@@ -86,6 +86,8 @@ def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_
     assert result.returncode == 0, result.stdout + result.stderr
     out = tmp_path / "runs" / "local"
     assert (out / "swarm.toml").exists() and "bytes on the wire: activations" in result.stdout
+    address = next(line.split()[-1] for line in result.stdout.splitlines() if line.startswith("swarm address: "))
+    assert f"swarmloco dashboard --initial-peers {address}" in result.stdout  # ready to paste while it runs
     for peer in ("trainer-0", "stage1-0", "stage2-0"):
         records = [json.loads(line) for line in (out / f"{peer}.jsonl").read_text().splitlines()]
         rounds = [r for r in records if r.get("event") == "outer_round"]
@@ -103,3 +105,9 @@ def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_
         swarm_val,
         alone_val,
     )  # before: each lone SparseLoCo round threw ~98% of Δ away
+    # the model is left behind: the trainer's stage 0 and the servers' stages, as the last validation saw them
+    # (through int8 boundaries there, uncompressed in eval)
+    assert f"model saved: {out / 'model.pt'}" in result.stdout
+    (evaluated,) = swarmloco(["eval", "--checkpoint", str(out / "model.pt"), "--json"], children=child_processes)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["val_loss"] == pytest.approx(swarm_val, rel=0.02)

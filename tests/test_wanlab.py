@@ -5,14 +5,13 @@ Needs root and network namespaces; skipped (with the reason) elsewhere.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from swarm_harness import DATA, tiny_config
+from swarm_harness import DATA, records, tiny_config
 
 from optim.config import InnerOptimConfig
 from peer.launch import LocalSwarm, Placement, launch_local
@@ -147,7 +146,7 @@ def test_a_swarm_trains_across_lab_hosts(tmp_path: Path) -> None:
             layout, out=tmp_path, config=cfg, data=[DATA], place=hosts.__getitem__, echo=lambda line: None
         )
     assert code == 0, (tmp_path / "trainer-0.log").read_text()[-3000:]
-    last = json.loads((tmp_path / "trainer-0.jsonl").read_text().splitlines()[-1])
+    last = records(tmp_path, "trainer-0")[-1]
     assert last["step"] == 3 and last["failed"] == 0 and last["wire_bytes"]["activations"] > 0, last
     assert (
         "/ip4/10.77.0.1/tcp/" in (tmp_path / "stage1-0.log").read_text()

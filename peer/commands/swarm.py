@@ -29,7 +29,8 @@ WatchedSwarmOpt = Annotated[
 SwarmNameOpt = Annotated[
     str | None,
     typer.Option(
-        "--swarm", help="The swarm's name, as `swarmloco run --swarm` (default: from --config or --credentials, else swarmloco)."
+        "--swarm",
+        help="The swarm's name, as `swarmloco run --swarm` (default: from --config or --credentials, else swarmloco).",
     ),
 ]
 CheckedConfigOpt = Annotated[
@@ -98,7 +99,8 @@ def run_cmd(
     stage_checkpoint: Annotated[
         Path | None,
         typer.Option(
-            help="Stage servers: a stage state file, loaded on start when the stage has no live replica (rollback instead of a rebuild from the neighbours)."
+            help="Stage servers: a stage state file, loaded on start when the stage has no live replica (rollback instead of a rebuild from the neighbours). "
+            "Trainers: stage 0's weights are written there when training ends (what `swarmloco local` exports)."
         ),
     ] = None,
     checkpoint_every: Annotated[

@@ -46,6 +46,7 @@ from swarm.model.stages import EDGE_STAGE, split_layers, stage_template
 from swarm.outer.transfer import (
     StageState,
     download_state,
+    pack_state,
     state_bytes_bound,
     unpack_state,
     weights_hash,
@@ -210,6 +211,14 @@ def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
         path,
     )
     return path
+
+
+async def save_stage_checkpoint(path: Path, state: StageState) -> None:
+    """Write a stage state file (``--stage-checkpoint``) off the event loop; atomic: a kill mid-write leaves the last one."""
+    blob = pack_state(state)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    await asyncio.get_running_loop().run_in_executor(None, tmp.write_bytes, blob)
+    tmp.replace(path)
 
 
 def load_stage_checkpoint(path: Path, cfg: SwarmConfig, stage: int) -> StageState:
