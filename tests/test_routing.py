@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -153,16 +154,41 @@ def test_load_follows_measured_throughput():
     assert counts["fast"] / counts["slow"] == pytest.approx(3.0, rel=0.05)
 
 
-def test_throughput_ema_is_bias_corrected_and_unmeasured_peers_get_the_median():
+def test_throughput_skips_the_warm_up_averages_in_log_space_and_unmeasured_peers_get_the_median():
     balancer, _ = make_balancer(["a", "b", "c", "new"])
     assert balancer.samples_per_sec("a") == 1.0  # nothing measured yet: the default prior
+    balancer.report_success("a", samples=10, seconds=60)  # the first call: dial and warm-up, not throughput
+    assert balancer.samples_per_sec("a") == 1.0
     balancer.report_success("a", samples=10, seconds=2)
-    assert balancer.samples_per_sec("a") == pytest.approx(5.0)  # not 0.1 · 5 = 0.5
+    assert balancer.samples_per_sec("a") == pytest.approx(5.0)  # the first measurement of the stage: as it is
     balancer.report_success("a", samples=10, seconds=1)
-    assert balancer.samples_per_sec("a") == pytest.approx((0.09 * 5 + 0.1 * 10) / 0.19)
-    balancer.report_success("b", samples=2, seconds=1)
+    assert balancer.samples_per_sec("a") == pytest.approx(math.sqrt(5 * 10))  # geometric mean of 5 and 10
+    for _ in range(100):
+        balancer.report_success("a", samples=10, seconds=1)
+    assert balancer.samples_per_sec("a") == pytest.approx(10.0, rel=1e-3)  # an EMA by then: the old samples fade
+    balancer.report_success("b", samples=1, seconds=1)  # warm-up
+    balancer.report_success("b", samples=40, seconds=1)
+    assert balancer.samples_per_sec("b") == pytest.approx(
+        math.sqrt(10 * 40), rel=1e-3
+    )  # starts from the stage's median, a's
+    balancer.report_success("c", samples=1, seconds=1)
     balancer.report_success("c", samples=30, seconds=1)
-    assert balancer.samples_per_sec("new") == pytest.approx(balancer.samples_per_sec("a"))  # median of a, b, c
+    rates = [balancer.samples_per_sec(peer) for peer in "abc"]
+    assert balancer.samples_per_sec("new") == pytest.approx(sorted(rates)[1])  # median of a, b, c
+
+
+def test_replicas_whose_first_calls_were_slow_still_share_the_load_evenly():
+    # `swarmloco local --peers 4 --stages 2`: the first stage-1 server's first call timed the dial and warm-up and
+    # one more call was slow; it then served 4 of 100 microbatches (its rate, measured ~20× low, was rarely re-measured)
+    balancer, _ = make_balancer(["a", "b"])
+    slow_calls = {"a": [3.0, 1.0], "b": [0.5]}  # seconds of each replica's first calls; then 0.05 s for 16 samples
+    counts = Counter()
+    for _ in range(100):
+        peer = balancer.choose(task_size=16)
+        seconds = slow_calls[peer].pop(0) if slow_calls[peer] else 0.05
+        balancer.report_success(peer, samples=16, seconds=seconds)
+        counts[peer] += 1
+    assert min(counts.values()) >= 40, counts
 
 
 def test_new_peer_is_tried_soon():

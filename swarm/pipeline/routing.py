@@ -3,7 +3,9 @@
 Paths follow SkipPipe: ``sample_path`` visits a uniform subset of the middle stages 1..S in
 increasing order, with a few disjoint adjacent pairs swapped. Replicas follow SWARM: one
 ``StageBalancer`` per stage runs an interleaved weighted round-robin, so every replica gets work
-in proportion to its measured throughput (network included). Time and randomness are injected,
+in proportion to its measured throughput (network included; a replica's first call, which also
+times the dial, is not counted, and the estimate is a mean in log space that starts from the
+stage's median, so one slow call cannot starve a replica). Time and randomness are injected,
 so all of it is unit-tested without sockets or sleeps.
 
     >>> router = Router(num_stages=4, rng=random.Random(0))
@@ -16,6 +18,7 @@ so all of it is unit-tested without sockets or sleeps.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import statistics
 import time
@@ -105,16 +108,19 @@ class NoLiveReplica(RuntimeError):
 
 @dataclass
 class _Replica:
-    ema: float = 0.0  # EMA of samples/s, biased towards 0 until corrected by the update count
-    updates: int = 0
+    # ln(samples/s): a running mean (with the stage's median rate as one prior sample), an EMA after 1/EMA_ALPHA samples.
+    # A replica is re-measured only when picked: one slow early call, counted in full, would price it out of picks
+    # (and so out of being re-measured) for a long time, and in log space a call 20× slower than usual moves an
+    # established estimate by 20^0.1 ≈ 1.35×, not 3×.
+    log_rate: float = 0.0
+    samples: int = 0  # measurements in log_rate, the prior included; 0: not measured yet
+    warmed_up: bool = False  # its first success timed the dial and first allocations, not its throughput
     failures: int = 0  # consecutive failures; the next ban lasts BAN_S · 2^(failures − 1)
     banned_until: float | None = None
 
     @property
     def samples_per_sec(self) -> float | None:
-        if not self.updates:
-            return None
-        return self.ema / (1.0 - (1.0 - EMA_ALPHA) ** self.updates)  # Adam-style bias correction
+        return math.exp(self.log_rate) if self.samples else None
 
 
 class StageBalancer:
@@ -170,8 +176,11 @@ class StageBalancer:
         measured = self._replicas[peer].samples_per_sec
         if measured is not None:
             return measured
-        known = [rate for replica in self._replicas.values() if (rate := replica.samples_per_sec) is not None]
-        return statistics.median(known) if known else DEFAULT_SAMPLES_PER_SEC
+        return self._median_rate(excluding=peer) or DEFAULT_SAMPLES_PER_SEC
+
+    def _median_rate(self, excluding: Peer) -> float | None:
+        known = [r.samples_per_sec for p, r in self._replicas.items() if p != excluding and r.samples_per_sec]
+        return statistics.median(known) if known else None
 
     def live_peers(self) -> list[Peer]:
         """Known replicas that are not banned now."""
@@ -179,12 +188,24 @@ class StageBalancer:
         return [entry[2] for entry in self._heap]
 
     def report_success(self, peer: Peer, samples: float, seconds: float) -> None:
-        """``samples`` were served in ``seconds``, timed over the whole RPC so the network counts."""
+        """``samples`` were served in ``seconds``, timed over the whole RPC so the network counts; a replica's
+        first success is its warm-up (connection, first allocations) and does not count towards its throughput."""
         if (replica := self._replicas.get(peer)) is None:
             return
-        replica.ema = EMA_ALPHA * samples / max(seconds, 1e-9) + (1.0 - EMA_ALPHA) * replica.ema
-        replica.updates += 1
         replica.failures = 0
+        if not replica.warmed_up:
+            replica.warmed_up = True
+            return
+        if not replica.samples and (prior := self._median_rate(excluding=peer)) is not None:
+            replica.log_rate, replica.samples = math.log(prior), 1
+        elif not replica.samples:
+            # the stage's first measurement: the loads so far were charged at the guessed DEFAULT_SAMPLES_PER_SEC,
+            # in other units than every charge from now on; whoever was picked early would carry them for good
+            self._heap = [(0.0, tie, listed) for _, tie, listed in self._heap]
+            heapq.heapify(self._heap)
+        weight = max(EMA_ALPHA, 1.0 / (replica.samples + 1))
+        replica.log_rate += weight * (math.log(max(samples, 1e-9) / max(seconds, 1e-9)) - replica.log_rate)
+        replica.samples += 1
 
     def report_timeout(self, peer: Peer, seconds: float) -> None:
         """The peer did not answer within ``seconds``: charge it that time, as if it had been busy."""
