@@ -374,7 +374,7 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
     "--hide-scrollbars",
-    "--window-size=1440,1150",
+    "--window-size=1440,1290",
     "--virtual-time-budget=4000",
 ]
 TRAINER = """
