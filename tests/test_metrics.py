@@ -227,3 +227,13 @@ async def _round_trip(peer_dht: SwarmDHT, client_dht: SwarmDHT) -> None:
 
     await peer.publish_metrics(None)
     assert await client.metrics() == {}
+
+
+def test_a_peer_name_the_record_cannot_carry_is_refused_when_the_peer_is_configured() -> None:
+    from swarm.errors import ConfigError
+    from swarm.peer_config import PeerConfig
+
+    assert PeerConfig(name="trainer-0.lab_2").name == "trainer-0.lab_2"
+    for bad in ("with space", "x" * 65, "-dash", "naïve", ""):
+        with pytest.raises(ConfigError, match="letters, digits"):
+            PeerConfig(name=bad)
