@@ -14,12 +14,14 @@ routing each name to the level that owns it, so a front end maps nothing by hand
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
 from swarm.config import SwarmConfig
+from swarm.dht.records import PEER_NAME_PATTERN
 from swarm.errors import ConfigError
 from swarm.faults import FaultSchedule
 from swarm.pipeline.trainer import TrainerOptions
@@ -72,6 +74,10 @@ class PeerConfig:
             )
         if self.stage is not None and self.stage < 1:
             raise ConfigError("stage", f"stage servers serve stages 1..S, got stage {self.stage}")
+        if self.name is not None and not re.fullmatch(PEER_NAME_PATTERN, self.name):
+            raise ConfigError(
+                "name", f"1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit; got {self.name!r}"
+            )
         for name in ("steps", "max_pending"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")

@@ -243,7 +243,7 @@ class TrainerRole:
             self.parts.outer_service,
         )
         router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{membership.peer_id}"))
-        meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining")
+        meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining", name=config.name)
         # a trainer joining mid-run starts from the other trainers' stage 0
         try:
             state = await outer_service.download(EDGE_STAGE)

@@ -60,7 +60,7 @@ class ServedStage:
             cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0
         )
         self.sync = parts.outer_service.sync(stage, self.server, parts.on_log)
-        self.meter = Meter(role="stage", stage=stage, state="serving")
+        self.meter = Meter(role="stage", stage=stage, state="serving", name=config.name)
         self.meter.recoveries = recoveries
         self.servicer = StageServicer(
             MeteredBackend(self.server, self.meter.traffic),

@@ -34,6 +34,9 @@ GOOD = PeerMetrics(
     train_loss=3.5,
     val_loss=3.7,
     tokens_per_s=812.5,
+    name="trainer-0",
+    tokens=40_000,
+    uptime_s=50.5,
     bytes_sent={"activations": 1000, "gradients": 900},
     bytes_received={"activations": 1000},
     version=PROTOCOL_VERSION,
@@ -75,9 +78,16 @@ def test_metrics_records_must_match_the_schema(validator_for) -> None:
         ("bytes_received", {"activations": 1.0}),
         ("bytes_received", too_many),
         ("version", "1"),
+        ("name", "with space"),
+        ("name", "x" * 65),
+        ("name", "-leading-dash"),
+        ("tokens", -1),
+        ("uptime_s", math.inf),
     ]:
         assert not validator.validate(stored({**GOOD, field: bad})), (field, bad)
     assert not validator.validate(stored({**GOOD, "extra": 1}))
+    old = {key: value for key, value in GOOD.items() if key not in ("name", "tokens", "uptime_s")}
+    assert validator.validate(stored(old))  # a record from before these fields is still valid
     assert not validator.validate(stored(GOOD, subkey=b"no owner marker"))
 
 
@@ -125,7 +135,7 @@ def test_every_record_a_peer_can_build_is_accepted_unchanged(
 
 def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses() -> None:
     now = [100.0]
-    meter = Meter(role="trainer", stage=0, state="joining", clock=lambda: now[0])
+    meter = Meter(role="trainer", stage=0, state="joining", name="alice", clock=lambda: now[0])
     status = StageStatus(inner_steps=7, outer_round=2)
     now[0] += 2.0
     first = meter.sample(status, tokens=1000, bans=1)
@@ -137,6 +147,7 @@ def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses
     now[0] += 4.0
     second = meter.sample(status, tokens=1000 + 2 * 4000)
     assert (second.tokens_per_s, second.train_loss, second.val_loss, second.state) == (2000.0, 3.0, None, "training")
+    assert (second.tokens, second.uptime_s, second.name) == (9000, 6.0, "alice")  # counters since the peer started
     assert second.bytes_sent == {"activations": 4096} and meter.last == second
     assert stage_validator(CFG).validate(stored(second.dict()))
 
@@ -216,3 +227,13 @@ async def _round_trip(peer_dht: SwarmDHT, client_dht: SwarmDHT) -> None:
 
     await peer.publish_metrics(None)
     assert await client.metrics() == {}
+
+
+def test_a_peer_name_the_record_cannot_carry_is_refused_when_the_peer_is_configured() -> None:
+    from swarm.errors import ConfigError
+    from swarm.peer_config import PeerConfig
+
+    assert PeerConfig(name="trainer-0.lab_2").name == "trainer-0.lab_2"
+    for bad in ("with space", "x" * 65, "-dash", "naïve", ""):
+        with pytest.raises(ConfigError, match="letters, digits"):
+            PeerConfig(name=bad)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import tomllib
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
@@ -99,6 +99,14 @@ RECORD_TYPES: dict[str, type[pydantic.BaseModel]] = {
 PeerRecord = TypeVar("PeerRecord", StageStatus, PeerMetrics, RoundDeclaration, RecoveryClaim, RevocationRecord)
 
 
+class _Records(pydantic.BaseModel):
+    """The validator's schema: a parsed record reads back without the fields its sender left out, so hivemind's
+    check that parsing changed nothing lets a record omit a field that was added later with a default."""
+
+    def dict(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return super().dict(**{**kwargs, "exclude_unset": True})  # nested records too
+
+
 class SwarmSchemaValidator(SchemaValidator):
     """hivemind's SchemaValidator for keys known only at run time (they hold the swarm id).
 
@@ -109,7 +117,7 @@ class SwarmSchemaValidator(SchemaValidator):
     def __init__(self, keys: dict[str, str]) -> None:
         self.keys = dict(keys)
         fields = {key: (dict[BytesWithPublicKey, RECORD_TYPES[kind] | None], None) for key, kind in self.keys.items()}
-        super().__init__(pydantic.create_model("SwarmRecords", **fields), allow_extra_keys=True)
+        super().__init__(pydantic.create_model("SwarmRecords", __base__=_Records, **fields), allow_extra_keys=True)
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, str]]]:
         return type(self), (self.keys,)

@@ -3,10 +3,10 @@
 Each peer stores a ``PeerMetrics`` (schema in ``swarm/dht/records.py``) under ``{swarm_id}/metrics`` with its own subkey (peer id +
 owner marker, as stage records), so one DHT get returns every live peer's latest numbers
 (``Membership.metrics``), a record is schema-checked by every DHT node that stores it, and it
-expires with its peer. ``scripts/dashboard.py`` draws them; each peer also logs the record it
+expires with its peer. ``swarmloco dashboard`` (``peer/dashboard/``) draws them; each peer also logs the record it
 published last with its JSONL lines (under ``"metrics"``), so the file and the dashboard agree.
 
-Counters are cumulative (bytes, recoveries) so a reader that misses a record loses nothing;
+Counters are cumulative (tokens, bytes, recoveries) so a reader that misses a record loses nothing;
 tokens/s is a rate over the last period. Bytes are wire frames by kind, counted once into the peer's
 ``Traffic``: by the trainer for the calls it makes (``Trainer._count``), by a thin wrapper for the
 ones a stage server answers (``MeteredBackend``, ``swarm/pipeline/metering.py``).
@@ -41,15 +41,24 @@ class Meter:
     """A peer's metrics as they change: role, stage, state and losses are set where they happen;
     ``sample`` adds the stage status and turns a running token count into a rate."""
 
-    def __init__(self, *, role: str, stage: int, state: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self.role, self.stage, self.state = role, stage, state
+    def __init__(
+        self,
+        *,
+        role: str,
+        stage: int,
+        state: str,
+        name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.role, self.stage, self.state, self.name = role, stage, state, name
         self.traffic = Traffic()
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self.recoveries = 0
         self.last: PeerMetrics | None = None  # the latest sample: what the peer published
         self._clock = clock
-        self._since = (clock(), 0)  # (time, tokens) of the previous sample
+        self._started = clock()
+        self._since = (self._started, 0)  # (time, tokens) of the previous sample
 
     def observe(self, record: Mapping[str, Any]) -> None:
         """Take the losses of a trainer's progress record (a non-finite one is dropped: the DHT schema refuses it)."""
@@ -63,12 +72,15 @@ class Meter:
         (then, before), self._since = self._since, (now, tokens)
         self.last = PeerMetrics(
             role=self.role,
+            name=self.name,
             stage=self.stage,
             state=self.state,
             step=status.inner_steps,
             train_loss=self.train_loss,
             val_loss=self.val_loss,
             tokens_per_s=max(tokens - before, 0) / max(now - then, 1e-9),
+            tokens=tokens,
+            uptime_s=max(now - self._started, 0.0),
             bytes_sent=dict(self.traffic.sent),
             bytes_received=dict(self.traffic.received),
             outer_round=status.outer_round,

@@ -92,18 +92,27 @@ MAX_KINDS = 16
 Kind = pydantic.constr(regex=r"^[a-z][a-z0-9_]{0,31}$", strict=True)  # activations, gradients, eval, ...
 ByteCounts = Dict[Kind, pydantic.conint(ge=0, strict=True)]
 Loss = Optional[pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)]
+# a peer's --name: also a file name (OUT/<name>.jsonl) and a dashboard label, so short and plain
+PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class PeerMetrics(pydantic.BaseModel):
-    """One peer's numbers; strict types, as hivemind's SchemaValidator requires."""
+    """One peer's numbers; strict types, as hivemind's SchemaValidator requires.
+
+    ``name``, ``tokens`` and ``uptime_s`` came later with defaults, so records without them stay valid; a node
+    of an older release refuses records that carry them (its schema forbids unknown fields).
+    """
 
     role: pydantic.constr(regex=r"^(trainer|stage)$", strict=True)
+    name: Optional[pydantic.constr(regex=PEER_NAME_PATTERN, strict=True)] = None  # the peer's --name
     stage: pydantic.conint(ge=0, strict=True)  # 0 = trainers (the edge stage)
     state: pydantic.constr(regex=rf"^({'|'.join(STATES)})$", strict=True)
     step: pydantic.conint(ge=0, strict=True)  # inner steps of its stage replica
     train_loss: Loss = None  # trainers: mean over the last logged steps
     val_loss: Loss = None  # trainers: the last validation pass
     tokens_per_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # over the last period
+    tokens: pydantic.conint(ge=0, strict=True) = 0  # processed since the peer started (a counter, unlike the rate)
+    uptime_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # since the peer started
     bytes_sent: ByteCounts = {}  # wire frames by kind, since the peer started
     bytes_received: ByteCounts = {}
     outer_round: pydantic.conint(ge=0, strict=True) = 0

@@ -5,14 +5,18 @@ const POLL_MS = 1000;
 const SERIES_COLORS = ["#60a5fa", "#f472b6", "#34d399", "#fbbf24", "#a78bfa", "#22d3ee", "#fb923c", "#f87171"];
 const KIND_COLORS = { activations: "#60a5fa", gradients: "#f472b6", eval: "#94a3b8", pseudo_gradients: "#34d399", state: "#fbbf24" };
 const SVG = "http://www.w3.org/2000/svg";
-let lastOk = 0;
+let lastOk = 0, lastState = null;
+let lossAxis = "tokens";  // the loss chart's x: tokens | step | time
+let sortBy = { key: "stage", desc: false };  // the peers table's order
+const LOSS_X = { time: 0, step: 1, tokens: 2 };  // a loss point is [time, step, tokens, loss]
 
 // ---- formatting
 
 const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const short = (id) => id.slice(-6);
-const peerName = (p) => `${p.role === "trainer" ? "trainer" : "s" + p.stage}·${short(p.id)}`;
+const peerName = (p) => p.name || `${p.role === "trainer" ? "trainer" : "s" + p.stage}·${short(p.id)}`;
+const labelOf = (state, id) => state.labels[id] || short(id);  // a peer's --name, also after it left
 const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 
 function human(x, digits = 1) {
@@ -31,6 +35,13 @@ function bytes(x) {
 }
 
 const sum = (obj) => Object.values(obj || {}).reduce((a, b) => a + b, 0);
+
+function duration(s) {
+  if (s >= 86400) return `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`;
+  if (s >= 3600) return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
+  if (s >= 60) return `${Math.floor(s / 60)}m ${Math.floor(s % 60)}s`;
+  return `${Math.floor(s)}s`;
+}
 
 // ---- charts
 
@@ -64,8 +75,9 @@ function el(name, attrs, parent, text) {
   return node;
 }
 
-// series: [{name, color, points: [[t, y], ...], dashed, markers (every point, else the last), area, step}]
-function lineChart(svg, series, { yTitle, yFormat = (v) => human(v, 2), yFromZero = false, yStep = 0 }) {
+// series: [{name, color, points: [[x, y], ...], dashed, markers (every point, else the last), area, step}];
+// x is a unix time (xTime) or any number (tokens, steps)
+function lineChart(svg, series, { yTitle, yFormat = (v) => human(v, 2), yFromZero = false, yStep = 0, xTime = true }) {
   const W = svg.clientWidth || 800, H = svg.clientHeight || 200;  // drawn in CSS pixels: text keeps its size
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const m = { left: 58, right: 14, top: 10, bottom: 30 };
@@ -77,8 +89,15 @@ function lineChart(svg, series, { yTitle, yFormat = (v) => human(v, 2), yFromZer
     return;
   }
   const ts = all.map((p) => p[0]), ys = all.map((p) => p[1]);
-  let t0 = Math.min(...ts), t1 = Math.max(...ts);
-  if (t1 - t0 < 10) t0 = t1 - 10;
+  let t0 = Math.min(...ts), t1 = Math.max(...ts), xTicks;
+  const xFormat = xTime ? clock : (v) => human(v, 1);
+  if (xTime) {
+    if (t1 - t0 < 10) t0 = t1 - 10;
+    xTicks = timeTicks(t0, t1, Math.round(W / 140));
+  } else {
+    const x = niceTicks(t0, t1, Math.max(2, Math.round(W / 110)));
+    [t0, t1, xTicks] = [x.lo, x.hi, x.ticks];
+  }
   const y = niceTicks(yFromZero ? 0 : Math.min(...ys), Math.max(...ys), Math.max(2, Math.round((H - m.top - m.bottom) / 45)), yStep);
   const px = (t) => m.left + ((t - t0) / (t1 - t0)) * (W - m.left - m.right);
   const py = (v) => H - m.bottom - ((v - y.lo) / (y.hi - y.lo)) * (H - m.top - m.bottom);
@@ -87,9 +106,9 @@ function lineChart(svg, series, { yTitle, yFormat = (v) => human(v, 2), yFromZer
     el("line", { x1: m.left, x2: W - m.right, y1: py(v), y2: py(v), class: "grid-line" }, svg);
     el("text", { x: m.left - 8, y: py(v) + 4, "text-anchor": "end" }, svg, yFormat(v));
   }
-  for (const t of timeTicks(t0, t1, Math.round(W / 140))) {
+  for (const t of xTicks) {
     el("line", { x1: px(t), x2: px(t), y1: m.top, y2: H - m.bottom, class: "grid-line" }, svg);
-    el("text", { x: px(t), y: H - m.bottom + 17, "text-anchor": "middle" }, svg, clock(t));
+    el("text", { x: px(t), y: H - m.bottom + 17, "text-anchor": "middle" }, svg, xFormat(t));
   }
   el("line", { x1: m.left, x2: m.left, y1: m.top, y2: H - m.bottom, class: "axis" }, svg);
   el("line", { x1: m.left, x2: W - m.right, y1: H - m.bottom, y2: H - m.bottom, class: "axis" }, svg);
@@ -108,7 +127,7 @@ function lineChart(svg, series, { yTitle, yFormat = (v) => human(v, 2), yFromZer
     for (const p of marked) {
       const dot = el("circle", { cx: px(p[0]), cy: py(p[1]), r: s.dashed ? 3.2 : 2.4, fill: s.dashed ? "#0b1120" : s.color,
                                  stroke: s.color, "stroke-width": 1.6, class: "pt" }, svg);
-      el("title", {}, dot, `${s.name}: ${yFormat(p[1])} at ${clock(p[0])}`);
+      el("title", {}, dot, `${s.name}: ${yFormat(p[1])} at ${xFormat(p[0])}`);
     }
   }
 }
@@ -125,7 +144,7 @@ function renderKpis(state) {
   const peers = state.peers, trainers = peers.filter((p) => p.role === "trainer");
   const latest = (key) => trainers.map((p) => p[key]).filter((v) => v !== null);
   const mean = (xs) => (xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
-  const firstLoss = Object.values(state.loss).map((pts) => pts[0] && pts[0][2]).filter((v) => v !== undefined);
+  const firstLoss = Object.values(state.loss).map((pts) => pts[0] && pts[0][3]).filter((v) => v !== undefined);
   const train = mean(latest("train_loss")), val = mean(latest("val_loss"));
   const tps = trainers.reduce((a, p) => a + p.tokens_per_s, 0);
   const rate = peers.reduce((a, p) => a + sum(p.rate_sent), 0);
@@ -146,14 +165,16 @@ function renderKpis(state) {
 function renderLoss(state) {
   const trainers = [...new Set([...Object.keys(state.loss), ...Object.keys(state.val_loss)])].sort();
   const series = [], items = [];
+  const x = LOSS_X[lossAxis], points = (pts) => (pts || []).map((p) => [p[x], p[3]]);
   trainers.forEach((id, i) => {
-    const color = SERIES_COLORS[i % SERIES_COLORS.length], name = `trainer·${short(id)}`;
-    series.push({ name: `${name} train`, color, points: (state.loss[id] || []).map((p) => [p[0], p[2]]) });
-    series.push({ name: `${name} val`, color, dashed: true, markers: true, points: (state.val_loss[id] || []).map((p) => [p[0], p[2]]) });
+    const color = SERIES_COLORS[i % SERIES_COLORS.length], name = labelOf(state, id);
+    series.push({ name: `${name} train`, color, points: points(state.loss[id]) });
+    series.push({ name: `${name} val`, color, dashed: true, markers: true, points: points(state.val_loss[id]) });
     items.push({ name: `${name} train`, color }, { name: `${name} validation`, color, style: "dashed" });
   });
   legend($("loss-legend"), items);
-  lineChart($("loss-chart"), series, { yTitle: "loss (nats/byte)", yFormat: (v) => v.toFixed(2) });
+  $("loss-chart").setAttribute("aria-label", `loss against ${lossAxis}`);
+  lineChart($("loss-chart"), series, { yTitle: "loss (nats/byte)", yFormat: (v) => v.toFixed(2), xTime: lossAxis === "time" });
 }
 
 function renderThroughput(state) {
@@ -217,20 +238,61 @@ function renderBandwidth(state) {
 
 function renderEvents(state) {
   const events = state.events.slice().reverse();
-  $("event-count").textContent = `${events.length} since the dashboard started`;
+  $("event-count").textContent = `the last ${events.length}`;
   $("events").innerHTML = events.map((e) =>
-    `<li><time>${clock(e.time)}</time><span class="kind ${e.kind}">${e.kind}</span><span><span class="mono">${esc(short(e.peer))}</span> ${esc(e.text)}</span></li>`
+    `<li><time>${clock(e.time)}</time><span class="kind ${e.kind}">${e.kind}</span><span><span class="mono">${esc(labelOf(state, e.peer))}</span> ${esc(e.text)}</span></li>`
   ).join("") || `<li class="empty">nothing yet</li>`;
 }
 
+// [key, title, sort value, cell text, numeric]
+const PEER_COLUMNS = [
+  ["name", "name", (p) => peerName(p), (p) => peerName(p)],
+  ["role", "role", (p) => p.role, (p) => p.role],
+  ["stage", "stage", (p) => p.stage, (p) => p.stage, true],
+  ["state", "state", (p) => p.state, (p) => p.state],
+  ["uptime", "uptime", (p) => p.uptime_s, (p) => (p.uptime_s ? duration(p.uptime_s) : "–"), true],
+  ["version", "version", (p) => p.version, (p) => p.version, true],
+  ["step", "step", (p) => p.step, (p) => p.step, true],
+  ["tokens_per_s", "tokens/s", (p) => p.tokens_per_s, (p) => human(p.tokens_per_s), true],
+  ["tokens", "tokens", (p) => p.tokens, (p) => human(p.tokens), true],
+  ["sent", "sent", (p) => sum(p.bytes_sent), (p) => bytes(sum(p.bytes_sent)), true],
+  ["received", "received", (p) => sum(p.bytes_received), (p) => bytes(sum(p.bytes_received)), true],
+  ["address", "address", (p) => p.address || "", (p) => p.address || "–"],
+];
+
+function renderPeersTable(state) {
+  const column = PEER_COLUMNS.find((c) => c[0] === sortBy.key) || PEER_COLUMNS[0];
+  const rows = state.peers.slice().sort((a, b) => {
+    const [x, y] = [column[2](a), column[2](b)];
+    const order = typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y));
+    return (sortBy.desc ? -order : order) || a.id.localeCompare(b.id);
+  });
+  const table = $("peers-table");
+  table.tHead.rows[0].innerHTML = PEER_COLUMNS.map(([key, title, , , num]) =>
+    `<th data-key="${key}" class="${num ? "num" : ""}${key === column[0] ? ` sorted${sortBy.desc ? " desc" : ""}` : ""}">${title}</th>`).join("");
+  table.tBodies[0].innerHTML = rows.map((p) => `<tr data-peer="${esc(p.id)}" title="${esc(p.id)}">` +
+    PEER_COLUMNS.map(([key, , , text, num]) => `<td data-key="${key}" class="${num ? "num" : ""}${key === "address" ? " addr mono" : ""}">${esc(text(p))}</td>`).join("") +
+    "</tr>").join("") || `<tr><td class="muted" colspan="${PEER_COLUMNS.length}">no peers</td></tr>`;
+}
+
+function renderHealth(state) {
+  $("health").className = `health ${state.health.verdict}`;
+  $("health").querySelector(".verdict").textContent = state.health.verdict;
+  $("health-reason").textContent = state.health.reason;
+  $("health").title = state.health.reason;
+}
+
 function render(state) {
+  lastState = state;
   $("swarm").textContent = `${state.swarm.id} · ${state.swarm.num_stages} stages`;
   document.title = `swarmloco · ${state.swarm.name}`;
+  renderHealth(state);
   renderKpis(state);
   renderLoss(state);
   renderThroughput(state);
   renderRounds(state);
   renderPipeline(state);
+  renderPeersTable(state);
   renderBandwidth(state);
   renderEvents(state);
 }
@@ -253,5 +315,19 @@ async function poll() {
     setTimeout(poll, POLL_MS);
   }
 }
+
+$("peers-table").tHead.addEventListener("click", (e) => {
+  const key = e.target.closest("th")?.dataset.key;
+  if (!key) return;
+  sortBy = { key, desc: sortBy.key === key ? !sortBy.desc : false };
+  if (lastState) renderPeersTable(lastState);
+});
+$("loss-axis").addEventListener("click", (e) => {
+  const axis = e.target.dataset.axis;
+  if (!axis) return;
+  lossAxis = axis;
+  for (const button of $("loss-axis").children) button.classList.toggle("on", button.dataset.axis === axis);
+  if (lastState) renderLoss(lastState);
+});
 
 poll();
