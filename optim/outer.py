@@ -187,6 +187,8 @@ class OuterOptimizer(ABC, Generic[Part]):
                 logger.warning("outer round %d: dropped a pseudo-gradient: %s", self.round, e)
                 dropped[index] = f"unusable: {e}"
         own = next((i for i, payload in enumerate(payloads) if payload == self._own_payload), None)
+        if own is None:  # the group's set lacks this replica's Δ (it came late): its next payload must carry it again
+            self.discard_payload()
         round_, self.round = self.round, self.round + 1
         screened = self._screen(members, round_, own)
         screening = Screening(used=len(screened.kept), dropped=dropped | screened.dropped, clipped=screened.clipped)

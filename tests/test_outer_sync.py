@@ -19,7 +19,7 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync
+from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync, snapshot_weights
 from swarm.outer.rounds import (
     Board,
     RoundKey,
@@ -495,6 +495,40 @@ def test_a_replica_due_for_a_round_others_have_passed_downloads_instead_of_openi
     asyncio.run(asyncio.wait_for(scenario(), 30))
     first = next(e for e in swarm.events if e["peer"] == "c")
     assert first["event"] == "state_download" and first["reason"] == "behind" and c.round == 2, swarm.events
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_a_member_left_out_of_the_set_keeps_its_own_progress_for_its_next_round(method: str) -> None:
+    # c arrived after the leader's window closed: it applies the leader's set of a's and b's payloads, without its
+    # own. Its global weights must be the group's; its Δ must stay in its local weights (and, for SparseLoCo, its
+    # error buffer must be as before it encoded that Δ), so the next round sends it instead of dropping it.
+    swarm_cfg = sync_config(method)
+    swarm = Swarm(swarm_cfg, ["a", "b", "c"])
+    a, b, c = (swarm.syncs[name] for name in "abc")
+
+    async def scenario() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        for sync in (a, b, c):
+            for _ in range(swarm_cfg.outer.inner_steps):
+                sync.holder.train()
+        snapshots = {name: await snapshot_weights(sync.holder) for name, sync in (("a", a), ("b", b), ("c", c))}
+        payloads = tuple(sync.outer.make_payload(snapshots[name]) for name, sync in (("a", a), ("b", b)))
+        errors_before = dict(c.outer._error.errors) if method == "sparseloco" else {}
+        c.outer.make_payload(snapshots["c"])  # made and offered, but not in the leader's set
+        old_global = {name: g.clone() for name, g in c.outer.global_params.items()}
+        await a._install(payloads, snapshots["a"])
+        await c._install(payloads, snapshots["c"], keep_own=True)
+        if method == "sparseloco":
+            after = c.outer._error.errors
+            assert after.keys() == errors_before.keys()
+            assert all(torch.equal(after[k], errors_before[k]) for k in after)
+        return snapshots["c"], old_global
+
+    snapshot, old_global = asyncio.run(scenario())
+    assert c.global_hash == a.global_hash and c.round == a.round == 1  # the group's global weights
+    for name, p in c.params.items():
+        kept = c.outer.global_params[name] + (snapshot[name] - old_global[name])
+        assert torch.allclose(p.detach(), kept, atol=1e-6), name  # its own Δ, on top of the group's step
+    a.close(), b.close(), c.close()
 
 
 def test_an_idle_replica_catches_up_by_state_download() -> None:

@@ -212,7 +212,9 @@ class ReplicaSync:
         screening = None
         if result.outcome == "done":
             alone = result.contributors == (self.net.me,)
-            screening = await self._install(None if alone else result.payloads, snapshot)
+            screening = await self._install(
+                None if alone else result.payloads, snapshot, keep_own=self.net.me not in result.contributors
+            )
             if screening is not None:
                 self._hold_to_account(result, screening)
             self.synced_at, self._last_group = steps, result.contributors
@@ -324,8 +326,12 @@ class ReplicaSync:
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _install(self, payloads: tuple[bytes, ...] | None, snapshot: dict[str, torch.Tensor]) -> Screening | None:
+    async def _install(
+        self, payloads: tuple[bytes, ...] | None, snapshot: dict[str, torch.Tensor], *, keep_own: bool = False
+    ) -> Screening | None:
         """Install a round's result; ``payloads`` None: the round was this replica's alone, and the snapshot becomes global.
+        ``keep_own``: this replica's Δ is not in the set (it arrived after the leader's window closed), so its local
+        weights keep that progress on top of the new global ones, for its next round to send.
         Returns what the outer optimizer made of the payloads (None alone)."""
         if payloads is None:
             # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
@@ -333,9 +339,13 @@ class ReplicaSync:
             self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
             return None
         target = {name: torch.empty_like(t) for name, t in snapshot.items()}
+        old_global = {name: g.clone() for name, g in self.outer.global_params.items()} if keep_own else None
         # target ← the new global weights
         screening = await self._on_thread(self.outer.apply, list(payloads), target)
         self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
+        if old_global is not None:
+            for name, t in target.items():
+                t.add_(snapshot[name] - old_global[name])  # + this replica's Δ, which the group did not receive
 
         @torch.no_grad()
         def swap() -> None:
