@@ -269,7 +269,8 @@ class TrainerRole:
             banned = 0
             for stage, replicas in (await membership.all_replicas()).items():
                 if stage != EDGE_STAGE:
-                    router.update(stage, list(replicas))
+                    queues = {peer: status.queue for peer, status in replicas.items()}
+                    router.update(stage, list(replicas), queues=queues, task_size=cfg.train.microbatch_size)
                     banned += len(replicas) - len(router.balancers[stage].live_peers())
             status = trainer.status().copy(update=sync.status_fields())
             await membership.announce(EDGE_STAGE, status)

@@ -191,6 +191,26 @@ def test_replicas_whose_first_calls_were_slow_still_share_the_load_evenly():
     assert min(counts.values()) >= 40, counts
 
 
+def test_a_replica_busy_with_other_trainers_work_gets_less_until_its_queue_drains():
+    balancer, clock = make_balancer(["a", "b"])
+    for peer in ("a", "b", "a", "b"):  # warm-up, then 16 samples in 0.1 s each: equally fast
+        balancer.report_success(peer, samples=16, seconds=0.1)
+    picks(balancer, 10)
+    balancer.update_queues({"a": 20, "b": 0}, task_size=16)  # a announces 20 requests of other trainers
+    busy = Counter(picks(balancer, 20, task_size=16))
+    assert busy["b"] == 20, busy  # 20 queued requests are 2 s of work: b's next 20 picks cost it as much
+    balancer.update_queues({"a": 0, "b": 0}, task_size=16)  # drained: the backlog leaves a's key again
+    drained = Counter(picks(balancer, 40, task_size=16))
+    assert drained["a"] >= 25, drained  # a catches up on the picks b took meanwhile
+    balancer.update_queues({"a": 50, "b": 0}, task_size=16)
+    balancer.report_failure("a")  # banned with a backlog of 5 s in its key, then readmitted at the heap's minimum
+    clock.now += 60
+    assert "a" in balancer.live_peers()  # readmitted
+    balancer.update_queues({"a": 0, "b": 0}, task_size=16)  # the backlog its new key never had is not taken off
+    after = Counter(picks(balancer, 20, task_size=16))
+    assert after["a"] <= 12, after
+
+
 def test_new_peer_is_tried_soon():
     balancer, _ = make_balancer(["a", "b"])
     picks(balancer, 100)

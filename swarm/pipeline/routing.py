@@ -5,7 +5,8 @@ increasing order, with a few disjoint adjacent pairs swapped. Replicas follow SW
 ``StageBalancer`` per stage runs an interleaved weighted round-robin, so every replica gets work
 in proportion to its measured throughput (network included; a replica's first call, which also
 times the dial, is not counted, and the estimate is a mean in log space that starts from the
-stage's median, so one slow call cannot starve a replica). Time and randomness are injected,
+stage's median, so one slow call cannot starve a replica); a replica's announced queue of other
+trainers' requests counts against it until its next announce (``update_queues``). Time and randomness are injected,
 so all of it is unit-tested without sockets or sleeps.
 
     >>> router = Router(num_stages=4, rng=random.Random(0))
@@ -22,7 +23,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from swarm.errors import ConfigError
@@ -114,6 +115,7 @@ class _Replica:
     # established estimate by 20^0.1 ≈ 1.35×, not 3×.
     log_rate: float = 0.0
     samples: int = 0  # measurements in log_rate, the prior included; 0: not measured yet
+    backlog_s: float = 0.0  # its announced queue, in expected seconds: part of its heap key until the next announce
     warmed_up: bool = False  # its first success timed the dial and first allocations, not its throughput
     failures: int = 0  # consecutive failures; the next ban lasts BAN_S · 2^(failures − 1)
     banned_until: float | None = None
@@ -154,6 +156,16 @@ class StageBalancer:
             if peer not in self._replicas:
                 self._replicas[peer] = _Replica()
                 self._enter(peer)
+
+    def update_queues(self, queues: Mapping[Peer, int], task_size: float) -> None:
+        """The replicas' announced queues (requests waiting or running, from every trainer, as in SWARM's load
+        balancing): each queued request of ``task_size`` samples adds its expected seconds to the replica's key until
+        the next announce replaces it, so a replica busy with other trainers' work gets less of this one's."""
+        for i, (load, tie, peer) in enumerate(self._heap):
+            replica = self._replicas[peer]
+            backlog = queues.get(peer, 0) * task_size / self.samples_per_sec(peer)
+            self._heap[i], replica.backlog_s = (load - replica.backlog_s + backlog, tie, peer), backlog
+        heapq.heapify(self._heap)
 
     def choose(self, task_size: float = 1.0, exclude: Container[Peer] = ()) -> Peer:
         """The replica to serve the next ``task_size`` samples; raises ``NoLiveReplica`` if none can."""
@@ -227,6 +239,7 @@ class StageBalancer:
         heapq.heapify(self._heap)
 
     def _enter(self, peer: Peer) -> None:
+        self._replicas[peer].backlog_s = 0.0  # its key holds no backlog until the next announce
         load = self._heap[0][0] if self._heap else 0.0
         heapq.heappush(self._heap, (load, self._rng.random(), peer))
 
@@ -251,8 +264,13 @@ class Router:
         self._rng = rng
         self.balancers = {stage: StageBalancer(rng, clock) for stage in range(1, num_stages + 1)}
 
-    def update(self, stage: int, peers: Iterable[Peer]) -> None:
+    def update(
+        self, stage: int, peers: Iterable[Peer], *, queues: Mapping[Peer, int] | None = None, task_size: float = 1.0
+    ) -> None:
+        """The replicas of ``stage`` the DHT lists, and optionally their announced queue lengths."""
         self.balancers[stage].update_peers(peers)
+        if queues is not None:
+            self.balancers[stage].update_queues(queues, task_size)
 
     def choose(self, stage: int, task_size: float = 1.0, exclude: Container[Peer] = ()) -> Peer:
         """A replica of ``stage``; ``exclude`` holds the replicas already tried for this hop."""
