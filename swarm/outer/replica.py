@@ -45,6 +45,7 @@ instant: to snapshot them and to install a round's result. Requests keep being s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -205,6 +206,13 @@ class ReplicaSync:
             excluded=self.excluded,
             on_declared=lambda: self.on_log({"event": "outer_declared", "stage": self.stage, "round": key.round}),
         )
+        if result.outcome == "done" and result.contributors != (self.net.me,) and len(result.contributors) == 1:
+            # A leader alone kept its own weights (``apply_alone``): applying its Δ here would not reproduce them
+            # (rounding, or SparseLoCo's top-k of a dense move), and the two would stay apart for good, each in
+            # the other's last group. Its state does reproduce them: catch up by download, as a late member.
+            result = dataclasses.replace(
+                result, outcome="late", reason=f"the leader of {key} was alone in its set; its state is downloaded"
+            )
         self.counters.update(
             pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=result.received * self._fp32_bytes
         )

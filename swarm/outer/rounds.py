@@ -20,7 +20,9 @@ Round r of stage s, for each replica that takes part (``run_round``; the network
    serves none, gone or there only to stall, leads nothing) publishes the list of (contributor,
    SHA-256) it gathered, and every member applies exactly that set, fetching from the leader any
    payload it lacks. A member that arrived after the leader's window closed applies the leader's
-   set without its own payload, and keeps its progress for the next round. ``apply`` sorts the
+   set without its own payload, and keeps its progress for the next round (``ReplicaSync``; a lone leader's
+   set is the exception: that leader kept its own weights, which only its state reproduces, so the member
+   catches up by download). ``apply`` sorts the
    payloads, so the same set gives bitwise identical global weights everywhere. A member that gets
    no commit (the leader died) ends the round as *failed* and catches up by state download; if no
    replica got further, everyone keeps round r and tries again later.
