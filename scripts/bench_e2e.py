@@ -2,7 +2,11 @@
 
 Every run is a whole swarm (``launch_local``) with one peer per network namespace of a
 ``WanLab`` (``scripts/wanlab.py``), all capped at the run's bandwidth in each direction (or
-uncapped), training the default model on the default corpus for the same number of steps.
+uncapped) and, with ``--rtt-ms``, behind the same round-trip delay (the lab's delay line; one
+value for every peer, or one per peer: the stage servers, then the trainers), training the
+default model on the default corpus for the same number of steps. Each stage server's busy
+fraction (its request compute over wall time, the median of its recent values while it served)
+is a column of the table: how much of the time the pipeline keeps that stage working.
 The layout is two trainers and three middle stages with one server each: the trainers are the
 replicas of stage 0, so outer rounds really exchange pseudo-gradients, and a skip ratio of 0.33
 drops exactly one of the three stages per microbatch.
@@ -15,6 +19,7 @@ run of the same configuration measured in the same invocation.
 
     sudo python scripts/bench_e2e.py --json bench-e2e.json --plot docs/bench-e2e.png    # ~60 min per repeat on 2 cores
     sudo python scripts/bench_e2e.py --steps 40 --only int8                             # a quick look
+    sudo python scripts/bench_e2e.py --steps 40 --only int8 --bandwidths 20,none --rtt-ms 100  # with 100 ms round trips
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_swarm import run_swarm  # this directory is on sys.path when run as a script
-from wanlab import WanLab, unsupported_reason
+from wanlab import WanLab, parse_rtts, unsupported_reason
 
 from peer.launch import LocalSwarm, Placement, local_config
 from swarm.config import OuterChoice, SwarmConfig, derive_config
@@ -72,12 +77,23 @@ def run_config(base: SwarmConfig, run: Run, layout: LocalSwarm, inner_steps: int
     return derive_config(local_config(base, layout), overrides, outer=run.outer)
 
 
+def peer_names(layout: LocalSwarm) -> list[str]:
+    """The peers in lab host order: stage servers, then trainers."""
+    return [name for name, _ in layout.servers()] + [f"trainer-{i}" for i in range(layout.trainers)]
+
+
 def measure(
-    run: Run, layout: LocalSwarm, base: SwarmConfig, inner_steps: int, data: list[str] | None, out: Path
+    run: Run,
+    layout: LocalSwarm,
+    base: SwarmConfig,
+    inner_steps: int,
+    data: list[str] | None,
+    out: Path,
+    rtts_ms: list[float] | None = None,
 ) -> dict[str, Any]:
     cfg = run_config(base, run, layout, inner_steps)
-    names = [name for name, _ in layout.servers()] + [f"trainer-{i}" for i in range(layout.trainers)]
-    with WanLab(caps_mbit=[run.bandwidth_mbit] * len(names)) as lab:
+    names = peer_names(layout)
+    with WanLab(caps_mbit=[run.bandwidth_mbit] * len(names), rtts_ms=rtts_ms) as lab:
         hosts = {
             name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)
         }
@@ -101,6 +117,8 @@ def measure(
         "failed_hops": swarm["failed_hops"],
         "skipped_hops": swarm["skipped_hops"],
         "wall_s": swarm["wall_s"],
+        "rtt_ms": rtts_ms or [0.0] * len(names),
+        "busy_fraction": swarm["busy_fraction"],  # per stage server
     }
 
 
@@ -109,7 +127,15 @@ def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("tokens_per_s", "val_loss", "step_s", "wall_s"):
         out[key] = statistics.median(r[key] for r in records)
         out[f"{key}_runs"] = [r[key] for r in records]
+    out["busy_fraction"] = {
+        name: median_of_known([r["busy_fraction"].get(name) for r in records]) for name in out["busy_fraction"]
+    }
     return out
+
+
+def median_of_known(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def find(records: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -151,8 +177,15 @@ def check_targets(records: list[dict[str, Any]], low: float | None) -> dict[str,
     return {"values": targets, "met": met}
 
 
+def busy_label(server: str) -> str:
+    """A busy-fraction column's header: ``stage2-0`` → ``busy s2-0``."""
+    return "busy " + server.replace("stage", "s")
+
+
 def print_table(records: list[dict[str, Any]]) -> None:
-    header = f"{'run':<34} {'tok/s':>7} {'vs uncapped':>11} {'step s':>7} {'val_loss':>8} {'B/token':>9} {'act':>8} {'grad':>8} {'pseudo':>7}"
+    servers = list(records[0]["busy_fraction"]) if records else []
+    busy_header = "".join(f" {busy_label(name):>9}" for name in servers)
+    header = f"{'run':<34} {'tok/s':>7} {'vs uncapped':>11} {'step s':>7} {'val_loss':>8} {'B/token':>9} {'act':>8} {'grad':>8} {'pseudo':>7}{busy_header}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in records:
         free = find(records, bandwidth_mbit=None, act_codec=r["act_codec"], outer=r["outer"], skip=r["skip"])
@@ -161,6 +194,10 @@ def print_table(records: list[dict[str, Any]]) -> None:
         print(
             f"{r['name']:<34} {r['tokens_per_s']:7.0f} {rel:>11} {r['step_s']:7.2f} {r['val_loss']:8.4f} {b['total']:9.1f} "
             f"{b['activations']:8.1f} {b['gradients']:8.1f} {b['pseudo_gradients']:7.2f}"
+            + "".join(
+                f" {busy:9.2f}" if (busy := r["busy_fraction"].get(name)) is not None else f" {'-':>9}"
+                for name in servers
+            )
         )
 
 
@@ -219,6 +256,12 @@ def main() -> int:
         default=[20.0, 100.0, None],
         help="Mbit/s per peer, comma separated; 'none' is uncapped",
     )
+    parser.add_argument(
+        "--rtt-ms",
+        default="0",
+        help="round-trip delay of every peer's link in ms, or one per peer (stage servers, then trainers), "
+        "comma separated; the round trip between two peers is the mean of theirs (see scripts/wanlab.py)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
     parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
@@ -234,6 +277,10 @@ def main() -> int:
     if args.microbatch:
         base = dataclasses.replace(base, train=dataclasses.replace(base.train, microbatch_size=args.microbatch))
     layout = LocalSwarm(peers=LAYOUT["trainers"] + LAYOUT["stages"], steps=args.steps, **LAYOUT)
+    try:
+        rtts_ms = parse_rtts(args.rtt_ms, len(peer_names(layout)))
+    except ValueError as e:
+        parser.error(str(e))
     runs = [run for run in plan(args.bandwidths) if not args.only or any(s in run.name for s in args.only)]
     results: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
@@ -243,7 +290,13 @@ def main() -> int:
                 print(f"[{repeat + 1}/{args.repeats}] run {k + 1}/{len(runs)}: {run.name}", flush=True)
                 started = time.perf_counter()
                 record = measure(
-                    run, layout, base, args.inner_steps, args.data, root / f"{repeat}" / run.name.replace("/", "_")
+                    run,
+                    layout,
+                    base,
+                    args.inner_steps,
+                    args.data,
+                    root / f"{repeat}" / run.name.replace("/", "_"),
+                    rtts_ms,
                 )
                 results[run.name].append(record)
                 print(
@@ -266,6 +319,7 @@ def main() -> int:
                     "train": dataclasses.asdict(base.train),
                     "repeats": args.repeats,
                     "layout": LAYOUT,
+                    "rtt_ms": rtts_ms,
                     "records": records,
                     "targets": targets,
                 },

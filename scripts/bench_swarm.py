@@ -82,6 +82,24 @@ def outer_summary(peers: dict[str, list[dict[str, Any]]], tokens: int) -> dict[s
     }
 
 
+def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | None]:
+    """Per stage server (by name): the median of its recent busy fraction over the records logged while it served
+    (its backward count rose since the previous one), so its wait for the first trainer and its idle tail
+    after the last are left out. None for a server that never served."""
+    busy: dict[str, float | None] = {}
+    for name, records in peers.items():
+        stage = [r for r in records if r.get("role") == "stage" and "busy_fraction" in r]
+        if not stage:
+            continue
+        serving = [
+            r["busy_fraction"]
+            for before, r in zip(stage, stage[1:])
+            if r["busy_fraction"] is not None and r.get("backward", 0) > before.get("backward", 0)
+        ]
+        busy[name] = statistics.median(serving) if serving else stage[-1].get("busy_fraction_total")
+    return busy
+
+
 def join_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     """How a late joiner got in: its role, the round it started from, and the time from its start to its first served request."""
     spawned = next(r["time"] for r in records if r.get("event") == "spawned")
@@ -134,6 +152,7 @@ def run_swarm(
         "microbatches": {k: sum(t[k] for t in trainers) for k in ("started", "completed", "failed", "cancelled")},
         "unaccounted_microbatches": sum(t["started"] - t["completed"] - t["failed"] - t["cancelled"] for t in trainers),
         **outer_summary(peers, tokens),
+        "busy_fraction": busy_summary(peers),  # per stage server: median while serving
     }
     joiners = [name for name in peers if name.startswith("joiner-")]
     return result | (join_summary(peers[joiners[0]]) if joiners else {})

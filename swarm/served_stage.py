@@ -123,8 +123,9 @@ class ServedStage:
         await membership.announce(self.stage, status)
         await membership.publish_config()
         microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
+        busy_recent, _ = server.busy.fractions()
         await membership.publish_metrics(
-            self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens)
+            self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens, busy_fraction=busy_recent)
         )
         self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
 

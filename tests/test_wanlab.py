@@ -15,7 +15,7 @@ from swarm_harness import DATA, records, tiny_config
 
 from optim.config import InnerOptimConfig
 from peer.launch import LocalSwarm, Placement, launch_local
-from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, unsupported_reason
+from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, ping_ms, rtt_within, unsupported_reason
 from swarm.config import TimeoutConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
@@ -43,6 +43,38 @@ def test_caps_hold_in_both_directions_and_change_mid_run() -> None:
         assert within(measure_mbit(lab, 1, 0, seconds=1.0), 20)  # the slower end wins
         lab.set_cap(0, 40)
         assert within(measure_mbit(lab, 0, 2, seconds=1.0), 40)
+
+
+def test_ping_reflects_each_hosts_delay() -> None:
+    """Host i's link adds rtts_ms[i] / 2 to every round trip through it; a host without delay adds none."""
+    with WanLab(caps_mbit=[None, 20, None], rtts_ms=[100, 60, 0], prefix="slabtest-rtt-") as lab:
+        assert [h.rtt_ms for h in lab.hosts] == [100, 60, 0]
+        for src, dst, expected in ((0, 1, 80), (1, 0, 80), (0, 2, 50), (2, 1, 30)):
+            measured = ping_ms(lab, src, dst, count=5)
+            assert rtt_within(measured, expected, 0.2), (src, dst, measured)
+        assert ping_ms(lab, 2, 2, count=3) < 5  # to itself: no link, no delay
+
+
+def test_caps_hold_with_delay() -> None:
+    """The delay line forwards at the cap (behind the tbf both ways), and TCP fills the longer path."""
+    with WanLab(caps_mbit=[20, None], rtts_ms=[100, 0], prefix="slabtest-rttcap-") as lab:
+        assert within(measure_mbit(lab, 0, 1, seconds=1.0), 20)  # upload: the tbf, then the delay
+        assert within(measure_mbit(lab, 1, 0, seconds=1.0), 20)  # download: the delay, then the tbf
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--caps", "20", "--peers", "2", "--rtt-ms", "-5"], "between 0 and"),
+        (["up", "--caps", "20", "--peers", "2", "--rtt-ms", "10,20,30"], "lists 3 values for 2 hosts"),
+        (["up", "--caps", "20", "--peers", "2", "--rtt-ms", "fast"], "give numbers"),
+    ],
+)
+def test_bad_delays_are_refused_before_any_lab(argv: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    with pytest.raises(ValueError, match="rtts_ms has 1 values for 2 hosts"):
+        WanLab(caps_mbit=[20, 20], rtts_ms=[10])
 
 
 def test_hosts_are_isolated_with_loopback_up() -> None:

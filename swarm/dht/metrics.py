@@ -66,8 +66,10 @@ class Meter:
             if (value := record.get(name)) is not None:
                 setattr(self, name, float(value) if math.isfinite(value) else None)
 
-    def sample(self, status: StageStatus, *, tokens: int, bans: int = 0) -> PeerMetrics:
-        """The record to publish now; ``tokens``: processed since the peer started."""
+    def sample(
+        self, status: StageStatus, *, tokens: int, bans: int = 0, busy_fraction: float | None = None
+    ) -> PeerMetrics:
+        """The record to publish now; ``tokens``: processed since the peer started; ``busy_fraction``: a stage server's, recent."""
         now = self._clock()
         (then, before), self._since = self._since, (now, tokens)
         self.last = PeerMetrics(
@@ -86,6 +88,7 @@ class Meter:
             outer_round=status.outer_round,
             recoveries=self.recoveries,
             bans=bans,
+            busy_fraction=busy_fraction,
             version=status.version,
         )
         return self.last

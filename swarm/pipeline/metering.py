@@ -1,16 +1,26 @@
-"""Bytes on the wire by kind, counted where a stage server answers stage calls.
+"""What a stage server's work is measured by: bytes on the wire by kind, and how busy it is.
 
-A thin wrapper around a stage server's ``StageBackend``: requests count as received, replies as
-sent, into the peer's ``Traffic`` (``swarm/dht/metrics.py``), which its metrics record publishes.
-A trainer counts its own calls (``Trainer._count``, which also knows what fp32 would have cost).
+``MeteredBackend``, a thin wrapper around a stage server's ``StageBackend``, counts requests as
+received and replies as sent into the peer's ``Traffic`` (``swarm/dht/metrics.py``), which its
+metrics record publishes. A trainer counts its own calls (``Trainer._count``, which also knows
+what fp32 would have cost).
+
+``BusyTime`` is the server's busy fraction: the time its compute thread spends on requests
+(forwards and backwards; not the outer step's work between them) over wall time, since its first
+request and over a recent window. In a pipeline it says how much of the time a stage waits for
+the others and for the wire (1 - busy): the bubbles.
 
     >>> traffic = Traffic()
     >>> servicer = StageServicer(MeteredBackend(server, traffic), stage=1, max_request_bytes=server.max_request_bytes)
+    >>> busy = BusyTime(window_s=30.0); busy.add(start, end); busy.fractions()  # (recent, since the first request)
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from hivemind.p2p import PeerID
@@ -51,3 +61,48 @@ class MeteredBackend:
 
     def info(self) -> dict[str, Any]:
         return self.backend.info()
+
+
+class BusyTime:
+    """Busy intervals of one compute thread, as fractions of wall time; ``add`` may run on another thread than ``fractions``.
+
+    Intervals are those of a single thread, so they never overlap. Wall time starts at the first
+    interval's start: a server waiting for its first trainer is not idle in a pipeline yet. The
+    recent fraction covers the last ``window_s`` (or less, so far); both are None before the first.
+    """
+
+    def __init__(self, *, window_s: float = 30.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s, self.clock = window_s, clock
+        self.first_start: float | None = None
+        self.total_s = 0.0
+        self._recent: deque[tuple[float, float]] = deque()  # (start, end), oldest first, those ending in the window
+        self._lock = threading.Lock()
+
+    def add(self, start: float, end: float) -> None:
+        with self._lock:
+            if self.first_start is None:
+                self.first_start = start
+            self.total_s += max(end - start, 0.0)
+            self._recent.append((start, end))
+            self._trim(end)
+
+    def fractions(self) -> tuple[float | None, float | None]:
+        """(busy fraction over the recent window, since the first interval), each in [0, 1]; None before any."""
+        now = self.clock()
+        with self._lock:
+            if self.first_start is None:
+                return None, None
+            self._trim(now)
+            since = max(now - self.window_s, self.first_start)
+            recent = sum(min(end, now) - max(start, since) for start, end in self._recent if end > since)
+            return _fraction(recent, now - since), _fraction(self.total_s, now - self.first_start)
+
+    def _trim(self, now: float) -> None:
+        while self._recent and self._recent[0][1] <= now - self.window_s:
+            self._recent.popleft()
+
+
+def _fraction(busy_s: float, wall_s: float) -> float:
+    return min(max(busy_s / wall_s, 0.0), 1.0) if wall_s > 0 else 1.0  # no wall time yet: the first request runs

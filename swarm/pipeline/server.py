@@ -7,7 +7,8 @@ microbatch's parameter gradients are screened before they accumulate: a non-fini
 far above the recent ones, is an invalid request (a strike against its sender), and the others'
 gradients stay as they were. An inner AdamW step is taken every ``train.inner_batch`` samples. All
 torch work runs on one worker thread: calls are serialised and the event loop stays free to
-accept (or refuse) requests.
+accept (or refuse) requests. The share of wall time that thread spends on requests is the
+server's busy fraction (``BusyTime``, ``swarm/pipeline/metering.py``), in ``info()`` and its metrics.
 
     >>> server = StageServer(cfg, stage=2)
     >>> servicer = StageServicer(server, stage=2, max_request_bytes=server.max_request_bytes)
@@ -36,6 +37,7 @@ from swarm.dht.records import StageStatus
 from swarm.model.stages import build_stage
 from swarm.model.step import InnerStep, add_gradients, stage_forward, stage_gradients
 from swarm.pipeline.boundary import boundary_codecs
+from swarm.pipeline.metering import BusyTime
 from swarm.pipeline.protocol import Backward, Forward, RequestError
 
 T = TypeVar("T")
@@ -114,6 +116,7 @@ class StageServer:
         lr_scale: float = 1.0,
         max_cached: int = 64,
         clock: Callable[[], float] = time.perf_counter,
+        busy_window_s: float = 30.0,
     ) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
@@ -139,6 +142,7 @@ class StageServer:
         self.cache = ActivationCache(max_items=max_cached, max_bytes=max_cached * 4 * max_values)
         self.screen = GradNormScreen()  # of each microbatch's parameter gradients, before they accumulate
         self.throughput = PerformanceEMA(alpha=0.1, paused=True)  # samples/s over forward + backward compute
+        self.busy = BusyTime(window_s=busy_window_s, clock=clock)  # forward + backward compute over wall time
         self.counters: Counter[str] = Counter()
         self.from_stage: Counter[int] = Counter()  # training inputs by the stage they came from: the paths seen
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
@@ -150,7 +154,7 @@ class StageServer:
                 f"prev_stage {request.prev_stage} is not another stage of 0..{self.cfg.stages.num_stages}",
             )
         x, tokens = self._decode_input(request.x)
-        y, elapsed = await self._run(self._compute_forward, x)
+        y, elapsed = await self._run(self._compute_forward, x, busy=True)
         if request.train:
             self.cache.put(peer, request.mb, CacheEntry(x=x, tokens=tokens, forward_s=elapsed))
             self.from_stage[request.prev_stage] += 1
@@ -174,7 +178,7 @@ class StageServer:
                 f"gradient of shape {tuple(grad.shape)} for an input of shape {tuple(entry.x.shape)}",
             )
         try:
-            grad_x, elapsed = await self._run(self._compute_backward, entry.x, grad)
+            grad_x, elapsed = await self._run(self._compute_backward, entry.x, grad, busy=True)
         except RequestError:
             self.counters["refused_gradient"] += 1
             raise
@@ -183,6 +187,7 @@ class StageServer:
         return self.grad_codec.encode(grad_x)
 
     def info(self) -> dict[str, Any]:
+        recent, total = self.busy.fractions()
         return {
             **self.counters,
             "inner_steps": self.inner_steps,
@@ -193,6 +198,8 @@ class StageServer:
             "first_served_at": self.first_served_at,
             "evicted": self.cache.evicted,
             "from_stage": {str(k): v for k, v in sorted(self.from_stage.items())},
+            "busy_fraction": recent,  # over the last busy.window_s
+            "busy_fraction_total": total,  # since the first request
         }
 
     @property
@@ -229,12 +236,19 @@ class StageServer:
             )
         return x, tokens
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
-        """``fn(*args)`` on the compute thread, and its compute time (waiting for the thread excluded)."""
+    async def _run(self, fn: Callable[..., T], *args: Any, busy: bool = False) -> tuple[T, float]:
+        """``fn(*args)`` on the compute thread, and its compute time (waiting for the thread excluded), counted
+        into the busy fraction if ``busy`` (a request's compute), refused or not."""
 
         def timed() -> tuple[T, float]:
             started = self.clock()
-            return fn(*args), self.clock() - started
+            try:
+                result = fn(*args)
+            finally:
+                ended = self.clock()
+                if busy:
+                    self.busy.add(started, ended)
+            return result, ended - started
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
 
