@@ -54,6 +54,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
     peer = dataclasses.replace(peer, name=name)
     logs.set_peer_name(name)
     corpus = load_corpus(peer.data) if peer.role == "trainer" else None  # fail on bad --data before joining
+    echo(f"{name}: {peer.chosen_reachability().describe()}")
 
     def batches(cfg: SwarmConfig) -> tuple[Any, list[Any]]:
         nonlocal corpus
@@ -140,10 +141,12 @@ class LocalSwarm:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement:
-    """Where a peer process runs: a command prefix (e.g. ``ip netns exec NS`` for the WAN lab) and the address it listens on."""
+    """Where a peer process runs: a command prefix (e.g. ``ip netns exec NS`` for the WAN lab), the address it listens
+    on, and options of its own (e.g. ``--reachability relay`` for a host behind a firewall)."""
 
     prefix: tuple[str, ...] = ()
     host: str = "127.0.0.1"
+    args: tuple[str, ...] = ()
 
 
 LOOPBACK = Placement()
@@ -186,7 +189,9 @@ def launch_local(
 
     def spawn(name: str, args: list[str]) -> subprocess.Popen:
         where = place(name)
-        return spawn_peer(name, [*args, "--host-maddrs", f"/ip4/{where.host}/tcp/0", *common], out, prefix=where.prefix)
+        return spawn_peer(
+            name, [*args, "--host-maddrs", f"/ip4/{where.host}/tcp/0", *where.args, *common], out, prefix=where.prefix
+        )
 
     echo(
         f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "

@@ -205,6 +205,7 @@ class WanLab:
             for i, (cap, rtt) in enumerate(zip(caps_mbit, rtts_ms, strict=True))
         ]
         self.grace_s = grace_s
+        self._no_inbound: set[int] = set()  # hosts behind a firewall that lets no connection in
         self._procs: list[subprocess.Popen] = []
         self._sigterm: Any = None
         self._open = False
@@ -268,13 +269,68 @@ class WanLab:
             raise WanLabError(f"the delay line of host {host.index} did not start: {line.stderr.read().strip()}")
 
     def _shape(self, i: int, mbit: float | None) -> None:
-        for ns, dev in ((self.hosts[i].netns, "eth0"), (self.hub, f"p{i}")):  # what host i sends, what it receives
-            if mbit is None:
+        own, bridge = (self.hosts[i].netns, "eth0"), (self.hub, f"p{i}")  # what host i sends, what it receives
+        for ns, dev in (own, bridge):
+            if (ns, dev) == own and i in self._no_inbound:
+                self._firewall(ns, dev, mbit)
+            elif mbit is None:
                 subprocess.run(
                     ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True
                 )  # fails if uncapped already
             else:
                 sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf(mbit))
+
+    @staticmethod
+    def _firewall(ns: str, dev: str, mbit: float | None) -> None:
+        """``dev`` sends no TCP SYN-ACK (class 1:1 queues nothing: every packet put there is dropped) and the rest at
+        ``mbit`` (class 1:2, the default); u32 reads the TCP flags at byte 33, after a 20-byte IPv4 header."""
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "2")
+        for minor in (1, 2):  # htb's own rates stay out of the way: the leaf below shapes
+            sh(
+                "tc",
+                "-n",
+                ns,
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "classid",
+                f"1:{minor}",
+                "htb",
+                "rate",
+                "100gbit",
+            )
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "pfifo", "limit", "0")
+        leaf = tbf(mbit) if mbit is not None else ["pfifo", "limit", "1000"]
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:2", *leaf)
+        syn_ack = ["match", "ip", "protocol", "6", "0xff", "match", "u8", "0x12", "0x12", "at", "33"]
+        sh(
+            "tc",
+            "-n",
+            ns,
+            "filter",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            *syn_ack,
+            "classid",
+            "1:1",
+        )
+
+    def block_inbound(self, i: int) -> None:
+        """From now on no connection to host i completes; the ones it opens (and those open already) still work."""
+        self._no_inbound.add(i)
+        self._shape(i, self.hosts[i].cap_mbit)
 
     def set_cap(self, i: int, mbit: float | None) -> None:
         """Change host i's cap (both directions) while the lab runs; None removes it."""

@@ -98,12 +98,15 @@ class Node:
         authority = encode_public_key(config.credentials.verifier.authority) if config.credentials else None
         if self.cfg is not None:
             check_access(self.cfg, authority)  # before this peer starts a swarm that lets anyone in
+        reachability = config.chosen_reachability()
+        logger.info(reachability.describe())
         self.dht = dht = await start_dht(
             initial_peers=config.initial_peers,
             host_maddrs=config.host_maddrs,
             announce_maddrs=config.announce_maddrs,
             credentials=config.credentials,
             identity_path=str(config.identity) if config.identity else None,
+            reachability=reachability,
         )
         try:
             self.membership = membership = Membership(dht)
@@ -136,6 +139,8 @@ class Node:
             role, stage = (
                 choose_role(replicas, cfg.stages.num_stages) if config.role == "auto" else (config.role, config.stage)
             )
+            if reachability.mode == "client":  # it only calls out: nobody could call it as a stage server
+                role, stage = "trainer", None
             if role == "stage":
                 self.role = StageRole(parts, stage or pick_stage(replicas))
             elif self.data is None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from swarm.config import SwarmConfig
+from swarm.dht.reachability import REACHABILITY_MODES, Reachability, ReachabilityMode, choose_reachability
 from swarm.dht.records import PEER_NAME_PATTERN
 from swarm.errors import ConfigError
 from swarm.faults import FaultSchedule
@@ -44,6 +45,9 @@ class PeerConfig:
     initial_peers: list[str] = field(default_factory=list)  # none: this peer creates the swarm
     host_maddrs: list[str] = field(default_factory=lambda: list(DEFAULT_HOST_MADDRS))
     announce_maddrs: list[str] = field(default_factory=list)
+    # how others reach this peer: public, through a relay (behind NAT), or a trainer that only calls out (client);
+    # auto decides from the addresses (``swarm.dht.reachability``)
+    reachability: ReachabilityMode = "auto"
     identity: Path | None = None  # libp2p key file (created if missing): a stable peer id
     credentials: Credentials | None = None  # private swarms: this peer's certificate, and the check of everyone else's
     swarm_name: str = SwarmConfig().name  # which published config to fetch when none is given
@@ -68,6 +72,16 @@ class PeerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError("role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.reachability not in REACHABILITY_MODES:
+            raise ConfigError(
+                "reachability", f"must be one of {', '.join(REACHABILITY_MODES)}, got {self.reachability!r}"
+            )
+        if self.reachability == "client" and self.role == "stage":
+            raise ConfigError(
+                "reachability",
+                "a client only calls out, and a stage server must be called: use --reachability relay (behind NAT) "
+                "or public with --announce-maddrs",
+            )
         if self.role != "stage" and self.stage is not None:
             raise ConfigError(
                 "stage", "a trainer holds stage 0, --role auto picks its own stage; --stage is for --role stage"
@@ -97,6 +111,15 @@ class PeerConfig:
         if self.rebalance_period_s is not None:
             return self.rebalance_period_s
         return 0.0 if self.stage is not None else REBALANCE_PERIOD_S
+
+    def chosen_reachability(self) -> Reachability:
+        """How others reach this peer (``reachability`` with auto resolved) and why."""
+        return choose_reachability(
+            self.reachability,
+            initial_peers=self.initial_peers,
+            host_maddrs=self.host_maddrs,
+            announce_maddrs=self.announce_maddrs,
+        )
 
     def fault_step(self, name: str) -> int | None:
         """The first step at which the fault schedule kills the peer called ``name``; None: never."""

@@ -15,6 +15,7 @@ import typer
 
 from peer.cli_common import ConfigOpt, DataOpt, app, config_or_default, fail, swarm_credentials, swarm_name, user_errors
 from swarm.config import SwarmConfig, load_config
+from swarm.dht.reachability import ReachabilityMode
 
 CredentialsOpt = Annotated[
     Path | None,
@@ -74,8 +75,18 @@ def run_cmd(
         list[str] | None, typer.Option("--host-maddrs", help="Multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0).")
     ] = None,
     announce_maddrs: Annotated[
-        list[str] | None, typer.Option("--announce-maddrs", help="Public multiaddrs to announce (behind NAT).")
+        list[str] | None,
+        typer.Option("--announce-maddrs", help="Public multiaddrs to announce (behind NAT with a forwarded port)."),
     ] = None,
+    reachability: Annotated[
+        ReachabilityMode,
+        typer.Option(
+            help="How others reach this peer. public: at its addresses (a full DHT node, and a relay for peers behind "
+            "NAT); relay: behind NAT, reached through a relay (the initial peers); client: behind NAT, a trainer that "
+            "only calls out (its outer-round payloads leave through a relay); auto: relay when it listens only on "
+            "private addresses, gives no --announce-maddrs and joins through peers on another network, else public.",
+        ),
+    ] = "auto",
     identity: Annotated[
         Path | None, typer.Option(help="libp2p key file for a stable peer id (created if missing).")
     ] = None,

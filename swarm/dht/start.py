@@ -23,6 +23,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.process import SwarmDHT
+from swarm.dht.reachability import Reachability
 from swarm.rpc.admission import Credentials, ask_gates, explain_refusal
 
 BOOTSTRAP_FAILED = "DHTNode bootstrap failed"  # hivemind's RuntimeError when no initial peer answers the DHT
@@ -41,20 +42,24 @@ async def start_dht(
     identity_path: str | None = None,
     credentials: Credentials | None = None,
     client_mode: bool = False,
+    reachability: Reachability | None = None,
 ) -> SwarmDHT:
     """A running DHT node in the swarm at ``initial_peers`` (none: a new swarm), or a JoinError that says what to do.
 
-    Without ``identity_path`` the node runs a fresh identity (a new peer id at every start)."""
+    Without ``identity_path`` the node runs a fresh identity (a new peer id at every start). ``reachability`` sets the
+    libp2p options of a peer behind NAT (``swarm/dht/reachability.py``); None: hivemind's defaults."""
     for maddr in initial_peers:
         check_peer_address(maddr)
+    options = reachability.dht_options(initial_peers) if reachability is not None else {}
+    options["client_mode"] = client_mode or options.get("client_mode", False)
     try:
         return SwarmDHT(
             initial_peers=list(initial_peers) or None,
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) or None,
             identity_path=identity_path,
-            client_mode=client_mode,
             authorizer=credentials.dht_authorizer() if credentials is not None else None,
+            **options,
         )
     except P2PDaemonError as e:
         raise JoinError(
@@ -99,7 +104,8 @@ def explain_daemon_error(
             f"could not reach any initial peer (tried {', '.join(initial_peers)}): check that the address is current "
             f"(a peer prints it when it starts; its /p2p/ id changes at every start unless it runs with --identity), "
             f"that its TCP port is open to this machine (firewall, port forwarding), and that a peer behind NAT runs "
-            f"with --announce-maddrs /ip4/<its public ip>/tcp/<port> and --host-maddrs on that same port"
+            f"with --announce-maddrs /ip4/<its public ip>/tcp/<port> and --host-maddrs on that same port (a forwarded "
+            f"port), or with --reachability relay to be reached through a relay"
         )
     if "failed to listen" in error:
         return (

@@ -1,0 +1,152 @@
+"""How others reach this peer: directly (public), through a relay, or not at all but for the calls it makes (client).
+
+A volunteer behind NAT has no address others can dial. libp2p (hivemind's p2pd) offers two ways in,
+both used here as Petals uses them on its public swarm:
+
+- the connections such a peer opens itself carry calls both ways (libp2p reuses a connection whichever
+  side opened it), so a peer that has called another can be called back;
+- circuit relays: the peer reserves a slot on a relay (``use_auto_relay``; the initial peers are its
+  trusted relays) and announces ``…/p2p/<relay>/p2p-circuit/p2p/<itself>``; others reach it through
+  the relay. Every public peer serves as a relay (p2pd's relay service, which runs once the peer
+  knows it is publicly reachable: ``force_reachability="public"``).
+
+A peer without a reachable address runs its DHT node as a client (it stores and reads records, but
+no one routes DHT queries through it, which would stall on a relayed peer). Modes:
+
+- ``public``: reachable at its listen or ``--announce-maddrs`` addresses; a full DHT node and a relay for others.
+- ``relay``: behind NAT; a DHT client reachable through relays. Any role: a stage server serves through the relay.
+- ``client``: behind NAT and only a trainer: a trainer calls the stage servers and needs no caller but the
+  members of its stage-0 outer rounds and state downloads (they fetch its payloads from its blob
+  service), so it still reserves a relay slot for those; it never becomes a stage server.
+- ``auto``: ``public`` unless nothing suggests others can dial it (see ``choose_reachability``).
+
+    >>> chosen = choose_reachability("auto", initial_peers=["/ip4/203.0.113.7/tcp/31337/p2p/12D3…"],
+    ...                              host_maddrs=["/ip4/0.0.0.0/tcp/0"], announce_maddrs=[])
+    >>> chosen.mode, chosen.describe()        # ('relay', 'reachability: relay (no --announce-maddrs, …): …')
+    >>> SwarmDHT(..., **chosen.dht_options(initial_peers))
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from hivemind.utils.multiaddr import Multiaddr
+
+ReachabilityMode = Literal["auto", "public", "relay", "client"]
+REACHABILITY_MODES: tuple[str, ...] = get_args(ReachabilityMode)
+AnyAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """The mode this peer runs in (never ``auto``) and why it was chosen, for the one line a peer prints at start."""
+
+    mode: Literal["public", "relay", "client"]
+    reason: str
+
+    @property
+    def behind_nat(self) -> bool:
+        return self.mode != "public"
+
+    def dht_options(self, initial_peers: Sequence[str]) -> dict[str, Any]:
+        """hivemind DHT / P2P keywords for this mode."""
+        if not self.behind_nat:
+            return {"force_reachability": "public"}  # so p2pd's relay service runs for the peers behind NAT
+        return {
+            "client_mode": True,
+            "use_auto_relay": True,
+            "force_reachability": "private",  # reserve a relay slot now, not once AutoNAT has made up its mind
+            "trusted_relays": list(initial_peers),
+        }
+
+    def describe(self) -> str:
+        what = {
+            "public": "others dial this peer directly; it is a full DHT node and a relay for peers behind NAT",
+            "relay": "a DHT client, reached through a relay (the initial peers)",
+            "client": "a trainer and DHT client: it calls the stage servers; its outer-round payloads go out through a relay",
+        }[self.mode]
+        return f"reachability: {self.mode} ({self.reason}): {what}"
+
+
+def choose_reachability(
+    mode: ReachabilityMode,
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    local_addresses: Sequence[str] | None = None,
+) -> Reachability:
+    """The mode to run in and why. ``auto`` picks ``relay`` only when nothing says others can dial this peer: no
+    --announce-maddrs, it joins a swarm, listens on no public address, and no initial peer shares a network with it
+    (an initial peer with a public address, or a private one outside this machine's networks)."""
+    if mode not in REACHABILITY_MODES:
+        raise ValueError(f"--reachability must be one of {', '.join(REACHABILITY_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return Reachability(mode, "as asked with --reachability")
+    if announce_maddrs:
+        return Reachability("public", "--announce-maddrs given")
+    if not initial_peers:
+        return Reachability("public", "this peer creates the swarm: the others join through its address")
+    own = _listen_addresses(host_maddrs, local_addresses)
+    if any(address.is_global for address in own):
+        return Reachability("public", f"listening on the public address {next(a for a in own if a.is_global)}")
+    networks = [ipaddress.ip_network(f"{address}/24", strict=False) for address in own if address.version == 4]
+    for peer in _peer_addresses(initial_peers):
+        if peer.is_loopback or any(peer in network for network in networks):
+            return Reachability("public", f"initial peer {peer} is on this peer's network")
+    listened = ", ".join(map(str, own)) or "no IP address"
+    return Reachability(
+        "relay",
+        f"no --announce-maddrs, listening only on private addresses ({listened}), initial peers on another network",
+    )
+
+
+def _listen_addresses(host_maddrs: Sequence[str], local_addresses: Sequence[str] | None) -> list[AnyAddress]:
+    """The IP addresses this peer listens on: those in ``host_maddrs``, this machine's own for 0.0.0.0 / ::."""
+    found: list[AnyAddress] = []
+    for maddr in host_maddrs:
+        address = _ip_of(maddr)
+        if address is not None and address.is_unspecified:
+            found += [ipaddress.ip_address(a) for a in (local_addresses or machine_addresses())]
+        elif address is not None:
+            found.append(address)
+    return found
+
+
+def _peer_addresses(maddrs: Sequence[str]) -> list[AnyAddress]:
+    return [address for address in map(_ip_of, maddrs) if address is not None]
+
+
+def _ip_of(maddr: str) -> AnyAddress | None:
+    """The /ip4 or /ip6 address of a multiaddr; None for /dns… or one that does not parse (checked elsewhere)."""
+    try:
+        parsed = Multiaddr(maddr)
+        for protocol in ("ip4", "ip6"):
+            if protocol in parsed:
+                return ipaddress.ip_address(parsed[protocol])
+    except (ValueError, LookupError):
+        pass
+    return None
+
+
+def machine_addresses() -> list[str]:
+    """This machine's IPv4 addresses as its resolver sees them, and the one it would leave by towards a public address
+    (a UDP "connect" sends nothing); loopback where there is nothing else."""
+    addresses: set[str] = set()
+    try:
+        addresses |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    except OSError:
+        pass
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent, only a route looked up
+        addresses.add(probe.getsockname()[0])
+    except OSError:  # no route out (e.g. an isolated namespace)
+        pass
+    finally:
+        probe.close()
+    return sorted(addresses) or ["127.0.0.1"]
