@@ -19,6 +19,13 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 DEFAULT_LEVEL: LogLevel = "info"
 FORMAT = "%(asctime)s %(levelname)-7s [%(peer)s] %(name)s: %(message)s"
+# not logging.getLevelName: hivemind renames WARNING to WARN when imported
+NUMERIC: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 OWN_LOGGERS = ("swarm", "peer", "optim", "compress", "__main__")  # the project's packages (and scripts run as main)
 
 
@@ -45,13 +52,14 @@ def configure(level: LogLevel = DEFAULT_LEVEL) -> None:
         _handler = logging.StreamHandler(sys.stderr)
         _handler.setFormatter(logging.Formatter(FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
         _handler.addFilter(_stamp)
-    numeric = logging.getLevelName(level.upper())
+    _handler.stream = sys.stderr  # the stderr of now (a test or an embedding program may have replaced it)
+    numeric = NUMERIC[level]
     for name in OWN_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(numeric)
         if _handler not in logger.handlers:
             logger.addHandler(_handler)
-        logger.propagate = False  # one line per record, whatever the root logger does
+        # records still propagate: the root logger has no handler unless something (pytest's caplog) wants them
     # hivemind logs its own internals (p2p daemon, DHT traversals) at info: only with --log-level debug
     logging.getLogger("hivemind").setLevel(max(numeric, logging.WARNING) if level != "debug" else logging.DEBUG)
 
@@ -64,5 +72,4 @@ def set_peer_name(name: str) -> None:
 def current_level() -> LogLevel:
     """The level ``configure`` set (for a launcher to hand on to the peers it starts)."""
     numeric = logging.getLogger(OWN_LOGGERS[0]).getEffectiveLevel()
-    name = logging.getLevelName(numeric).lower()
-    return name if name in LOG_LEVELS else DEFAULT_LEVEL  # type: ignore[return-value]
+    return next((name for name, value in NUMERIC.items() if value == numeric), DEFAULT_LEVEL)
