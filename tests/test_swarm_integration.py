@@ -117,7 +117,7 @@ def test_skip_and_swap_paths_reach_servers_in_sampled_orders(tmp_path: Path, chi
         child_processes,
     )
     start_peers(swarm, [("stage1-0", 1), ("stage2-0", 2), ("stage3-0", 3)], {"trainer-0": steps})
-    swarm.finish("trainer-0", timeout=180)
+    last = swarm.finish("trainer-0", timeout=180)
     swarm.stop(*(f"stage{i}-0" for i in (1, 2, 3)))
 
     edges = {
@@ -125,7 +125,10 @@ def test_skip_and_swap_paths_reach_servers_in_sampled_orders(tmp_path: Path, chi
         for stage in (1, 2, 3)
         for prev, count in swarm.records(f"stage{stage}-0")[-1]["from_stage"].items()
     }
-    assert sum(count for (prev, _), count in edges.items() if prev == 0) == steps  # every path starts at the trainer
+    # every path starts at the trainer; a forward that timed out (a loaded machine) was computed and counted by its
+    # server, and the trainer skipped that stage and sent the microbatch on from where it was
+    from_trainer = sum(count for (prev, _), count in edges.items() if prev == 0)
+    assert steps <= from_trainer <= steps + last["hop_timeouts"], (edges, last)
     assert sum(edges.values()) == 2 * steps  # two hops per path
     skips = {edge for edge in edges if edge[0] < edge[1] - 1}  # e.g. 0→2 (stage 1 skipped) or 1→3
     swaps = {edge for edge in edges if edge[0] > edge[1]}  # e.g. 2→1: stage 2 visited before stage 1
