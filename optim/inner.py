@@ -21,9 +21,11 @@ from optim.config import InnerOptimConfig
 logger = logging.getLogger(__name__)
 
 # a microbatch's gradient norm may exceed the median of the recent accepted ones by this factor: honest
-# norms drift slowly (lr warmup, loss decay) and vary a few × between microbatches, so only a
-# gradient two orders of magnitude out is refused, and refusing honest data is a strike
-MAX_GRAD_NORM_RATIO = 100.0
+# norms drift (lr warmup, loss decay) and vary between microbatches, and early in training, with a replica
+# just killed and its microbatches rerouted, an honest one measured 144× and 150× the median of the 13
+# accepted before it (tests/test_swarm_integration.py::test_killed_stage_server_does_not_stop_training);
+# refusing honest data is a strike, so only a gradient three orders of magnitude out is refused
+MAX_GRAD_NORM_RATIO = 1000.0
 
 
 def lr_factor(step: int, cfg: InnerOptimConfig) -> float:
