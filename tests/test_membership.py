@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import pickle
 import re
@@ -182,6 +183,29 @@ def two_dhts() -> Iterator[tuple[SwarmDHT, SwarmDHT]]:
 @pytest.mark.timeout(60)
 def test_config_is_fetched_checked_and_records_are_signed(two_dhts: tuple[SwarmDHT, SwarmDHT]) -> None:
     asyncio.run(_membership_over_dht(*two_dhts))
+
+
+@pytest.mark.timeout(60)
+def test_records_of_another_protocol_version_are_ignored_and_said_so_once(
+    two_dhts: tuple[SwarmDHT, SwarmDHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = two_dhts
+
+    async def scenario() -> None:
+        creator, reader = Membership(first), Membership(second)
+        await creator.join(CFG, create=True)
+        await reader.join(None, create=False, name=CFG.name, fetch_timeout_s=5)
+        old_release = {**StageStatus(samples_per_s=1.0).dict(), "version": PROTOCOL_VERSION - 1}
+        await first.store(
+            stage_key(CFG.swarm_id, 2), old_release, get_dht_time() + 60, subkey=creator.subkey, return_future=True
+        )
+        with caplog.at_level(logging.WARNING, logger="swarm.dht.membership"):
+            assert await reader.replicas(2) == {}  # invisible, as before
+            assert await reader.replicas(2) == {}
+        said = [r.getMessage() for r in caplog.records if "protocol version" in r.getMessage()]
+        assert len(said) == 1 and f"version {PROTOCOL_VERSION - 1} (this peer speaks {PROTOCOL_VERSION})" in said[0]
+
+    asyncio.run(scenario())
 
 
 async def _membership_over_dht(first: SwarmDHT, second: SwarmDHT) -> None:

@@ -35,6 +35,7 @@ both hashes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import tomllib
 from typing import Any, TypeVar
 
@@ -56,6 +57,8 @@ from swarm.dht.records import (
     StageStatus,
 )
 from swarm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class MembershipError(RuntimeError):
@@ -197,6 +200,7 @@ class Membership:
         # the identity's key (SwarmDHT signs with it): records name this peer id only
         self.subkey = self.peer_id.to_base58().encode() + RSASignatureValidator(dht.identity).local_public_key
         self._cfg: SwarmConfig | None = None  # set by join(); every record key holds its swarm id
+        self._versions_reported: set[int] = set()  # other protocol versions seen in records, said once each
         self.announced: set[int] = set()  # stages this peer holds a record for
 
     async def join(
@@ -301,7 +305,7 @@ class Membership:
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return {}
-        out = {}
+        out, other_versions = {}, set()
         for subkey, item in found.value.items():
             peer = peer_from_subkey(subkey)
             if peer is None or item.value is None:
@@ -312,6 +316,16 @@ class Membership:
                 continue  # a node without our validators may relay anything
             if record.version == PROTOCOL_VERSION:
                 out[peer] = record
+            else:
+                other_versions.add(record.version)
+        if new_versions := other_versions - self._versions_reported:
+            # otherwise peers of another release are simply invisible: an empty swarm, and no word why
+            self._versions_reported |= new_versions
+            logger.warning(
+                f"ignoring records of swarmloco protocol version {', '.join(map(str, sorted(new_versions)))} "
+                f"(this peer speaks {PROTOCOL_VERSION}): peers of another release cannot train with this one; "
+                "run the same swarmloco release on every peer"
+            )
         return out
 
     async def all_replicas(self) -> dict[int, dict[PeerID, StageStatus]]:
