@@ -130,6 +130,16 @@ def swarm_credentials(
     return load_credentials(identity, certificate, swarm_id, revocations=revocations)
 
 
+def watched_swarm(
+    swarm: str | None, config: Path | None, credentials: Path | None, identity: Path | None, revocations: Path | None
+) -> "tuple[SwarmConfig | None, PeerCredentials | None, str]":
+    """What status, export and dashboard look at a running swarm with: the config to check it against (if given), a
+    private swarm's credentials, and the swarm's name (``--swarm``, else from the config or credentials)."""
+    cfg = load_config(config) if config else None
+    creds = swarm_credentials(credentials, identity, revocations, config)
+    return cfg, creds, swarm or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+
+
 def swarm_name(credentials: "PeerCredentials | None", default: str) -> str:
     """The name of the swarm the credentials admit to (its id is ``<name>-<config hash>``), else ``default``."""
     return default if credentials is None else credentials.verifier.swarm_id.rsplit("-", 1)[0]

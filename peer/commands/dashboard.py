@@ -9,9 +9,8 @@ from typing import Annotated
 
 import typer
 
-from peer.cli_common import app, fail, swarm_credentials, swarm_name, user_errors
+from peer.cli_common import app, fail, user_errors, watched_swarm
 from peer.commands.swarm import CheckedConfigOpt, CredentialsOpt, RevocationsOpt, SwarmNameOpt, WatchedSwarmOpt
-from swarm.config import SwarmConfig, load_config
 
 
 @app.command("dashboard")
@@ -46,9 +45,7 @@ def dashboard_cmd(
     from peer.dashboard import DashboardError
     from peer.dashboard.server import serve
 
-    cfg = load_config(config) if config else None
-    creds = swarm_credentials(credentials, identity, revocations, config)
-    name = swarm or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    cfg, creds, name = watched_swarm(swarm, config, credentials, identity, revocations)
     try:
         asyncio.run(
             serve(

@@ -13,8 +13,18 @@ from typing import Annotated
 
 import typer
 
-from peer.cli_common import ConfigOpt, DataOpt, app, config_or_default, fail, swarm_credentials, swarm_name, user_errors
-from swarm.config import SwarmConfig, load_config
+from peer.cli_common import (
+    ConfigOpt,
+    DataOpt,
+    app,
+    config_or_default,
+    fail,
+    swarm_credentials,
+    swarm_name,
+    user_errors,
+    watched_swarm,
+)
+from swarm.config import SwarmConfig
 from swarm.dht.reachability import ReachabilityMode
 
 CredentialsOpt = Annotated[
@@ -159,9 +169,7 @@ def status_cmd(
     """Peers per stage, their throughput, queues and outer rounds, read from the swarm's DHT."""
     from peer.status import format_status, read_status
 
-    cfg = load_config(config) if config else None
-    creds = swarm_credentials(credentials, identity, revocations, config)
-    name = swarm or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    cfg, creds, name = watched_swarm(swarm, config, credentials, identity, revocations)
     status = asyncio.run(
         read_status(initial_peers, cfg, name=name, identity_path=str(identity) if identity else None, credentials=creds)
     )
@@ -189,9 +197,7 @@ def export_cmd(
     from peer.export import export_swarm
     from swarm.export import ExportError
 
-    cfg = load_config(config) if config else None
-    creds = swarm_credentials(credentials, identity, revocations, config)
-    name = swarm or (cfg.name if cfg else swarm_name(creds, SwarmConfig().name))
+    cfg, creds, name = watched_swarm(swarm, config, credentials, identity, revocations)
     try:
         asyncio.run(
             export_swarm(

@@ -181,17 +181,18 @@ class ReplicaSync:
                     # Never open a round others have passed: a stale half of the stage would go on meeting on
                     # its own, round after round, one download behind the rest.
                     if not await self.catch_up():
-                        await self.step()
+                        await self.step(refresh=False)  # catch_up just read the stage's records
             except Exception as e:  # a peer or the network failed us: say so, keep serving, try again later
                 logger.warning(
                     f"stage {self.stage} outer step: {type(e).__name__}: {e}", exc_info=not isinstance(e, TransferError)
                 )
 
-    async def step(self) -> RoundResult:
-        """One round: snapshot, encode Δ, meet the group, install the agreed result (or catch up)."""
+    async def step(self, *, refresh: bool = True) -> RoundResult:
+        """One round: snapshot, encode Δ, meet the group, install the agreed result (or catch up). ``refresh``: read
+        the stage's records first (whom to wait for; a replica that just joined counts), unless just read."""
         key, steps = RoundKey(self.stage, self.round), self.holder.inner_steps
-        # a fresh view: whom to wait for (a replica that just joined counts)
-        self._others = {peer: status for peer, status in (await self.replicas()).items() if not self.excluded(peer)}
+        if refresh:
+            self._others = {peer: s for peer, s in (await self.replicas()).items() if not self.excluded(peer)}
         snapshot = await snapshot_weights(self.holder)
         payload = await self._on_thread(self.outer.make_payload, snapshot)
         started = time.perf_counter()

@@ -215,6 +215,8 @@ class StageBalancer:
             # in other units than every charge from now on; whoever was picked early would carry them for good
             self._heap = [(0.0, tie, listed) for _, tie, listed in self._heap]
             heapq.heapify(self._heap)
+            for other in self._replicas.values():
+                other.backlog_s = 0.0  # backlogs were priced at that guess too, and left the keys with the loads
         weight = max(EMA_ALPHA, 1.0 / (replica.samples + 1))
         replica.log_rate += weight * (math.log(max(samples, 1e-9) / max(seconds, 1e-9)) - replica.log_rate)
         replica.samples += 1
