@@ -15,6 +15,8 @@ from peer import logs
 from peer.data import DataError
 from swarm.config import SwarmConfig, load_config
 from swarm.errors import ConfigError
+from swarm.hardware import DEVICE_HELP
+from swarm.model.sizing import StageDoesNotFit
 from swarm.recovery.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ DataOpt = Annotated[
     ),
 ]
 
+DeviceOpt = Annotated[str, typer.Option("--device", help=DEVICE_HELP)]
+
 LogLevelOpt = Annotated[
     logs.LogLevel,
     typer.Option(
@@ -48,7 +52,7 @@ LogLevelOpt = Annotated[
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, StageDoesNotFit)
 
 
 def fail(message: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import json
 import tomllib
@@ -29,11 +30,12 @@ from typing import Any, Literal, get_args
 
 import tomli_w
 
-from compress.config import CodecConfig, check_positive, choice_problem
+from compress.config import CodecConfig, check_choices, check_positive, choice_problem
 from optim.config import InnerOptimConfig, OuterMethod, OuterOptimConfig
 from swarm.errors import ConfigError
+from swarm.hardware import Precision
 from swarm.model.stages import StagesConfig
-from swarm.model.transformer import ModelConfig
+from swarm.model.transformer import PRESETS, ModelConfig
 from swarm.pipeline.routing import PathConfig
 
 ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
@@ -43,6 +45,8 @@ OuterChoice = Literal[
 OUTER_CHOICES: tuple[OuterChoice, ...] = get_args(OuterChoice)
 SUBSPACE_RANK_DIVISOR = 8  # a subspace codec chosen without a rank gets k = d_model / 8
 AUTHORITY_KEY_BYTES = 32  # an Ed25519 public key, in base64 in authority.pub and the config
+# fields added after swarms were running: at these values they are left out of the hash, so those swarms keep their ids
+HASHED_ONLY_IF_SET: dict[str, ConfigValue] = {"authority": "", "train.precision": "fp32"}
 
 
 @dataclass(kw_only=True)
@@ -51,8 +55,11 @@ class TrainConfig:
     microbatch_size: int = 16  # samples per microbatch
     inner_batch: int = 16  # samples accumulated per inner optimizer step
     seed: int = 0
+    # bf16: forward and backward under autocast, fp32 master weights and optimizer states (``swarm/hardware.py``)
+    precision: Precision = "fp32"
 
     def __post_init__(self) -> None:
+        check_choices(self)
         check_positive(self, "seq_len", "microbatch_size", "inner_batch")
 
 
@@ -120,8 +127,12 @@ class SwarmConfig:
     def hash(self) -> str:
         """Stable 16-hex-digit identity of the swarm (any field change gives a new swarm)."""
         fields = self.to_dict()
-        if not fields["authority"]:
-            del fields["authority"]  # public swarms keep the ids they had before the field existed
+        del fields["model"]["preset"]  # derived from the model's shape (``ModelConfig``), which is hashed
+        for path, default in HASHED_ONLY_IF_SET.items():
+            *sections, leaf = path.split(".")
+            table = functools.reduce(lambda t, name: t[name], sections, fields)
+            if table[leaf] == default:
+                del table[leaf]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -157,6 +168,9 @@ def derive_config(
     if outer is not None:
         overrides["outer.method"] = "none" if outer == "ddp" else outer
     data = base.to_dict()
+    if "model.preset" in overrides:  # a new preset brings its whole shape, except the fields overridden beside it
+        shape = PRESETS.get(str(overrides["model.preset"]), {})
+        data["model"].update({k: v for k, v in shape.items() if f"model.{k}" not in overrides})
     for path, value in overrides.items():
         _set_field(data, path, value)
     sections = _fields_from_dict(SwarmConfig, data, "")  # every section built and checked; the whole is checked below
@@ -218,6 +232,8 @@ def _fields_from_dict(cls: type, data: dict[str, Any], path: str) -> dict[str, o
     """The checked constructor arguments of dataclass ``cls`` from ``data``: sections built, leaves type- and choice-checked."""
     if not isinstance(data, dict):
         raise ConfigError(path or "<root>", f"expected a table, got {type(data).__name__}")
+    if cls is ModelConfig:
+        data = ModelConfig.preset_defaults(data)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)

@@ -44,6 +44,8 @@ from swarm.dht.records import StageStatus
 from swarm.dht.revocations import RevocationFollower
 from swarm.dht.start import start_dht
 from swarm.faults import kill_this_peer, wait_for_step
+from swarm.hardware import available_memory, describe, resolve_device
+from swarm.model.sizing import StageFootprint, check_fits
 from swarm.model.stages import EDGE_STAGE
 from swarm.outer.service import OuterService
 from swarm.parts import LogFn, PeerParts
@@ -98,6 +100,7 @@ class Node:
         authority = encode_public_key(config.credentials.verifier.authority) if config.credentials else None
         if self.cfg is not None:
             check_access(self.cfg, authority)  # before this peer starts a swarm that lets anyone in
+        device = resolve_device(config.device)  # before joining: a peer without the device it names fails at once
         reachability = config.chosen_reachability()
         logger.info(reachability.describe())
         self.dht = dht = await start_dht(
@@ -134,6 +137,7 @@ class Node:
                 on_log=self.on_log,
                 ready=self._ready,
                 stop=self._stop,
+                device=device,
             )
             replicas = await membership.all_replicas()
             role, stage = (
@@ -142,7 +146,12 @@ class Node:
             if reachability.mode == "client":  # it only calls out: nobody could call it as a stage server
                 role, stage = "trainer", None
             if role == "stage":
-                self.role = StageRole(parts, stage or pick_stage(replicas))
+                stage = stage or pick_stage(replicas)
+            footprint = StageFootprint.of(cfg, stage if role == "stage" else EDGE_STAGE)
+            logger.info(f"{describe(device)}: {footprint.describe()}")
+            check_fits(footprint, available=available_memory(device), device=describe(device))
+            if role == "stage":
+                self.role = StageRole(parts, stage)
             elif self.data is None:
                 raise ValueError("this swarm needs a trainer, and a trainer needs data")
             else:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 from hivemind.p2p import P2P
 
 from swarm.config import SwarmConfig
@@ -38,6 +39,7 @@ class PeerParts:
     on_log: LogFn
     ready: Callable[[], None]  # the role takes calls now (the node tells its caller once)
     stop: asyncio.Event
+    device: torch.device  # where this peer computes (``PeerConfig.device`` resolved)
 
 
 async def until_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:

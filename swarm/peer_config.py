@@ -25,6 +25,7 @@ from swarm.dht.reachability import REACHABILITY_MODES, Reachability, Reachabilit
 from swarm.dht.records import PEER_NAME_PATTERN
 from swarm.errors import ConfigError
 from swarm.faults import FaultSchedule
+from swarm.hardware import DEVICE_SPEC
 from swarm.pipeline.trainer import TrainerOptions
 from swarm.rpc.admission import Credentials
 
@@ -57,6 +58,7 @@ class PeerConfig:
     data: list[str] = field(default_factory=list)
     seed: int = 0  # trainers: data stream offset (give each trainer its own)
     threads: int = 0  # torch threads (0: torch's default)
+    device: str = "auto"  # where this peer computes (``swarm/hardware.py``): auto, cpu, cuda, cuda:N or mps
     steps: int = 100  # trainers: inner steps of stage 0 to run
     trainer: TrainerOptions = field(default_factory=TrainerOptions)
     max_pending: int = 8  # stage servers: requests held at once; more are refused as busy
@@ -98,6 +100,8 @@ class PeerConfig:
         for name in ("rebalance_period_s", "checkpoint_every", "threads", "wait_for_stages_s"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(name, f"must be non-negative, got {getattr(self, name)}")
+        if not DEVICE_SPEC.match(self.device):
+            raise ConfigError("device", f"must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.checkpoint_every and not self.stage_checkpoint:
             raise ConfigError("checkpoint_every", "needs a stage_checkpoint file to write")
         if any(event.at_s is not None for event in self.faults.events):

@@ -257,6 +257,7 @@ class TrainerRole:
             options=config.trainer,
             start_step=state.schedule_step if state else 0,
             traffic=meter.traffic,
+            device=self.parts.device,
         )
         self.holder = trainer
         sync = outer_service.sync(EDGE_STAGE, trainer, self.parts.on_log)

@@ -57,7 +57,11 @@ class ServedStage:
         cfg, config = parts.cfg, parts.config
         self.parts, self.stage, self.state, self.rebuilt = parts, stage, state, rebuilt
         self.server = StageServer(
-            cfg, stage, start_step=state.schedule_step if state else 0, lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0
+            cfg,
+            stage,
+            start_step=state.schedule_step if state else 0,
+            lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0,
+            device=parts.device,
         )
         self.sync = parts.outer_service.sync(stage, self.server, parts.on_log)
         self.meter = Meter(role="stage", stage=stage, state="serving", name=config.name)

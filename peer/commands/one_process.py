@@ -14,14 +14,33 @@ from typing import Annotated
 import torch
 import typer
 
-from peer.cli_common import ConfigOpt, DataOpt, app, config_or_default, fail, progress_line, user_errors
+from peer.cli_common import (
+    ConfigOpt,
+    DataOpt,
+    DeviceOpt,
+    app,
+    config_or_default,
+    fail,
+    progress_line,
+    user_errors,
+)
 from peer.config_options import ConfigOption, ConfigOverrides, config_options
 from peer.data import decode, encode, load_corpus
 from swarm.config import OuterChoice, derive_config
+from swarm.hardware import available_memory, describe, resolve_device
+from swarm.model.sizing import StageFootprint, check_fits
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
 
 CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="A model.pt written by train-local or export.")]
 VAL_BATCHES = 16
+
+
+def fitting_device(spec: str, footprint: StageFootprint) -> torch.device:
+    """The device ``spec`` names, after saying what the model needs there and refusing it if it does not fit."""
+    device = resolve_device(spec)
+    typer.echo(f"{describe(device)}: {footprint.describe()}")
+    check_fits(footprint, available=available_memory(device), device=describe(device))
+    return device
 
 
 @app.command("train-local")
@@ -34,11 +53,13 @@ def train_local(
         "runs/train-local"
     ),
     log_every: Annotated[int, typer.Option(min=1, help="Evaluate and log every N steps.")] = 25,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Train the swarm's model in one process: the centralized baseline every swarm run is compared to."""
     from swarm.sim.centralized import train_centralized
 
     cfg = derive_config(config_or_default(config), {"inner.total_steps": steps})
+    compute = fitting_device(device, StageFootprint.whole_model(cfg))
     torch.manual_seed(cfg.train.seed)
     corpus = load_corpus(data)
     batches = corpus.sample_batches(
@@ -57,7 +78,7 @@ def train_local(
             log.flush()
             typer.echo(progress_line(int(record["step"]), steps, record))
 
-        model = train_centralized(cfg, batches, val, steps=steps, log_every=log_every, on_log=on_log)
+        model = train_centralized(cfg, batches, val, steps=steps, log_every=log_every, on_log=on_log, device=compute)
     save_checkpoint(out / "model.pt", cfg, model, steps=steps)
     typer.echo(f"wrote {out / 'metrics.jsonl'} and {out / 'model.pt'}")
 
@@ -68,16 +89,19 @@ def eval_cmd(
     checkpoint: CheckpointOpt,
     data: DataOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Validation loss of a checkpoint on the held-out split of the corpus."""
     from swarm.sim.centralized import evaluate
 
     cfg, model, _ = load_checkpoint(checkpoint)
+    compute = resolve_device(device)
+    model.to(compute)
     corpus = load_corpus(data)
     val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
     model.eval()
     started = time.perf_counter()
-    loss = evaluate(model, val)
+    loss = evaluate(model, val, device=compute, precision=cfg.train.precision)
     result = {
         "checkpoint": str(checkpoint),
         "val_loss": loss,
@@ -95,14 +119,15 @@ def sample(
     tokens: Annotated[int, typer.Option(min=1, help="Bytes to generate.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
     seed: int = 0,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Generate text from a checkpoint."""
     from swarm.model.transformer import generate
 
-    _, model, _ = load_checkpoint(checkpoint)
-    model.eval()
     if not prompt:
         fail("--prompt must not be empty")
+    _, model, _ = load_checkpoint(checkpoint)
+    model.to(resolve_device(device)).eval()
     out = generate(model, encode(prompt), tokens, temperature=temperature, seed=seed)
     typer.echo(decode(out))
 

@@ -16,6 +16,7 @@ import typer
 from peer.cli_common import (
     ConfigOpt,
     DataOpt,
+    DeviceOpt,
     app,
     config_or_default,
     fail,
@@ -109,6 +110,7 @@ def run_cmd(
     name: Annotated[str | None, typer.Option(help="This peer's name in logs and metrics.")] = None,
     seed: Annotated[int, typer.Option(help="Trainers: data stream offset (give each trainer its own).")] = 0,
     threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default).")] = 0,
+    device: DeviceOpt = "auto",
     rebalance_period_s: Annotated[
         float | None,
         typer.Option(
@@ -234,6 +236,7 @@ def local_cmd(
     join_after: Annotated[
         float, typer.Option(min=0.0, help="Seconds after the trainers start training that the joiners start.")
     ] = 30.0,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers finish."""
     from peer.launch import LocalSwarm, launch_local
@@ -244,4 +247,13 @@ def local_cmd(
         )
     except ValueError as e:
         fail(str(e))
-    raise typer.Exit(launch_local(layout, out=out, config=config_or_default(config), data=data, echo=typer.echo))
+    raise typer.Exit(
+        launch_local(
+            layout,
+            out=out,
+            config=config_or_default(config),
+            data=data,
+            extra_args=["--device", device],
+            echo=typer.echo,
+        )
+    )

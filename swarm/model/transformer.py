@@ -18,17 +18,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.config import check_positive
+from compress.config import check_choices, check_positive
 from swarm.errors import ConfigError
+
+Preset = Literal["tiny", "20m", "125m", "350m", "1b", "custom"]
+# LLaMA-style shapes; the names count parameters with a ~32k-token vocabulary (the byte tokenizer's 256 gives fewer):
+# tiny 1.6M, 20m 21M + embeddings, 125m 85M + 49M, 350m 302M + 66M, 1b 1.0B + 131M (``parameter_count`` is exact)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"d_model": 128, "n_layers": 8, "n_heads": 4, "max_seq_len": 128, "ffn_mult": 8 / 3},
+    "20m": {"d_model": 384, "n_layers": 12, "n_heads": 6, "max_seq_len": 1024, "ffn_mult": 8 / 3},
+    "125m": {"d_model": 768, "n_layers": 12, "n_heads": 12, "max_seq_len": 1024, "ffn_mult": 8 / 3},
+    "350m": {"d_model": 1024, "n_layers": 24, "n_heads": 16, "max_seq_len": 1024, "ffn_mult": 8 / 3},
+    "1b": {"d_model": 2048, "n_layers": 20, "n_heads": 16, "max_seq_len": 2048, "ffn_mult": 8 / 3},
+}
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    # the shape's name: a preset fills the fields of PRESETS[preset] that a config leaves out (``preset_defaults``);
+    # afterwards it is derived from those fields (the preset they match, else "custom"), so it never lies about the shape
+    preset: Preset = "tiny"
     vocab_size: int = 256  # byte-level tokenizer
     d_model: int = 128
     n_layers: int = 8
@@ -42,6 +57,10 @@ class ModelConfig:
     init_seed: int = 0
 
     def __post_init__(self) -> None:
+        check_choices(self)
+        self.preset = next(  # type: ignore[assignment]
+            (name for name, shape in PRESETS.items() if all(getattr(self, k) == v for k, v in shape.items())), "custom"
+        )
         check_positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
         if self.d_model % self.n_heads:
             raise ConfigError("n_heads", f"must divide d_model={self.d_model}, got {self.n_heads}")
@@ -51,6 +70,16 @@ class ModelConfig:
             raise ConfigError("subspace_rank", f"must be in [0, d_model={self.d_model}], got {self.subspace_rank}")
         if self.ffn_mult <= 0:
             raise ConfigError("ffn_mult", f"must be positive, got {self.ffn_mult}")
+
+    @classmethod
+    def preset_defaults(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` (a config file's ``[model]`` table) with the shape its ``preset`` names filling what it leaves out.
+
+        >>> ModelConfig(**ModelConfig.preset_defaults({"preset": "125m"})).d_model
+        768
+        """
+        preset = fields.get("preset")
+        return {**PRESETS[preset], **fields} if isinstance(preset, str) and preset in PRESETS else fields
 
     @property
     def head_dim(self) -> int:
@@ -209,10 +238,11 @@ def generate(
     seed: int = 0,
 ) -> torch.Tensor:
     """Sample ``new_tokens`` after ``prompt`` (T,) int64; returns the prompt plus the sample."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = prompt.clone()
+    g = torch.Generator().manual_seed(seed)  # sampling stays on the CPU: the same text from the same seed on any device
+    tokens, device = prompt.cpu(), model.lm_head.weight.device
     for _ in range(new_tokens):
-        logits = model(tokens[-model.cfg.max_seq_len :][None])[0, -1] / max(temperature, 1e-5)  # (vocab,)
+        logits = model(tokens[-model.cfg.max_seq_len :][None].to(device))[0, -1].float().cpu()  # (vocab,)
+        logits = logits / max(temperature, 1e-5)
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, -math.inf)

@@ -34,6 +34,7 @@ from compress.wire import WireLimits
 from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
+from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import build_stage
 from swarm.model.step import InnerStep, add_gradients, stage_forward, stage_gradients
 from swarm.pipeline.boundary import boundary_codecs
@@ -117,11 +118,13 @@ class StageServer:
         max_cached: int = 64,
         clock: Callable[[], float] = time.perf_counter,
         busy_window_s: float = 30.0,
+        device: torch.device = CPU,
     ) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
-        self.module = build_stage(cfg.model, cfg.stages.num_stages, stage)
+        self.device = device  # weights, gradients and optimizer states; frames are decoded on the CPU and moved here
+        self.module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
         self.inner = InnerStep(
             self.module.parameters(),
             cfg.inner,
@@ -257,10 +260,12 @@ class StageServer:
         return self.inner.steps
 
     def _compute_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return stage_forward(self.module, x)  # (B, T, d) → (B, T, d)
+        with compute_precision(self.device, self.cfg.train.precision):
+            return stage_forward(self.module, x.to(self.device))  # (B, T, d) → (B, T, d)
 
     def _compute_backward(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        grad_x, grads = stage_gradients(self.module, x, grad)  # step 4 of swarm/model/step.py, held apart
+        with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
+            grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device))
         norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
         refusal = self.screen.refusal(norm) or (None if all_finite(grad_x) else "the input gradient is not finite")
         if refusal is not None:  # the sender's gradient would poison the batch: refused before it counts

@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -35,6 +36,7 @@ from compress.errors import WireError
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus
+from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 from swarm.model.step import InnerStep, embed, embed_backward, head_backward
 from swarm.model.transformer import loss_fn
@@ -115,10 +117,12 @@ class Trainer:
         options: TrainerOptions | None = None,
         start_step: int = 0,
         traffic: Traffic | None = None,
+        device: torch.device = CPU,
     ) -> None:
         self.cfg, self.calls, self.router = cfg, calls, router
         self.options = options or TrainerOptions()
-        self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE)
+        self.device = device  # the edge stage's; token batches and decoded frames are moved here
+        self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE).to(device)
         self.inner = InnerStep(
             self.edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step
         )
@@ -205,7 +209,7 @@ class Trainer:
             path = self.router.draw_path(self.cfg.paths)
             self.counters["skipped_hops"] += path_length(self.cfg.stages.num_stages, self.cfg.paths) - len(path)
             # the steps of swarm/model/step.py, with an RPC per middle-stage hop
-            h0 = await self._run(embed, self.edge, inputs)  # (B, T, d), holds the embedding's graph
+            h0 = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
             hops, h = await self._forward_path(mb, path, h0.detach(), inputs)
             loss, grad = await self._run(self._head_backward, h, targets)
             if hops:
@@ -338,19 +342,32 @@ class Trainer:
 
     # torch work, on the single edge thread (serialised with the inner step)
 
+    def _precision(self) -> AbstractContextManager[None]:
+        return compute_precision(self.device, self.cfg.train.precision)
+
+    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        with self._precision():
+            return embed(self.edge, inputs.to(self.device))
+
     @torch.no_grad()
     def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.edge.embed(inputs)
+        with self._precision():
+            return self.edge.embed(inputs.to(self.device))
 
     def _head_backward(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
-        return head_backward(self.edge, h, targets, inner_batch=self.cfg.train.inner_batch)
+        with self._precision():
+            return head_backward(
+                self.edge, h.to(self.device), targets.to(self.device), inner_batch=self.cfg.train.inner_batch
+            )
 
     @torch.no_grad()
     def _head_eval(self, h: torch.Tensor, targets: torch.Tensor) -> float:
-        return loss_fn(self.edge.head(h), targets).item()
+        with self._precision():
+            return loss_fn(self.edge.head(h.to(self.device)), targets.to(self.device)).item()
 
     def _embed_backward(self, h0: torch.Tensor, grad: torch.Tensor) -> None:
-        embed_backward(h0, grad)
+        with self._precision():
+            embed_backward(h0, grad.to(self.device))
         self.inner.add(h0.shape[0])
 
     @property

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from swarm.config import SwarmConfig
+from swarm.hardware import CPU, Precision, compute_precision
 from swarm.model.stages import split_model
 from swarm.model.step import InnerStep, run_microbatch
 from swarm.model.transformer import Transformer, loss_fn
@@ -24,11 +25,19 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 eac
 
 
 @torch.no_grad()
-def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[Batch]) -> float:
-    """Mean cross-entropy of ``forward(inputs) -> logits`` over held-out batches."""
+def evaluate(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    batches: Iterable[Batch],
+    *,
+    device: torch.device = CPU,
+    precision: Precision = "fp32",
+) -> float:
+    """Mean cross-entropy of ``forward(inputs) -> logits`` over held-out batches (moved to ``device``)."""
     total, count = 0.0, 0
     for inputs, targets in batches:
-        total += loss_fn(forward(inputs), targets).item() * inputs.shape[0]
+        with compute_precision(device, precision):
+            logits = forward(inputs.to(device))
+        total += loss_fn(logits, targets.to(device)).item() * inputs.shape[0]
         count += inputs.shape[0]
     return total / count
 
@@ -47,9 +56,12 @@ def train_centralized(
     steps: int,
     log_every: int = 25,
     on_log: Callable[[dict[str, float]], None] = lambda record: None,
+    device: torch.device = CPU,
 ) -> Transformer:
-    """``steps`` inner steps of AdamW (``cfg.inner``'s warmup + cosine schedule) on ``train.inner_batch`` samples each."""
-    model = Transformer(cfg.model)
+    """``steps`` inner steps of AdamW (``cfg.inner``'s warmup + cosine schedule) on ``train.inner_batch`` samples each,
+    on ``device`` in ``train.precision``."""
+    model = Transformer(cfg.model).to(device)
+    precision = cfg.train.precision
     inner = InnerStep(model.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
     tokens, start = 0, time.perf_counter()
     for step in range(1, steps + 1):
@@ -57,11 +69,15 @@ def train_centralized(
         losses = []
         while inner.steps < step:
             inputs, targets = next(batches)
-            losses.append(
-                train_microbatch(
-                    model, (inputs, targets), num_stages=cfg.stages.num_stages, inner_batch=cfg.train.inner_batch
+            with compute_precision(device, precision):
+                losses.append(
+                    train_microbatch(
+                        model,
+                        (inputs.to(device), targets.to(device)),
+                        num_stages=cfg.stages.num_stages,
+                        inner_batch=cfg.train.inner_batch,
+                    )
                 )
-            )
             inner.add(inputs.shape[0])
             tokens += inputs.numel()
         if step % log_every == 0 or step == steps:
@@ -71,7 +87,7 @@ def train_centralized(
                     "step": step,
                     "tokens": tokens,
                     "train_loss": sum(losses) / len(losses),
-                    "val_loss": evaluate(model, val_batches),
+                    "val_loss": evaluate(model, val_batches, device=device, precision=precision),
                     "elapsed_s": time.perf_counter() - start,
                     "lr": inner.lr,
                 }

@@ -1,0 +1,118 @@
+"""How big a model and each of its stages are, and how much memory serving a stage takes, computed before anything is allocated.
+
+Counts are exact (``tests/test_model.py`` checks them against the built modules). The memory estimate
+is an upper bound of what a peer holds for one stage while it trains:
+
+- fp32 weights, their gradients and AdamW's two moments: 16 bytes per parameter;
+- the outer step's state: the global weights of the last round and the outer momentum (DiLoCo, NoLoCo) or
+  the error-feedback buffer (SparseLoCo): 8 bytes per parameter (none without an outer step);
+- activations: what one microbatch's backward keeps per block (the server recomputes the forward, so only
+  one microbatch's graph is alive at a time), doubled for the forward of the next one, plus on the edge
+  stage the logits and their gradient. bf16 halves the activations, not the weights.
+
+    >>> stage_parameters(ModelConfig(preset="125m"), num_stages=2, stage=1)  # blocks 0-5 of 12
+    42467328
+    >>> print(StageFootprint.of(cfg, stage=1).describe())
+    stage 1: 42.5M parameters, needs ≈ 1.1 GiB (weights, gradients, AdamW 0.63 GiB; outer state 0.32 GiB; activations 0.16 GiB)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from swarm.model.stages import EDGE_STAGE, split_layers
+from swarm.model.transformer import ModelConfig
+
+if TYPE_CHECKING:
+    from swarm.config import SwarmConfig
+
+GIB = 1024**3
+TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
+OUTER_BYTES_PER_PARAMETER = 8  # fp32 global weights + momentum or error buffer
+
+
+def block_parameters(cfg: ModelConfig) -> int:
+    """One transformer block: two RMSNorm gains, fused qkv, attention out, SwiGLU gate_up and down."""
+    d, ffn, k = cfg.d_model, cfg.ffn_hidden, cfg.subspace_rank
+    out_rows = k if k else d  # subspace projections write k numbers, lifted by the fixed basis
+    return 2 * d + 3 * d * d + out_rows * d + 2 * ffn * d + out_rows * ffn
+
+
+def edge_parameters(cfg: ModelConfig) -> int:
+    """Stage 0: the embedding (vocab × d, or vocab × k in subspace mode), the final norm and the LM head."""
+    width = cfg.subspace_rank or cfg.d_model
+    return cfg.vocab_size * width + cfg.d_model + cfg.vocab_size * cfg.d_model
+
+
+def stage_parameters(cfg: ModelConfig, num_stages: int, stage: int) -> int:
+    if stage == EDGE_STAGE:
+        return edge_parameters(cfg)
+    return len(split_layers(cfg.n_layers, num_stages)[stage - 1]) * block_parameters(cfg)
+
+
+def model_parameters(cfg: ModelConfig) -> int:
+    return edge_parameters(cfg) + cfg.n_layers * block_parameters(cfg)
+
+
+def activation_bytes(cfg: SwarmConfig, stage: int) -> int:
+    """Upper bound of one microbatch's saved activations on ``stage`` (×2: the next microbatch's forward beside it)."""
+    m, b, t = cfg.model, cfg.train.microbatch_size, cfg.train.seq_len
+    value_bytes = 2 if cfg.train.precision == "bf16" else 4
+    # per block: norm inputs and outputs, q k v before and after RoPE, attention output, SwiGLU's gate, up and product
+    per_block = b * t * (10 * m.d_model + 4 * m.ffn_hidden) * value_bytes + b * m.n_heads * t * t * 4
+    if stage == EDGE_STAGE:  # the embedding output, and the fp32 logits with their softmax gradient
+        return 2 * (b * t * m.d_model * 4 + 3 * b * t * m.vocab_size * 4)
+    blocks = len(split_layers(m.n_layers, cfg.stages.num_stages)[stage - 1])
+    return 2 * blocks * per_block
+
+
+@dataclass(frozen=True)
+class StageFootprint:
+    what: str  # "stage 2", or "the whole model"
+    parameters: int
+    training_bytes: int  # weights, gradients, AdamW moments
+    outer_bytes: int
+    activation_bytes: int
+
+    @classmethod
+    def of(cls, cfg: SwarmConfig, stage: int) -> StageFootprint:
+        params = stage_parameters(cfg.model, cfg.stages.num_stages, stage)
+        outer = OUTER_BYTES_PER_PARAMETER * params if cfg.outer.method != "none" else 0
+        return cls(f"stage {stage}", params, TRAINING_BYTES_PER_PARAMETER * params, outer, activation_bytes(cfg, stage))
+
+    @classmethod
+    def whole_model(cls, cfg: SwarmConfig) -> StageFootprint:
+        """One process holding every stage with no outer step (train-local): the stages summed, activations included."""
+        parts = [cls.of(cfg, stage) for stage in range(cfg.stages.num_stages + 1)]
+        return cls(
+            "the whole model",
+            sum(p.parameters for p in parts),
+            sum(p.training_bytes for p in parts),
+            0,
+            sum(p.activation_bytes for p in parts),
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.training_bytes + self.outer_bytes + self.activation_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.what}: {self.parameters / 1e6:.1f}M parameters, needs ≈ {self.total_bytes / GIB:.2f} GiB "
+            f"(weights, gradients, AdamW {self.training_bytes / GIB:.2f} GiB; outer state {self.outer_bytes / GIB:.2f} GiB; "
+            f"activations {self.activation_bytes / GIB:.2f} GiB)"
+        )
+
+
+class StageDoesNotFit(ValueError):
+    """This peer's device has less free memory than the stage needs; the message says both."""
+
+
+def check_fits(footprint: StageFootprint, *, available: int, device: str) -> None:
+    """Refuse a stage whose estimated footprint exceeds what ``device`` has free."""
+    if footprint.total_bytes > available:
+        raise StageDoesNotFit(
+            f"{footprint.describe()}, but {device} has {available / GIB:.2f} GiB free: serve a smaller stage "
+            "(more stages: stages.num_stages), a smaller model preset, or use a device with more memory"
+        )
