@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -75,7 +76,9 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         metrics = (peer.out / f"{name}.jsonl").open("a")
 
     def on_log(record: dict[str, Any]) -> None:
-        record = {"time": time.time(), "peer": name, **record}
+        # peak_rss_mb: the process' high-water mark so far (ru_maxrss is in KiB on Linux)
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        record = {"time": time.time(), "peer": name, **record, "peak_rss_mb": round(peak_rss_mb, 1)}
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()

@@ -107,9 +107,9 @@ class StageRole:
     async def _initial_state(self) -> tuple[StageState | None, Rebuilt | None]:
         """What a starting server serves: a live replica's state; else its own checkpoint (rollback); else, if the swarm has
         trained (the stage was lost), the stage rebuilt from its neighbours; else (a new swarm) None: the seeded weights."""
-        cfg, config, stage, outer_service = self.parts.cfg, self.parts.config, self.stage, self.parts.outer_service
+        cfg, config, stage = self.parts.cfg, self.parts.config, self.stage
         try:
-            if (state := await outer_service.download(stage)) is not None:
+            if (state := await self._download(stage)) is not None:
                 return state, None
         except TransferError as e:  # the records still list replicas that just died
             logger.warning(f"stage {stage}: no listed replica delivered its state ({e}); taking the stage as lost")
@@ -135,8 +135,24 @@ class StageRole:
                 return None, None
             # someone else rebuilds it: take its state once it serves
             await asyncio.sleep(cfg.timeouts.announce_period_s)
-            if (state := await outer_service.download(stage)) is not None:
+            if (state := await self._download(stage)) is not None:
                 return state, None
+
+    async def _download(self, stage: int) -> StageState | None:
+        """A live replica's state of ``stage`` (None: the stage has none listed), its download timed in the log."""
+        started = time.perf_counter()
+        state = await self.parts.outer_service.download(stage)
+        if state is not None:
+            self.parts.on_log(
+                {
+                    "event": "state_download",
+                    "stage": stage,
+                    "reason": "join",
+                    "outer_round": state.round,
+                    "download_s": time.perf_counter() - started,
+                }
+            )
+        return state
 
     async def _claim_and_rebuild(self, stage: int, priority: int) -> Rebuilt | None:
         """Rebuild ``stage`` if this peer's claim stands; None if another peer's does or the rebuild failed (the claim is then

@@ -420,6 +420,7 @@ class ReplicaSync:
     async def _download(self, claim: StateClaim, reason: str) -> bool:
         """Download and adopt the state ``claim`` announces, from one of its holders; False if none delivers it."""
         holders = [peer for peer in claim.holders if peer != self.net.me]
+        started = time.perf_counter()
         try:
             peer, state = await download_state(
                 self.fetch,
@@ -443,6 +444,7 @@ class ReplicaSync:
                 "from": peer,
                 "reason": reason,
                 "vouched_by": len(claim.holders),
+                "download_s": time.perf_counter() - started,
                 "outer_round": self.round,
                 "global_hash": self.global_hash,
             }
