@@ -28,6 +28,7 @@ from hivemind.p2p import PeerID
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
+from swarm.hardware import describe
 from swarm.model.stages import EDGE_STAGE
 from swarm.outer.replica import Holder
 from swarm.outer.transfer import StageState, TransferError
@@ -259,7 +260,9 @@ class TrainerRole:
             self.parts.outer_service,
         )
         router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{membership.peer_id}"))
-        meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining", name=config.name)
+        meter = Meter(
+            role="trainer", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(self.parts.device)
+        )
         # a trainer joining mid-run starts from the other trainers' stage 0
         try:
             state = await outer_service.download(EDGE_STAGE)

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from swarm.dht.metrics import Meter
+from swarm.hardware import describe
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.transfer import StageState, pack_state, weights_hash
 from swarm.parts import PeerParts, every
@@ -64,7 +65,7 @@ class ServedStage:
             device=parts.device,
         )
         self.sync = parts.outer_service.sync(stage, self.server, parts.on_log)
-        self.meter = Meter(role="stage", stage=stage, state="serving", name=config.name)
+        self.meter = Meter(role="stage", stage=stage, state="serving", name=config.name, device=describe(parts.device))
         self.meter.recoveries = recoveries
         self.servicer = StageServicer(
             MeteredBackend(self.server, self.meter.traffic),

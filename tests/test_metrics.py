@@ -37,6 +37,7 @@ GOOD = PeerMetrics(
     name="trainer-0",
     tokens=40_000,
     uptime_s=50.5,
+    device="cuda:0 (NVIDIA H100 80GB HBM3)",
     bytes_sent={"activations": 1000, "gradients": 900},
     bytes_received={"activations": 1000},
     version=PROTOCOL_VERSION,
@@ -83,10 +84,12 @@ def test_metrics_records_must_match_the_schema(validator_for) -> None:
         ("name", "-leading-dash"),
         ("tokens", -1),
         ("uptime_s", math.inf),
+        ("device", "<script>"),
+        ("device", "x" * 81),
     ]:
         assert not validator.validate(stored({**GOOD, field: bad})), (field, bad)
     assert not validator.validate(stored({**GOOD, "extra": 1}))
-    old = {key: value for key, value in GOOD.items() if key not in ("name", "tokens", "uptime_s")}
+    old = {key: value for key, value in GOOD.items() if key not in ("name", "tokens", "uptime_s", "device")}
     assert validator.validate(stored(old))  # a record from before these fields is still valid
     assert not validator.validate(stored(GOOD, subkey=b"no owner marker"))
 
@@ -135,7 +138,7 @@ def test_every_record_a_peer_can_build_is_accepted_unchanged(
 
 def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses() -> None:
     now = [100.0]
-    meter = Meter(role="trainer", stage=0, state="joining", name="alice", clock=lambda: now[0])
+    meter = Meter(role="trainer", stage=0, state="joining", name="alice", device="cpu", clock=lambda: now[0])
     status = StageStatus(inner_steps=7, outer_round=2)
     now[0] += 2.0
     first = meter.sample(status, tokens=1000, bans=1)
@@ -147,7 +150,7 @@ def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses
     now[0] += 4.0
     second = meter.sample(status, tokens=1000 + 2 * 4000)
     assert (second.tokens_per_s, second.train_loss, second.val_loss, second.state) == (2000.0, 3.0, None, "training")
-    assert (second.tokens, second.uptime_s, second.name) == (9000, 6.0, "alice")  # counters since the peer started
+    assert (second.tokens, second.uptime_s, second.name, second.device) == (9000, 6.0, "alice", "cpu")
     assert second.bytes_sent == {"activations": 4096} and meter.last == second
     assert stage_validator(CFG).validate(stored(second.dict()))
 

@@ -48,9 +48,10 @@ class Meter:
         stage: int,
         state: str,
         name: str | None = None,
+        device: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.role, self.stage, self.state, self.name = role, stage, state, name
+        self.role, self.stage, self.state, self.name, self.device = role, stage, state, name, device
         self.traffic = Traffic()
         self.train_loss: float | None = None
         self.val_loss: float | None = None
@@ -89,6 +90,7 @@ class Meter:
             recoveries=self.recoveries,
             bans=bans,
             busy_fraction=busy_fraction,
+            device=self.device,
             version=status.version,
         )
         return self.last

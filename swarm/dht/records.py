@@ -99,7 +99,7 @@ PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 class PeerMetrics(pydantic.BaseModel):
     """One peer's numbers; strict types, as hivemind's SchemaValidator requires.
 
-    ``name``, ``tokens``, ``uptime_s`` and ``busy_fraction`` came later with defaults, so records without them stay
+    ``name``, ``tokens``, ``uptime_s``, ``busy_fraction`` and ``device`` came later with defaults, so records without them stay
     valid; a node of an older release refuses records that carry them (its schema forbids unknown fields).
     """
 
@@ -120,6 +120,8 @@ class PeerMetrics(pydantic.BaseModel):
     bans: pydantic.conint(ge=0, strict=True) = 0  # peers it refuses to call right now
     # stage servers: compute time over wall time in the last window (swarm/pipeline/metering.py BusyTime)
     busy_fraction: Optional[pydantic.confloat(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)] = None
+    # where it computes (``swarm.hardware.describe``): "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"
+    device: Optional[pydantic.constr(regex=r"^[\w:.() -]{1,80}$", strict=True)] = None
     version: pydantic.conint(ge=0, strict=True)
 
     @pydantic.validator("bytes_sent", "bytes_received")

@@ -252,6 +252,7 @@ const PEER_COLUMNS = [
   ["state", "state", (p) => p.state, (p) => p.state],
   ["uptime", "uptime", (p) => p.uptime_s, (p) => (p.uptime_s ? duration(p.uptime_s) : "–"), true],
   ["version", "version", (p) => p.version, (p) => p.version, true],
+  ["device", "device", (p) => p.device || "", (p) => p.device || "–"],
   ["step", "step", (p) => p.step, (p) => p.step, true],
   ["tokens_per_s", "tokens/s", (p) => p.tokens_per_s, (p) => human(p.tokens_per_s), true],
   ["tokens", "tokens", (p) => p.tokens, (p) => human(p.tokens), true],
