@@ -19,6 +19,7 @@ from typing import Any
 
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
+from swarm.errors import ExportError
 from swarm.model.stages import assemble_model, stage_template
 from swarm.model.transformer import Transformer
 from swarm.outer.transfer import StageState, download_state, state_bytes_bound
@@ -27,10 +28,6 @@ from swarm.rpc.blobs import TransferError
 SizedFetch = Callable[
     [str, str, int], Awaitable[bytes]
 ]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
-
-
-class ExportError(RuntimeError):
-    """The swarm cannot give a whole model right now (a stage has no live replica, or none delivered)."""
 
 
 def export_sources(

@@ -3,6 +3,7 @@
 $ swarmloco run --initial-peers /ip4/…/p2p/12D3… --role auto
 $ swarmloco status --initial-peers /ip4/…/p2p/12D3…
 $ swarmloco export --initial-peers /ip4/…/p2p/12D3… -o model.pt   # the model of a running swarm
+$ swarmloco export --checkpoint runs/local/model.pt --format hf -o model-hf   # a folder transformers loads
 $ swarmloco local --peers 3 --stages 2 --steps 100
 """
 
@@ -25,6 +26,7 @@ from peer.cli_common import (
     user_errors,
     watched_swarm,
 )
+from peer.export import ExportFormat
 from swarm.config import SwarmConfig
 from swarm.dht.reachability import ReachabilityMode
 
@@ -181,10 +183,35 @@ def status_cmd(
 @app.command("export")
 @user_errors
 def export_cmd(
-    initial_peers: WatchedSwarmOpt,
+    initial_peers: Annotated[
+        list[str] | None,
+        typer.Option("--initial-peers", help="Export a running swarm: multiaddr of a peer in it; repeatable."),
+    ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint", help="Export a saved model instead: a model.pt of train-local, `swarmloco local` or export."
+        ),
+    ] = None,
+    format: Annotated[
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="pt: one swarmloco checkpoint (what `swarmloco eval` and `sample` load); hf: a Hugging Face LLaMA "
+            "folder (config.json, model.safetensors, the tokenizer if given) that transformers loads.",
+        ),
+    ] = "pt",
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="Checkpoint file to write (what `swarmloco eval` and `sample` load).")
-    ] = Path("model.pt"),
+        Path | None,
+        typer.Option("--out", "-o", help="File (pt) or folder (hf) to write. Default: model.pt / model-hf."),
+    ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            help="--format hf: the model's tokenizer file (tokenizers JSON), written as tokenizer.json. "
+            "Without it (the default byte tokenizer) no tokenizer is written."
+        ),
+    ] = None,
     swarm: SwarmNameOpt = None,
     config: CheckedConfigOpt = None,
     credentials: CredentialsOpt = None,
@@ -195,18 +222,34 @@ def export_cmd(
     revocations: RevocationsOpt = None,
     timeout: Annotated[float, typer.Option(min=1.0, help="Seconds allowed for each stage's download.")] = 60.0,
 ) -> None:
-    """Download the running swarm's model (every middle stage from a live server, stage 0 from a trainer) into one checkpoint."""
-    from peer.export import export_swarm
-    from swarm.export import ExportError
+    """Write a model from a running swarm (every middle stage from a live server, stage 0 from a trainer) or from a
+    saved checkpoint, as one checkpoint or a Hugging Face folder."""
+    from peer.export import DEFAULT_OUT, export_checkpoint, export_swarm
+    from swarm.errors import ExportError
 
-    cfg, creds, name = watched_swarm(swarm, config, credentials, identity, revocations)
+    out = out or DEFAULT_OUT[format]
     try:
+        if checkpoint is not None:
+            watch_options = {"--initial-peers": initial_peers, "--swarm": swarm, "--config": config}
+            watch_options |= {"--credentials": credentials, "--identity": identity, "--revocations": revocations}
+            given = [option for option, value in watch_options.items() if value]
+            if given:
+                fail(
+                    f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for a running swarm, not --checkpoint: give one source"
+                )
+            export_checkpoint(checkpoint, out, format=format, tokenizer=tokenizer, on_progress=typer.echo)
+            return
+        if not initial_peers:
+            fail("nothing to export: give --initial-peers MADDR (a running swarm) or --checkpoint FILE (a saved model)")
+        cfg, creds, name = watched_swarm(swarm, config, credentials, identity, revocations)
         asyncio.run(
             export_swarm(
                 initial_peers,
                 cfg,
                 out,
                 name=name,
+                format=format,
+                tokenizer=tokenizer,
                 identity_path=str(identity) if identity else None,
                 credentials=creds,
                 timeout_s=timeout,
