@@ -8,6 +8,7 @@ import io
 import math
 from collections.abc import Awaitable, Callable
 
+import msgpack
 import pytest
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -19,6 +20,7 @@ from swarm.dht.records import StageStatus
 from swarm.outer.transfer import (
     StageState,
     StateClaim,
+    StateDecoder,
     catch_up_claims,
     download_state,
     newcomer_claims,
@@ -29,7 +31,7 @@ from swarm.outer.transfer import (
     weights_hash,
 )
 from swarm.rpc.auth import AccessDenied
-from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
+from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
 
 
 def template() -> dict[str, torch.Tensor]:
@@ -59,45 +61,62 @@ def test_state_round_trips_and_its_hash_names_the_exact_weights() -> None:
     assert len(weights_hash(original.params)) == 16
 
 
-class Evil:
-    def __reduce__(self) -> tuple:
-        return (print, ("pwned",))
-
-
-def archive(**changes: object) -> bytes:
+def stream(data: bytes | None = None, *, raw_header: bytes | None = None, **changes: object) -> bytes:
+    """A state stream as ``pack_state`` writes it, with header fields (``_pack_header``'s arguments) or values changed."""
     s = state()
-    blob = {
-        "format": state_sync.STATE_FORMAT,
+    fields = {
         "stage": 2,
-        "round": 5,
+        "round_": 5,
         "schedule_step": 1,
-        "params": s.params,
-        "optimizer": s.optimizer,
+        "params": [[name, list(t.shape)] for name, t in s.params.items()],
+        "slots": [[0, "momentum_buffer", [4, 3]], [1, "momentum_buffer", None]],
     } | changes
+    header = state_sync._pack_header(**fields) if raw_header is None else raw_header
+    if data is None:
+        data = b"".join(t.numpy().tobytes() for t in [*s.params.values(), torch.ones(4, 3)])
+    return state_sync._MAGIC + state_sync._LENGTH.pack(len(header)) + header + data
+
+
+def torch_archive() -> bytes:
     buffer = io.BytesIO()
-    torch.save(blob, buffer)
+    torch.save({"format": "swarmloco-stage-state-v1", "params": state().params}, buffer)
     return buffer.getvalue()
+
+
+NAN = torch.full((4, 3), math.nan).numpy().tobytes() + bytes(4 * 3 + 4 * 12)
+W, G = "blocks.0.w", "blocks.0.g"
 
 
 @pytest.mark.parametrize(
     "data, problem",
     [
-        (b"not an archive", "unreadable"),
-        (archive(format="other"), "archive"),
-        (archive(stage=3), "stage 3"),
-        (archive(round=-1), "non-negative"),
-        (archive(round=True), "non-negative"),
-        (archive(params={"blocks.0.w": torch.zeros(4, 3)}), "names"),
-        (archive(params={"blocks.0.w": torch.zeros(3, 4), "blocks.0.g": torch.zeros(3)}), "shape"),
+        (b"not a state stream at all", "not a swarmloco-stage-state-v2 stream"),
+        (torch_archive(), "not a swarmloco-stage-state-v2 stream"),  # no pickle is ever read
+        (stream(stage=3), "stage 3"),
+        (stream(round_=-1), "non-negative"),
+        (stream(round_=True), "non-negative"),
+        (stream(params=[[W, [4, 3]]]), "names"),
+        (stream(params=[[W, [3, 4]], [G, [3]]]), "shape"),
+        (stream(params=[[W, "4x3"], [G, [3]]]), "not a list of integers"),
+        (stream(NAN), "non-finite"),
+        (stream(slots=[[0, "momentum_buffer", [5]]]), "shape"),
+        (stream(slots=[[7, "momentum_buffer", None]]), "not one of"),
+        (stream(slots=[1, 2]), r"not \[parameter, key, shape\]"),
+        (stream(slots=[[1, "m", None], [1, "m", None]]), "twice"),
+        (stream(slots="all"), "not a list of slots"),
+        (stream()[:-4], "declares"),  # truncated: the header's sizes say more than the stream holds
+        (stream() + b"\0", "declares"),  # more than declared (float64 values would be, too)
+        (stream(raw_header=msgpack.packb({"stage": 2})), "fields"),
         (
-            archive(params={"blocks.0.w": torch.zeros(4, 3, dtype=torch.float64), "blocks.0.g": torch.zeros(3)}),
-            "float32",
+            stream(
+                raw_header=msgpack.packb(
+                    {"optimizer": None, "stage": 2, "round": 5, "schedule_step": 1, "params": [[W, [4, 3]], [G, [3]]]}
+                )
+            ),
+            "canonical",
         ),
-        (archive(params={"blocks.0.w": torch.full((4, 3), math.nan), "blocks.0.g": torch.zeros(3)}), "non-finite"),
-        (archive(optimizer={"state": {0: {"momentum_buffer": torch.ones(5)}}, "param_groups": []}), "shape"),
-        (archive(optimizer={"state": {7: {}}, "param_groups": []}), "not one of"),
-        (archive(optimizer=[1, 2]), "state_dict"),
-        (archive(params=Evil()), "unreadable"),  # weights_only: no code runs on load
+        (state_sync._MAGIC + state_sync._LENGTH.pack(1 << 30), "at most"),  # a header too big to buffer
+        (state_sync._MAGIC + state_sync._LENGTH.pack(0) + b"xyz", "at most"),
     ],
 )
 def test_a_state_that_does_not_fit_the_stage_is_refused(data: bytes, problem: str) -> None:
@@ -105,22 +124,44 @@ def test_a_state_that_does_not_fit_the_stage_is_refused(data: bytes, problem: st
         unpack_state(data, stage=2, template=template())
 
 
+def test_a_stream_is_decoded_chunk_by_chunk_and_refused_when_cut_short_or_oversized() -> None:
+    data = pack_state(state())
+    decoder = StateDecoder(stage=2, template=template())
+    decoder.open(len(data))
+    for start in range(0, len(data), 7):  # chunks that split the header and the tensors anywhere
+        decoder.write(data[start : start + 7])
+    assert weights_hash(decoder.result().params) == weights_hash(state().params)
+    cut = StateDecoder(stage=2, template=template())
+    cut.write(data[:-4])  # (no size announced: the stream just stops)
+    with pytest.raises(ValueError, match="ended before its last tensor"):
+        cut.result()
+    with pytest.raises(ValueError, match="over this stage's bound"):
+        StateDecoder(stage=2, template=template()).open(state_bytes_bound(template()) + 1)
+    with pytest.raises(ValueError, match="runs on past its last tensor"):
+        StateDecoder(stage=2, template=template()).write(data + b"\0")
+
+
 def test_download_moves_on_to_the_next_replica_until_one_delivers() -> None:
     asked: list[str] = []
+    blamed: list[str] = []
 
-    async def fetch(peer: str, name: str) -> bytes:
+    async def fetch(peer: str, name: str, sink: Sink) -> str:
         asked.append(peer)
         assert name == "state/2"
         if peer == "gone":
             raise TransferError("unreachable")
-        return b"junk" if peer == "broken" else pack_state(state(round_=9))
+        return await feed(b"junk" if peer == "broken" else pack_state(state(round_=9)), sink)
 
-    peer, got = asyncio.run(download_state(fetch, ["gone", "broken", "good", "never"], stage=2, template=template()))
-    assert (peer, got.round, asked) == ("good", 9, ["gone", "broken", "good"])
-    with pytest.raises(TransferError, match="gone: unreachable.*broken: unreadable"):
-        asyncio.run(download_state(fetch, ["gone", "broken"], stage=2, template=template()))
+    def download(peers: list[str]) -> tuple[str, StageState]:
+        blame = lambda peer, why: blamed.append(peer)
+        return asyncio.run(download_state(fetch, peers, stage=2, template=template(), blame=blame))
+
+    peer, got = download(["gone", "broken", "good", "never"])
+    assert (peer, got.round, asked, blamed) == ("good", 9, ["gone", "broken", "good"], ["broken"])
+    with pytest.raises(TransferError, match="gone: unreachable.*broken: not a swarmloco"):
+        download(["gone", "broken"])
     with pytest.raises(TransferError, match="no replica to ask"):
-        asyncio.run(download_state(fetch, [], stage=2, template=template()))
+        download([])
 
 
 H5, H6, LIE = "5" * 16, "6" * 16, "f" * 16  # weights hashes
@@ -181,12 +222,14 @@ def test_state_bound_covers_weights_and_a_momentum_buffer() -> None:
 
 
 class LyingServicer(BlobServicer):
-    """Announces the hash of the real blob, then flips a byte on the way."""
+    """Announces the real size, then flips a bit in the last byte of the first chunk (a value, not the header)."""
 
     async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]
+        index = 0
         async for message in super().rpc_blob(request, context):
-            if len(message.metadata) > 1000:
-                message = runtime_pb2.ExpertResponse(metadata=bytes([message.metadata[0] ^ 1]) + message.metadata[1:])
+            if index == 1:
+                message = runtime_pb2.ExpertResponse(metadata=message.metadata[:-1] + bytes([message.metadata[-1] ^ 1]))
+            index += 1
             yield message
 
 
@@ -256,8 +299,8 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
             == good
         )
 
-        async def by_name(peer: str, name: str) -> bytes:
-            return await fetch(PeerID.from_base58(peer), name)
+        async def by_name(peer: str, name: str, sink: Sink) -> str:
+            return await client.stream(PeerID.from_base58(peer), name, sink, timeout=10, max_bytes=1 << 20)
 
         source, adopted = await download_state(
             by_name, [liar.peer_id.to_base58(), honest.peer_id.to_base58()], stage=2, template=template()
