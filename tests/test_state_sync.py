@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import io
 import math
-from collections.abc import Awaitable, Callable
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgpack
 import pytest
@@ -222,14 +223,14 @@ def test_state_bound_covers_weights_and_a_momentum_buffer() -> None:
 
 
 class LyingServicer(BlobServicer):
-    """Announces the real size, then flips a bit in the last byte of the first chunk (a value, not the header)."""
+    """Sends the real size and hash, with a bit flipped in the last byte of the last chunk (a value, not a header)."""
 
     async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]
-        index = 0
-        async for message in super().rpc_blob(request, context):
-            if index == 1:
-                message = runtime_pb2.ExpertResponse(metadata=message.metadata[:-1] + bytes([message.metadata[-1] ^ 1]))
-            index += 1
+        messages = [message async for message in super().rpc_blob(request, context)]
+        if len(messages) > 2:
+            last = messages[-2].metadata
+            messages[-2] = runtime_pb2.ExpertResponse(metadata=last[:-1] + bytes([last[-1] ^ 1]))
+        for message in messages:
             yield message
 
 
@@ -310,3 +311,127 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
         )  # the corrupted transfer was retried elsewhere
 
     asyncio.run(with_peers(4, body))
+
+
+# ---- a stage state streamed between two real peers: exact, refused when wrong, bounded in memory ----
+
+
+def big_template(numel: int = 1 << 20) -> dict[str, torch.Tensor]:
+    """A stage of ``numel`` weights (4 MiB in fp32) in a few tensors."""
+    return {f"blocks.{i}.w": torch.zeros(numel // 4 // 256, 256) for i in range(4)}
+
+
+def big_state(template: dict[str, torch.Tensor], seed: int = 1) -> StageState:
+    g = torch.Generator().manual_seed(seed)
+    params = {name: torch.randn(t.shape, generator=g) for name, t in template.items()}
+    slots = {i: {"momentum_buffer": torch.randn(t.shape, generator=g)} for i, t in enumerate(template.values())}
+    return StageState(stage=2, round=3, schedule_step=40, params=params, optimizer={"state": slots, "param_groups": []})
+
+
+def cut_short(state: StageState, after_bytes: int) -> blobs.BlobStream:
+    """``state``'s stream, stopping (as a replica whose round moved on does) after about ``after_bytes``."""
+    whole = state_sync.stream_state(state)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        sent = 0
+        async for chunk in whole.chunks:
+            if sent >= after_bytes:
+                raise RuntimeError("the state changed")
+            sent += len(chunk)
+            yield chunk
+
+    return blobs.BlobStream(size=whole.size, chunks=chunks())
+
+
+def test_a_streamed_download_reproduces_the_state_and_a_bad_stream_leaves_the_receiver_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(blobs, "CHUNK_BYTES", 64 << 10)
+    mine = big_template()
+    own = {name: torch.full(t.shape, 0.5) for name, t in mine.items()}  # the receiver's weights
+    served = big_state(mine)
+    wrong_shape = StageState(
+        stage=2, round=3, schedule_step=40, params={n: torch.zeros(64, 1024) for n in mine}, optimizer=None
+    )
+    streams = {
+        "state/2": lambda: state_sync.stream_state(served),
+        "cut/2": lambda: cut_short(served, 1 << 20),
+        "shape/2": lambda: state_sync.stream_state(wrong_shape),
+    }
+
+    async def body(peers: list[P2P]) -> None:
+        server, liar, me = peers
+        servicer, liar_servicer = BlobServicer(), LyingServicer()
+        for prefix in ("state", "cut", "shape"):
+            servicer.provide(prefix, lambda name: asyncio.sleep(0, streams[name]()))
+        liar_servicer.provide("state", lambda name: asyncio.sleep(0, streams[name]()))
+        await servicer.add_p2p_handlers(server, namespace="t")
+        await BlobServicer().add_p2p_handlers(liar, wrapper=liar_servicer, namespace="t")  # under BlobServicer's names
+        client = BlobClient(me, namespace="t")
+        bound = state_bytes_bound(mine)
+        blamed: list[str] = []
+
+        async def fetch(peer: str, name: str, sink: Sink, max_bytes: int = bound) -> str:
+            target = liar.peer_id if peer == "liar" else server.peer_id
+            return await client.stream(target, name, sink, timeout=30, max_bytes=max_bytes)
+
+        def download(blob: str, peer: str = "server", **kw: object) -> Awaitable[tuple[str, StageState]]:
+            blamed.clear()
+            fetch_with = lambda peer, name, sink: fetch(peer, name, sink, **kw)
+            blame = lambda peer, why: blamed.append(why)
+            return download_state(fetch_with, [peer], stage=2, template=own, blob=blob, blame=blame)
+
+        _, got = await download("state")
+        assert weights_hash(got.params) == weights_hash(served.params) and got.round == 3
+        assert all(
+            torch.equal(got.optimizer["state"][i]["momentum_buffer"], slot["momentum_buffer"])
+            for i, slot in served.optimizer["state"].items()
+        )
+        for blob, peer, problem, kw in [
+            ("cut", "server", "ended after", {}),  # truncated
+            ("state", "liar", "hash mismatch", {}),  # corrupted
+            ("shape", "server", "expected a float32 tensor of shape", {}),  # refused from its header
+            ("state", "server", "at most 1000 are accepted", {"max_bytes": 1000}),  # oversize
+        ]:
+            with pytest.raises(TransferError, match=problem):
+                await download(blob, peer, **kw)
+            assert len(blamed) == (blob == "shape")  # only a stream that arrived but did not fit is the sender's doing
+        assert all(torch.equal(t, torch.full(t.shape, 0.5)) for t in own.values())  # the receiver kept its weights
+
+    asyncio.run(with_peers(3, body))
+
+
+def test_a_streamed_download_holds_about_one_chunk_besides_the_state_it_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tracemalloc sees Python's buffers (the chunks, any serialized copy) and not torch's tensors (the state itself):
+    a whole-blob transfer peaks above the stage's size, the stream at a few chunks (measured: 0.9 MiB of 8 MiB)."""
+    chunk = 64 << 10
+    monkeypatch.setattr(blobs, "CHUNK_BYTES", chunk)
+    mine = big_template()
+    served = big_state(mine)
+    stage_bytes = len(pack_state(served))  # 8 MiB: weights and momentum
+
+    async def body(peers: list[P2P]) -> None:
+        server, me = peers
+        servicer = BlobServicer()
+        servicer.provide("state", lambda name: asyncio.sleep(0, state_sync.stream_state(served)))
+        await servicer.add_p2p_handlers(server, namespace="t")
+        client = BlobClient(me, namespace="t")
+        fetch = lambda peer, name, sink: client.stream(server.peer_id, name, sink, timeout=30, max_bytes=1 << 30)
+        await download_state(fetch, ["peer"], stage=2, template=mine)  # warm up: connections, imports
+        tracemalloc.start()
+        try:
+            _, got = await download_state(fetch, ["peer"], stage=2, template=mine)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert weights_hash(got.params) == weights_hash(served.params)
+        assert peak < 16 * chunk, f"peak {peak} bytes of Python buffers for a {stage_bytes}-byte stage"
+        tracemalloc.start()  # the same transfer collected whole, as payloads are (and states were)
+        try:
+            await client.fetch(server.peer_id, "state/2", timeout=30, max_bytes=1 << 30)
+            whole = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert whole > stage_bytes > 8 * peak
+
+    asyncio.run(with_peers(2, body))
