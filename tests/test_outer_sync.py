@@ -19,7 +19,7 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync, snapshot_weights
+from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync, StateChanged, snapshot_weights
 from swarm.outer.rounds import (
     Board,
     RoundKey,
@@ -659,3 +659,17 @@ def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -
     )
     with pytest.raises(LookupError):
         asyncio.run(a.export_state("state/2"))
+
+
+def test_a_state_served_while_a_round_changes_it_is_cut_short() -> None:
+    a = Swarm(sync_config(), ["a"]).syncs["a"]
+
+    async def scenario() -> None:
+        chunks = (await a.export_state("state/1")).chunks
+        await anext(chunks)  # the header
+        await anext(chunks)  # a first chunk of values
+        await a._changing(lambda: None)  # a round applied (or a state adopted) meanwhile
+        with pytest.raises(StateChanged, match="changed while it was sent"):
+            await anext(chunks)
+
+    asyncio.run(scenario())
