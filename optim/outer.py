@@ -92,6 +92,7 @@ def _unpack(payload: bytes) -> tuple[int, dict[str, bytes]]:
     if magic != _MAGIC:
         raise WireError(f"outer payload has bad magic {magic!r}")
     frames: dict[str, bytes] = {}
+    view = memoryview(payload)  # frames are views: decoding a whole-stage payload copies no second stage
     offset = _HEADER.size
     for _ in range(count):
         if offset + _ENTRY.size > len(payload):
@@ -102,7 +103,7 @@ def _unpack(payload: bytes) -> tuple[int, dict[str, bytes]]:
         if end > len(payload):
             raise WireError("outer payload truncated inside an entry")
         name = payload[offset : offset + name_len].decode(errors="replace")
-        frames[name] = payload[offset + name_len : end]
+        frames[name] = view[offset + name_len : end]
         offset = end
     if offset != len(payload):
         raise WireError(f"outer payload has {len(payload) - offset} trailing bytes")

@@ -188,7 +188,9 @@ async def export_swarm(
         # private swarms: the certificate goes with each request
         certificate = StageClient(p2p, namespace=cfg.swarm_id, credentials=credentials).certificate
         client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
-        fetch = lambda peer, blob, max_bytes: client.fetch(peer, blob, timeout=timeout_s, max_bytes=max_bytes)
+        fetch = lambda peer, blob, sink, max_bytes: client.stream(
+            peer, blob, sink, timeout=timeout_s, max_bytes=max_bytes
+        )
         model, meta = await download_model(cfg, sources, fetch, have=have, on_progress=on_progress)
     for line in write_model(target, cfg, model, meta):
         on_progress(line)

@@ -23,11 +23,10 @@ from swarm.errors import ExportError
 from swarm.model.stages import assemble_model, stage_template
 from swarm.model.transformer import Transformer
 from swarm.outer.transfer import StageState, download_state, state_bytes_bound
-from swarm.rpc.blobs import TransferError
+from swarm.rpc.blobs import Sink, TransferError
 
-SizedFetch = Callable[
-    [str, str, int], Awaitable[bytes]
-]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
+# (peer, blob name, sink, max bytes) → the blob's SHA-256 once it has streamed into the sink whole, or TransferError
+SizedFetch = Callable[[str, str, Sink, int], Awaitable[str]]
 
 
 def export_sources(
@@ -69,7 +68,7 @@ async def download_model(
             bound = state_bytes_bound(template)
             # local/<i>: a replica's current weights (state/<i> would be the last outer round's, up to H steps behind)
             peer, state = await download_state(
-                lambda peer, name: fetch(peer, name, bound),
+                lambda peer, name, sink: fetch(peer, name, sink, bound),
                 sources[stage],
                 stage=stage,
                 template=template,

@@ -171,8 +171,8 @@ class StageRole:
         try:
             if await outer_service.replicas(stage):  # it came back while we claimed: nothing to rebuild
                 raise TransferError("the stage has a live replica again")
-            fetch = lambda peer, name, max_bytes: outer_service.client.fetch(
-                peer, name, timeout=timeouts.rpc_s, max_bytes=max_bytes
+            fetch = lambda peer, name, sink, max_bytes: outer_service.client.stream(
+                peer, name, sink, timeout=timeouts.rpc_s, max_bytes=max_bytes
             )
             return await rebuild_stage(self.parts.cfg, stage, outer_service.replicas, fetch)
         except (TransferError, NoRecoverySource) as e:

@@ -12,36 +12,38 @@ periodic announcements and checkpoints. ``provide_local_state`` serves a replica
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from typing import Any
 
 from swarm.dht.metrics import Meter
 from swarm.hardware import describe
 from swarm.outer.replica import ReplicaSync
-from swarm.outer.transfer import StageState, pack_state, weights_hash
+from swarm.outer.transfer import StageState, stream_state, weights_hash
 from swarm.parts import PeerParts, every
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageServer
 from swarm.recovery.checkfree import RECOVERY_LR_SCALE
 from swarm.recovery.rebuild import Rebuilt, save_rebuild, save_stage_checkpoint
+from swarm.rpc.blobs import BlobStream
 
 
 def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
-    """Serve ``local/<stage>``; each blob served is logged with its hash, so a rebuild's inputs can be traced to their replica.
+    """Serve ``local/<stage>`` (a snapshot of the weights, streamed); each blob served whole is logged with its hash, so a
+    rebuild's inputs can be traced to their replica.
 
     With an outer step, ``state/<i>`` serves the global weights of the last round (what a newcomer
     joins from), which lag up to H inner steps behind; a lost neighbour is rebuilt from the latest.
     """
     stage = sync.stage
 
-    async def provide(name: str) -> bytes:
+    async def provide(name: str) -> BlobStream:
         if name != f"local/{stage}":
             raise LookupError(f"this peer holds stage {stage}")
-        blob = pack_state(await sync.local_state())
-        parts.on_log({"event": "state_served", "stage": stage, "sha256": hashlib.sha256(blob).hexdigest()[:16]})
-        return blob
+        return stream_state(
+            await sync.local_state(),
+            on_sent=lambda sha256: parts.on_log({"event": "state_served", "stage": stage, "sha256": sha256[:16]}),
+        )
 
     parts.outer_service.servicer.provide("local", provide)
 

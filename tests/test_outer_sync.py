@@ -19,7 +19,7 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync, snapshot_weights
+from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync, StateChanged, snapshot_weights
 from swarm.outer.rounds import (
     Board,
     RoundKey,
@@ -30,8 +30,8 @@ from swarm.outer.rounds import (
     run_round,
     window_opening,
 )
-from swarm.outer.transfer import StageState, unpack_state, weights_hash
-from swarm.rpc.blobs import TransferError
+from swarm.outer.transfer import StageState, StateDecoder, weights_hash
+from swarm.rpc.blobs import Sink, TransferError, feed
 
 T = TypeVar("T")
 
@@ -388,10 +388,10 @@ class Swarm:
             if name != me and name not in self.hub.dead
         }
 
-    async def fetch_state(self, peer: str, name: str) -> bytes:
+    async def fetch_state(self, peer: str, name: str, sink: Sink) -> str:
         if peer in self.hub.dead:
             raise TransferError(f"{peer} is gone")
-        return await self.syncs[peer].export_state(name)
+        return await feed(await self.syncs[peer].export_state(name), sink)
 
     def rounds(self) -> list[dict]:
         return [e for e in self.events if e["event"] == "outer_round" and e["outcome"] == "done"]
@@ -642,8 +642,10 @@ def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -
         a.holder.train()
         c.holder.train()
         await asyncio.gather(a.step(), c.step())  # a round of two: round 1, with a momentum buffer
-        state = unpack_state(await a.export_state("state/1"), stage=1, template=a.params)
-        state.optimizer["param_groups"][0]["lr"] = 1e9  # a hostile sender
+        decoder = StateDecoder(stage=1, template=a.params)
+        await feed(await a.export_state("state/1"), decoder)
+        state = decoder.result()
+        state.optimizer["param_groups"].append({"lr": 1e9})  # a hostile sender's (the stream carries none)
         await b.adopt(state)
         return state
 
@@ -657,3 +659,17 @@ def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -
     )
     with pytest.raises(LookupError):
         asyncio.run(a.export_state("state/2"))
+
+
+def test_a_state_served_while_a_round_changes_it_is_cut_short() -> None:
+    a = Swarm(sync_config(), ["a"]).syncs["a"]
+
+    async def scenario() -> None:
+        chunks = (await a.export_state("state/1")).chunks
+        await anext(chunks)  # the header
+        await anext(chunks)  # a first chunk of values
+        await a._changing(lambda: None)  # a round applied (or a state adopted) meanwhile
+        with pytest.raises(StateChanged, match="changed while it was sent"):
+            await anext(chunks)
+
+    asyncio.run(scenario())

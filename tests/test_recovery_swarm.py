@@ -21,7 +21,7 @@ from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.export import ExportError, download_model, export_sources
 from swarm.model.stages import build_stage
-from swarm.outer.transfer import StageState, pack_state, unpack_state, weights_hash
+from swarm.outer.transfer import StageState, pack_state, stream_state, unpack_state, weights_hash
 from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import checkfree_merge
 from swarm.recovery.rebuild import (
@@ -33,7 +33,7 @@ from swarm.recovery.rebuild import (
     rebuild_stage,
     swarm_has_trained,
 )
-from swarm.rpc.blobs import TransferError
+from swarm.rpc.blobs import Sink, TransferError, feed
 
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 
@@ -123,9 +123,9 @@ def test_rebuild_merges_interior_stages_and_copies_the_partner_of_an_edge_stage(
     async def replicas(stage: int) -> dict[str, StageStatus]:
         return {f"peer{stage}": StageStatus(grad_norm=norms[stage])}
 
-    async def fetch(peer: str, name: str, max_bytes: int) -> bytes:
+    async def fetch(peer: str, name: str, sink: Sink, max_bytes: int) -> str:
         fetched.append(name)
-        return blobs[int(name.split("/")[1])]
+        return await feed(blobs[int(name.split("/")[1])], sink)
 
     merged = asyncio.run(rebuild_stage(cfg, 2, replicas, fetch))
     assert merged.plan.kind == "merge" and fetched == ["local/1", "local/3"] and merged.state.schedule_step == 8
@@ -147,8 +147,8 @@ def test_an_interior_stage_whose_neighbour_is_lost_too_copies_the_other_one() ->
     async def replicas(stage: int) -> dict[str, StageStatus]:
         return {"peer1": StageStatus(grad_norm=1.0)} if stage == 1 else {}
 
-    async def fetch(peer: str, name: str, max_bytes: int) -> bytes:
-        return source_blob(cfg, 1, 1.0, 3)
+    async def fetch(peer: str, name: str, sink: Sink, max_bytes: int) -> str:
+        return await feed(source_blob(cfg, 1, 1.0, 3), sink)
 
     rebuilt = asyncio.run(rebuild_stage(cfg, 2, replicas, fetch))
     assert rebuilt.plan.kind == "copy-neighbour" and rebuilt.plan.sources == (1,)
@@ -168,11 +168,12 @@ def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> N
     cfg = recovery_config(steps=10)
     stages = {s: dict(build_stage(cfg.model, 3, s).named_parameters()) for s in range(4)}
 
-    async def fetch(peer: str, name: str, max_bytes: int) -> bytes:
+    async def fetch(peer: str, name: str, sink: Sink, max_bytes: int) -> str:
         stage = int(name.split("/")[1])
         assert name == f"local/{stage}" and peer == f"p{stage}"
         params = {n: torch.full_like(p, float(stage)) for n, p in stages[stage].items()}
-        return pack_state(StageState(stage=stage, round=0, schedule_step=5, params=params, optimizer=None))
+        state = StageState(stage=stage, round=0, schedule_step=5, params=params, optimizer=None)
+        return await feed(stream_state(state), sink)
 
     model, meta = asyncio.run(download_model(cfg, {s: [f"p{s}"] for s in range(4)}, fetch))
     assert meta["stages"]["2"] == {"peer": "p2", "outer_round": 0, "schedule_step": 5}

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import io
 import math
-from collections.abc import Awaitable, Callable
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgpack
 import pytest
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -19,6 +21,7 @@ from swarm.dht.records import StageStatus
 from swarm.outer.transfer import (
     StageState,
     StateClaim,
+    StateDecoder,
     catch_up_claims,
     download_state,
     newcomer_claims,
@@ -29,7 +32,7 @@ from swarm.outer.transfer import (
     weights_hash,
 )
 from swarm.rpc.auth import AccessDenied
-from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
+from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
 
 
 def template() -> dict[str, torch.Tensor]:
@@ -59,45 +62,62 @@ def test_state_round_trips_and_its_hash_names_the_exact_weights() -> None:
     assert len(weights_hash(original.params)) == 16
 
 
-class Evil:
-    def __reduce__(self) -> tuple:
-        return (print, ("pwned",))
-
-
-def archive(**changes: object) -> bytes:
+def stream(data: bytes | None = None, *, raw_header: bytes | None = None, **changes: object) -> bytes:
+    """A state stream as ``pack_state`` writes it, with header fields (``_pack_header``'s arguments) or values changed."""
     s = state()
-    blob = {
-        "format": state_sync.STATE_FORMAT,
+    fields = {
         "stage": 2,
-        "round": 5,
+        "round_": 5,
         "schedule_step": 1,
-        "params": s.params,
-        "optimizer": s.optimizer,
+        "params": [[name, list(t.shape)] for name, t in s.params.items()],
+        "slots": [[0, "momentum_buffer", [4, 3]], [1, "momentum_buffer", None]],
     } | changes
+    header = state_sync._pack_header(**fields) if raw_header is None else raw_header
+    if data is None:
+        data = b"".join(t.numpy().tobytes() for t in [*s.params.values(), torch.ones(4, 3)])
+    return state_sync._MAGIC + state_sync._LENGTH.pack(len(header)) + header + data
+
+
+def torch_archive() -> bytes:
     buffer = io.BytesIO()
-    torch.save(blob, buffer)
+    torch.save({"format": "swarmloco-stage-state-v1", "params": state().params}, buffer)
     return buffer.getvalue()
+
+
+NAN = torch.full((4, 3), math.nan).numpy().tobytes() + bytes(4 * 3 + 4 * 12)
+W, G = "blocks.0.w", "blocks.0.g"
 
 
 @pytest.mark.parametrize(
     "data, problem",
     [
-        (b"not an archive", "unreadable"),
-        (archive(format="other"), "archive"),
-        (archive(stage=3), "stage 3"),
-        (archive(round=-1), "non-negative"),
-        (archive(round=True), "non-negative"),
-        (archive(params={"blocks.0.w": torch.zeros(4, 3)}), "names"),
-        (archive(params={"blocks.0.w": torch.zeros(3, 4), "blocks.0.g": torch.zeros(3)}), "shape"),
+        (b"not a state stream at all", "not a swarmloco-stage-state-v2 stream"),
+        (torch_archive(), "not a swarmloco-stage-state-v2 stream"),  # no pickle is ever read
+        (stream(stage=3), "stage 3"),
+        (stream(round_=-1), "non-negative"),
+        (stream(round_=True), "non-negative"),
+        (stream(params=[[W, [4, 3]]]), "names"),
+        (stream(params=[[W, [3, 4]], [G, [3]]]), "shape"),
+        (stream(params=[[W, "4x3"], [G, [3]]]), "not a list of integers"),
+        (stream(NAN), "non-finite"),
+        (stream(slots=[[0, "momentum_buffer", [5]]]), "shape"),
+        (stream(slots=[[7, "momentum_buffer", None]]), "not one of"),
+        (stream(slots=[1, 2]), r"not \[parameter, key, shape\]"),
+        (stream(slots=[[1, "m", None], [1, "m", None]]), "twice"),
+        (stream(slots="all"), "not a list of slots"),
+        (stream()[:-4], "declares"),  # truncated: the header's sizes say more than the stream holds
+        (stream() + b"\0", "declares"),  # more than declared (float64 values would be, too)
+        (stream(raw_header=msgpack.packb({"stage": 2})), "fields"),
         (
-            archive(params={"blocks.0.w": torch.zeros(4, 3, dtype=torch.float64), "blocks.0.g": torch.zeros(3)}),
-            "float32",
+            stream(
+                raw_header=msgpack.packb(
+                    {"optimizer": None, "stage": 2, "round": 5, "schedule_step": 1, "params": [[W, [4, 3]], [G, [3]]]}
+                )
+            ),
+            "canonical",
         ),
-        (archive(params={"blocks.0.w": torch.full((4, 3), math.nan), "blocks.0.g": torch.zeros(3)}), "non-finite"),
-        (archive(optimizer={"state": {0: {"momentum_buffer": torch.ones(5)}}, "param_groups": []}), "shape"),
-        (archive(optimizer={"state": {7: {}}, "param_groups": []}), "not one of"),
-        (archive(optimizer=[1, 2]), "state_dict"),
-        (archive(params=Evil()), "unreadable"),  # weights_only: no code runs on load
+        (state_sync._MAGIC + state_sync._LENGTH.pack(1 << 30), "at most"),  # a header too big to buffer
+        (state_sync._MAGIC + state_sync._LENGTH.pack(0) + b"xyz", "at most"),
     ],
 )
 def test_a_state_that_does_not_fit_the_stage_is_refused(data: bytes, problem: str) -> None:
@@ -105,22 +125,44 @@ def test_a_state_that_does_not_fit_the_stage_is_refused(data: bytes, problem: st
         unpack_state(data, stage=2, template=template())
 
 
+def test_a_stream_is_decoded_chunk_by_chunk_and_refused_when_cut_short_or_oversized() -> None:
+    data = pack_state(state())
+    decoder = StateDecoder(stage=2, template=template())
+    decoder.open(len(data))
+    for start in range(0, len(data), 7):  # chunks that split the header and the tensors anywhere
+        decoder.write(data[start : start + 7])
+    assert weights_hash(decoder.result().params) == weights_hash(state().params)
+    cut = StateDecoder(stage=2, template=template())
+    cut.write(data[:-4])  # (no size announced: the stream just stops)
+    with pytest.raises(ValueError, match="ended before its last tensor"):
+        cut.result()
+    with pytest.raises(ValueError, match="over this stage's bound"):
+        StateDecoder(stage=2, template=template()).open(state_bytes_bound(template()) + 1)
+    with pytest.raises(ValueError, match="runs on past its last tensor"):
+        StateDecoder(stage=2, template=template()).write(data + b"\0")
+
+
 def test_download_moves_on_to_the_next_replica_until_one_delivers() -> None:
     asked: list[str] = []
+    blamed: list[str] = []
 
-    async def fetch(peer: str, name: str) -> bytes:
+    async def fetch(peer: str, name: str, sink: Sink) -> str:
         asked.append(peer)
         assert name == "state/2"
         if peer == "gone":
             raise TransferError("unreachable")
-        return b"junk" if peer == "broken" else pack_state(state(round_=9))
+        return await feed(b"junk" if peer == "broken" else pack_state(state(round_=9)), sink)
 
-    peer, got = asyncio.run(download_state(fetch, ["gone", "broken", "good", "never"], stage=2, template=template()))
-    assert (peer, got.round, asked) == ("good", 9, ["gone", "broken", "good"])
-    with pytest.raises(TransferError, match="gone: unreachable.*broken: unreadable"):
-        asyncio.run(download_state(fetch, ["gone", "broken"], stage=2, template=template()))
+    def download(peers: list[str]) -> tuple[str, StageState]:
+        blame = lambda peer, why: blamed.append(peer)
+        return asyncio.run(download_state(fetch, peers, stage=2, template=template(), blame=blame))
+
+    peer, got = download(["gone", "broken", "good", "never"])
+    assert (peer, got.round, asked, blamed) == ("good", 9, ["gone", "broken", "good"], ["broken"])
+    with pytest.raises(TransferError, match="gone: unreachable.*broken: not a swarmloco"):
+        download(["gone", "broken"])
     with pytest.raises(TransferError, match="no replica to ask"):
-        asyncio.run(download_state(fetch, [], stage=2, template=template()))
+        download([])
 
 
 H5, H6, LIE = "5" * 16, "6" * 16, "f" * 16  # weights hashes
@@ -181,12 +223,14 @@ def test_state_bound_covers_weights_and_a_momentum_buffer() -> None:
 
 
 class LyingServicer(BlobServicer):
-    """Announces the hash of the real blob, then flips a byte on the way."""
+    """Sends the real size and hash, with a bit flipped in the last byte of the last chunk (a value, not a header)."""
 
     async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]
-        async for message in super().rpc_blob(request, context):
-            if len(message.metadata) > 1000:
-                message = runtime_pb2.ExpertResponse(metadata=bytes([message.metadata[0] ^ 1]) + message.metadata[1:])
+        messages = [message async for message in super().rpc_blob(request, context)]
+        if len(messages) > 2:
+            last = messages[-2].metadata
+            messages[-2] = runtime_pb2.ExpertResponse(metadata=last[:-1] + bytes([last[-1] ^ 1]))
+        for message in messages:
             yield message
 
 
@@ -256,8 +300,8 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
             == good
         )
 
-        async def by_name(peer: str, name: str) -> bytes:
-            return await fetch(PeerID.from_base58(peer), name)
+        async def by_name(peer: str, name: str, sink: Sink) -> str:
+            return await client.stream(PeerID.from_base58(peer), name, sink, timeout=10, max_bytes=1 << 20)
 
         source, adopted = await download_state(
             by_name, [liar.peer_id.to_base58(), honest.peer_id.to_base58()], stage=2, template=template()
@@ -267,3 +311,127 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
         )  # the corrupted transfer was retried elsewhere
 
     asyncio.run(with_peers(4, body))
+
+
+# ---- a stage state streamed between two real peers: exact, refused when wrong, bounded in memory ----
+
+
+def big_template(numel: int = 1 << 20) -> dict[str, torch.Tensor]:
+    """A stage of ``numel`` weights (4 MiB in fp32) in a few tensors."""
+    return {f"blocks.{i}.w": torch.zeros(numel // 4 // 256, 256) for i in range(4)}
+
+
+def big_state(template: dict[str, torch.Tensor], seed: int = 1) -> StageState:
+    g = torch.Generator().manual_seed(seed)
+    params = {name: torch.randn(t.shape, generator=g) for name, t in template.items()}
+    slots = {i: {"momentum_buffer": torch.randn(t.shape, generator=g)} for i, t in enumerate(template.values())}
+    return StageState(stage=2, round=3, schedule_step=40, params=params, optimizer={"state": slots, "param_groups": []})
+
+
+def cut_short(state: StageState, after_bytes: int) -> blobs.BlobStream:
+    """``state``'s stream, stopping (as a replica whose round moved on does) after about ``after_bytes``."""
+    whole = state_sync.stream_state(state)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        sent = 0
+        async for chunk in whole.chunks:
+            if sent >= after_bytes:
+                raise RuntimeError("the state changed")
+            sent += len(chunk)
+            yield chunk
+
+    return blobs.BlobStream(size=whole.size, chunks=chunks())
+
+
+def test_a_streamed_download_reproduces_the_state_and_a_bad_stream_leaves_the_receiver_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(blobs, "CHUNK_BYTES", 64 << 10)
+    mine = big_template()
+    own = {name: torch.full(t.shape, 0.5) for name, t in mine.items()}  # the receiver's weights
+    served = big_state(mine)
+    wrong_shape = StageState(
+        stage=2, round=3, schedule_step=40, params={n: torch.zeros(64, 1024) for n in mine}, optimizer=None
+    )
+    streams = {
+        "state/2": lambda: state_sync.stream_state(served),
+        "cut/2": lambda: cut_short(served, 1 << 20),
+        "shape/2": lambda: state_sync.stream_state(wrong_shape),
+    }
+
+    async def body(peers: list[P2P]) -> None:
+        server, liar, me = peers
+        servicer, liar_servicer = BlobServicer(), LyingServicer()
+        for prefix in ("state", "cut", "shape"):
+            servicer.provide(prefix, lambda name: asyncio.sleep(0, streams[name]()))
+        liar_servicer.provide("state", lambda name: asyncio.sleep(0, streams[name]()))
+        await servicer.add_p2p_handlers(server, namespace="t")
+        await BlobServicer().add_p2p_handlers(liar, wrapper=liar_servicer, namespace="t")  # under BlobServicer's names
+        client = BlobClient(me, namespace="t")
+        bound = state_bytes_bound(mine)
+        blamed: list[str] = []
+
+        async def fetch(peer: str, name: str, sink: Sink, max_bytes: int = bound) -> str:
+            target = liar.peer_id if peer == "liar" else server.peer_id
+            return await client.stream(target, name, sink, timeout=30, max_bytes=max_bytes)
+
+        def download(blob: str, peer: str = "server", **kw: object) -> Awaitable[tuple[str, StageState]]:
+            blamed.clear()
+            fetch_with = lambda peer, name, sink: fetch(peer, name, sink, **kw)
+            blame = lambda peer, why: blamed.append(why)
+            return download_state(fetch_with, [peer], stage=2, template=own, blob=blob, blame=blame)
+
+        _, got = await download("state")
+        assert weights_hash(got.params) == weights_hash(served.params) and got.round == 3
+        assert all(
+            torch.equal(got.optimizer["state"][i]["momentum_buffer"], slot["momentum_buffer"])
+            for i, slot in served.optimizer["state"].items()
+        )
+        for blob, peer, problem, kw in [
+            ("cut", "server", "ended after", {}),  # truncated
+            ("state", "liar", "hash mismatch", {}),  # corrupted
+            ("shape", "server", "expected a float32 tensor of shape", {}),  # refused from its header
+            ("state", "server", "at most 1000 are accepted", {"max_bytes": 1000}),  # oversize
+        ]:
+            with pytest.raises(TransferError, match=problem):
+                await download(blob, peer, **kw)
+            assert len(blamed) == (blob == "shape")  # only a stream that arrived but did not fit is the sender's doing
+        assert all(torch.equal(t, torch.full(t.shape, 0.5)) for t in own.values())  # the receiver kept its weights
+
+    asyncio.run(with_peers(3, body))
+
+
+def test_a_streamed_download_holds_about_one_chunk_besides_the_state_it_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tracemalloc sees Python's buffers (the chunks, any serialized copy) and not torch's tensors (the state itself):
+    a whole-blob transfer peaks above the stage's size, the stream at a few chunks (measured: 0.9 MiB of 8 MiB)."""
+    chunk = 64 << 10
+    monkeypatch.setattr(blobs, "CHUNK_BYTES", chunk)
+    mine = big_template()
+    served = big_state(mine)
+    stage_bytes = len(pack_state(served))  # 8 MiB: weights and momentum
+
+    async def body(peers: list[P2P]) -> None:
+        server, me = peers
+        servicer = BlobServicer()
+        servicer.provide("state", lambda name: asyncio.sleep(0, state_sync.stream_state(served)))
+        await servicer.add_p2p_handlers(server, namespace="t")
+        client = BlobClient(me, namespace="t")
+        fetch = lambda peer, name, sink: client.stream(server.peer_id, name, sink, timeout=30, max_bytes=1 << 30)
+        await download_state(fetch, ["peer"], stage=2, template=mine)  # warm up: connections, imports
+        tracemalloc.start()
+        try:
+            _, got = await download_state(fetch, ["peer"], stage=2, template=mine)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert weights_hash(got.params) == weights_hash(served.params)
+        assert peak < 16 * chunk, f"peak {peak} bytes of Python buffers for a {stage_bytes}-byte stage"
+        tracemalloc.start()  # the same transfer collected whole, as payloads are (and states were)
+        try:
+            await client.fetch(server.peer_id, "state/2", timeout=30, max_bytes=1 << 30)
+            whole = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert whole > stage_bytes > 8 * peak
+
+    asyncio.run(with_peers(2, body))

@@ -72,13 +72,14 @@ from swarm.outer.transfer import (
     LONE_CLAIM_MAX_NORM_RATIO,
     StageState,
     StateClaim,
+    StreamFetch,
     catch_up_claims,
     download_state,
-    pack_state,
     stage_claims,
+    stream_state,
     weights_hash,
 )
-from swarm.rpc.blobs import TransferError
+from swarm.rpc.blobs import BlobStream, TransferError
 from swarm.rpc.defences import PeerGuard, PeerLimits
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,10 @@ logger = logging.getLogger(__name__)
 OUTER_PEER_LIMITS = PeerLimits(strikes=2, strike_window_s=3600.0, ban_s=3600.0)
 T = TypeVar("T")
 StatusReader = Callable[[], Awaitable[Mapping[str, StageStatus]]]  # peer id → status of the stage's *other* replicas
-Fetch = Callable[[str, str], Awaitable[bytes]]  # (peer, blob name) → hash-checked blob, or TransferError
+
+
+class StateChanged(Exception):
+    """The outer state changed (a round applied, a state adopted) while a stream of it was being sent."""
 
 
 class Holder(Protocol):
@@ -119,7 +123,7 @@ class ReplicaSync:
         net: GroupNetwork,
         board: Board,
         replicas: StatusReader,
-        fetch: Fetch,
+        fetch: StreamFetch,
         on_log: Callable[[dict[str, Any]], None] = lambda record: None,
         clock: Callable[[], float] = time.time,
         guard: PeerGuard | None = None,
@@ -144,7 +148,7 @@ class ReplicaSync:
         self.round_s: list[float] = []  # wall time of each round done, declaration to install
         # a dense fp32 Δ: what a payload saves against
         self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())
-        self._exported: tuple[int, bytes] | None = None  # (round, state blob): built once per round
+        self._changes = 0  # changes of the outer state (global weights, optimizer, round): a served stream's version
         self._last_group: tuple[str, ...] = ()  # contributors of the last round done
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
@@ -292,7 +296,7 @@ class ReplicaSync:
                     }
                 )
 
-            await self._on_thread(load_outer)
+            await self._changing(load_outer)
 
         @torch.no_grad()
         def load_local() -> None:
@@ -303,26 +307,36 @@ class ReplicaSync:
         self.synced_at = self.holder.inner_steps
         self.global_hash = weights_hash(state.params) if self.outer else ""
 
-    async def export_state(self, name: str) -> bytes:
-        """The ``state/<stage>`` blob: global weights, outer optimizer state, round and schedule step (built once per round)."""
+    async def export_state(self, name: str) -> BlobStream:
+        """The ``state/<stage>`` blob: global weights, outer optimizer state, round and schedule step, streamed.
+
+        Each chunk is copied on the outer thread from the live tensors, so serving a state copies
+        none of it; a round applied (or a state adopted) meanwhile cuts the stream short, and the
+        receiver tries again or elsewhere rather than getting a mix of two rounds.
+        """
         if name != f"state/{self.stage}":
             raise LookupError(f"this peer holds stage {self.stage}")
         if self.outer is None:  # no outer step: the local weights are the stage's weights
-            return pack_state(await self.local_state())
-        if self._exported is None or self._exported[0] != self.round:
+            return stream_state(await self.local_state())
 
-            def build() -> tuple[int, bytes]:  # on the outer thread: never torn by a round's apply
-                state = StageState(
-                    stage=self.stage,
-                    round=self.outer.round,
-                    schedule_step=self.schedule_step,
-                    params=dict(self.outer.global_params),
-                    optimizer=self.outer.optimizer.state_dict(),
-                )
-                return state.round, pack_state(state)
+        def take() -> tuple[int, StageState]:  # on the outer thread: the references, and the version they are of
+            state = StageState(
+                stage=self.stage,
+                round=self.outer.round,
+                schedule_step=self.schedule_step,
+                params=dict(self.outer.global_params),
+                optimizer=self.outer.optimizer.state_dict(),  # its tensors are the live buffers, not copies
+            )
+            return self._changes, state
 
-            self._exported = await self._on_thread(build)
-        return self._exported[1]
+        version, state = await self._on_thread(take)
+
+        def unchanged(copy: Callable[[], bytes]) -> bytes:
+            if self._changes != version:
+                raise StateChanged(f"stage {self.stage}'s outer state changed while it was sent")
+            return copy()
+
+        return stream_state(state, read=lambda copy: self._on_thread(unchanged, copy))
 
     async def local_state(self) -> StageState:
         """This replica's current (local) weights as a stage state, no optimizer: what a rebuild merges, an export saves,
@@ -344,13 +358,13 @@ class ReplicaSync:
         Returns what the outer optimizer made of the payloads (None alone)."""
         if payloads is None:
             # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
-            await self._on_thread(self.outer.apply_alone, snapshot)
+            await self._changing(self.outer.apply_alone, snapshot)
             self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
             return None
         target = {name: torch.empty_like(t) for name, t in snapshot.items()}
         old_global = {name: g.clone() for name, g in self.outer.global_params.items()} if keep_own else None
         # target ← the new global weights
-        screening = await self._on_thread(self.outer.apply, list(payloads), target)
+        screening = await self._changing(self.outer.apply, list(payloads), target)
         self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
         if old_global is not None:
             for name, t in target.items():
@@ -461,3 +475,12 @@ class ReplicaSync:
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def _changing(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the outer thread, as a change of the outer state: a stream of the old one stops."""
+
+        def change() -> T:
+            self._changes += 1
+            return fn(*args)
+
+        return await self._on_thread(change)

@@ -36,7 +36,7 @@ from swarm.outer.transfer import (
     state_bytes_bound,
 )
 from swarm.rpc.auth import CertificateVerifier
-from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
+from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError
 from swarm.rpc.defences import PeerGuard
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class OuterService:
             net=net,
             board=self.board,
             replicas=functools.partial(self.replicas, stage),
-            fetch=functools.partial(self._fetch, max_bytes=state_bytes_bound(params)),
+            fetch=functools.partial(self._stream, max_bytes=state_bytes_bound(params)),
             on_log=on_log,
             clock=get_dht_time,
             guard=self.guard,
@@ -104,7 +104,7 @@ class OuterService:
         """
         timeouts = self.cfg.timeouts
         template = stage_template(self.cfg.model, self.cfg.stages.num_stages, stage)  # shapes to check against
-        fetch = functools.partial(self._fetch, max_bytes=state_bytes_bound(template))
+        fetch = functools.partial(self._stream, max_bytes=state_bytes_bound(template))
         deadline = time.monotonic() + timeouts.record_ttl_s + timeouts.announce_period_s
         while True:
             others = {peer: s for peer, s in (await self.replicas(stage)).items() if not self.guard.banned_for(peer)}
@@ -130,5 +130,5 @@ class OuterService:
         if self.guard.strike(peer):
             logger.warning(f"banned {peer} from this peer's outer rounds and downloads: {why}")
 
-    async def _fetch(self, peer: str, name: str, *, max_bytes: int) -> bytes:
-        return await self.client.fetch(peer, name, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)
+    async def _stream(self, peer: str, name: str, sink: Sink, *, max_bytes: int) -> str:
+        return await self.client.stream(peer, name, sink, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)

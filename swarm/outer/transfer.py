@@ -30,22 +30,31 @@ a stage rebuild ``swarm/recovery/rebuild.py`` and ``swarmloco export`` download)
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import io
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+import numpy as np
 import torch
 
 from swarm.dht.records import StageStatus
-from swarm.rpc.blobs import TransferError
+from swarm.rpc import blobs
+from swarm.rpc.blobs import BlobStream, Sink, TransferError
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = "swarmloco-stage-state-v1"
-Fetch = Callable[[str, str], Awaitable[bytes]]  # (peer, blob name) → the verified blob, or TransferError
+STATE_FORMAT = "swarmloco-stage-state-v2"
+_MAGIC = STATE_FORMAT.encode() + b"\n"
+_LENGTH = struct.Struct("<I")  # the header's length, after the magic
+MAX_HEADER_BYTES = 1 << 20  # names and shapes: kilobytes for any stage
+# (peer, blob name, sink) → the blob's SHA-256 once it has streamed into the sink whole, or TransferError
+StreamFetch = Callable[[str, str, Sink], Awaitable[str]]
+ChunkReader = Callable[[Callable[[], bytes]], Awaitable[bytes]]  # runs one chunk's copy where the tensors hold still
 # A lone claim's weights may differ from a replica's own by at most this factor in any tensor's norm: an honest
 # replica a few rounds ahead differs by a few percent, a liar's scaled (×1000) or zeroed weights by far more.
 LONE_CLAIM_MAX_NORM_RATIO = 10.0
@@ -165,70 +174,235 @@ def weights_hash(params: Mapping[str, torch.Tensor]) -> str:
 
 
 def pack_state(state: StageState) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "format": STATE_FORMAT,
-            "stage": state.stage,
-            "round": state.round,
-            "schedule_step": state.schedule_step,
-            "params": state.params,
-            "optimizer": state.optimizer,
-        },
-        buffer,
-    )
-    return buffer.getvalue()
+    """The whole state stream as one buffer (a stage checkpoint file); ``stream_state`` sends it without building this."""
+    prelude, tensors = _layout(state)
+    return b"".join([prelude, *(_tensor_bytes(t, 0, t.numel()) for t in tensors)])
 
 
-def state_bytes_bound(template: Mapping[str, torch.Tensor]) -> int:
-    """The largest state archive accepted for a stage: weights + one momentum buffer in fp32, and slack."""
-    return 2 * 4 * sum(t.numel() for t in template.values()) + (4 << 20)
+def stream_state(
+    state: StageState, *, read: ChunkReader | None = None, on_sent: Callable[[str], None] = lambda sha256: None
+) -> BlobStream:
+    """The state as a blob made chunk by chunk while it is sent: at most one chunk (``CHUNK_BYTES``) copied at a time.
+
+    ``read(copy)`` runs each chunk's copy where the tensors cannot change under it (a replica's outer
+    thread) and raises if they changed since ``state`` was taken, which cuts the stream short: a
+    receiver never gets a torn state. None: the tensors are this stream's own (a snapshot).
+    """
+    prelude, tensors = _layout(state)
+    step = max(1, blobs.CHUNK_BYTES // 4)  # float32 values per chunk
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield prelude
+        for t in tensors:
+            for start in range(0, t.numel(), step):
+                copy = functools.partial(_tensor_bytes, t, start, min(start + step, t.numel()))
+                yield copy() if read is None else await read(copy)
+
+    return BlobStream(size=len(prelude) + sum(4 * t.numel() for t in tensors), chunks=chunks(), on_sent=on_sent)
 
 
 def unpack_state(data: bytes, *, stage: int, template: Mapping[str, torch.Tensor]) -> StageState:
-    """Read and check a state archive against this stage's own parameters; ValueError if it does not fit."""
-    try:
-        blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for foreign or corrupt archives
-        raise ValueError(f"unreadable state archive: {type(e).__name__}: {e}") from None
-    if not isinstance(blob, dict) or blob.get("format") != STATE_FORMAT:
-        raise ValueError(f"not a {STATE_FORMAT} archive")
-    if blob.get("stage") != stage:
-        raise ValueError(f"state of stage {blob.get('stage')!r}, expected {stage}")
-    counters = [blob.get("round"), blob.get("schedule_step")]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counters):
-        raise ValueError(f"round and schedule_step must be non-negative integers, got {counters}")
-    params = blob.get("params")
-    if not isinstance(params, dict) or list(params) != list(template):
-        raise ValueError("the state's parameter names differ from this stage's")
-    for name, value in params.items():
-        _check_tensor(name, value, template[name].shape)
-    optimizer = blob.get("optimizer")
-    if optimizer is not None:
-        slots = optimizer.get("state") if isinstance(optimizer, dict) else None
-        if not isinstance(slots, dict) or not isinstance(optimizer.get("param_groups"), list):
-            raise ValueError("the outer optimizer state is not a torch optimizer state_dict")
-        shapes = [t.shape for t in template.values()]
-        for index, slot in slots.items():
-            if not (isinstance(index, int) and 0 <= index < len(shapes) and isinstance(slot, dict)):
-                raise ValueError(f"outer optimizer state for parameter {index!r}: not one of this stage's")
+    """Read and check a whole state stream (a stage checkpoint file) against this stage's own parameters; ValueError
+    if it does not fit."""
+    decoder = StateDecoder(stage=stage, template=template)
+    decoder.open(len(data))
+    decoder.write(data)
+    return decoder.result()
+
+
+def state_bytes_bound(template: Mapping[str, torch.Tensor]) -> int:
+    """The largest state stream accepted for a stage: weights + one momentum buffer in fp32, and slack."""
+    return 2 * 4 * sum(t.numel() for t in template.values()) + (4 << 20)
+
+
+def _layout(state: StageState) -> tuple[bytes, list[torch.Tensor]]:
+    """The stream's prelude (magic, header length, header) and the tensors whose float32 values follow, in order."""
+    tensors = list(state.params.values())
+    slots = None
+    if state.optimizer is not None:
+        slots = []
+        for index, slot in sorted(state.optimizer["state"].items()):
             for key, value in slot.items():
-                if value is not None:  # SGD without momentum keeps None buffers
-                    _check_tensor(f"outer optimizer {key} of parameter {index}", value, shapes[index])
-    return StageState(
-        stage=stage, round=blob["round"], schedule_step=blob["schedule_step"], params=params, optimizer=optimizer
+                slots.append([index, key, None if value is None else list(value.shape)])
+                tensors += [] if value is None else [value]
+    header = _pack_header(
+        stage=state.stage,
+        round_=state.round,
+        schedule_step=state.schedule_step,
+        params=[[name, list(t.shape)] for name, t in state.params.items()],
+        slots=slots,
     )
+    return _MAGIC + _LENGTH.pack(len(header)) + header, tensors
 
 
-def _check_tensor(name: str, value: Any, shape: torch.Size) -> None:
-    if not (isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.shape == shape):
-        raise ValueError(f"{name}: expected a float32 tensor of shape {tuple(shape)}")
-    if not torch.isfinite(value).all():
-        raise ValueError(f"{name}: non-finite values")
+def _pack_header(*, stage: int, round_: int, schedule_step: int, params: list, slots: list | None) -> bytes:
+    fields = {"stage": stage, "round": round_, "schedule_step": schedule_step, "params": params, "optimizer": slots}
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _tensor_bytes(t: torch.Tensor, start: int, end: int) -> bytes:
+    """Values ``start:end`` of ``t`` (flattened) as little-endian float32 bytes, wherever ``t`` lives."""
+    return t.detach().reshape(-1)[start:end].to("cpu", torch.float32).numpy().tobytes()
+
+
+class StateDecoder:
+    """A ``Sink`` that decodes a state stream straight into the tensors of the state it returns, checking as it goes.
+
+    The header (at most ``MAX_HEADER_BYTES``) is checked against this stage's own parameters —
+    stage, counters, names, shapes, optimizer slots, and the stream's size — before any tensor is
+    allocated; each tensor is allocated when its first byte arrives and checked for non-finite
+    values when its last one has. So a receiver holds the state it is building and one chunk, never
+    a serialized copy. ``result()`` once the stream has arrived whole (``BlobClient.stream`` returned).
+    """
+
+    def __init__(self, *, stage: int, template: Mapping[str, torch.Tensor]) -> None:
+        self.stage, self.template = stage, template
+        self._size: int | None = None
+        self._prelude = bytearray()  # magic, length and header, until the header is read
+        self._header: dict[str, Any] | None = None
+        self._slots: list[tuple[str, torch.Size]] = []  # (what, shape) of each tensor in the stream, in order
+        self._tensors: list[torch.Tensor] = []  # those allocated so far
+        self._filled = 0  # bytes of the current tensor received
+
+    def open(self, size: int) -> None:
+        if size > (bound := state_bytes_bound(self.template)):
+            raise ValueError(f"a state stream of {size} bytes is over this stage's bound of {bound}")
+        self._size = size
+
+    def write(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view.nbytes:
+            if self._header is None:
+                view = self._read_prelude(view)
+                continue
+            if len(self._tensors) == len(self._slots) and self._filled == 0:
+                raise ValueError("the state stream runs on past its last tensor")
+            view = self._fill(view)
+
+    def result(self) -> StageState:
+        """The state received: ValueError unless the stream was whole."""
+        self._skip_empty()
+        if self._header is None or len(self._tensors) < len(self._slots) or self._filled:
+            raise ValueError("the state stream ended before its last tensor")
+        header, tensors = self._header, iter(self._tensors)
+        params = {name: next(tensors) for name in self.template}
+        optimizer = None
+        if header["optimizer"] is not None:
+            slots: dict[int, dict[str, torch.Tensor | None]] = {}
+            for index, key, shape in header["optimizer"]:
+                slots.setdefault(index, {})[key] = None if shape is None else next(tensors)
+            optimizer = {"state": slots, "param_groups": []}  # hyper-parameters are each replica's own
+        return StageState(
+            stage=self.stage,
+            round=header["round"],
+            schedule_step=header["schedule_step"],
+            params=params,
+            optimizer=optimizer,
+        )
+
+    def _read_prelude(self, view: memoryview) -> memoryview:
+        """Take the prelude's bytes from ``view``; once the header is whole, check it. Returns what follows."""
+        fixed = len(_MAGIC) + _LENGTH.size
+        want = fixed if len(self._prelude) < fixed else fixed + _LENGTH.unpack_from(self._prelude, len(_MAGIC))[0]
+        take = min(view.nbytes, want - len(self._prelude))
+        self._prelude += view[:take]
+        if not _MAGIC.startswith(bytes(self._prelude[: len(_MAGIC)])):
+            raise ValueError(f"not a {STATE_FORMAT} stream")
+        if len(self._prelude) == fixed and not 0 < (length := _LENGTH.unpack_from(self._prelude, len(_MAGIC))[0]) <= (
+            MAX_HEADER_BYTES
+        ):
+            raise ValueError(f"a state header of {length} bytes, at most {MAX_HEADER_BYTES} accepted")
+        if len(self._prelude) > fixed and len(self._prelude) == want:
+            self._check_header(bytes(self._prelude[fixed:]))
+        return view[take:]
+
+    def _check_header(self, raw: bytes) -> None:
+        try:
+            header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+            raise ValueError(f"unreadable state header: {e}") from None
+        if not isinstance(header, dict) or set(header) != {"stage", "round", "schedule_step", "params", "optimizer"}:
+            raise ValueError("the state header does not hold a stage state's fields")
+        if header["stage"] != self.stage:
+            raise ValueError(f"state of stage {header['stage']!r}, expected {self.stage}")
+        counters = [header["round"], header["schedule_step"]]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counters):
+            raise ValueError(f"round and schedule_step must be non-negative integers, got {counters}")
+        params = header["params"]
+        names = (
+            [p[0] if isinstance(p, list) and len(p) == 2 else None for p in params] if isinstance(params, list) else []
+        )
+        if names != list(self.template):
+            raise ValueError("the state's parameter names differ from this stage's")
+        shapes = [t.shape for t in self.template.values()]
+        for (name, shape), expected in zip(params, shapes, strict=True):
+            _check_shape(name, shape, expected)
+            self._slots.append((name, expected))
+        slots = header["optimizer"]
+        if slots is not None:
+            if not isinstance(slots, list):
+                raise ValueError("the outer optimizer state is not a list of slots")
+            seen = set()
+            for slot in slots:
+                if not (isinstance(slot, list) and len(slot) == 3 and isinstance(slot[1], str)):
+                    raise ValueError(f"outer optimizer slot {slot!r:.80}: not [parameter, key, shape]")
+                index, key, shape = slot
+                if not (isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(shapes)):
+                    raise ValueError(f"outer optimizer state for parameter {index!r}: not one of this stage's")
+                if (index, key) in seen:
+                    raise ValueError(f"outer optimizer {key} of parameter {index} twice")
+                seen.add((index, key))
+                if shape is not None:  # SGD without momentum keeps None buffers
+                    what = f"outer optimizer {key} of parameter {index}"
+                    _check_shape(what, shape, shapes[index])
+                    self._slots.append((what, shapes[index]))
+        if raw != _pack_header(
+            stage=header["stage"],
+            round_=header["round"],
+            schedule_step=header["schedule_step"],
+            params=params,
+            slots=slots,
+        ):
+            raise ValueError("the state header is not in its canonical encoding")
+        expected_size = len(self._prelude) + sum(4 * shape.numel() for _, shape in self._slots)
+        if self._size is not None and expected_size != self._size:
+            raise ValueError(f"the state header declares {expected_size} bytes, the stream has {self._size}")
+        self._header = header
+        self._skip_empty()
+
+    def _fill(self, view: memoryview) -> memoryview:
+        """Copy from ``view`` into the current tensor (allocated on its first byte); returns what is left."""
+        if self._filled == 0:
+            self._tensors.append(torch.empty(self._slots[len(self._tensors)][1], dtype=torch.float32))
+        target = self._tensors[-1].view(-1).view(torch.uint8).numpy()
+        take = min(view.nbytes, target.size - self._filled)
+        target[self._filled : self._filled + take] = np.frombuffer(view[:take], dtype=np.uint8)
+        self._filled += take
+        if self._filled == target.size:
+            self._filled = 0
+            if not torch.isfinite(self._tensors[-1]).all():
+                raise ValueError(f"{self._slots[len(self._tensors) - 1][0]}: non-finite values")
+            self._skip_empty()
+        return view[take:]
+
+    def _skip_empty(self) -> None:
+        """Allocate the tensors with no values (no byte of theirs will arrive)."""
+        while self._header is not None and len(self._tensors) < len(self._slots) and self._filled == 0:
+            shape = self._slots[len(self._tensors)][1]
+            if shape.numel():
+                return
+            self._tensors.append(torch.empty(shape, dtype=torch.float32))
+
+
+def _check_shape(name: Any, shape: Any, expected: torch.Size) -> None:
+    if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+        raise ValueError(f"{name!r:.80}: shape {shape!r:.80} is not a list of integers")
+    if torch.Size(shape) != expected:
+        raise ValueError(f"{name}: expected a float32 tensor of shape {tuple(expected)}, got {tuple(shape)}")
 
 
 async def download_state(
-    fetch: Fetch,
+    fetch: StreamFetch,
     peers: Sequence[str],
     *,
     stage: int,
@@ -241,17 +415,18 @@ async def download_state(
 
     ``blob``: ``state`` (the last outer round's, with the outer optimizer) or ``local`` (the replica's current weights).
 
-    ``fetch(peer, name)`` returns a whole, hash-checked blob or raises ``TransferError``; a blob
-    that arrives whole but does not fit the stage, or that ``check`` refuses (``StateClaim.check``:
-    not the claimed weights), counts as a failed transfer too, and ``blame(peer, why)`` hears of it:
-    the peer sent it, whole and hash-checked.
+    ``fetch(peer, name, sink)`` streams a blob into ``sink`` (a ``StateDecoder``, which decodes it as it arrives)
+    and returns once it is whole and hash-checked, or raises ``TransferError``; a stream that does not fit the
+    stage (refused as it arrives), or a state that ``check`` refuses (``StateClaim.check``: not the claimed
+    weights), counts as a failed transfer too, and ``blame(peer, why)`` hears of it: the peer sent it.
     """
     failures = []
     for peer in peers:
+        decoder = StateDecoder(stage=stage, template=template)
         try:
-            data = await fetch(peer, f"{blob}/{stage}")
             try:
-                state = unpack_state(data, stage=stage, template=template)
+                await fetch(peer, f"{blob}/{stage}", decoder)
+                state = decoder.result()
                 check(state)
             except ValueError as e:
                 blame(peer, str(e))

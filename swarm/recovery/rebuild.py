@@ -27,7 +27,6 @@ The math is ``swarm/recovery/checkfree.py``; this module moves it onto the netwo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -53,14 +52,13 @@ from swarm.outer.transfer import (
 )
 from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import RecoveryPlan, apply_recovery, recovery_source
-from swarm.rpc.blobs import TransferError
+from swarm.rpc.blobs import Sink, TransferError
 
 logger = logging.getLogger(__name__)
 PRIORITY_JOINER, PRIORITY_MOVER = 0, 1  # a peer that serves nothing yet rebuilds before one that must leave its stage
 ReplicaReader = Callable[[int], Awaitable[Mapping[str, StageStatus]]]  # stage → {peer id: status}, this peer excluded
-BlobFetch = Callable[
-    [str, str, int], Awaitable[bytes]
-]  # (peer, blob name, max bytes) → hash-checked blob, or TransferError
+# (peer, blob name, sink, max bytes) → the blob's SHA-256 once it has streamed into the sink whole, or TransferError
+BlobStreamer = Callable[[str, str, Sink, int], Awaitable[str]]
 
 
 def claim_winner(claims: Mapping[str, RecoveryClaim]) -> str | None:
@@ -109,11 +107,11 @@ def _by_id(claims: Mapping[PeerID, RecoveryClaim]) -> dict[str, RecoveryClaim]:
 
 @dataclass(frozen=True, kw_only=True)
 class Source:
-    """One stage the rebuild read: whose state, its hash-checked blob and its last gradient norm."""
+    """One stage the rebuild read: whose state, the hash of the stream it came in, and its last gradient norm."""
 
     stage: int
     peer: str
-    blob: bytes  # the local/<stage> archive as served
+    sha256: str  # of the local/<stage> stream as served (hex); ``pack_state(state)`` gives those very bytes back
     state: StageState
     grad_norm: float  # from the peer's DHT record at download time
 
@@ -121,7 +119,7 @@ class Source:
         return {
             "stage": self.stage,
             "peer": self.peer,
-            "sha256": hashlib.sha256(self.blob).hexdigest()[:16],
+            "sha256": self.sha256[:16],
             "weights_hash": weights_hash(self.state.params),
             "grad_norm": self.grad_norm,
             "schedule_step": self.state.schedule_step,
@@ -148,7 +146,7 @@ class Rebuilt:
         }
 
 
-async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobFetch) -> Rebuilt:
+async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobStreamer) -> Rebuilt:
     """Download the sources of ``stage`` and merge them; ``TransferError`` if a source stage has no replica that delivers."""
     started, num_stages = time.perf_counter(), cfg.stages.num_stages
     plan = recovery_source(stage, num_stages, swaps_enabled=swaps_enabled(cfg.paths))
@@ -178,21 +176,21 @@ async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, f
     return Rebuilt(plan=plan, state=state, sources=tuple(sources), rebuild_s=time.perf_counter() - started)
 
 
-async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobFetch) -> Source:
+async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobStreamer) -> Source:
     if stage == EDGE_STAGE:
         raise ValueError("middle stages are rebuilt from middle stages")
     found = await replicas(stage)
     template = stage_template(cfg.model, cfg.stages.num_stages, stage)
-    blobs: dict[str, bytes] = {}  # kept as served: the rebuild's inputs are logged and saved by their hash
+    digests: dict[str, str] = {}  # the rebuild's inputs are logged and saved by their hash
 
-    async def fetch_kept(peer: str, name: str) -> bytes:
-        blobs[peer] = await fetch(peer, name, state_bytes_bound(template))
-        return blobs[peer]
+    async def fetch_kept(peer: str, name: str, sink: Sink) -> str:
+        digests[peer] = await fetch(peer, name, sink, state_bytes_bound(template))
+        return digests[peer]
 
     order = sorted(found, key=lambda p: (-found[p].outer_round, p))  # the most advanced replica first
     # current weights, not the last round's
     peer, state = await download_state(fetch_kept, order, stage=stage, template=template, blob="local")
-    return Source(stage=stage, peer=peer, blob=blobs[peer], state=state, grad_norm=found[peer].grad_norm)
+    return Source(stage=stage, peer=peer, sha256=digests[peer], state=state, grad_norm=found[peer].grad_norm)
 
 
 def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
@@ -204,7 +202,9 @@ def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
             "stage": rebuilt.plan.stage,
             "kind": rebuilt.plan.kind,
             "sources": [
-                {"stage": s.stage, "peer": s.peer, "blob": s.blob, "grad_norm": s.grad_norm} for s in rebuilt.sources
+                # the state stream as served (its encoding is canonical: the decoder refuses any other)
+                {"stage": s.stage, "peer": s.peer, "blob": pack_state(s.state), "grad_norm": s.grad_norm}
+                for s in rebuilt.sources
             ],
             "params": rebuilt.state.params,
         },

@@ -1,29 +1,38 @@
 """Named blobs between peers: a small service over hivemind P2P that streams a blob in hash-checked chunks.
 
 A peer asks another for a named blob (``state/2``, ``outer/2/17/payload/<peer>``, …) and gets a
-stream whose first message is a header (size and SHA-256, or the error reply of
-``swarm/rpc/servicer.py``) and the rest raw chunks. The client bounds the size before it reads,
-stops at the first byte too many, and checks the hash, so a truncated, corrupted or oversized
-transfer raises ``TransferError`` and the caller tries another peer. The service has the defences
-of every service (``GuardedServicer``): rate limit, ban after invalid requests, certificate check.
+stream whose first message is a header (the size, or the error reply of ``swarm/rpc/servicer.py``),
+then raw chunks of at most ``CHUNK_BYTES``, then a trailer (the SHA-256 of those bytes). The client
+bounds the size before it reads, stops at the first byte too many, and checks the hash, so a
+truncated, corrupted or oversized transfer raises ``TransferError`` and the caller tries another
+peer. The service has the defences of every service (``GuardedServicer``): rate limit, ban after
+invalid requests, certificate check.
+
+Neither side needs the whole blob in memory. A provider returns bytes or a ``BlobStream`` (its
+size, and chunks made on demand: a stage's state is serialized tensor by tensor as it is sent), and
+the client hands each chunk to a ``Sink`` as it arrives (``stream``: a state is decoded straight
+into its tensors) or into one buffer of the announced size (``fetch``). The hash covers the
+stream, so a sink must not let anything use what it received until ``stream`` has returned.
 
 What is served comes from providers registered by name prefix: a stage's state
 (``swarm/outer/transfer.py``), the outer step's payloads and commits (``swarm/outer/rounds.py``).
 
-    >>> blobs = BlobServicer(verifier=creds.verifier); blobs.provide("state", lambda name: replica.export_state())
+    >>> blobs = BlobServicer(verifier=creds.verifier); blobs.provide("state", replica.export_state)
     >>> await blobs.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
     >>> data = await BlobClient(p2p, namespace=cfg.swarm_id).fetch(peer, "state/2", timeout=30, max_bytes=1 << 30)
+    >>> sha256 = await client.stream(peer, "state/2", StateDecoder(stage=2, template=params), timeout=30, max_bytes=bound)
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import AsyncIterator  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
 
 import msgpack
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -34,14 +43,77 @@ from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.defences import PeerLimits
 from swarm.rpc.servicer import TRANSPORT_ERRORS, GuardedServicer, RequestError, pack_envelope, remote_error
 
+logger = logging.getLogger(__name__)
+
 CHUNK_BYTES = MAX_UNARY_PAYLOAD_SIZE // 2  # one stream message
 BLOB_NAME = re.compile(r"\w[\w.-]{0,63}(/\w[\w.-]{0,63}){0,5}")  # e.g. "state/2", "outer/1/7/payload/12D3KooW…"
 MAX_REQUEST_BYTES = 16 << 10  # a name and a certificate
-Provider = Callable[[str], Awaitable[bytes]]  # full blob name → blob; raises LookupError if there is none
 
 
 class TransferError(Exception):
     """A blob did not arrive whole: the peer refused, vanished, timed out, or sent bytes that do not match."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlobStream:
+    """A blob made as it is sent: ``size`` bytes in all, from ``chunks`` (any sizes; the service splits them into
+    messages). ``chunks`` may stop early by raising: the client then sees a truncated blob. ``on_sent`` hears
+    the SHA-256 (hex) of a blob sent whole."""
+
+    size: int
+    chunks: AsyncIterator[bytes]
+    on_sent: Callable[[str], None] = field(default=lambda sha256: None)
+
+    @classmethod
+    def of(cls, data: bytes) -> BlobStream:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield data
+
+        return cls(size=len(data), chunks=chunks())
+
+
+Provider = Callable[
+    [str], Awaitable["bytes | BlobStream"]
+]  # full blob name → blob; raises LookupError if there is none
+
+
+class Sink(Protocol):
+    """Where a streamed blob goes, chunk by chunk; ValueError from either method refuses the blob."""
+
+    def open(self, size: int) -> None:
+        """The blob's announced size (already within the client's ``max_bytes``), before its first byte."""
+
+    def write(self, chunk: bytes) -> None:
+        """The next bytes, in order. Nothing may use them before the stream's hash is checked (``stream`` returns)."""
+
+
+class BufferSink:
+    """Collects a blob in one buffer of its announced size: no second copy while it arrives."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self._filled = 0
+
+    def open(self, size: int) -> None:
+        self.data = bytearray(size)
+
+    def write(self, chunk: bytes) -> None:
+        self.data[self._filled : self._filled + len(chunk)] = chunk
+        self._filled += len(chunk)
+
+
+async def feed(blob: bytes | BlobStream, sink: Sink) -> str:
+    """Pass a provider's blob into ``sink`` in-process, as a transfer would; returns its SHA-256 (hex)."""
+    blob = blob if isinstance(blob, BlobStream) else BlobStream.of(blob)
+    digest, fed = hashlib.sha256(), 0
+    sink.open(blob.size)
+    async for chunk in blob.chunks:
+        digest.update(chunk)
+        fed += len(chunk)
+        sink.write(chunk)
+    if fed != blob.size:
+        raise TransferError(f"a blob of {blob.size} bytes made {fed}")
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,20 +150,32 @@ class BlobServicer(GuardedServicer):
         peer = context.remote_id
         try:
             self.screen(peer)
-            data = await self._lookup(
-                self.open_request(peer, request.metadata, BlobRequest, max_bytes=MAX_REQUEST_BYTES).name
-            )
+            name = self.open_request(peer, request.metadata, BlobRequest, max_bytes=MAX_REQUEST_BYTES).name
+            blob = await self._lookup(name)
         except Exception as e:  # every failure becomes the error header; refuse() tells the sender's faults from ours
             yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
             return
-        yield runtime_pb2.ExpertResponse(
-            metadata=msgpack.packb({"size": len(data), "sha256": hashlib.sha256(data).digest()})
-        )
-        for start in range(0, len(data), CHUNK_BYTES):
-            yield runtime_pb2.ExpertResponse(metadata=data[start : start + CHUNK_BYTES])
-        self.served_bytes += len(data)
+        blob = blob if isinstance(blob, BlobStream) else BlobStream.of(blob)
+        yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"size": blob.size}))
+        digest, sent = hashlib.sha256(), 0
+        try:
+            async for chunk in blob.chunks:
+                for start in range(0, len(chunk), CHUNK_BYTES):
+                    piece = chunk[start : start + CHUNK_BYTES]
+                    digest.update(piece)
+                    sent += len(piece)
+                    yield runtime_pb2.ExpertResponse(metadata=piece)
+        except Exception as e:  # the blob changed or vanished while it was sent: the client sees it truncated
+            logger.info(f"blob {name} to {peer}: stopped after {sent} of {blob.size} bytes: {e}")
+            return
+        if sent != blob.size:
+            logger.error(f"blob {name}: made {sent} bytes, announced {blob.size}; not finishing it")
+            return
+        yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"sha256": digest.digest()}))
+        self.served_bytes += sent
+        blob.on_sent(digest.hexdigest())
 
-    async def _lookup(self, name: str) -> bytes:
+    async def _lookup(self, name: str) -> bytes | BlobStream:
         if not BLOB_NAME.fullmatch(name):
             raise RequestError(RequestError.INVALID, f"blob name {name[:80]!r} must match {BLOB_NAME.pattern}")
         prefix = name.split("/", 1)[0]
@@ -114,43 +198,67 @@ class BlobClient:
         self.received_bytes = 0
 
     async def fetch(self, peer: str | PeerID, name: str, *, timeout: float, max_bytes: int) -> bytes:
-        """The blob, whole and hash-checked, within ``timeout`` seconds; else ``TransferError``."""
+        """The blob, whole and hash-checked, within ``timeout`` seconds; else ``TransferError``. (A ``bytearray``:
+        the buffer it arrived in.)"""
+        sink = BufferSink()
+        await self.stream(peer, name, sink, timeout=timeout, max_bytes=max_bytes)
+        return sink.data
+
+    async def stream(self, peer: str | PeerID, name: str, sink: Sink, *, timeout: float, max_bytes: int) -> str:
+        """Feed the blob to ``sink`` as it arrives; returns its SHA-256 (hex) once it has arrived whole and
+        hash-checked within ``timeout`` seconds. ``TransferError`` if it did not; ``sink``'s ValueError as is."""
         peer = PeerID.from_base58(peer) if isinstance(peer, str) else peer
         request = pack_envelope(BlobRequest(name=name), self.certificate())
         try:
-            data = await asyncio.wait_for(self._read(peer, request, max_bytes), timeout)
+            size, sha256 = await asyncio.wait_for(self._read(peer, request, sink, max_bytes), timeout)
         except TimeoutError:
             raise TransferError(f"{name} from {peer}: no whole blob within {timeout:.1f}s") from None
         except TRANSPORT_ERRORS as e:
             raise TransferError(f"{name} from {peer}: {type(e).__name__}: {e}") from None
-        self.received_bytes += len(data)
-        return data
+        self.received_bytes += size
+        return sha256
 
-    async def _read(self, peer: PeerID, request: bytes, max_bytes: int) -> bytes:
+    async def _read(self, peer: PeerID, request: bytes, sink: Sink, max_bytes: int) -> tuple[int, str]:
         stream = await BlobServicer.get_stub(self.p2p, peer, namespace=self.namespace).rpc_blob(
             runtime_pb2.ExpertRequest(metadata=request)
         )
         try:
-            header = msgpack.unpackb((await anext(stream)).metadata, raw=False, max_bin_len=64, max_str_len=4096)
-        except (StopAsyncIteration, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-            raise TransferError(f"unreadable header from {peer}: {e!r}") from None
-        if (refusal := remote_error(header)) is not None:
-            raise TransferError(f"{peer} refused: {refusal}")
-        if not isinstance(header, dict):
-            raise TransferError(f"{peer} sent a header that is not a map: {header!r:.80}")
-        size, digest = header.get("size"), header.get("sha256")
-        if not (isinstance(size, int) and 0 <= size <= max_bytes and isinstance(digest, bytes)):
-            raise TransferError(f"{peer} announced a blob of {size!r} bytes; at most {max_bytes} are accepted")
-        parts, received = [], 0
-        async for message in stream:
-            received += len(message.metadata)
-            if received > size:  # stop reading: never buffer more than announced
-                break
-            parts.append(message.metadata)
-        data = b"".join(parts)
-        if received != size or hashlib.sha256(data).digest() != digest:
-            raise TransferError(
-                f"blob from {peer} does not match its header: {received} of {size} bytes, hash "
-                f"{'ok' if hashlib.sha256(data).digest() == digest else 'mismatch'}"
-            )
-        return data
+            header = _control(peer, await anext(stream, None), "header")
+            if (refusal := remote_error(header)) is not None:
+                raise TransferError(f"{peer} refused: {refusal}")
+            size = header.get("size")
+            if not (isinstance(size, int) and 0 <= size <= max_bytes):
+                raise TransferError(f"{peer} announced a blob of {size!r} bytes; at most {max_bytes} are accepted")
+            sink.open(size)
+            digest, received = hashlib.sha256(), 0
+            while received < size:
+                message = await anext(stream, None)
+                if message is None:
+                    raise TransferError(
+                        f"blob from {peer} does not match its header: it ended after {received} of {size} bytes"
+                    )
+                chunk = message.metadata
+                received += len(chunk)
+                if received > size:  # stop reading: never take more than announced
+                    raise TransferError(f"blob from {peer} does not match its header: over {size} bytes")
+                digest.update(chunk)
+                sink.write(chunk)
+            trailer = _control(peer, await anext(stream, None), "trailer")
+            if trailer.get("sha256") != digest.digest():
+                raise TransferError(f"blob from {peer} does not match its header: {size} bytes, hash mismatch")
+            return size, digest.hexdigest()
+        finally:
+            await stream.aclose()
+
+
+def _control(peer: PeerID, message: runtime_pb2.ExpertResponse | None, what: str) -> dict:
+    """A blob stream's header or trailer: a small map; TransferError if it is missing or unreadable."""
+    if message is None:
+        raise TransferError(f"{peer} ended the stream before its {what}")
+    try:
+        value = msgpack.unpackb(message.metadata, raw=False, max_bin_len=64, max_str_len=4096)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise TransferError(f"unreadable {what} from {peer}: {e!r}") from None
+    if not isinstance(value, dict):
+        raise TransferError(f"{peer} sent a {what} that is not a map: {value!r:.80}")
+    return value
