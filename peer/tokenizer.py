@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -83,6 +84,14 @@ Tokenizer = ByteTokenizer | BpeTokenizer
 BYTES = ByteTokenizer()
 
 
+def import_tokenizers() -> ModuleType:
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("BPE tokenizers need the tokenizers package: pip install 'swarmloco[data]'") from None
+    return tokenizers
+
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -91,8 +100,7 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
     """The BPE tokenizer in ``path`` (a ``tokenizers`` JSON file), or BYTES for None."""
     if path is None:
         return BYTES
-    from tokenizers import Tokenizer as HfTokenizer
-
+    HfTokenizer = import_tokenizers().Tokenizer
     try:
         text = path.read_text()
         tokenizer = HfTokenizer.from_str(text)
@@ -113,15 +121,14 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, out: Path) -> BpeTokeniz
 
     The vocabulary is smaller when the text has fewer distinct merges to learn.
     """
-    from tokenizers import Tokenizer as HfTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
+    lib = import_tokenizers()
+    models, pre_tokenizers, decoders, trainers = lib.models, lib.pre_tokenizers, lib.decoders, lib.trainers
     if not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
         raise TokenizerError(
             f"--vocab-size must be above {BYTE_VOCAB} (the byte alphabet; 256 is the byte tokenizer) and at most "
             f"{MAX_VOCAB}, got {vocab_size}"
         )
-    tokenizer = HfTokenizer(models.BPE())
+    tokenizer = lib.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,12 @@ def test_unusable_tokenizer_files_are_refused(tmp_path: Path) -> None:
         app, ["tokenizer", "train", "--data", str(tmp_path / "nothing"), "-o", str(tmp_path / "t.json")]
     )
     assert result.exit_code == 2 and "nothing" in result.output
+
+
+def test_without_tokenizers_a_bpe_names_the_extra_to_install(
+    bpe_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
+    for attempt in (lambda: load_tokenizer(bpe_file), lambda: train_bpe(["x"], vocab_size=300, out=tmp_path / "t")):
+        with pytest.raises(TokenizerError, match=r"swarmloco\[data\]"):
+            attempt()
