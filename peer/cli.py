@@ -13,7 +13,7 @@ in the order ``swarmloco --help`` lists them.
 import sys
 
 from peer.cli_common import app
-from peer.commands import dashboard, one_process, private_swarm, swarm  # noqa: F401  (their decorators register the commands)
+from peer.commands import dashboard, one_process, private_swarm, swarm, tokenizer  # noqa: F401  (their decorators register the commands)
 
 __all__ = ["app", "main"]
 

@@ -13,6 +13,7 @@ import typer
 
 from peer import logs
 from peer.data import DataError
+from peer.tokenizer import Tokenizer, TokenizerError, config_and_tokenizer
 from swarm.config import SwarmConfig, load_config
 from swarm.errors import ConfigError
 from swarm.hardware import DEVICE_HELP
@@ -36,7 +37,16 @@ DataOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--data",
-        help="Text files, directories or globs (.txt .md .py .rst .jsonl); repeatable. Default: this Python's standard-library sources.",
+        help="Text files, directories or globs (.txt .md .py .rst .jsonl), parquet or arrow tables and `datasets` "
+        "save_to_disk folders (a 'text' column; needs swarmloco[data]); repeatable. Default: this Python's "
+        "standard-library sources.",
+    ),
+]
+TokenizerOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer",
+        help="The BPE tokenizer file the swarm config names (`swarmloco tokenizer train`); default: the byte tokenizer.",
     ),
 ]
 
@@ -52,7 +62,7 @@ LogLevelOpt = Annotated[
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-USER_ERRORS = (ConfigError, DataError, CheckpointError, StageDoesNotFit)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, StageDoesNotFit, TokenizerError)
 
 
 def fail(message: str) -> None:
@@ -109,6 +119,11 @@ def progress_line(step: int, total: int, record: dict[str, float]) -> str:
 
 def config_or_default(path: Path | None) -> SwarmConfig:
     return load_config(path) if path else SwarmConfig()
+
+
+def config_with_tokenizer(path: Path | None, tokenizer: Path | None) -> tuple[SwarmConfig, Tokenizer]:
+    """The config in ``path`` and the ``--tokenizer`` it names (checked), or the built-in config with that tokenizer."""
+    return config_and_tokenizer(load_config(path) if path else None, tokenizer)
 
 
 def swarm_credentials(

@@ -19,6 +19,7 @@ revocation lists are public; only the two private keys are secret. Formats and c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -54,9 +55,10 @@ DAY_S = 86_400
 MIN_DAYS, MAX_DAYS = 60 / DAY_S, 36_525.0
 
 
-def create_swarm(name: str, out: Path, *, private: bool) -> SwarmConfig:
-    """Write ``out/swarm.toml`` and, for a private swarm, a new authority key pair beside it, named in the config
-    (so the swarm id is this authority's: another private swarm of the same name gets another id)."""
+def create_swarm(name: str, out: Path, *, private: bool, base: SwarmConfig | None = None) -> SwarmConfig:
+    """Write ``out/swarm.toml`` (``base``, default the built-in config, named ``name``) and, for a private swarm, a new
+    authority key pair beside it, named in the config (so the swarm id is this authority's: another private swarm of
+    the same name gets another id)."""
     targets = [out / CONFIG_FILE] + ([out / AUTHORITY_KEY, out / AUTHORITY_PUB] if private else [])
     for path in targets:
         if path.exists():
@@ -64,7 +66,9 @@ def create_swarm(name: str, out: Path, *, private: bool) -> SwarmConfig:
                 f"{path} already exists; choose another --out (an overwritten authority key is a lost swarm)"
             )
     key = Ed25519PrivateKey.generate() if private else None
-    cfg = SwarmConfig(name=name, authority=encode_public_key(key.public_key()) if key else "")
+    cfg = dataclasses.replace(
+        base or SwarmConfig(), name=name, authority=encode_public_key(key.public_key()) if key else ""
+    )
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / CONFIG_FILE)
     if key is not None:

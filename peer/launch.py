@@ -31,7 +31,8 @@ from typing import Any, TextIO
 import torch
 
 from peer import logs
-from peer.data import load_corpus
+from peer.data import Shard, load_corpus, resolve_paths
+from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
 from swarm.config import SwarmConfig, load_config, save_config
 from swarm.model.stages import StagesConfig
 from swarm.node import Node
@@ -47,19 +48,29 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
     SIGINT/SIGTERM; returns its last record."""
     if peer.threads:
         torch.set_num_threads(peer.threads)
-    cfg = load_config(config) if config else (None if peer.initial_peers else SwarmConfig())
+    tokenizer = load_tokenizer(peer.tokenizer)  # fail on a bad file before joining
+    cfg = load_config(config) if config else (None if peer.initial_peers else with_tokenizer(SwarmConfig(), tokenizer))
+    if cfg is not None and peer.role == "trainer":  # --role auto: once it turns out to be a trainer
+        check_tokenizer(cfg, tokenizer, peer.tokenizer)
     name = (
         peer.name
         or {"trainer": "trainer", "stage": f"stage{peer.stage or ''}"}.get(peer.role, "peer") + f"-{os.getpid()}"
     )
     peer = dataclasses.replace(peer, name=name)
     logs.set_peer_name(name)
-    corpus = load_corpus(peer.data) if peer.role == "trainer" else None  # fail on bad --data before joining
+    if peer.role == "trainer" and peer.data:
+        resolve_paths(peer.data)  # fail on bad --data before joining
     echo(f"{name}: {peer.chosen_reachability().describe()}")
 
-    def batches(cfg: SwarmConfig) -> tuple[Any, list[Any]]:
-        nonlocal corpus
-        corpus = corpus or load_corpus(peer.data)  # --role auto: only once the peer turns out to be a trainer
+    def batches(cfg: SwarmConfig, peer_id: str) -> tuple[Any, list[Any]]:
+        """Read this trainer's shard once it knows the swarm's config and its own peer id."""
+        count = cfg.data.shards
+        shard = Shard.of_peer(peer_id, count) if peer.data_shard is None else Shard(index=peer.data_shard, count=count)
+        corpus = load_corpus(peer.data, tokenizer=tokenizer_for(cfg, peer.tokenizer), shard=shard)
+        echo(
+            f"{name}: data shard {shard.index} of {count}: {len(corpus.train)} training and {len(corpus.val)} "
+            f"validation tokens from {corpus.num_documents} documents"
+        )
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
         return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * peer.seed, **kw), corpus.val_batches(
             num_batches=VAL_BATCHES, **kw
@@ -156,10 +167,13 @@ LOOPBACK = Placement()
 
 
 def local_config(base: SwarmConfig, layout: LocalSwarm) -> SwarmConfig:
+    """``base`` with the layout's stages and steps; several trainers get a data shard each unless ``base`` shards."""
+    shards = layout.trainers if base.data.shards == 1 else base.data.shards
     return dataclasses.replace(
         base,
         stages=StagesConfig(num_stages=layout.stages),
         inner=dataclasses.replace(base.inner, total_steps=layout.steps),
+        data=dataclasses.replace(base.data, shards=shards),
     )
 
 
@@ -169,6 +183,7 @@ def launch_local(
     out: Path,
     config: SwarmConfig | None = None,
     data: Sequence[str] | None = None,
+    tokenizer: Path | None = None,
     extra_args: Sequence[str] = (),
     echo: Callable[[str], None] = print,
     ready_timeout_s: float = 120.0,
@@ -177,7 +192,8 @@ def launch_local(
 ) -> int:
     """Run a whole swarm until its trainers finish; 0 if every trainer succeeded.
 
-    Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
+    With several trainers, each reads its own data shard (``local_config``); ``tokenizer`` is the file the config
+    names, handed to every peer. Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
     peers run in ``out``, so every path handed to them is made absolute first. With ``export``, the
     model is saved to ``out/model.pt`` before the servers stop: stage 0 as the first trainer left it
     (each trainer writes ``out/<name>.stage0``), the middle stages from their live servers.
@@ -189,6 +205,8 @@ def launch_local(
     common = ["--out", str(out), "--threads", "1", "--log-level", logs.current_level(), *extra_args]
     for spec in data or ():
         common += ["--data", absolute_spec(spec)]
+    if tokenizer is not None:
+        common += ["--tokenizer", absolute_spec(str(tokenizer))]
 
     def spawn(name: str, args: list[str]) -> subprocess.Popen:
         where = place(name)
@@ -215,8 +233,9 @@ def launch_local(
         trainers = [f"trainer-{i}" for i in range(layout.trainers)]
         for i, name in enumerate(trainers):
             saved = ["--stage-checkpoint", str(stage0_file(out, name))]
+            shard = ["--data-shard", str(i % cfg.data.shards)]  # distinct shards: no two trainers share documents
             procs[name] = spawn(
-                name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *saved, *join]
+                name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *shard, *saved, *join]
             )
         joiners, join_at = [f"joiner-{i}" for i in range(layout.joiners)], []
 

@@ -78,7 +78,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = tiny_config(stages=1, steps=steps, outer={"method": "none"}, timeouts=TIMEOUTS)
 
-    def data(cfg: Any) -> Any:
+    def data(cfg: Any, peer_id: str) -> Any:
         corpus = load_corpus([DATA])
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
         return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_batches=4, **kw)

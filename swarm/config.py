@@ -3,7 +3,9 @@
 Each component keeps its config beside it (model, stages, codecs, optimizers, paths); this
 module composes them. The hash identifies the swarm: it is part of every DHT key, so peers
 with different configs never mix. A private swarm's config names its authority's public key, so
-two private swarms of one name never share an id (a public swarm's hash leaves the empty field out). Choice fields are ``Literal`` types; every section validates
+two private swarms of one name never share an id (a public swarm's hash leaves the empty field out). The
+``[data]`` section (tokenizer, shards) is left out of the hash too while it holds its defaults, so byte-tokenizer
+swarms keep the ids they had before it existed. Choice fields are ``Literal`` types; every section validates
 in ``__post_init__`` and raises ``ConfigError`` with the field relative to itself, and
 ``from_dict`` prefixes each enclosing section, so errors name the full dotted path.
 
@@ -20,6 +22,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 import tomllib
 import types
 import typing
@@ -46,7 +49,6 @@ OUTER_CHOICES: tuple[OuterChoice, ...] = get_args(OuterChoice)
 SUBSPACE_RANK_DIVISOR = 8  # a subspace codec chosen without a rank gets k = d_model / 8
 AUTHORITY_KEY_BYTES = 32  # an Ed25519 public key, in base64 in authority.pub and the config
 # fields added after swarms were running: at these values they are left out of the hash, so those swarms keep their ids
-HASHED_ONLY_IF_SET: dict[str, ConfigValue] = {"authority": "", "train.precision": "fp32"}
 
 
 @dataclass(kw_only=True)
@@ -77,6 +79,34 @@ class TimeoutConfig:
 
 
 @dataclass(kw_only=True)
+class DataConfig:
+    """What a trainer's tokens are: the tokenizer (bpe: named by its file's sha256) and how the documents are sharded."""
+
+    tokenizer: Literal["bytes", "bpe"] = "bytes"  # bytes: UTF-8 bytes, 256 ids; bpe: `swarmloco tokenizer train`
+    tokenizer_sha256: str = ""  # bpe: sha256 (64 hex digits) of the tokenizer file every token-computing peer loads
+    shards: int = 1  # trainers read 1/shards of the training documents each (shard from the peer id or --data-shard)
+
+    def __post_init__(self) -> None:
+        check_positive(self, "shards")
+        if self.tokenizer == "bpe" and not re.fullmatch(r"[0-9a-f]{64}", self.tokenizer_sha256):
+            raise ConfigError(
+                "tokenizer_sha256",
+                f"a bpe tokenizer is named by its file's sha256 (64 lowercase hex digits), got {self.tokenizer_sha256!r}",
+            )
+        if self.tokenizer == "bytes" and self.tokenizer_sha256:
+            raise ConfigError("tokenizer_sha256", "the byte tokenizer has no file: leave tokenizer_sha256 empty")
+
+
+# fields and sections added after swarms were running: at these values they are left out of the hash, so those swarms
+# keep their ids (a public swarm has no authority; byte tokenizer, unsharded data; fp32)
+HASHED_ONLY_IF_SET: dict[str, object] = {
+    "authority": "",
+    "train.precision": "fp32",
+    "data": dataclasses.asdict(DataConfig()),
+}
+
+
+@dataclass(kw_only=True)
 class SwarmConfig:
     name: str = "swarmloco"
     authority: str = ""  # a private swarm's authority (authority.pub, base64); "" for a public swarm
@@ -88,6 +118,7 @@ class SwarmConfig:
     outer: OuterOptimConfig = field(default_factory=OuterOptimConfig)
     paths: PathConfig = field(default_factory=PathConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

@@ -56,6 +56,8 @@ class PeerConfig:
     out: Path | None = None  # metrics go to OUT/<name>.jsonl; a peer that rebuilds a stage saves the merge there too
     # trainers: corpus files, directories or globs (none: the default corpus)
     data: list[str] = field(default_factory=list)
+    tokenizer: Path | None = None  # trainers: the tokenizer file the swarm config names (None: the byte tokenizer)
+    data_shard: int | None = None  # trainers: the data shard to read, of data.shards (None: derived from the peer id)
     seed: int = 0  # trainers: data stream offset (give each trainer its own)
     threads: int = 0  # torch threads (0: torch's default)
     device: str = "auto"  # where this peer computes (``swarm/hardware.py``): auto, cpu, cuda, cuda:N or mps
@@ -97,7 +99,7 @@ class PeerConfig:
         for name in ("steps", "max_pending"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("rebalance_period_s", "checkpoint_every", "threads", "wait_for_stages_s"):
+        for name in ("rebalance_period_s", "checkpoint_every", "threads", "wait_for_stages_s", "data_shard"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(name, f"must be non-negative, got {getattr(self, name)}")
         if not DEVICE_SPEC.match(self.device):

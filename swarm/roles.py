@@ -51,7 +51,8 @@ from swarm.recovery.rebuild import (
 from swarm.served_stage import ServedStage, provide_local_state
 
 logger = logging.getLogger(__name__)
-DataFactory = Callable[[SwarmConfig], tuple[Iterator[Batch], Sequence[Batch]]]  # → (train batches, val batches)
+# (swarm config, this peer's id: what its data shard derives from) → (train batches, val batches); run off the event loop
+DataFactory = Callable[[SwarmConfig, str], tuple[Iterator[Batch], Sequence[Batch]]]
 
 
 def stage_loads(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> Snapshot:
@@ -283,7 +284,8 @@ class TrainerRole:
         provide_local_state(self.parts, sync)  # what `swarmloco export` takes stage 0 from
         if state is not None:
             await sync.adopt(state)
-        batches, val_batches = self.data(cfg)
+        # reading and tokenizing a corpus takes a while: the loop keeps serving stage 0 and the DHT meanwhile
+        batches, val_batches = await asyncio.to_thread(self.data, cfg, membership.peer_id.to_base58())
 
         async def refresh() -> None:
             banned = 0

@@ -1,6 +1,7 @@
 """Byte tokenizer, corpus loading, the train/validation split and the batch sampler."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.data import DataError, decode, default_corpus_paths, encode, is_validation_file, load_corpus
+from peer.data import (
+    DataError,
+    Shard,
+    decode,
+    default_corpus_paths,
+    encode,
+    is_validation_file,
+    iter_documents,
+    load_corpus,
+    resolve_paths,
+)
 
 
 @given(st.text(max_size=200))
@@ -96,3 +107,117 @@ def test_default_corpus_is_the_stdlib_source() -> None:
     paths = default_corpus_paths()
     assert len(paths) > 100 and all(p.suffix == ".py" for p in paths)
     assert not any("site-packages" in p.parts for p in paths)
+
+
+def write_parquet(path: Path, texts: list[str], *, rows_per_group: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), path, row_group_size=rows_per_group)
+
+
+def write_saved_dataset(folder: Path, texts: list[str], *, files: int = 2) -> None:
+    """What ``datasets.Dataset.save_to_disk`` writes: arrow IPC stream files, dataset_info.json and state.json."""
+    import pyarrow as pa
+
+    folder.mkdir()
+    names = [f"data-{i:05d}-of-{files:05d}.arrow" for i in range(files)]
+    for i, name in enumerate(names):
+        part = texts[i::files]
+        table = pa.table({"text": part, "label": [0] * len(part)})
+        with pa.ipc.new_stream(folder / name, table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=100):
+                writer.write_batch(batch)
+    (folder / "dataset_info.json").write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
+
+
+def all_text(corpus) -> str:
+    return decode(corpus.train) + decode(corpus.val)
+
+
+def test_parquet_shards_and_saved_datasets_are_read_row_by_row(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "a.parquet", [f"parquet row {i}." for i in range(3000)], rows_per_group=700)
+    write_saved_dataset(tmp_path / "saved", [f"saved row {i}." for i in range(500)])
+    (tmp_path / "notes.md").write_text("# notes\n" * 100)
+    docs = list(iter_documents(resolve_paths([tmp_path / "a.parquet", tmp_path / "saved"])))
+    assert len(docs) == 3500 and docs[0].key == "a.parquet#0" and docs[-1].key.endswith(".arrow#249")
+    corpus = load_corpus([str(tmp_path / "*.parquet"), tmp_path / "saved", tmp_path / "notes.md"])
+    text = all_text(corpus)
+    assert all(f"parquet row {i}." in text for i in range(3000)) and all(f"saved row {i}." in text for i in range(500))
+    assert "# notes" in text
+    assert corpus.num_documents == 3501 and 0 < len(corpus.val) < len(corpus.train)  # split by row: 5% held out
+    # a directory holding them finds them too, the save_to_disk folder through its arrow files
+    in_dir = list(iter_documents(resolve_paths([tmp_path])))
+    assert sorted(d.text for d in in_dir) == sorted([d.text for d in docs] + ["# notes\n" * 100])
+
+
+def test_tables_are_streamed_one_record_batch_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow.parquet as pq
+
+    write_parquet(tmp_path / "a.parquet", [f"row {i}" for i in range(3000)], rows_per_group=500)
+    seen: list[int] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            seen.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("read the whole file at once"))
+    assert len(list(iter_documents(resolve_paths([tmp_path / "a.parquet"])))) == 3000
+    assert sum(seen) == 3000 and max(seen) <= 1024
+
+
+@pytest.mark.parametrize(
+    "columns,message",
+    [({"body": ["x"]}, "no 'text' column; its columns: body"), ({"text": [1, 2]}, "not strings")],
+)
+def test_tables_without_a_text_column_are_refused(tmp_path: Path, columns: dict, message: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), tmp_path / "t.parquet")
+    with pytest.raises(DataError, match=message):
+        load_corpus([tmp_path / "t.parquet"])
+
+
+def test_without_pyarrow_a_table_names_the_extra_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_parquet(tmp_path / "a.parquet", ["text"], rows_per_group=1)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    with pytest.raises(DataError, match=r"swarmloco\[data\]"):
+        load_corpus([tmp_path / "a.parquet"])
+
+
+def test_shards_are_disjoint_cover_the_training_documents_and_share_validation(tmp_path: Path) -> None:
+    write_corpus(tmp_path)
+    marks = lambda corpus: {i for i in range(60) if f"file {i} " in decode(corpus.train)}
+    whole = load_corpus([tmp_path])
+    shards = [load_corpus([tmp_path], shard=Shard(index=i, count=3)) for i in range(3)]
+    for i, a in enumerate(shards):
+        assert marks(a) and torch.equal(a.val, whole.val)
+        assert all(not marks(a) & marks(b) for b in shards[i + 1 :]), "two shards share a document"
+    assert set().union(*map(marks, shards)) == marks(whole)
+
+
+def test_a_peer_id_picks_a_stable_shard_and_bad_shards_are_refused(tmp_path: Path) -> None:
+    peers = [f"12D3KooWpeer{i}" for i in range(50)]
+    picked = [Shard.of_peer(p, 4) for p in peers]
+    assert picked == [Shard.of_peer(p, 4) for p in peers] and {s.index for s in picked} == {0, 1, 2, 3}
+    with pytest.raises(DataError, match="shards are 0..2"):
+        Shard(index=3, count=3)
+    (tmp_path / "one.txt").write_text("a single document " * 100)
+    with pytest.raises(DataError, match="holds none of the"):  # one document cannot feed two shards
+        for i in range(2):
+            load_corpus([tmp_path / "one.txt"], shard=Shard(index=i, count=2))
+
+
+def test_a_local_swarm_gives_each_trainer_its_own_shard() -> None:
+    from peer.launch import LocalSwarm, local_config
+    from swarm.config import DataConfig, SwarmConfig
+
+    assert local_config(SwarmConfig(), LocalSwarm(peers=4, stages=2, trainers=2)).data.shards == 2
+    assert local_config(SwarmConfig(), LocalSwarm(peers=3, stages=2, trainers=1)).data.shards == 1
+    sharded = SwarmConfig(data=DataConfig(shards=8))
+    assert local_config(sharded, LocalSwarm(peers=4, stages=2, trainers=2)).data.shards == 8

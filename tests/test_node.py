@@ -52,7 +52,7 @@ def test_a_flat_namespace_fills_the_tree_and_every_bad_value_names_its_field() -
 def batches(data: Sequence[str], seed: int) -> DataFactory:
     corpus = load_corpus(data)
 
-    def make(cfg: SwarmConfig) -> tuple[Iterator[Batch], list[Batch]]:
+    def make(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], list[Batch]]:
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
         return corpus.sample_batches("train", seed=seed, **kw), corpus.val_batches(num_batches=2, **kw)
 

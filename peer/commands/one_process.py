@@ -1,6 +1,6 @@
 """Commands that run in one process, no network: train-local, eval, sample, simulate.
 
-$ swarmloco train-local --steps 300 --out runs/baseline
+$ swarmloco train-local --steps 300 --out runs/baseline   # --tokenizer tok.json: a BPE model
 $ swarmloco eval --checkpoint runs/baseline/model.pt
 $ swarmloco sample --checkpoint runs/baseline/model.pt --prompt "def " --tokens 200
 $ swarmloco simulate --replicas 2 --outer sparseloco --tokens 400000
@@ -18,14 +18,16 @@ from peer.cli_common import (
     ConfigOpt,
     DataOpt,
     DeviceOpt,
+    TokenizerOpt,
     app,
-    config_or_default,
+    config_with_tokenizer,
     fail,
     progress_line,
     user_errors,
 )
 from peer.config_options import ConfigOption, ConfigOverrides, config_options
 from peer.data import decode, encode, load_corpus
+from peer.tokenizer import tokenizer_for
 from swarm.config import OuterChoice, derive_config
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageFootprint, check_fits
@@ -48,6 +50,7 @@ def fitting_device(spec: str, footprint: StageFootprint) -> torch.device:
 def train_local(
     config: ConfigOpt = None,
     data: DataOpt = None,
+    tokenizer: TokenizerOpt = None,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (each inner_batch samples).")] = 300,
     out: Annotated[Path, typer.Option(help="Output directory for metrics.jsonl and model.pt.")] = Path(
         "runs/train-local"
@@ -58,17 +61,18 @@ def train_local(
     """Train the swarm's model in one process: the centralized baseline every swarm run is compared to."""
     from swarm.sim.centralized import train_centralized
 
-    cfg = derive_config(config_or_default(config), {"inner.total_steps": steps})
+    base, tok = config_with_tokenizer(config, tokenizer)
+    cfg = derive_config(base, {"inner.total_steps": steps})
     compute = fitting_device(device, StageFootprint.whole_model(cfg))
     torch.manual_seed(cfg.train.seed)
-    corpus = load_corpus(data)
+    corpus = load_corpus(data, tokenizer=tok)
     batches = corpus.sample_batches(
         "train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed
     )
     val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
     out.mkdir(parents=True, exist_ok=True)
     typer.echo(
-        f"train-local: {len(corpus.train) / 1e6:.1f} MB train / {len(corpus.val) / 1e6:.2f} MB val text "
+        f"train-local: {len(corpus.train) / 1e6:.1f}M train / {len(corpus.val) / 1e6:.2f}M val tokens ({tok.kind}) "
         f"from {corpus.num_files} files, {steps} steps → {out}"
     )
     with (out / "metrics.jsonl").open("w") as log:
@@ -88,6 +92,7 @@ def train_local(
 def eval_cmd(
     checkpoint: CheckpointOpt,
     data: DataOpt = None,
+    tokenizer: TokenizerOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
     device: DeviceOpt = "auto",
 ) -> None:
@@ -97,7 +102,7 @@ def eval_cmd(
     cfg, model, _ = load_checkpoint(checkpoint)
     compute = resolve_device(device)
     model.to(compute)
-    corpus = load_corpus(data)
+    corpus = load_corpus(data, tokenizer=tokenizer_for(cfg, tokenizer))
     val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
     model.eval()
     started = time.perf_counter()
@@ -115,8 +120,9 @@ def eval_cmd(
 @user_errors
 def sample(
     checkpoint: CheckpointOpt,
+    tokenizer: TokenizerOpt = None,
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "def ",
-    tokens: Annotated[int, typer.Option(min=1, help="Bytes to generate.")] = 200,
+    tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
     seed: int = 0,
     device: DeviceOpt = "auto",
@@ -126,10 +132,11 @@ def sample(
 
     if not prompt:
         fail("--prompt must not be empty")
-    _, model, _ = load_checkpoint(checkpoint)
+    cfg, model, _ = load_checkpoint(checkpoint)
+    tok = tokenizer_for(cfg, tokenizer)
     model.to(resolve_device(device)).eval()
-    out = generate(model, encode(prompt), tokens, temperature=temperature, seed=seed)
-    typer.echo(decode(out))
+    out = generate(model, encode(prompt, tok), tokens, temperature=temperature, seed=seed)
+    typer.echo(decode(out, tok))
 
 
 SIMULATE_CONFIG_OPTIONS = (
@@ -175,6 +182,7 @@ SIMULATE_CONFIG_OPTIONS = (
 def simulate_cmd(
     config: ConfigOpt = None,
     data: DataOpt = None,
+    tokenizer: TokenizerOpt = None,
     replicas: Annotated[int, typer.Option("--replicas", "-k", min=1, help="Replicas per stage (and trainers).")] = 2,
     outer: Annotated[
         OuterChoice,
@@ -194,7 +202,7 @@ def simulate_cmd(
     """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
     from swarm.sim.simulate import SimulationConfig, simulate
 
-    base = config_or_default(config)
+    base, tok = config_with_tokenizer(config, tokenizer)
     cfg = derive_config(base, overrides, outer=outer)
     if cfg.model.subspace_rank != base.model.subspace_rank or "model.subspace_rank" in (overrides or {}):
         rank = cfg.model.subspace_rank
@@ -207,7 +215,7 @@ def simulate_cmd(
         log_every=log_every,
         routing=routing,
     )
-    corpus = load_corpus(data)
+    corpus = load_corpus(data, tokenizer=tok)
     streams = [
         corpus.sample_batches(
             "train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed + 1000 * k

@@ -1,6 +1,7 @@
-"""``swarmloco swarm create/identity/invite/revoke``: private swarms, whose authority key admits peers.
+"""``swarmloco swarm create/identity/invite/revoke``: a swarm's config; private swarms, whose authority key admits peers.
 
 $ swarmloco swarm create --name demo --private --out demo
+$ swarmloco swarm create --name demo --out demo --tokenizer tok.json --data-shards 8   # a BPE swarm, sharded data
 $ swarmloco swarm identity -o peer.id
 $ swarmloco swarm invite --authority demo/authority.key --config demo/swarm.toml --peer-id 12D3… -o a.cert
 $ swarmloco swarm revoke --authority demo/authority.key --config demo/swarm.toml --peer-id 12D3…
@@ -11,8 +12,8 @@ from typing import Annotated
 
 import typer
 
-from peer.cli_common import app, user_errors
-from swarm.config import load_config
+from peer.cli_common import TokenizerOpt, app, user_errors
+from swarm.config import SwarmConfig, derive_config, load_config
 
 swarm_app = typer.Typer(
     help="Private swarms: an authority key admits peers by signed certificate.", no_args_is_help=True
@@ -41,12 +42,25 @@ def swarm_create(
             "--private/--public", help="Private: only peers with a certificate from this swarm's authority may join."
         ),
     ] = False,
+    tokenizer: TokenizerOpt = None,
+    data_shards: Annotated[
+        int,
+        typer.Option(min=1, help="Trainers read 1/N of the training documents each (data.shards; 1: all of them)."),
+    ] = 1,
 ) -> None:
     """Create a swarm: its config and, for a private swarm, the authority key that admits peers."""
     from peer.credentials import AUTHORITY_KEY, AUTHORITY_PUB, CONFIG_FILE, create_swarm
+    from peer.tokenizer import load_tokenizer, with_tokenizer
 
-    cfg = create_swarm(name, out, private=private)
+    tok = load_tokenizer(tokenizer)
+    base = derive_config(with_tokenizer(SwarmConfig(), tok), {"data.shards": data_shards})
+    cfg = create_swarm(name, out, private=private, base=base)
     typer.echo(f"swarm {cfg.swarm_id}: wrote {out / CONFIG_FILE}")
+    if tokenizer is not None:
+        typer.echo(
+            f"tokenizer: BPE of {tok.vocab_size} ids (model.vocab_size), sha256 {tok.sha256}; every trainer runs "
+            f"with --tokenizer {tokenizer} (the same file)"
+        )
     if private:
         typer.echo(
             f"authority: {out / AUTHORITY_KEY} (secret: keep it offline and backed up), {out / AUTHORITY_PUB}\n"

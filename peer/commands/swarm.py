@@ -18,8 +18,9 @@ from peer.cli_common import (
     ConfigOpt,
     DataOpt,
     DeviceOpt,
+    TokenizerOpt,
     app,
-    config_or_default,
+    config_with_tokenizer,
     fail,
     swarm_credentials,
     swarm_name,
@@ -83,6 +84,15 @@ def run_cmd(
     ] = None,
     config: ConfigOpt = None,
     data: DataOpt = None,
+    tokenizer: TokenizerOpt = None,
+    data_shard: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Trainers: the data shard to read, 0..data.shards-1 (default: derived from the peer id; two trainers "
+            "may then share one, with probability 1/data.shards).",
+        ),
+    ] = None,
     steps: Annotated[int, typer.Option(min=1, help="Trainers: inner steps of stage 0 to run.")] = 100,
     host_maddrs: Annotated[
         list[str] | None, typer.Option("--host-maddrs", help="Multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0).")
@@ -269,6 +279,7 @@ def local_cmd(
     steps: Annotated[int, typer.Option(min=1, help="Inner steps per trainer.")] = 100,
     config: ConfigOpt = None,
     data: DataOpt = None,
+    tokenizer: TokenizerOpt = None,
     out: Annotated[Path, typer.Option(help="Logs, metrics (<peer>.jsonl) and swarm.toml go here.")] = Path(
         "runs/local"
     ),
@@ -281,7 +292,8 @@ def local_cmd(
     ] = 30.0,
     device: DeviceOpt = "auto",
 ) -> None:
-    """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers finish."""
+    """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers finish; several
+    trainers read distinct data shards."""
     from peer.launch import LocalSwarm, launch_local
 
     try:
@@ -290,12 +302,14 @@ def local_cmd(
         )
     except ValueError as e:
         fail(str(e))
+    cfg, _ = config_with_tokenizer(config, tokenizer)
     raise typer.Exit(
         launch_local(
             layout,
             out=out,
-            config=config_or_default(config),
+            config=cfg,
             data=data,
+            tokenizer=tokenizer,
             extra_args=["--device", device],
             echo=typer.echo,
         )
