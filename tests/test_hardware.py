@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_harness import swarmloco, tiny_config
+from swarm_harness import DEFAULT_SWARM_HASH, swarmloco, tiny_config
 
 from swarm.config import SwarmConfig, config_from_dict, derive_config, load_config, save_config
 from swarm.errors import ConfigError
@@ -20,9 +20,6 @@ from swarm.model.stages import build_stage
 from swarm.model.transformer import PRESETS, ModelConfig, Transformer
 from swarm.pipeline.server import StageServer
 from swarm.sim.centralized import evaluate, train_centralized
-
-# The id of every public swarm running the default config; fields added since must leave it unchanged.
-DEFAULT_SWARM_HASH = "06cd856666b43e97"
 
 
 def test_the_default_config_keeps_its_swarm_id_and_is_the_tiny_preset() -> None:
