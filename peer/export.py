@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from peer.tokenizer import file_sha256
 from swarm.config import SwarmConfig
 from swarm.errors import ExportError
 from swarm.model.hf import NotLlamaError, llama_config, to_llama_state_dict
@@ -43,6 +44,21 @@ class ExportTarget:
     out: Path
     format: ExportFormat = "pt"
     tokenizer: str | None = None  # hf: the tokenizers JSON to write beside the model
+
+
+def check_swarm_tokenizer(cfg: SwarmConfig, tokenizer: Path | None) -> None:
+    """A swarm trained with a BPE tokenizer exports only that tokenizer's file (by its sha256, as peers check it)."""
+    if tokenizer is None or cfg.data.tokenizer != "bpe":
+        return
+    try:
+        sha256 = file_sha256(tokenizer)
+    except OSError as e:
+        raise ExportError(f"cannot read tokenizer {tokenizer}: {e.strerror or e}") from None
+    if sha256 != cfg.data.tokenizer_sha256:
+        raise ExportError(
+            f"--tokenizer {tokenizer} has sha256 {sha256[:12]}…, but the model was trained with the tokenizer of sha256 "
+            f"{cfg.data.tokenizer_sha256[:12]}…: give that file"
+        )
 
 
 def export_target(
@@ -147,6 +163,7 @@ def export_checkpoint(
 ) -> dict[str, Any]:
     """Write a saved checkpoint's model to ``out`` in ``format``; returns the checkpoint's metadata."""
     cfg, model, meta = load_checkpoint(checkpoint)
+    check_swarm_tokenizer(cfg, tokenizer)
     target = export_target(out, cfg.model, format=format, tokenizer=tokenizer)
     on_progress(f"checkpoint {checkpoint}: swarm {cfg.swarm_id}, {cfg.model.n_layers} blocks")
     for line in write_model(target, cfg, model, {**meta, "exported_from_checkpoint": str(checkpoint)}):
@@ -179,6 +196,7 @@ async def export_swarm(
         initial_peers, cfg, name=name, identity_path=identity_path, credentials=credentials
     ) as membership:
         cfg = membership.cfg
+        check_swarm_tokenizer(cfg, tokenizer)
         target = export_target(out, cfg.model, format=format, tokenizer=tokenizer)
         on_progress(
             f"swarm {cfg.swarm_id}: {cfg.stages.num_stages} middle stages + stage 0, {cfg.model.n_layers} blocks"

@@ -15,6 +15,7 @@ import torch
 from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
 from peer.export import export_checkpoint, export_target
+from peer.tokenizer import file_sha256
 from swarm.config import SwarmConfig, save_config
 from swarm.errors import ExportError
 from swarm.model.hf import NotLlamaError, llama_config, rope_half_order, to_llama_state_dict
@@ -161,6 +162,15 @@ def test_the_tokenizer_goes_along_when_given_and_must_fit_the_vocabulary(tmp_pat
     big.save(str(tmp_path / "big.json"))
     with pytest.raises(ExportError, match="token ids up to 300, but the model's vocabulary has 300 entries"):
         export_target(tmp_path / "x", ODD_MODEL, format="hf", tokenizer=tmp_path / "big.json")
+
+    # a model trained with a BPE tokenizer exports that tokenizer's file only (by its sha256, as peers check it)
+    trained_with = tiny_config(
+        model=ODD_MODEL, data={"tokenizer": "bpe", "tokenizer_sha256": file_sha256(tmp_path / "tok.json")}
+    )
+    save_checkpoint(tmp_path / "bpe.pt", trained_with, model)
+    with pytest.raises(ExportError, match="trained with the tokenizer of sha256"):
+        export_checkpoint(tmp_path / "bpe.pt", tmp_path / "other", format="hf", tokenizer=tmp_path / "big.json")
+    export_checkpoint(tmp_path / "bpe.pt", tmp_path / "same", format="hf", tokenizer=tmp_path / "tok.json")
 
 
 def refused(result: subprocess.CompletedProcess[str], says: str) -> None:
