@@ -128,16 +128,23 @@ class Window:
     the pipeline has room (round trips stay at their minimum) each landing lets the window grow by
     one. Clamped to [1, ``cap``]; it starts at 1.
 
+    That one waiting microbatch lengthens every round trip by a service time, and a window sized on
+    such round trips would grow without end. So, as BBR's ProbeRTT, every ``probe_every`` landings
+    the window drops the extra one until a microbatch started after that lands: its round trip,
+    without our own queue, stays in the ``history`` the lowest one is taken from.
+
         >>> window = Window(cap=4)
         >>> delivered, started = window.delivered, time.perf_counter()  # when a microbatch starts
         >>> window.land(delivered, started, now=time.perf_counter())  # when it lands: the new ``window.size``
     """
 
-    def __init__(self, cap: int, *, history: int = 32) -> None:
+    def __init__(self, cap: int, *, history: int = 64, probe_every: int = 32) -> None:
         self.cap, self.size = cap, 1
         self.delivered = 0  # microbatches landed (their gradients used or dropped)
         self._round_trips: deque[float] = deque(maxlen=history)  # seconds, start to landing
         self._rates: deque[float] = deque(maxlen=history)  # microbatches per second
+        self._probe_every, self._probed_at = probe_every, 0  # landings between probes; delivered at the last one
+        self._probe_since: float | None = None  # when the probe in progress began
 
     def land(self, delivered_before: int, started: float, *, now: float) -> int:
         """A microbatch that started at ``started`` when ``delivered_before`` had landed has landed now."""
@@ -145,7 +152,12 @@ class Window:
         round_trip = max(now - started, 1e-6)
         self._round_trips.append(round_trip)
         self._rates.append((self.delivered - delivered_before) / round_trip)
-        self.size = max(1, min(self.cap, math.ceil(self.in_flight_estimate - 1e-6) + 1))
+        if self._probe_since is not None and started >= self._probe_since:
+            self._probe_since = None  # measured without the extra microbatch
+        elif self._probe_since is None and self.delivered - self._probed_at >= self._probe_every:
+            self._probe_since, self._probed_at = now, self.delivered
+        headroom = 0 if self._probe_since is not None else 1
+        self.size = max(1, min(self.cap, math.ceil(self.in_flight_estimate - 1e-6) + headroom))
         return self.size
 
     @property
@@ -282,25 +294,19 @@ class Trainer:
     async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm and back; its loss, or None if it failed (counted)."""
         mb = Microbatch(f"mb{next(self._ids)}", (*inputs.shape, self.cfg.model.d_model), train=True)
-        departure = Departure(
-            inner_steps=self.inner_steps,
-            weights=self._weights_epoch,
-            at=time.perf_counter(),
-            delivered=self.window.delivered,
-        )
         self.counters["started"] += 1
         try:
             path = self.router.draw_path(self.cfg.paths)
             self.counters["skipped_hops"] += path_length(self.cfg.stages.num_stages, self.cfg.paths) - len(path)
             # the steps of swarm/model/step.py, with an RPC per middle-stage hop
-            h0 = await self._run(embed, self.edge, inputs)  # (B, T, d), holds the embedding's graph
+            h0, departure = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
             hops, h = await self._forward_path(mb, path, h0.detach(), inputs)
             loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
             if hops:
                 grad_frame = self.grad_codec.encode(grad)
                 for hop in reversed(hops):
                     grad_frame, grad = await self._backward_hop(mb, hop, grad_frame)
-            used = await self._run(self._land, departure, h0, grad, head_grads)
+            staleness, used = await self._run(self._land, departure, h0, grad, head_grads)
         except asyncio.CancelledError:
             self.counters["cancelled"] += 1
             raise
@@ -310,6 +316,7 @@ class Trainer:
             return None
         self.counters["completed"] += 1
         self.tokens += inputs.numel() if used else 0
+        self.staleness.append(staleness)
         self.window.land(departure.delivered, departure.at, now=time.perf_counter())
         return loss
 
@@ -427,6 +434,16 @@ class Trainer:
 
     # torch work, on the single edge thread (serialised with the inner step)
 
+    def _embed(self, inputs: torch.Tensor) -> tuple[torch.Tensor, Departure]:
+        # stamped here, on the edge thread: with the weights epoch and inner step the embedding ran at
+        departure = Departure(
+            inner_steps=self.inner_steps,
+            weights=self._weights_epoch,
+            at=time.perf_counter(),
+            delivered=self.window.delivered,
+        )
+        return embed(self.edge, inputs), departure
+
     @torch.no_grad()
     def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.edge.embed(inputs)
@@ -443,25 +460,24 @@ class Trainer:
 
     def _land(
         self, departure: Departure, h0: torch.Tensor, grad: torch.Tensor, head_grads: list[torch.Tensor | None]
-    ) -> bool:
-        """A microbatch's stage-0 gradients join the inner step (steps 3's held part, 5 and 6), unless it landed more
+    ) -> tuple[int, bool]:
+        """A microbatch's stage-0 gradients join the inner step (step 3's held part, 5 and 6), unless it landed more
         than ``max_staleness`` steps after its start or began on weights an outer round has since replaced (dropped
-        and counted). True if they joined."""
+        and counted). Its staleness, and whether they joined."""
         staleness = self.inner_steps - departure.inner_steps
-        self.staleness.append(staleness)
         if departure.weights != self._weights_epoch:
             self.counters["round_dropped"] += 1
-            return False
+            return staleness, False
         if staleness > self.options.max_staleness:
             self.counters["stale_dropped"] += 1
-            return False
+            return staleness, False
         add_gradients(self.edge, head_grads)
         embed_backward(h0, grad)
         self._landed_since_step += 1
         self.inner.add(h0.shape[0])
         if self.inner.samples == 0:  # stepped (or skipped a non-finite step): nothing held any more
             self._landed_since_step = 0
-        return True
+        return staleness, True
 
     def _drop_held_gradients(self) -> None:
         """New weights from outside: the gradients held for the next inner step were computed on the old ones."""
