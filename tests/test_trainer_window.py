@@ -82,8 +82,11 @@ def assert_accounted(trainer: Trainer) -> None:
     assert c["stale_dropped"] + c["round_dropped"] <= c["completed"]
 
 
-async def until(check: Callable[[], bool]) -> None:
+async def until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
     while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
         await asyncio.sleep(0.002)
 
 
@@ -135,12 +138,12 @@ def test_the_window_starts_at_one_and_an_unmeasured_cap_of_one_stays_one() -> No
 
 def test_slow_hops_keep_more_than_an_inner_step_in_flight_with_bounded_staleness() -> None:
     cfg = config(steps=24)  # one microbatch per inner step
-    stage = Stage1(cfg, latency_s=0.02)
+    stage = Stage1(cfg, latency_s=0.05)  # the wire, not compute, sets the round trip
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3, log_every=4))
     logged: list[dict] = []
     record = run(trainer, stage, trainer.train(batches(), steps=24, on_log=logged.append))
     assert stage.most_open == 4  # four inner steps' microbatches at once: the window spans step boundaries
-    assert record["window"] == 4 and record["round_trip_s"] > 4 * 0.02
+    assert max(r["window"] for r in logged) == 4 and record["round_trip_s"] > 2 * 0.05  # a forward and a backward
     assert max(r["staleness_max"] for r in logged) == 3  # in order, a microbatch lands three steps after its start
     assert 0 < record["staleness_mean"] <= 3
     assert record["stale_dropped"] == record["round_dropped"] == 0
@@ -194,7 +197,7 @@ def test_a_microbatch_overtaken_past_max_staleness_is_dropped_and_counted() -> N
 
     async def hold_mb1(request: Backward) -> None:  # mb1 starts at step 1; it lands at step 3
         if request.mb == "mb1":
-            await until(lambda: trainer.inner_steps >= 3)
+            await until("inner step 3", lambda: trainer.inner_steps >= 3)
 
     stage = Stage1(cfg, hold=hold_mb1)
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=1, log_every=1))
@@ -225,7 +228,10 @@ def test_an_outer_install_drops_the_gradients_of_microbatches_begun_on_the_old_w
     async def scenario() -> tuple[int, int, dict]:
         training = asyncio.create_task(trainer.train(batches(), steps=6))
         # the whole window stuck at its backward: nothing lands or starts while the round installs
-        await until(lambda: len(blocked) >= 2 and len(blocked) == trainer.status().queue == trainer.window.size)
+        await until(
+            "the window stuck at its backward",
+            lambda: len(blocked) >= 2 and len(blocked) == trainer.status().queue == trainer.window.size,
+        )
         held = trainer.inner.samples // BATCH
         weights = await snapshot_weights(trainer)
         await sync.adopt(StageState(stage=EDGE_STAGE, round=1, schedule_step=1, params=weights, optimizer=None))
