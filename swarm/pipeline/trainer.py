@@ -79,7 +79,10 @@ class StageCalls(Protocol):
 @dataclass(kw_only=True)
 class TrainerOptions:
     in_flight: int = 4  # the most microbatches in the pipeline at once (the window's cap)
-    max_staleness: int = 3  # inner steps a microbatch may land after its forward began (0: the synchronous pipeline)
+    # inner steps a microbatch may land after its forward began (0: the synchronous pipeline); the window never starts
+    # one that would land staler in order, so above in_flight − 1 (with one microbatch per inner step) it only drops
+    # one overtaken by later ones: by default by as much as a whole window
+    max_staleness: int = 6
     max_attempts: int = (
         3  # replicas tried per hop before the stage is skipped (forward) or the microbatch fails (backward)
     )
@@ -206,7 +209,7 @@ class Trainer:
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.traffic = traffic or Traffic()  # frame bytes by kind and direction: the peer's metrics publish it
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
-        self.tokens = 0  # tokens of completed training microbatches
+        self.tokens = 0  # tokens of completed training microbatches whose stage-0 gradients were taken on landing
         self.window = Window(self.options.in_flight)
         self.staleness: list[int] = []  # of the microbatches landed since the last progress record
         self._weights_epoch = 0  # new weights installed from outside (an outer round, a download)
