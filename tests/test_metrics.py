@@ -155,6 +155,18 @@ def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses
     assert stage_validator(CFG).validate(stored(second.dict()))
 
 
+def test_meter_publishes_a_trainers_window_and_staleness_from_its_progress_record() -> None:
+    meter = Meter(role="trainer", stage=0, state="training")
+    status = StageStatus(inner_steps=7)
+    assert (meter.sample(status, tokens=0).window, meter.last.staleness_max) == (None, None)  # nothing logged yet
+    meter.observe({"train_loss": 3.0, "window": 3, "staleness_mean": 1.5, "staleness_max": 2})
+    record = meter.sample(status, tokens=0)
+    assert (record.window, record.staleness_mean, record.staleness_max) == (3, 1.5, 2)
+    assert stage_validator(CFG).validate(stored(record.dict()))
+    meter.observe({"train_loss": 3.0, "window": 4, "staleness_mean": None, "staleness_max": None})  # none landed
+    assert (meter.sample(status, tokens=0).window, meter.last.staleness_mean) == (4, None)
+
+
 class Echo:
     """A stage server's compute: replies with a frame of ``reply_bytes``; fails when told to."""
 

@@ -63,7 +63,7 @@ class StageHolder:
         self.inner_steps = self.start_step = 0
         self.step_size, self.rng = step_size, torch.Generator().manual_seed(seed)
 
-    async def exclusive(self, fn: Callable[[], T]) -> T:
+    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
         return fn()
 
     def settled(self) -> bool:

@@ -311,7 +311,8 @@ def train(cfg: SwarmConfig, net: InProcessNetwork, steps: int, **kw) -> tuple[Tr
 
 def test_swarm_with_fp32_wire_and_no_clipping_equals_centralized_training() -> None:
     cfg = tiny(steps=6, clip=0.0)  # per-stage clipping is the one intended difference; off here
-    _, record = train(cfg, InProcessNetwork(cfg, {"a": 1, "b": 2}), steps=6, in_flight=2)
+    # max_staleness 0: the synchronous pipeline (both microbatches of a step in flight, none of the next)
+    _, record = train(cfg, InProcessNetwork(cfg, {"a": 1, "b": 2}), steps=6, in_flight=2, max_staleness=0)
     val = [next(batches(seed=99)) for _ in range(2)]
     model = train_centralized(cfg, batches(), val, steps=6)
     assert record["val_loss"] == pytest.approx(evaluate(model, val), abs=1e-5)

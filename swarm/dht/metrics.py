@@ -56,16 +56,24 @@ class Meter:
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self.recoveries = 0
+        self.window: int | None = None  # a trainer's, and its staleness, from its last progress record
+        self.staleness_mean: float | None = None
+        self.staleness_max: int | None = None
         self.last: PeerMetrics | None = None  # the latest sample: what the peer published
         self._clock = clock
         self._started = clock()
         self._since = (self._started, 0)  # (time, tokens) of the previous sample
 
     def observe(self, record: Mapping[str, Any]) -> None:
-        """Take the losses of a trainer's progress record (a non-finite one is dropped: the DHT schema refuses it)."""
+        """Take the losses, window and staleness of a trainer's progress record (a non-finite loss is dropped: the DHT
+        schema refuses it)."""
         for name in ("train_loss", "val_loss"):
             if (value := record.get(name)) is not None:
                 setattr(self, name, float(value) if math.isfinite(value) else None)
+        if "window" in record:
+            self.window = record["window"]
+            self.staleness_mean = None if record["staleness_mean"] is None else float(record["staleness_mean"])
+            self.staleness_max = record["staleness_max"]
 
     def sample(
         self, status: StageStatus, *, tokens: int, bans: int = 0, busy_fraction: float | None = None
@@ -91,6 +99,9 @@ class Meter:
             bans=bans,
             busy_fraction=busy_fraction,
             device=self.device,
+            window=self.window,
+            staleness_mean=self.staleness_mean,
+            staleness_max=self.staleness_max,
             version=status.version,
         )
         return self.last

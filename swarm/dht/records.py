@@ -99,8 +99,9 @@ PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 class PeerMetrics(pydantic.BaseModel):
     """One peer's numbers; strict types, as hivemind's SchemaValidator requires.
 
-    ``name``, ``tokens``, ``uptime_s``, ``busy_fraction`` and ``device`` came later with defaults, so records without them stay
-    valid; a node of an older release refuses records that carry them (its schema forbids unknown fields).
+    ``name``, ``tokens``, ``uptime_s``, ``busy_fraction``, ``device``, ``window`` and the staleness came later with
+    defaults, so records without them stay valid; a node of an older release refuses records that carry them (its
+    schema forbids unknown fields).
     """
 
     role: pydantic.constr(regex=r"^(trainer|stage)$", strict=True)
@@ -122,6 +123,11 @@ class PeerMetrics(pydantic.BaseModel):
     busy_fraction: Optional[pydantic.confloat(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)] = None
     # where it computes (``swarm.hardware.describe``): "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"
     device: Optional[pydantic.constr(regex=r"^[\w:.() -]{1,80}$", strict=True)] = None
+    # trainers (swarm/pipeline/trainer.py): microbatches the window keeps in flight, and the inner steps between a
+    # microbatch's start and its landing over the last logged steps
+    window: Optional[pydantic.conint(ge=1, strict=True)] = None
+    staleness_mean: Optional[pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)] = None
+    staleness_max: Optional[pydantic.conint(ge=0, strict=True)] = None
     version: pydantic.conint(ge=0, strict=True)
 
     @pydantic.validator("bytes_sent", "bytes_received")

@@ -9,7 +9,9 @@ the same inner steps (``tests/test_training_step.py`` checks it):
 2. ``y = stage_forward(stage, x)`` for each middle stage on the path
 3. ``loss, grad = head_backward(edge, h, targets, inner_batch=...)``: the microbatch's mean
    cross-entropy, backpropagated with weight ``loss_weight(samples, inner_batch)``, so the
-   gradients summed over an inner batch are those of the inner batch's mean loss
+   gradients summed over an inner batch are those of the inner batch's mean loss (a trainer with
+   microbatches in flight across inner steps takes it in two: ``head_gradients``, held until the
+   microbatch lands, then ``add_gradients`` with step 5, so each step holds whole microbatches)
 4. ``grad = stage_backward(stage, x, grad)`` for each middle stage, last hop first (a stage server
    takes it in two: ``stage_gradients``, screened, then ``add_gradients``)
 5. ``embed_backward(h0, grad)``
@@ -65,11 +67,24 @@ def head_backward(
     edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int
 ) -> tuple[float, torch.Tensor]:
     """Step 3: the microbatch's mean loss, and the gradient w.r.t. the last hidden state ``h`` of its weighted backward."""
+    loss, grad_h, grads = head_gradients(edge, h, targets, inner_batch=inner_batch)
+    add_gradients(edge, grads)
+    return loss, grad_h
+
+
+def head_gradients(
+    edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int
+) -> tuple[float, torch.Tensor, list[torch.Tensor | None]]:
+    """Step 3 held apart: the loss, the gradient w.r.t. ``h``, and the head's parameter gradients (in
+    ``trainable(edge)`` order, None for the embedding), not yet accumulated (``add_gradients`` does)."""
     h = h.detach().requires_grad_()
+    params = trainable(edge)
     with torch.enable_grad():
         loss = loss_fn(edge.head(h), targets)
-        (loss * loss_weight(targets.shape[0], inner_batch)).backward()
-    return loss.item(), h.grad  # type: ignore[return-value]
+        grad_h, *grads = torch.autograd.grad(
+            loss * loss_weight(targets.shape[0], inner_batch), [h, *params], allow_unused=True
+        )
+    return loss.item(), grad_h, grads
 
 
 def stage_backward(
@@ -109,8 +124,9 @@ def stage_gradients(
     return grad_x, grads
 
 
-def add_gradients(stage: MiddleStage, grads: Sequence[torch.Tensor | None]) -> None:
-    """Accumulate ``stage_gradients``' parameter gradients into ``.grad``, as ``backward`` would have."""
+def add_gradients(stage: nn.Module, grads: Sequence[torch.Tensor | None]) -> None:
+    """Accumulate ``stage_gradients``' (or ``head_gradients``') parameter gradients into ``.grad``, as ``backward``
+    would have."""
     with torch.no_grad():
         for param, grad in zip(trainable(stage), grads, strict=True):
             if grad is None:
@@ -201,6 +217,11 @@ class InnerStep:
             return False
         self.grad_norm, self.steps = norm, self.steps + 1
         return True
+
+    def drop(self) -> None:
+        """Zero the accumulated gradients without stepping (the weights they were computed on were just replaced)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples = 0
 
     @property
     def lr(self) -> float:

@@ -20,7 +20,9 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   weights (``OuterOptimizer.apply_alone``), so a replica alone in its stage never loses progress.
 - **Install.** Training goes on during the exchange, so the new local weights are the round's
   global weights plus the progress made since the snapshot: θ ← θ + (θ_global − θ_snapshot),
-  swapped in at a moment when no microbatch is between its forward and its backward. The
+  swapped in at a moment when no microbatch is between its forward and its backward (a stage
+  server waits for one; a trainer drops the stage-0 gradients of its microbatches begun before, and
+  those it held for its next inner step, so the install falls on an inner-step boundary). The
   global weights (held by the outer optimizer, served to newcomers, hashed into ``global_hash``)
   are bitwise identical on every member of the round.
 - **Accountability.** The outer optimizer reports whose Δ it dropped or clipped (non-finite, far
@@ -101,8 +103,9 @@ class Holder(Protocol):
     inner_steps: int  # taken by this process
     start_step: int  # where this process started on the lr schedule
 
-    async def exclusive(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on the compute thread: no inner step or request runs at the same time."""
+    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
+        """``fn()`` on the compute thread: no inner step or request runs at the same time. ``new_weights``: ``fn``
+        replaces the weights, so gradients of work begun on the old ones must not cross it (a trainer drops them)."""
 
     def settled(self) -> bool:
         """No microbatch is between its forward and its backward here (a swap now changes no gradient in flight)."""
@@ -303,7 +306,7 @@ class ReplicaSync:
             for name, p in self.params.items():
                 p.copy_(state.params[name])
 
-        await self.holder.exclusive(load_local)
+        await self.holder.exclusive(load_local, new_weights=True)
         self.synced_at = self.holder.inner_steps
         self.global_hash = weights_hash(state.params) if self.outer else ""
 
@@ -380,7 +383,7 @@ class ReplicaSync:
         deadline = time.monotonic() + self.cfg.timeouts.rpc_s
         while not self.holder.settled() and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
-        await self.holder.exclusive(swap)
+        await self.holder.exclusive(swap, new_weights=True)
         return screening
 
     def _disowned(self, peer: str, status: StageStatus) -> bool:

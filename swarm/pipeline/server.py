@@ -217,8 +217,9 @@ class StageServer:
             grad_norm=float(self.inner.grad_norm),
         )
 
-    async def exclusive(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install)."""
+    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
+        """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install);
+        ``new_weights`` changes nothing here: the replica waits for ``settled()`` before an install."""
         return (await self._run(fn))[0]
 
     def settled(self) -> bool:

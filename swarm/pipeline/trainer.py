@@ -2,7 +2,14 @@
 
 A trainer holds the edge stage (embedding, final norm, LM head), so labels never leave it. Each
 microbatch draws a fresh path (skips and swaps, ``swarm/pipeline/routing.py``) and a replica per hop
-(SWARM's weighted round-robin); several microbatches are in flight at once to hide latency. A
+(SWARM's weighted round-robin). Microbatches stream through the swarm as in SWARM: a window of
+them is in flight at once, across inner-step boundaries, so no stage idles while another computes
+or bytes cross the wire. The window is a transport window (``Window``: one more than the measured
+round trip × delivery rate, up to ``in_flight``) and never holds microbatches that would land more
+than ``max_staleness`` inner steps after their forward began; stage 0 accumulates each
+microbatch's gradients when it lands and steps every ``inner_batch`` samples, as stage servers do.
+One that lands too stale anyway (overtaken by later ones: a retry, a slow replica), or that began
+before an outer round installed new weights, has its stage-0 gradients dropped and counted. A
 hop that fails is retried on another replica; a stage with no live replica is skipped on the way
 forward. On the way back a lost forward input is resent (stateless recompute). Every microbatch
 ends as completed or failed, and every failure is counted, so none is lost silently. What a
@@ -12,7 +19,7 @@ the same as in the simulator and the centralized baseline; this module only carr
 The network is a ``StageCalls`` object: the real ``StageClient`` or, in tests, direct calls.
 
     >>> trainer = Trainer(cfg, StageClient(p2p, namespace=cfg.swarm_id), router)
-    >>> await trainer.train(batches, steps=100, on_log=print)
+    >>> await trainer.train(batches, steps=100, on_log=print)  # records: window, staleness_mean/max, drops
     >>> await trainer.evaluate(val_batches)  # mean loss over the full plain path
 """
 
@@ -23,7 +30,7 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -38,7 +45,7 @@ from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
-from swarm.model.step import InnerStep, embed, embed_backward, head_backward
+from swarm.model.step import InnerStep, add_gradients, embed, embed_backward, head_gradients
 from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_codecs
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
@@ -47,13 +54,17 @@ from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
 T = TypeVar("T")
-# microbatches: started = completed + failed + cancelled (on shutdown) + in flight; hops: failed
-# attempts (retried elsewhere), timeouts, stages skipped on the way forward, inputs resent for a backward
+# microbatches: started = completed + failed + cancelled (on shutdown) + in flight; of the completed, those whose
+# stage-0 gradients were dropped: landed more than max_staleness inner steps after their start, or began before an
+# outer round installed new weights (with those landed since the last inner step); hops: failed attempts (retried
+# elsewhere), timeouts, stages skipped on the way forward, inputs resent for a backward
 COUNTERS = (
     "started",
     "completed",
     "failed",
     "cancelled",
+    "stale_dropped",
+    "round_dropped",
     "hop_failures",
     "hop_timeouts",
     "skipped_hops",
@@ -69,7 +80,11 @@ class StageCalls(Protocol):
 
 @dataclass(kw_only=True)
 class TrainerOptions:
-    in_flight: int = 2  # microbatches in the pipeline at once
+    in_flight: int = 4  # the most microbatches in the pipeline at once (the window's cap)
+    # inner steps a microbatch may land after its forward began (0: the synchronous pipeline); the window never starts
+    # one that would land staler in order, so above in_flight − 1 (with one microbatch per inner step) it only drops
+    # one overtaken by later ones: by default by as much as a whole window
+    max_staleness: int = 6
     max_attempts: int = (
         3  # replicas tried per hop before the stage is skipped (forward) or the microbatch fails (backward)
     )
@@ -80,9 +95,9 @@ class TrainerOptions:
     def __post_init__(self) -> None:
         if (
             min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every) < 1
-            or self.eval_every < 0
+            or min(self.eval_every, self.max_staleness) < 0
         ):
-            raise ValueError(f"trainer options must be positive (eval_every non-negative), got {self}")
+            raise ValueError(f"trainer options must be positive (eval_every, max_staleness non-negative), got {self}")
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,73 @@ class Hop:
     stage: int
     peer: Peer
     x: bytes  # the frame this hop received: resent if its server loses it
+
+
+@dataclass(frozen=True)
+class Departure:
+    """What a training microbatch is stamped with when it starts, to judge it when it lands."""
+
+    inner_steps: int  # stage 0's steps then: its staleness is the steps taken before it lands
+    weights: int  # stage 0's weights epoch then (``Trainer.exclusive(new_weights=True)`` starts a new one)
+    at: float  # perf_counter then
+    delivered: int  # microbatches landed before it started (``Window.delivered``)
+
+
+class Window:
+    """How many microbatches to keep in flight: a transport window over the pipeline.
+
+    Its size is the bandwidth-delay product, as BBR measures it — the highest recent delivery rate
+    (microbatches landed during one microbatch's round trip ÷ that round trip) × the lowest recent
+    round trip — rounded up, plus one: the next microbatch always waits at the bottleneck, and while
+    the pipeline has room (round trips stay at their minimum) each landing lets the window grow by
+    one. Clamped to [1, ``cap``]; it starts at 1.
+
+    That one waiting microbatch lengthens every round trip by a service time, and a window sized on
+    such round trips would grow without end. So, as BBR's ProbeRTT, every ``probe_every`` landings
+    the window drops the extra one until a microbatch started after that lands: its round trip,
+    without our own queue, stays in the ``history`` the lowest one is taken from.
+
+        >>> window = Window(cap=4)
+        >>> delivered, started = window.delivered, time.perf_counter()  # when a microbatch starts
+        >>> window.land(delivered, started, now=time.perf_counter())  # when it lands: the new ``window.size``
+    """
+
+    def __init__(self, cap: int, *, history: int = 64, probe_every: int = 32) -> None:
+        self.cap, self.size = cap, 1
+        self.delivered = 0  # microbatches landed (their gradients used or dropped)
+        self._round_trips: deque[float] = deque(maxlen=history)  # seconds, start to landing
+        self._rates: deque[float] = deque(maxlen=history)  # microbatches per second
+        self._probe_every, self._probed_at = probe_every, 0  # landings between probes; delivered at the last one
+        self._probe_since: float | None = None  # when the probe in progress began
+
+    def land(self, delivered_before: int, started: float, *, now: float) -> int:
+        """A microbatch that started at ``started`` when ``delivered_before`` had landed has landed now."""
+        self.delivered += 1
+        round_trip = max(now - started, 1e-6)
+        self._round_trips.append(round_trip)
+        self._rates.append((self.delivered - delivered_before) / round_trip)
+        if self._probe_since is not None and started >= self._probe_since:
+            self._probe_since = None  # measured without the extra microbatch
+        elif self._probe_since is None and self.delivered - self._probed_at >= self._probe_every:
+            self._probe_since, self._probed_at = now, self.delivered
+        headroom = 0 if self._probe_since is not None else 1
+        self.size = max(1, min(self.cap, math.ceil(self.in_flight_estimate - 1e-6) + headroom))
+        return self.size
+
+    @property
+    def round_trip_s(self) -> float | None:
+        """The lowest recent round trip: the pipeline's latency without queueing."""
+        return min(self._round_trips, default=None)
+
+    @property
+    def microbatches_per_s(self) -> float | None:
+        """The highest recent delivery rate."""
+        return max(self._rates, default=None)
+
+    @property
+    def in_flight_estimate(self) -> float:
+        """The bandwidth-delay product: microbatches in flight that keep the pipeline full, without a queue."""
+        return (self.microbatches_per_s or 0.0) * (self.round_trip_s or 0.0)
 
 
 class HopFailed(Exception):
@@ -131,7 +213,11 @@ class Trainer:
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.traffic = traffic or Traffic()  # frame bytes by kind and direction: the peer's metrics publish it
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
-        self.tokens = 0  # tokens of completed training microbatches
+        self.tokens = 0  # tokens of completed training microbatches whose stage-0 gradients were taken on landing
+        self.window = Window(self.options.in_flight)
+        self.staleness: list[int] = []  # of the microbatches landed since the last progress record
+        self._weights_epoch = 0  # new weights installed from outside (an outer round, a download)
+        self._landed_since_step = 0  # microbatches whose gradients stage 0 holds, not yet stepped
         self._ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge")
 
@@ -144,18 +230,13 @@ class Trainer:
         on_log: Callable[[dict[str, Any]], None] = lambda record: None,
     ) -> dict[str, Any]:
         """Run until ``steps`` inner steps of stage 0; returns the last progress record."""
-        mbs, ib = self.cfg.train.microbatch_size, self.cfg.train.inner_batch
         started, losses, logged, failures_in_a_row = time.perf_counter(), [], self.inner_steps, 0
         record = self.progress(started, losses)
         tasks: set[asyncio.Task[float | None]] = set()
         try:
             while self.inner_steps < steps:
-                # start microbatches of the current inner step only: none computes on weights that
-                # change before its backward (recompute would then differ from the forward)
-                planned = self.inner_steps * ib + self.inner.samples + len(tasks) * mbs
-                while len(tasks) < self.options.in_flight and planned < (self.inner_steps + 1) * ib:
+                while len(tasks) < self.window.size and self._may_start(len(tasks), steps):
                     tasks.add(asyncio.create_task(self.train_microbatch(*next(batches))))
-                    planned += mbs
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if (loss := task.result()) is None:
@@ -181,8 +262,19 @@ class Trainer:
             await asyncio.gather(*tasks, return_exceptions=True)
         return record
 
+    def _may_start(self, in_flight: int, steps: int) -> bool:
+        """Whether one more microbatch may start now: landing after those in flight, in order, it would join an inner
+        step at most ``max_staleness`` after the current one (0: only the current step's, the synchronous pipeline),
+        and no later than the last step of the run."""
+        ib = self.cfg.train.inner_batch
+        planned = self.inner_steps * ib + self.inner.samples + in_flight * self.cfg.train.microbatch_size
+        return planned < min(self.inner_steps + 1 + self.options.max_staleness, steps) * ib
+
     def progress(self, started: float, losses: list[float]) -> dict[str, Any]:
+        """The progress record; staleness (inner steps between a microbatch's start and its landing, the dropped
+        included) over the microbatches landed since the last record."""
         elapsed = time.perf_counter() - started
+        staleness, self.staleness = self.staleness, []
         return {
             "role": "trainer",
             "step": self.inner_steps,
@@ -192,6 +284,11 @@ class Trainer:
             "tokens_per_s": self.tokens / max(elapsed, 1e-9),
             "lr": self.inner.lr,
             "grad_norm": self.inner.grad_norm,
+            "window": self.window.size,
+            "round_trip_s": self.window.round_trip_s,
+            "microbatches_per_s": self.window.microbatches_per_s,
+            "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
+            "staleness_max": max(staleness, default=None),
             **self.counters,
             "wire_bytes": dict(self.traffic.sent + self.traffic.received),
             "fp32_bytes": dict(self.fp32_bytes),
@@ -209,14 +306,14 @@ class Trainer:
             path = self.router.draw_path(self.cfg.paths)
             self.counters["skipped_hops"] += path_length(self.cfg.stages.num_stages, self.cfg.paths) - len(path)
             # the steps of swarm/model/step.py, with an RPC per middle-stage hop
-            h0 = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
+            h0, departure = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
             hops, h = await self._forward_path(mb, path, h0.detach(), inputs)
-            loss, grad = await self._run(self._head_backward, h, targets)
+            loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
             if hops:
                 grad_frame = self.grad_codec.encode(grad)
                 for hop in reversed(hops):
                     grad_frame, grad = await self._backward_hop(mb, hop, grad_frame)
-            await self._run(self._embed_backward, h0, grad)
+            staleness, used = await self._run(self._land, departure, h0, grad, head_grads)
         except asyncio.CancelledError:
             self.counters["cancelled"] += 1
             raise
@@ -225,7 +322,9 @@ class Trainer:
             logger.warning(f"microbatch {mb.id} failed: {e}", exc_info=not isinstance(e, HopFailed))
             return None
         self.counters["completed"] += 1
-        self.tokens += inputs.numel()
+        self.tokens += inputs.numel() if used else 0
+        self.staleness.append(staleness)
+        self.window.land(departure.delivered, departure.at, now=time.perf_counter())
         return loss
 
     async def evaluate(self, batches: Sequence[Batch]) -> float:
@@ -345,18 +444,28 @@ class Trainer:
     def _precision(self) -> AbstractContextManager[None]:
         return compute_precision(self.device, self.cfg.train.precision)
 
-    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
+    def _embed(self, inputs: torch.Tensor) -> tuple[torch.Tensor, Departure]:
+        # stamped here, on the edge thread: with the weights epoch and inner step the embedding ran at
+        departure = Departure(
+            inner_steps=self.inner_steps,
+            weights=self._weights_epoch,
+            at=time.perf_counter(),
+            delivered=self.window.delivered,
+        )
         with self._precision():
-            return embed(self.edge, inputs.to(self.device))
+            return embed(self.edge, inputs.to(self.device)), departure
 
     @torch.no_grad()
     def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
         with self._precision():
             return self.edge.embed(inputs.to(self.device))
 
-    def _head_backward(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+    def _head_gradients(
+        self, h: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[float, torch.Tensor, list[torch.Tensor | None]]:
+        # held apart until the microbatch lands: an inner step taken meanwhile must not get half of its gradients
         with self._precision():
-            return head_backward(
+            return head_gradients(
                 self.edge, h.to(self.device), targets.to(self.device), inner_batch=self.cfg.train.inner_batch
             )
 
@@ -365,10 +474,34 @@ class Trainer:
         with self._precision():
             return loss_fn(self.edge.head(h.to(self.device)), targets.to(self.device)).item()
 
-    def _embed_backward(self, h0: torch.Tensor, grad: torch.Tensor) -> None:
+    def _land(
+        self, departure: Departure, h0: torch.Tensor, grad: torch.Tensor, head_grads: list[torch.Tensor | None]
+    ) -> tuple[int, bool]:
+        """A microbatch's stage-0 gradients join the inner step (step 3's held part, 5 and 6), unless it landed more
+        than ``max_staleness`` steps after its start or began on weights an outer round has since replaced (dropped
+        and counted). Its staleness, and whether they joined."""
+        staleness = self.inner_steps - departure.inner_steps
+        if departure.weights != self._weights_epoch:
+            self.counters["round_dropped"] += 1
+            return staleness, False
+        if staleness > self.options.max_staleness:
+            self.counters["stale_dropped"] += 1
+            return staleness, False
+        add_gradients(self.edge, head_grads)
         with self._precision():
             embed_backward(h0, grad.to(self.device))
+        self._landed_since_step += 1
         self.inner.add(h0.shape[0])
+        if self.inner.samples == 0:  # stepped (or skipped a non-finite step): nothing held any more
+            self._landed_since_step = 0
+        return staleness, True
+
+    def _drop_held_gradients(self) -> None:
+        """New weights from outside: the gradients held for the next inner step were computed on the old ones."""
+        self.counters["round_dropped"] += self._landed_since_step
+        self._landed_since_step = 0
+        self.inner.drop()
+        self._weights_epoch += 1  # microbatches in flight began on the old weights: dropped when they land
 
     @property
     def inner_steps(self) -> int:
@@ -379,12 +512,25 @@ class Trainer:
         """The stage this trainer holds (what the outer step exchanges)."""
         return self.edge
 
-    async def exclusive(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on the edge thread, between microbatch computations (the outer step's snapshot and weight install)."""
-        return await self._run(fn)
+    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
+        """``fn()`` on the edge thread, between microbatch computations (the outer step's snapshot and weight install).
+
+        ``new_weights``: ``fn`` replaces the weights (an outer round's install, a download). The round then falls on an
+        inner-step boundary: the gradients held for the next step, and those of every microbatch in flight (begun on
+        the old weights), are dropped and counted (``round_dropped``), so none crosses it."""
+        if not new_weights:
+            return await self._run(fn)
+
+        def install() -> T:
+            result = fn()
+            self._drop_held_gradients()
+            return result
+
+        return await self._run(install)
 
     def settled(self) -> bool:
-        """Always: the head runs forward and backward at once, and the embedding's gradient does not depend on its weights."""
+        """Always: the head runs forward and backward at once, the embedding's gradient does not depend on its weights,
+        and a microbatch begun before new weights were installed is dropped when it lands."""
         return True
 
     def shutdown(self) -> None:

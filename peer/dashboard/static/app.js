@@ -211,9 +211,12 @@ function renderPipeline(state) {
   const cols = stages.map((s) => {
     const cards = byStage[s].map((p) => {
       const loss = p.train_loss === null ? "" : ` · loss ${p.train_loss.toFixed(3)}`;
+      // a trainer's microbatch window, and how many inner steps late its microbatches landed (mean, max)
+      const stale = p.staleness_max == null ? "" : `, stale ${p.staleness_mean.toFixed(1)}/${p.staleness_max}`;
+      const pipe = p.window == null ? "" : ` · window ${p.window}${stale}`;
       return `<div class="peer-card ${p.state}" data-peer="${esc(p.id)}" title="${esc(p.id)}">` +
         `<div class="top"><span class="peer-id">${esc(peerName(p))}</span><span class="badge ${p.state}">${p.state}</span></div>` +
-        `<div class="stats">step ${p.step} · ${human(p.tokens_per_s)} tok/s${loss}</div>` +
+        `<div class="stats">step ${p.step} · ${human(p.tokens_per_s)} tok/s${loss}${pipe}</div>` +
         `<div class="stats">↑ ${bytes(sum(p.rate_sent))}/s ↓ ${bytes(sum(p.rate_received))}/s${p.bans ? ` · ${p.bans} banned` : ""}</div></div>`;
     });
     if (!cards.length) cards.push(`<div class="peer-card missing">no replica: paths skip this stage</div>`);

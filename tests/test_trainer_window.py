@@ -1,0 +1,251 @@
+"""The trainer's microbatch window (swarm/pipeline/trainer.py): a stream of microbatches in flight across inner steps,
+sized like a transport window, with bounded and reported staleness, and outer installs on an inner-step boundary.
+
+The stage servers are real ``StageServer``s called directly (no network); latency is an ``asyncio.sleep`` per call
+and a held backward is a condition the test sets, so nothing waits on wall-clock luck."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from swarm_harness import BATCH, SEQ, tiny_config
+
+from swarm.config import SwarmConfig
+from swarm.model.stages import EDGE_STAGE
+from swarm.outer.replica import ReplicaSync, snapshot_weights
+from swarm.outer.transfer import StageState
+from swarm.pipeline.protocol import Backward, Forward
+from swarm.pipeline.routing import Router
+from swarm.pipeline.server import StageServer
+from swarm.pipeline.trainer import Trainer, TrainerOptions, Window
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Hold = Callable[[Backward], Awaitable[None]]
+
+
+def config(*, steps: int = 40, microbatches_per_step: int = 1) -> SwarmConfig:
+    return tiny_config(stages=1, steps=steps, train={"inner_batch": microbatches_per_step * BATCH})
+
+
+def batches(seed: int = 0) -> Iterator[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
+        yield x[:, :-1], x[:, 1:]
+
+
+class Stage1:
+    """``StageCalls`` into one ``StageServer`` of stage 1: each call after ``latency_s`` (concurrent calls overlap, as
+    on a wire), a backward after ``hold`` returns; counts the most microbatches between forward and backward."""
+
+    def __init__(self, cfg: SwarmConfig, *, latency_s: float = 0.0, hold: Hold | None = None) -> None:
+        self.server = StageServer(cfg, 1)
+        self.router = Router(1, random.Random(0))
+        self.router.update(1, ["s1"])
+        self.latency_s, self.hold = latency_s, hold
+        self.open: set[str] = set()  # microbatches forwarded, backward not yet answered
+        self.most_open = 0
+
+    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
+        await asyncio.sleep(self.latency_s)
+        if request.train:
+            self.open.add(request.mb)
+            self.most_open = max(self.most_open, len(self.open))
+        return await self.server.forward("trainer", request)
+
+    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
+        await asyncio.sleep(self.latency_s)
+        if self.hold is not None:
+            await self.hold(request)
+        reply = await self.server.backward("trainer", request)
+        self.open.discard(request.mb)
+        return reply
+
+
+def run(trainer: Trainer, stage: Stage1, scenario: Awaitable[Any]) -> Any:
+    try:
+        return asyncio.run(scenario)
+    finally:
+        trainer.shutdown()
+        stage.server.shutdown()
+
+
+def assert_accounted(trainer: Trainer) -> None:
+    """Every microbatch started ended as completed, failed or cancelled (none in flight after ``train``)."""
+    c = trainer.counters
+    assert c["started"] == c["completed"] + c["failed"] + c["cancelled"] and trainer.status().queue == 0
+    assert c["stale_dropped"] + c["round_dropped"] <= c["completed"]
+
+
+async def until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+# the window's size, on a simulated pipeline (exact times, no event loop)
+
+
+def simulated_window(*, latency_s: float, service_s: float, cap: int, landings: int = 200) -> Window:
+    """A ``Window`` driving a pipeline of a wire of ``latency_s`` each way around one FIFO server taking ``service_s``
+    per microbatch; starts as many as the window allows at each landing."""
+    window, now, server_free = Window(cap), 0.0, 0.0
+    flying: list[tuple[float, int, float]] = []  # (lands at, delivered at start, started at)
+
+    def start() -> None:
+        nonlocal server_free
+        server_free = max(now + latency_s / 2, server_free) + service_s
+        flying.append((server_free + latency_s / 2, window.delivered, now))
+
+    for _ in range(landings):
+        while len(flying) < window.size:
+            start()
+        flying.sort()
+        lands, delivered, started = flying.pop(0)
+        now = lands
+        window.land(delivered, started, now=now)
+    return window
+
+
+def test_the_window_fills_a_long_wire_up_to_its_bandwidth_delay_product() -> None:
+    # 100 ms round trip, 10 ms of compute: 11 microbatches keep the server busy, one more waits at it
+    window = simulated_window(latency_s=0.100, service_s=0.010, cap=32)
+    assert window.round_trip_s == pytest.approx(0.110)
+    assert window.microbatches_per_s == pytest.approx(100.0, rel=0.1)
+    assert 11 <= window.size <= 13
+    assert simulated_window(latency_s=0.100, service_s=0.010, cap=4).size == 4  # the cap holds
+
+
+def test_a_busy_server_with_no_latency_keeps_the_window_at_two() -> None:
+    # one microbatch computing, the next waiting: more would only queue
+    assert simulated_window(latency_s=0.0, service_s=0.010, cap=32).size == 2
+
+
+def test_the_window_starts_at_one_and_an_unmeasured_cap_of_one_stays_one() -> None:
+    assert Window(cap=8).size == 1
+    assert simulated_window(latency_s=0.1, service_s=0.01, cap=1).size == 1
+
+
+# the trainer's stream
+
+
+def test_slow_hops_keep_more_than_an_inner_step_in_flight_with_bounded_staleness() -> None:
+    cfg = config(steps=24)  # one microbatch per inner step
+    stage = Stage1(cfg, latency_s=0.05)  # the wire, not compute, sets the round trip
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3, log_every=4))
+    logged: list[dict] = []
+    record = run(trainer, stage, trainer.train(batches(), steps=24, on_log=logged.append))
+    assert stage.most_open == 4  # four inner steps' microbatches at once: the window spans step boundaries
+    assert max(r["window"] for r in logged) == 4 and record["round_trip_s"] > 2 * 0.05  # a forward and a backward
+    assert max(r["staleness_max"] for r in logged) == 3  # in order, a microbatch lands three steps after its start
+    assert 0 < record["staleness_mean"] <= 3
+    assert record["stale_dropped"] == record["round_dropped"] == 0
+    assert record["step"] == trainer.inner_steps == 24 and stage.server.inner_steps == 24
+    assert_accounted(trainer)
+    assert record["completed"] == 24 and record["tokens"] == 24 * BATCH * SEQ  # none started past the last step
+
+
+def test_max_staleness_bounds_the_window_in_inner_steps() -> None:
+    cfg = config(steps=12, microbatches_per_step=2)
+    stage = Stage1(cfg, latency_s=0.02)
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=8, max_staleness=1))
+    record = run(trainer, stage, trainer.train(batches(), steps=12))
+    # the current step's two microbatches and the next step's two: no more, whatever the window would take
+    assert stage.most_open == 4 and record["staleness_max"] <= 1
+    assert_accounted(trainer)
+
+
+def test_a_window_of_one_is_the_synchronous_loop() -> None:
+    """``in_flight=1`` trains exactly as one microbatch after the other did: same losses, same weights."""
+    cfg = config(steps=6, microbatches_per_step=2)
+
+    def trained(windowed: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        stage = Stage1(cfg)
+        trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=1, log_every=1))
+        losses: list[float] = []
+
+        async def scenario() -> None:
+            if windowed:
+                await trainer.train(batches(), steps=6, on_log=lambda r: losses.append(r["train_loss"]))
+                return
+            data = batches()
+            while trainer.inner_steps < 6:
+                step_losses = [await trainer.train_microbatch(*next(data)) for _ in range(2)]
+                losses.append(sum(step_losses) / 2)
+
+        run(trainer, stage, scenario())
+        assert stage.most_open == 1
+        weights = {f"edge.{n}": p.detach().clone() for n, p in trainer.module.named_parameters()}
+        return losses, weights | {f"s1.{n}": p.detach().clone() for n, p in stage.server.module.named_parameters()}
+
+    (losses, weights), (sync_losses, sync_weights) = trained(windowed=True), trained(windowed=False)
+    assert losses == sync_losses and len(losses) == 6
+    assert weights.keys() == sync_weights.keys()
+    assert all(torch.equal(weights[name], sync_weights[name]) for name in weights)
+
+
+def test_a_microbatch_overtaken_past_max_staleness_is_dropped_and_counted() -> None:
+    cfg = config(steps=6)
+    trainer: Trainer
+
+    async def hold_mb1(request: Backward) -> None:  # mb1 starts at step 1; it lands at step 3
+        if request.mb == "mb1":
+            await until("inner step 3", lambda: trainer.inner_steps >= 3)
+
+    stage = Stage1(cfg, hold=hold_mb1)
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=1, log_every=1))
+    logged: list[dict] = []
+    record = run(trainer, stage, trainer.train(batches(), steps=6, on_log=logged.append))
+    assert record["stale_dropped"] == 1 and record["round_dropped"] == 0
+    assert max(r["staleness_max"] or 0 for r in logged) == 2  # reported, though its gradients were dropped
+    assert trainer.inner_steps == 6 and record["completed"] == 7  # another microbatch took its place
+    assert record["tokens"] == 6 * BATCH * SEQ  # the dropped one's tokens trained nothing on stage 0
+    assert_accounted(trainer)
+
+
+def test_an_outer_install_drops_the_gradients_of_microbatches_begun_on_the_old_weights() -> None:
+    """The outer round's install (here ``ReplicaSync.adopt``, as a download does) falls on an inner-step boundary:
+    the gradient held for the next step and every microbatch in flight are dropped; training goes on after it."""
+    cfg = config(steps=6, microbatches_per_step=2)
+    frozen, blocked = asyncio.Event(), set()
+
+    async def hold_from_mb3(request: Backward) -> None:  # mb0, mb1 make step 1; mb2 is held for step 2
+        if int(request.mb.removeprefix("mb")) >= 3 and not frozen.is_set():
+            blocked.add(request.mb)
+            await frozen.wait()
+
+    stage = Stage1(cfg, hold=hold_from_mb3)
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3))
+    sync = ReplicaSync(cfg, EDGE_STAGE, trainer, net=None, board=None, replicas=None, fetch=None)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[int, int, dict]:
+        training = asyncio.create_task(trainer.train(batches(), steps=6))
+        # the whole window stuck at its backward: nothing lands or starts while the round installs
+        await until(
+            "the window stuck at its backward",
+            lambda: len(blocked) >= 2 and len(blocked) == trainer.status().queue == trainer.window.size,
+        )
+        held = trainer.inner.samples // BATCH
+        weights = await snapshot_weights(trainer)
+        await sync.adopt(StageState(stage=EDGE_STAGE, round=1, schedule_step=1, params=weights, optimizer=None))
+        assert trainer.inner.samples == 0 and all(p.grad is None for p in trainer.module.parameters())
+        in_flight = len(blocked)
+        frozen.set()
+        return held, in_flight, await training
+
+    held, in_flight, record = run(trainer, stage, scenario())
+    assert held == 1 and record["round_dropped"] == held + in_flight
+    assert record["stale_dropped"] == 0 and trainer.inner_steps == 6 and sync.round == 1
+    assert_accounted(trainer)
+
+
+def test_max_staleness_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="max_staleness"):
+        TrainerOptions(max_staleness=-1)
