@@ -20,6 +20,7 @@ run of the same configuration measured in the same invocation.
     sudo python scripts/bench_e2e.py --json bench-e2e.json --plot docs/bench-e2e.png    # ~60 min per repeat on 2 cores
     sudo python scripts/bench_e2e.py --steps 40 --only int8                             # a quick look
     sudo python scripts/bench_e2e.py --steps 40 --only int8 --bandwidths 20,none --rtt-ms 100  # with 100 ms round trips
+    sudo python scripts/bench_e2e.py --windows 1,4 --bandwidths 20,none --rtt-ms 100 --repeats 2  # window vs synchronous
 """
 
 from __future__ import annotations
@@ -51,14 +52,23 @@ class Run:
     act_codec: str = "int8"  # activations and their gradients; "none": fp32
     outer: OuterChoice = "sparseloco"
     skip: float = 0.0
+    window: int | None = None  # the trainers' window cap (--in-flight); 1: the synchronous pipeline; None: the default
 
     @property
     def name(self) -> str:
         bw = "unlimited" if self.bandwidth_mbit is None else f"{self.bandwidth_mbit:g}Mbit"
-        return f"{bw}/{self.act_codec}/{self.outer}/skip{self.skip:g}"
+        return f"{bw}/{self.act_codec}/{self.outer}/skip{self.skip:g}" + (f"/w{self.window}" if self.window else "")
+
+    def peer_args(self) -> list[str]:
+        if self.window is None:
+            return []
+        # a window of one microbatch never overlaps steps: the synchronous pipeline of before the window existed
+        return ["--in-flight", str(self.window), *(["--max-staleness", "0"] if self.window == 1 else [])]
 
 
-def plan(bandwidths: list[float | None]) -> list[Run]:
+def plan(bandwidths: list[float | None], windows: list[int] | None = None) -> list[Run]:
+    if windows:  # the window study: int8 SparseLoCo at every bandwidth, once per window cap
+        return [Run(bandwidth_mbit=bw, window=w) for bw in bandwidths for w in windows]
     runs = [Run(bandwidth_mbit=bw, act_codec=codec) for bw in bandwidths for codec in ("none", "int8", "subspace")]
     low = [bw for bw in bandwidths if bw is not None][:1]  # the lowest cap, and uncapped
     for bw in [*low, None]:
@@ -97,7 +107,7 @@ def measure(
         hosts = {
             name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)
         }
-        swarm = run_swarm(cfg, layout, data, out, place=hosts.__getitem__)
+        swarm = run_swarm(cfg, layout, data, out, place=hosts.__getitem__, peer_args=run.peer_args())
     tokens_per_step = layout.trainers * cfg.train.inner_batch * cfg.train.seq_len  # one inner step of every trainer
     pseudo = swarm["pseudo_grad_bytes_per_token"]
     return {
@@ -119,6 +129,8 @@ def measure(
         "wall_s": swarm["wall_s"],
         "rtt_ms": rtts_ms or [0.0] * len(names),
         "busy_fraction": swarm["busy_fraction"],  # per stage server
+        "staleness_mean": swarm.get("staleness_mean"),
+        "window_mean": swarm.get("window_mean"),
     }
 
 
@@ -145,13 +157,23 @@ def find(records: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
 def check_targets(records: list[dict[str, Any]], low: float | None) -> dict[str, Any]:
     """The issue's targets, each with the numbers it was judged on (None where the plan lacks a run)."""
     targets: dict[str, Any] = {}
+    windows = sorted({r["window"] for r in records if r["window"] is not None})
     for codec in ("none", "int8", "subspace") if low is not None else ():
-        capped, free = (
-            find(records, bandwidth_mbit=low, act_codec=codec, outer="sparseloco", skip=0.0),
-            find(records, bandwidth_mbit=None, act_codec=codec, outer="sparseloco", skip=0.0),
-        )
-        if capped and free:
-            targets[f"keep_at_{low:g}mbit/{codec}"] = capped["tokens_per_s"] / free["tokens_per_s"]
+        for window in windows or [None]:
+            capped, free = (
+                find(records, bandwidth_mbit=low, act_codec=codec, outer="sparseloco", skip=0.0, window=window),
+                find(records, bandwidth_mbit=None, act_codec=codec, outer="sparseloco", skip=0.0, window=window),
+            )
+            if capped and free:
+                suffix = f"/w{window}" if window else ""
+                targets[f"keep_at_{low:g}mbit/{codec}{suffix}"] = capped["tokens_per_s"] / free["tokens_per_s"]
+    for bw in (low, None) if len(windows) > 1 else ():
+        sync, widest = (find(records, bandwidth_mbit=bw, window=w) for w in (windows[0], windows[-1]))
+        if sync and widest:
+            label = "unlimited" if bw is None else f"{bw:g}mbit"
+            targets[f"window_speedup/{label}/w{windows[-1]}_vs_w{windows[0]}"] = (
+                widest["tokens_per_s"] / sync["tokens_per_s"]
+            )
     for bw in (low, None):
         plain, skip = (
             find(records, bandwidth_mbit=bw, act_codec="int8", outer="sparseloco", skip=0.0),
@@ -170,6 +192,8 @@ def check_targets(records: list[dict[str, Any]], low: float | None) -> dict[str,
             if k.startswith("keep_at")
             else v >= TARGET_SKIP_STEP_CUT
             if k.startswith("skip_step_cut")
+            else None
+            if k.startswith("window_speedup")  # reported against the synchronous pipeline, no target
             else v <= TARGET_SKIP_LOSS
         )
         for k, v in targets.items()
@@ -188,7 +212,9 @@ def print_table(records: list[dict[str, Any]]) -> None:
     header = f"{'run':<34} {'tok/s':>7} {'vs uncapped':>11} {'step s':>7} {'val_loss':>8} {'B/token':>9} {'act':>8} {'grad':>8} {'pseudo':>7}{busy_header}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in records:
-        free = find(records, bandwidth_mbit=None, act_codec=r["act_codec"], outer=r["outer"], skip=r["skip"])
+        free = find(
+            records, bandwidth_mbit=None, act_codec=r["act_codec"], outer=r["outer"], skip=r["skip"], window=r["window"]
+        )
         rel = f"{r['tokens_per_s'] / free['tokens_per_s']:.2f}" if free else "-"
         b = r["bytes_per_token"]
         print(
@@ -240,8 +266,8 @@ def main() -> int:
     parser.add_argument(
         "--microbatch",
         type=int,
-        help="samples per microbatch (default: the config's, = the inner batch: one microbatch in flight "
-        "per trainer); smaller ones pipeline, several in flight, so transfers overlap compute",
+        help="samples per microbatch (default: the config's, = the inner batch: one per inner step); the trainer's "
+        "window keeps several in flight across steps either way, smaller ones also overlap within a step",
     )
     parser.add_argument(
         "-H",
@@ -262,6 +288,12 @@ def main() -> int:
         help="round-trip delay of every peer's link in ms, or one per peer (stage servers, then trainers), "
         "comma separated; the round trip between two peers is the mean of theirs (see scripts/wanlab.py)",
     )
+    parser.add_argument(
+        "--windows",
+        type=lambda text: [int(w) for w in text.split(",")],
+        help="the window study: int8 SparseLoCo at every bandwidth once per trainer window cap, e.g. 1,4 "
+        "(1 is the synchronous pipeline)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
     parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
@@ -281,7 +313,9 @@ def main() -> int:
         rtts_ms = parse_rtts(args.rtt_ms, len(peer_names(layout)))
     except ValueError as e:
         parser.error(str(e))
-    runs = [run for run in plan(args.bandwidths) if not args.only or any(s in run.name for s in args.only)]
+    runs = [
+        run for run in plan(args.bandwidths, args.windows) if not args.only or any(s in run.name for s in args.only)
+    ]
     results: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         root = args.out or Path(tmp)

@@ -27,7 +27,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,17 @@ def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | No
     return busy
 
 
+def window_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trainers' microbatch window over their progress records: its mean size, the mean staleness of the
+    microbatches that landed."""
+    windows = [r["window"] for r in progress if r.get("window") is not None]
+    staleness = [r["staleness_mean"] for r in progress if r.get("staleness_mean") is not None]
+    return {
+        "window_mean": statistics.mean(windows) if windows else None,
+        "staleness_mean": statistics.mean(staleness) if staleness else None,
+    }
+
+
 def join_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     """How a late joiner got in: its role, the round it started from, and the time from its start to its first served request."""
     spawned = next(r["time"] for r in records if r.get("event") == "spawned")
@@ -120,10 +131,12 @@ def run_swarm(
     data: list[str] | None,
     out: Path,
     place: Callable[[str], Placement] = lambda name: LOOPBACK,
+    peer_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Run the swarm to the end; its loss, throughput and traffic from the peers' metrics (``place``: see ``launch_local``)."""
+    """Run the swarm to the end; its loss, throughput and traffic from the peers' metrics (``place``: see ``launch_local``;
+    ``peer_args``: options every peer gets)."""
     started = time.perf_counter()
-    code = launch_local(layout, out=out, config=cfg, data=data, place=place, export=False)
+    code = launch_local(layout, out=out, config=cfg, data=data, place=place, export=False, extra_args=peer_args)
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")
     peers = read_peers(out)
@@ -153,6 +166,9 @@ def run_swarm(
         "unaccounted_microbatches": sum(t["started"] - t["completed"] - t["failed"] - t["cancelled"] for t in trainers),
         **outer_summary(peers, tokens),
         "busy_fraction": busy_summary(peers),  # per stage server: median while serving
+        **window_summary(
+            [r for i in range(layout.trainers) for r in peers[f"trainer-{i}"] if r.get("role") == "trainer"]
+        ),
     }
     joiners = [name for name in peers if name.startswith("joiner-")]
     return result | (join_summary(peers[joiners[0]]) if joiners else {})

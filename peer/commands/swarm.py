@@ -30,6 +30,7 @@ from peer.cli_common import (
 from peer.export import ExportFormat
 from swarm.config import SwarmConfig
 from swarm.dht.reachability import ReachabilityMode
+from swarm.pipeline.trainer import TrainerOptions
 
 CredentialsOpt = Annotated[
     Path | None,
@@ -144,6 +145,22 @@ def run_cmd(
     eval_every: Annotated[
         int, typer.Option(min=0, help="Trainers: validation pass every N inner steps (0: only at the end).")
     ] = 0,
+    in_flight: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Trainers: the most microbatches in flight at once, across inner steps (the window's cap; the window "
+            "itself follows round trip × delivery rate); 1 is the synchronous pipeline.",
+        ),
+    ] = TrainerOptions().in_flight,
+    max_staleness: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Trainers: inner steps a microbatch may land after its forward began; staler ones are not started, "
+            "or their gradients are dropped (counted).",
+        ),
+    ] = TrainerOptions().max_staleness,
     faults: Annotated[
         str | None,
         typer.Option(help="Tests: PEER@step=N,… — the peer of that --name dies (SIGKILL) at its own inner step N."),
