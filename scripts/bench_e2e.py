@@ -206,10 +206,14 @@ def busy_label(server: str) -> str:
     return "busy " + server.replace("stage", "s")
 
 
+def fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else format("-", f">{spec.split('.')[0]}")
+
+
 def print_table(records: list[dict[str, Any]]) -> None:
     servers = list(records[0]["busy_fraction"]) if records else []
     busy_header = "".join(f" {busy_label(name):>9}" for name in servers)
-    header = f"{'run':<34} {'tok/s':>7} {'vs uncapped':>11} {'step s':>7} {'val_loss':>8} {'B/token':>9} {'act':>8} {'grad':>8} {'pseudo':>7}{busy_header}"
+    header = f"{'run':<34} {'tok/s':>7} {'vs uncapped':>11} {'step s':>7} {'val_loss':>8} {'B/token':>9} {'act':>8} {'grad':>8} {'pseudo':>7} {'win':>4} {'stale':>5}{busy_header}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in records:
         free = find(
@@ -220,6 +224,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
         print(
             f"{r['name']:<34} {r['tokens_per_s']:7.0f} {rel:>11} {r['step_s']:7.2f} {r['val_loss']:8.4f} {b['total']:9.1f} "
             f"{b['activations']:8.1f} {b['gradients']:8.1f} {b['pseudo_gradients']:7.2f}"
+            f" {fmt(r.get('window_mean'), '4.1f')} {fmt(r.get('staleness_mean'), '5.2f')}"
             + "".join(
                 f" {busy:9.2f}" if (busy := r["busy_fraction"].get(name)) is not None else f" {'-':>9}"
                 for name in servers
