@@ -15,10 +15,19 @@ from swarm_harness import DEFAULT_SWARM_HASH, swarmloco, tiny_config
 from swarm.config import SwarmConfig, config_from_dict, derive_config, load_config, save_config
 from swarm.errors import ConfigError
 from swarm.hardware import CPU, compute_precision, resolve_device
-from swarm.model.sizing import GIB, StageDoesNotFit, StageFootprint, check_fits, model_parameters, stage_parameters
+from swarm.model.sizing import (
+    GIB,
+    OUTER_BYTES_PER_PARAMETER,
+    TRAINING_BYTES_PER_PARAMETER,
+    StageDoesNotFit,
+    StageFootprint,
+    check_fits,
+    model_parameters,
+    stage_parameters,
+)
 from swarm.model.stages import build_stage
 from swarm.model.transformer import PRESETS, ModelConfig, Transformer
-from swarm.pipeline.server import StageServer
+from swarm.pipeline.server import CacheEntry, StageServer
 from swarm.sim.centralized import evaluate, train_centralized
 
 
@@ -71,7 +80,8 @@ def test_the_footprint_grows_with_the_outer_state_and_shrinks_with_bf16_activati
     diloco = StageFootprint.of(derive_config(cfg, outer="diloco"), 1)
     ddp = StageFootprint.of(derive_config(cfg, outer="ddp"), 1)
     bf16 = StageFootprint.of(derive_config(cfg, {"train.precision": "bf16"}, outer="diloco"), 1)
-    assert diloco.training_bytes == 16 * diloco.parameters and diloco.outer_bytes == 8 * diloco.parameters
+    assert diloco.training_bytes == TRAINING_BYTES_PER_PARAMETER * diloco.parameters
+    assert diloco.outer_bytes == OUTER_BYTES_PER_PARAMETER * diloco.parameters
     assert ddp.outer_bytes == 0 and bf16.activation_bytes < diloco.activation_bytes
     assert "stage 1: 42.5M parameters" in diloco.describe()
 
@@ -110,7 +120,7 @@ def test_bf16_trains_with_fp32_master_weights_and_sends_fp32_on_the_wire() -> No
     server = StageServer(cfg, 1, device=CPU)
     x = torch.randn(2, cfg.train.seq_len, cfg.model.d_model)
     y = server._compute_forward(x)
-    grad_x = server._compute_backward(x, torch.randn_like(y))
+    grad_x = server._compute_backward(CacheEntry(x=x, tokens=None, forward_s=0.0, weights=0), torch.randn_like(y))
     assert y.dtype == grad_x.dtype == torch.float32
     with compute_precision(CPU, "bf16"):  # the blocks did run in bf16
         assert server.module.blocks[0].attn.qkv(x).dtype == torch.bfloat16

@@ -351,9 +351,6 @@ class FakeReplica:
     async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
         return fn()
 
-    def settled(self) -> bool:
-        return True
-
     @torch.no_grad()
     def train(self) -> None:
         for p in self.module.parameters():

@@ -229,7 +229,7 @@ def test_streamed_requests_are_reassembled_and_bounded(monkeypatch: pytest.Monke
 
 
 def test_activation_cache_is_bounded_by_count_and_bytes() -> None:
-    entry = lambda n: CacheEntry(x=torch.zeros(n), tokens=None, forward_s=0.0)  # n float32 = 4n bytes
+    entry = lambda n: CacheEntry(x=torch.zeros(n), tokens=None, forward_s=0.0, weights=0)  # n float32 = 4n bytes
     cache = ActivationCache(max_items=3, max_bytes=400, share=1)
     for key in "abcd":
         cache.put("p", key, entry(10))
@@ -237,6 +237,25 @@ def test_activation_cache_is_bounded_by_count_and_bytes() -> None:
     cache.put("p", "big", entry(90))  # 360 bytes: the oldest go until 400 bytes fit
     assert [key for key in "bcd" if cache.pop("p", key) is not None] == ["d"] and cache.nbytes == 360
     assert cache.pop("p", "big") is not None and cache.nbytes == 0 and len(cache) == 0
+
+
+def test_a_backward_across_an_outer_install_goes_back_without_touching_the_new_weights_gradients() -> None:
+    async def scenario() -> None:
+        server, codec = StageServer(tiny(), 1), get_codec("fp32")
+        x, g = torch.randn(B, T, D), torch.randn(B, T, D)
+        for mb in ("before", "after"):
+            await server.forward("p", Forward(mb=mb, stage=1, prev_stage=0, x=codec.encode(x)))
+            if mb == "before":  # the install lands between this forward and its backward
+                await server.exclusive(lambda: None, new_weights=True)
+        stale = await server.backward("p", Backward(mb="before", stage=1, grad=codec.encode(g)))
+        assert codec.decode(stale).shape == x.shape  # the microbatch goes on upstream
+        assert server.counters["stale_backward"] == 1 and server.inner.samples == 0
+        assert all(p.grad is None for p in server.module.parameters())  # nothing of it accumulated
+        await server.backward("p", Backward(mb="after", stage=1, grad=codec.encode(g)))
+        assert server.inner.samples == B and server.counters["stale_backward"] == 1
+        server.shutdown()
+
+    asyncio.run(scenario())
 
 
 def test_stage_server_gradients_are_autograd_gradients_and_survive_a_lost_input() -> None:
@@ -391,7 +410,7 @@ def test_persistent_failures_stop_the_trainer_instead_of_spinning() -> None:
 
 
 def test_a_flooding_owner_evicts_its_own_inputs_and_a_full_cache_evicts_the_largest_holder() -> None:
-    entry = lambda: CacheEntry(x=torch.zeros(10), tokens=None, forward_s=0.0)  # 40 bytes
+    entry = lambda: CacheEntry(x=torch.zeros(10), tokens=None, forward_s=0.0, weights=0)  # 40 bytes
     cache = ActivationCache(max_items=8, max_bytes=10_000, share=4)  # 2 entries per owner
     cache.put("honest", "h0", entry())
     for i in range(100):  # forwards never followed by a backward

@@ -5,15 +5,19 @@ is an upper bound of what a peer holds for one stage while it trains:
 
 - fp32 weights, their gradients and AdamW's two moments: 16 bytes per parameter;
 - the outer step's state: the global weights of the last round and the outer momentum (DiLoCo, NoLoCo) or
-  the error-feedback buffer (SparseLoCo): 8 bytes per parameter (none without an outer step);
+  the error-feedback buffer (SparseLoCo), 8 bytes per parameter, and during a round the snapshot of the local
+  weights, the installed target and the pseudo-gradient, 12 more (none without an outer step);
 - activations: what one microbatch's backward keeps per block (the server recomputes the forward, so only
   one microbatch's graph is alive at a time), doubled for the forward of the next one, plus on the edge
-  stage the logits and their gradient. bf16 halves the activations, not the weights.
+  stage the logits and their gradient. bf16 halves the activations, not the weights;
+- the process itself (Python, torch, the DHT and its daemon, buffers): 0.5 GiB.
+
+``bench_scale.py`` sets the estimate beside each peer's measured peak RSS (docs/benchmarks.md).
 
     >>> stage_parameters(ModelConfig(preset="125m"), num_stages=2, stage=1)  # blocks 0-5 of 12
     42467328
     >>> print(StageFootprint.of(cfg, stage=1).describe())
-    stage 1: 42.5M parameters, needs ≈ 1.1 GiB (weights, gradients, AdamW 0.63 GiB; outer state 0.32 GiB; activations 0.16 GiB)
+    stage 1: 42.5M parameters, needs ≈ 3.52 GiB (weights, gradients, AdamW 0.63 GiB; outer state 0.79 GiB; activations 1.59 GiB; the process 0.50 GiB)
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
-OUTER_BYTES_PER_PARAMETER = 8  # fp32 global weights + momentum or error buffer
+OUTER_BYTES_PER_PARAMETER = 8 + 12  # fp32 global weights + momentum or error buffer; in a round: snapshot, target, Δ
+RUNTIME_BYTES = GIB // 2  # measured: a tiny-model peer's peak RSS is ~0.45 GB (docs/benchmarks.md, bench_scale)
 
 
 def block_parameters(cfg: ModelConfig) -> int:
@@ -74,6 +79,7 @@ class StageFootprint:
     training_bytes: int  # weights, gradients, AdamW moments
     outer_bytes: int
     activation_bytes: int
+    runtime_bytes: int = RUNTIME_BYTES
 
     @classmethod
     def of(cls, cfg: SwarmConfig, stage: int) -> StageFootprint:
@@ -95,13 +101,13 @@ class StageFootprint:
 
     @property
     def total_bytes(self) -> int:
-        return self.training_bytes + self.outer_bytes + self.activation_bytes
+        return self.training_bytes + self.outer_bytes + self.activation_bytes + self.runtime_bytes
 
     def describe(self) -> str:
         return (
             f"{self.what}: {self.parameters / 1e6:.1f}M parameters, needs ≈ {self.total_bytes / GIB:.2f} GiB "
             f"(weights, gradients, AdamW {self.training_bytes / GIB:.2f} GiB; outer state {self.outer_bytes / GIB:.2f} GiB; "
-            f"activations {self.activation_bytes / GIB:.2f} GiB)"
+            f"activations {self.activation_bytes / GIB:.2f} GiB; the process {self.runtime_bytes / GIB:.2f} GiB)"
         )
 
 

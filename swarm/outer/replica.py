@@ -105,10 +105,8 @@ class Holder(Protocol):
 
     async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
         """``fn()`` on the compute thread: no inner step or request runs at the same time. ``new_weights``: ``fn``
-        replaces the weights, so gradients of work begun on the old ones must not cross it (a trainer drops them)."""
-
-    def settled(self) -> bool:
-        """No microbatch is between its forward and its backward here (a swap now changes no gradient in flight)."""
+        replaces the weights, so gradients of work begun on the old ones must not cross it (a trainer drops them;
+        a stage server leaves out the parameter gradients of forwards served before it)."""
 
 
 async def snapshot_weights(holder: Holder) -> dict[str, torch.Tensor]:
@@ -378,11 +376,7 @@ class ReplicaSync:
             for name, p in self.params.items():
                 p.add_(target[name] - snapshot[name])  # the new global weights + the progress made during the exchange
 
-        # A microbatch whose forward saw the old weights would have its backward recomputed on the new
-        # ones: wait (bounded) for a moment with none in flight. SparseLoCo's jumps make this matter.
-        deadline = time.monotonic() + self.cfg.timeouts.rpc_s
-        while not self.holder.settled() and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
+        # work begun on the old weights must not cross the swap: each holder leaves out its gradients (new_weights)
         await self.holder.exclusive(swap, new_weights=True)
         return screening
 

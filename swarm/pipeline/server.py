@@ -50,6 +50,7 @@ class CacheEntry:
     x: torch.Tensor  # the decoded forward input, (B, T, d)
     tokens: torch.Tensor | None  # token ids the frame carried (subspace codecs), (B, T)
     forward_s: float  # compute time of the forward, counted into the throughput at backward
+    weights: int  # the server's weights epoch the forward ran on (``StageServer.weights_epoch``)
 
 
 class ActivationCache:
@@ -149,6 +150,9 @@ class StageServer:
         self.counters: Counter[str] = Counter()
         self.from_stage: Counter[int] = Counter()  # training inputs by the stage they came from: the paths seen
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
+        self.weights_epoch = (
+            0  # outer installs and downloads so far: forwards from before one get no parameter gradient
+        )
 
     async def forward(self, peer: PeerID, request: Forward) -> bytes:
         if not 0 <= request.prev_stage <= self.cfg.stages.num_stages or request.prev_stage == self.stage:
@@ -159,7 +163,9 @@ class StageServer:
         x, tokens = self._decode_input(request.x)
         y, elapsed = await self._run(self._compute_forward, x, busy=True)
         if request.train:
-            self.cache.put(peer, request.mb, CacheEntry(x=x, tokens=tokens, forward_s=elapsed))
+            self.cache.put(
+                peer, request.mb, CacheEntry(x=x, tokens=tokens, forward_s=elapsed, weights=self.weights_epoch)
+            )
             self.from_stage[request.prev_stage] += 1
         self.counters["forward" if request.train else "eval_forward"] += 1
         self.first_served_at = self.first_served_at or time.time()
@@ -172,7 +178,7 @@ class StageServer:
                 self.counters["cache_miss"] += 1
                 raise RequestError(RequestError.CACHE_MISS, f"no forward input for microbatch {request.mb}; resend it")
             x, tokens = self._decode_input(request.x)
-            entry = CacheEntry(x=x, tokens=tokens, forward_s=0.0)
+            entry = CacheEntry(x=x, tokens=tokens, forward_s=0.0, weights=self.weights_epoch)
             self.counters["recompute_from_resent"] += 1
         grad = self.grad_codec.decode(request.grad, limits=self.limits)
         if grad.shape != entry.x.shape:
@@ -181,7 +187,7 @@ class StageServer:
                 f"gradient of shape {tuple(grad.shape)} for an input of shape {tuple(entry.x.shape)}",
             )
         try:
-            grad_x, elapsed = await self._run(self._compute_backward, entry.x, grad, busy=True)
+            grad_x, elapsed = await self._run(self._compute_backward, entry, grad, busy=True)
         except RequestError:
             self.counters["refused_gradient"] += 1
             raise
@@ -218,13 +224,21 @@ class StageServer:
         )
 
     async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
-        """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install);
-        ``new_weights`` changes nothing here: the replica waits for ``settled()`` before an install."""
-        return (await self._run(fn))[0]
+        """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install).
 
-    def settled(self) -> bool:
-        """No forward input awaits its backward: new weights now would not make a backward recompute differ from its forward."""
-        return not self.cache
+        ``new_weights``: ``fn`` replaces the weights. Forwards served before it have their backward recomputed on
+        the new weights, which differ from the ones their output came from (SparseLoCo's jumps make that matter):
+        their input gradient still goes back, so the microbatch goes on, but their parameter gradients are left
+        out (``stale_backward``). Waiting for no forward to be pending instead never ends under a trainer's window.
+        """
+
+        def run() -> T:
+            result = fn()
+            if new_weights:
+                self.weights_epoch += 1
+            return result
+
+        return (await self._run(run))[0]
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -264,13 +278,17 @@ class StageServer:
         with compute_precision(self.device, self.cfg.train.precision):
             return stage_forward(self.module, x.to(self.device))  # (B, T, d) → (B, T, d)
 
-    def _compute_backward(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor) -> torch.Tensor:
+        x = entry.x
         with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
             grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device))
         norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
         refusal = self.screen.refusal(norm) or (None if all_finite(grad_x) else "the input gradient is not finite")
         if refusal is not None:  # the sender's gradient would poison the batch: refused before it counts
             raise RequestError(RequestError.INVALID, f"microbatch gradient refused: {refusal}")
+        if entry.weights != self.weights_epoch:  # its forward ran on weights an outer install has since replaced
+            self.counters["stale_backward"] += 1
+            return grad_x
         self.screen.accept(norm)
         add_gradients(self.module, grads)
         self.inner.add(x.shape[0])  # step 6

@@ -528,10 +528,5 @@ class Trainer:
 
         return await self._run(install)
 
-    def settled(self) -> bool:
-        """Always: the head runs forward and backward at once, the embedding's gradient does not depend on its weights,
-        and a microbatch begun before new weights were installed is dropped when it lands."""
-        return True
-
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
