@@ -249,7 +249,7 @@ def launch_local(
 
         codes = follow_trainers({name: procs[name] for name in trainers}, out, echo, tick=start_joiners)
         if export:
-            export_model(address, cfg, out, [name for name in trainers if codes[name] == 0], echo)
+            export_model(address, cfg, out, [name for name in trainers if codes[name] == 0], echo, tokenizer=tokenizer)
     finally:
         stop_processes(procs.values())
     for name, code in codes.items():
@@ -267,11 +267,18 @@ def stage0_file(out: Path, trainer: str) -> Path:
 
 
 def export_model(
-    address: str, cfg: SwarmConfig, out: Path, finished: Sequence[str], echo: Callable[[str], None]
+    address: str,
+    cfg: SwarmConfig,
+    out: Path,
+    finished: Sequence[str],
+    echo: Callable[[str], None],
+    *,
+    tokenizer: Path | None = None,
 ) -> None:
     """Save the swarm's model to ``out/model.pt`` while its servers still run: stage 0 from the first finished
-    trainer's saved file, the middle stages from the swarm. A failure is reported, not raised: training is done."""
-    from peer.export import export_swarm
+    trainer's saved file, the middle stages from the swarm; then as a Hugging Face LLaMA folder, ``out/model-hf``
+    (with ``tokenizer``), where the model has that form. A failure is reported, not raised: training is done."""
+    from peer.export import export_checkpoint, export_swarm
     from swarm.recovery.rebuild import load_stage_checkpoint
 
     saved = [stage0_file(out, name) for name in finished if stage0_file(out, name).exists()]
@@ -286,6 +293,14 @@ def export_model(
         echo(f"could not export the model: {type(e).__name__}: {e}; the stages' logs are in {out}")
         return
     echo(f"model saved: {path}  (swarmloco eval --checkpoint {path}; swarmloco sample --checkpoint {path})")
+    if cfg.model.subspace_rank:  # a subspace-constrained residual stream has no LLaMA form
+        return
+    try:
+        export_checkpoint(path, out / "model-hf", format="hf", tokenizer=tokenizer)
+    except Exception as e:
+        echo(f"could not write the Hugging Face folder: {type(e).__name__}: {e}")
+        return
+    echo(f"Hugging Face folder: {out / 'model-hf'}  (transformers: LlamaForCausalLM.from_pretrained)")
 
 
 def watch_commands(address: str, swarm: str) -> list[str]:

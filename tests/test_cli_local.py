@@ -111,3 +111,6 @@ def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_
     (evaluated,) = swarmloco(["eval", "--checkpoint", str(out / "model.pt"), "--json"], children=child_processes)
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["val_loss"] == pytest.approx(swarm_val, rel=0.02)
+    # and the same model as a Hugging Face LLaMA folder (tests/test_hf_export.py checks such folders' logits)
+    assert f"Hugging Face folder: {out / 'model-hf'}" in result.stdout
+    assert sorted(p.name for p in (out / "model-hf").iterdir()) == ["config.json", "model.safetensors"]
