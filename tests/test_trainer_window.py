@@ -249,3 +249,24 @@ def test_an_outer_install_drops_the_gradients_of_microbatches_begun_on_the_old_w
 def test_max_staleness_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="max_staleness"):
         TrainerOptions(max_staleness=-1)
+
+
+def test_a_server_refusing_this_trainers_gradient_is_not_banned_for_it() -> None:
+    """An invalid reply says the trainer sent something the server would not take (its screen refused the gradient):
+    the trainer's fault. The server keeps its place in the routing; the microbatch goes on or fails, counted."""
+    from swarm.pipeline.protocol import RemoteError, RequestError
+
+    cfg = config(steps=6)
+    refusals = [3]  # the first three backwards are refused
+
+    async def refuse(request: Backward) -> None:
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            raise RemoteError(RequestError.INVALID, "microbatch gradient refused: gradient norm 1e9 is over 1000×")
+
+    stage = Stage1(cfg, hold=refuse)
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=1, max_attempts=3))
+    record = run(trainer, stage, trainer.train(batches(), steps=6))
+    assert record["hop_refused_invalid"] == 3 and record["step"] == 6
+    assert stage.router.balancers[1].live_peers() == ["s1"]  # never banned: with a ban the stage would have none
+    assert_accounted(trainer)

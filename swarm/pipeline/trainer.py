@@ -416,7 +416,10 @@ class Trainer:
             if e.code == RequestError.CACHE_MISS:
                 raise CacheMiss(str(e)) from None
             self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
-            if e.code == RequestError.BUSY:  # alive but loaded: charge it the time, do not ban it
+            # busy: alive but loaded; invalid: it refused what this trainer sent (a gradient its screen would not
+            # take, a frame it could not read): this trainer's fault, not the server's. Either way charge it the
+            # time (a server refusing everything falls behind in the routing) but do not ban it.
+            if e.code in (RequestError.BUSY, RequestError.INVALID):
                 self.router.report_timeout(stage, peer, time.perf_counter() - started)
             else:
                 self.router.report_failure(stage, peer)
