@@ -69,6 +69,15 @@ def test_replicas_agree_after_the_final_outer_round(corpus, method: str, pseudo:
     assert result.bytes_by_kind["pseudo_gradients"] > 0 and "gradients" not in result.bytes_by_kind
 
 
+def test_bf16_runs_the_same_swarm_with_fp32_weights_and_replicas_still_agree(corpus) -> None:
+    fp32 = tiny()
+    bf16 = dataclasses.replace(fp32, train=dataclasses.replace(fp32.train, precision="bf16"))
+    a, b = run(fp32, corpus, ticks=7), run(bf16, corpus, ticks=7)
+    assert all_replicas_agree(b.replicas) and b.outer_rounds == 3
+    assert all(p.dtype == torch.float32 for group in b.replicas.values() for r in group for p in r.module.parameters())
+    assert a.val_loss != b.val_loss and abs(a.val_loss - b.val_loss) < 0.05 * a.val_loss  # bf16 matmuls, same run
+
+
 def test_independent_replicas_drift_apart(corpus) -> None:
     assert not all_replicas_agree(run(tiny(outer=OuterOptimConfig(method="none")), corpus).replicas)
 

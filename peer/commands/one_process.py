@@ -198,6 +198,7 @@ def simulate_cmd(
     seed: int = 0,
     log_every: Annotated[int, typer.Option(min=1, help="Log every N ticks (one microbatch per trainer).")] = 25,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    device: DeviceOpt = "auto",
 ) -> None:
     """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
     from swarm.sim.simulate import SimulationConfig, simulate
@@ -235,7 +236,7 @@ def simulate_cmd(
             f"val {record['val_loss']:.3f}  {record['bytes_per_token']:.1f} B/token  {record['elapsed_s']:.0f}s"
         )
 
-    result = simulate(cfg, sim, streams, val, on_log=on_log)
+    result = simulate(cfg, sim, streams, val, on_log=on_log, device=resolve_device(device))
     summary = {
         "val_loss": result.val_loss,
         "tokens": result.tokens,

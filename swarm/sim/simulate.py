@@ -28,6 +28,7 @@ from optim.noloco import NoLoCo, partners
 from optim.outer import OuterOptimizer, build_outer_optimizer
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
+from swarm.hardware import CPU, Precision, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
 from swarm.model.step import InnerStep, run_microbatch
 from swarm.pipeline.boundary import boundary_codecs
@@ -96,8 +97,9 @@ class SimulationResult:
 class Link:
     """Encodes and decodes a tensor exactly as a peer would, counting the wire bytes by kind."""
 
-    def __init__(self, forward: Codec, backward: Codec) -> None:
+    def __init__(self, forward: Codec, backward: Codec, *, device: torch.device = CPU) -> None:
         self.codecs = {"activations": forward, "activation_gradients": backward}
+        self.device = device  # frames are decoded on the CPU, as a peer does, and moved here
         self.bytes: Counter[str] = Counter()
         self.messages: Counter[str] = Counter()
 
@@ -105,11 +107,13 @@ class Link:
         frame = self.codecs[kind].encode(x.detach(), tokens=tokens)
         self.bytes[kind] += len(frame)
         self.messages[kind] += 1
-        return self.codecs[kind].decode(frame)
+        return self.codecs[kind].decode(frame).to(self.device)
 
 
-def make_replica(cfg: SwarmConfig, stage: int, total_steps: int, with_outer: bool) -> Replica:
-    module = build_stage(cfg.model, cfg.stages.num_stages, stage)
+def make_replica(
+    cfg: SwarmConfig, stage: int, total_steps: int, with_outer: bool, device: torch.device = CPU
+) -> Replica:
+    module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
     inner = InnerStep(
         module.parameters(), replace(cfg.inner, total_steps=total_steps), inner_batch=cfg.train.inner_batch
     )
@@ -118,13 +122,21 @@ def make_replica(cfg: SwarmConfig, stage: int, total_steps: int, with_outer: boo
 
 
 def train_microbatch(
-    trainer: Replica, hops: list[Replica], batch: Batch, link: Link, *, step_when_due: bool = True
+    trainer: Replica,
+    hops: list[Replica],
+    batch: Batch,
+    link: Link,
+    *,
+    step_when_due: bool = True,
+    precision: Precision = "fp32",
 ) -> float:
     """One microbatch along ``hops`` and back through the link's codecs, as in the swarm: gradients accumulate,
     and each replica takes its inner step once it has served an inner batch (unless ``step_when_due`` is off: DDP)."""
     edge: EdgeStage = trainer.module  # type: ignore[assignment]
     middles: list[MiddleStage] = [r.module for r in hops]  # type: ignore[misc]
-    loss = run_microbatch(edge, middles, batch, inner_batch=trainer.inner.inner_batch, send=link.send)
+    inputs, targets = (t.to(link.device) for t in batch)
+    with compute_precision(link.device, precision):
+        loss = run_microbatch(edge, middles, (inputs, targets), inner_batch=trainer.inner.inner_batch, send=link.send)
     for replica in [trainer, *hops]:
         replica.inner.add(batch[0].shape[0], step_when_due=step_when_due)
     return loss
@@ -168,8 +180,9 @@ def simulate(
     streams: list[Iterator[Batch]],
     val_batches: list[Batch],
     on_log: Callable[[dict[str, float]], None] = lambda record: None,
+    device: torch.device = CPU,
 ) -> SimulationResult:
-    """Run the swarm for ``sim.tokens`` training tokens; ``streams`` holds one batch iterator per trainer."""
+    """Run the swarm for ``sim.tokens`` training tokens on ``device``; ``streams`` holds one batch iterator per trainer."""
     if len(streams) != sim.replicas:
         raise ValueError(f"need one data stream per trainer: {sim.replicas}, got {len(streams)}")
     torch.manual_seed(sim.seed)
@@ -182,8 +195,8 @@ def simulate(
     ticks_per_round = cfg.outer.inner_steps * ticks_per_step
     with_outer = sim.mode == "outer" and cfg.outer.method != "none"
     inner_steps = max(1, ticks // ticks_per_step)
-    replicas = {s: [make_replica(cfg, s, inner_steps, with_outer) for _ in range(K)] for s in range(S + 1)}
-    link = Link(*boundary_codecs(cfg))
+    replicas = {s: [make_replica(cfg, s, inner_steps, with_outer, device) for _ in range(K)] for s in range(S + 1)}
+    link = Link(*boundary_codecs(cfg), device=device)
     skipped = outer_rounds = 0
     log: list[dict[str, float]] = []
     started = time.perf_counter()
@@ -193,7 +206,16 @@ def simulate(
             path = sample_path(S, cfg.paths, rng)
             skipped += S - len(path)
             hops = [replicas[s][k] if sim.routing == "sticky" else rng.choice(replicas[s]) for s in path]
-            losses.append(train_microbatch(trainer, hops, next(stream), link, step_when_due=sim.mode == "outer"))
+            losses.append(
+                train_microbatch(
+                    trainer,
+                    hops,
+                    next(stream),
+                    link,
+                    step_when_due=sim.mode == "outer",
+                    precision=cfg.train.precision,
+                )
+            )
         if sim.mode == "ddp" and tick % ticks_per_step == 0:
             for group in replicas.values():
                 link.bytes["gradients"] += ddp_step(group)
@@ -206,7 +228,7 @@ def simulate(
                 "tick": tick,
                 "tokens": tick * tokens_per_tick,
                 "train_loss": sum(losses) / len(losses),
-                "val_loss": full_pipeline_loss(replicas, S, val_batches),
+                "val_loss": full_pipeline_loss(replicas, S, val_batches, device=device),
                 "elapsed_s": time.perf_counter() - started,
                 "bytes_per_token": sum(link.bytes.values()) / (tick * tokens_per_tick),
             }
@@ -226,14 +248,16 @@ def simulate(
     )
 
 
-def full_pipeline_loss(replicas: dict[int, list[Replica]], num_stages: int, val_batches: list[Batch]) -> float:
+def full_pipeline_loss(
+    replicas: dict[int, list[Replica]], num_stages: int, val_batches: list[Batch], *, device: torch.device = CPU
+) -> float:
     """Validation loss of replica 0 of every stage through the full path 1..S, no codec, no skips."""
     edge: EdgeStage = replicas[EDGE_STAGE][0].module  # type: ignore[assignment]
     middles: dict[int, MiddleStage] = {s: replicas[s][0].module for s in range(1, num_stages + 1)}  # type: ignore[misc]
     modules = [edge, *middles.values()]
     for m in modules:
         m.eval()
-    loss = evaluate(lambda x: run_path(edge, middles, list(range(1, num_stages + 1)), x), val_batches)
+    loss = evaluate(lambda x: run_path(edge, middles, list(range(1, num_stages + 1)), x), val_batches, device=device)
     for m in modules:
         m.train()
     return loss
