@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_swarm import run_swarm  # this directory is on sys.path when run as a script
+from bench_swarm import run_swarm, window_args  # this directory is on sys.path when run as a script
 from wanlab import WanLab, parse_rtts, unsupported_reason
 
 from peer.launch import LocalSwarm, Placement, local_config
@@ -60,10 +60,7 @@ class Run:
         return f"{bw}/{self.act_codec}/{self.outer}/skip{self.skip:g}" + (f"/w{self.window}" if self.window else "")
 
     def peer_args(self) -> list[str]:
-        if self.window is None:
-            return []
-        # a window of one microbatch never overlaps steps: the synchronous pipeline of before the window existed
-        return ["--in-flight", str(self.window), *(["--max-staleness", "0"] if self.window == 1 else [])]
+        return window_args(self.window)
 
 
 def plan(bandwidths: list[float | None], windows: list[int] | None = None) -> list[Run]:

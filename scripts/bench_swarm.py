@@ -100,6 +100,14 @@ def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | No
     return busy
 
 
+def window_args(window: int | None) -> list[str]:
+    """The peer options that cap the trainers' microbatch window (None: the default); a window of one never overlaps
+    inner steps: the synchronous pipeline of before the window existed."""
+    if window is None:
+        return []
+    return ["--in-flight", str(window), *(["--max-staleness", "0"] if window == 1 else [])]
+
+
 def window_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
     """The trainers' microbatch window over their progress records: its mean size, the mean staleness of the
     microbatches that landed."""
@@ -228,6 +236,11 @@ def main() -> None:
         default=1,
         help="repeat with train.seed 0..N-1 (data order, routing) and report mean and spread",
     )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        help="the trainers' microbatch window cap (default: the trainers'); 1 is the synchronous pipeline",
+    )
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
 
@@ -263,7 +276,8 @@ def main() -> None:
 def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> dict[str, Any]:
     """One seed: the swarm, then the baseline on as many tokens; the comparison and the targets."""
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
-        swarm = run_swarm(cfg, layout, args.data, args.out / f"seed{cfg.train.seed}" if args.out else Path(tmp))
+        out = args.out / f"seed{cfg.train.seed}" if args.out else Path(tmp)
+        swarm = run_swarm(cfg, layout, args.data, out, peer_args=window_args(args.in_flight))
     tokens_per_step = cfg.train.inner_batch * cfg.train.seq_len
     baseline = run_baseline(
         cfg, swarm["tokens"] // tokens_per_step, args.data
@@ -305,6 +319,7 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
         },
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),
+        "in_flight": args.in_flight,
         "tokens_per_s": swarm["tokens_per_s"],
         "baseline_tokens_per_s": baseline["tokens_per_s"],
         "val_loss": swarm["val_loss"],
