@@ -7,18 +7,21 @@ full peer no microbatch, and a newcomer server takes its stage from the full pee
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from node_harness import LOOPBACK, BackgroundNode
 from pydantic.v1 import ValidationError
-from swarm_harness import DATA, tiny_config
+from swarm_harness import DATA, swarmloco, tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
-from swarm.config import SwarmConfig, TimeoutConfig
+from peer.launch import LocalSwarm, local_config
+from swarm.config import SwarmConfig, TimeoutConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.node import DataFactory, choose_role, stage_loads
@@ -172,3 +175,30 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
     # no microbatch ever went to the full peer: it serves no stage RPC, so one would have failed its hop
     assert trainer_records and all(r["hop_failures"] == 0 and r["hop_timeouts"] == 0 for r in trainer_records)
     assert trainer_records[-1]["completed"] > 0
+
+
+def test_local_layout_counts_full_peers_apart_and_rejects_a_negative_count() -> None:
+    layout = LocalSwarm(peers=3, stages=2, full=2)
+    assert layout.servers() == [("stage1-0", 1), ("stage2-0", 2)]  # full peers take no server's place
+    assert local_config(SwarmConfig(), layout).data.shards == 3  # one shard per trainer and per full peer
+    with pytest.raises(ValueError, match="full"):
+        LocalSwarm(full=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_swarmloco_local_with_a_full_peer_trains_and_lists_it(tmp_path: Path, child_processes: list) -> None:
+    toml = tmp_path / "tiny.toml"
+    save_config(tiny_config(stages=2, outer=OuterOptimConfig(method="sparseloco", inner_steps=H)), toml)
+    out = tmp_path / "run"
+    (result,) = swarmloco(
+        ["local", "--config", str(toml), "--steps", "20", "--full", "1", "--out", str(out)], children=child_processes
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 full peer(s)" in result.stdout
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("full-0 ")]
+    assert row.split()[1] == "full", row
+    records = [json.loads(line) for line in (out / "full-0.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records if r.get("role") == "full") == 20
+    stages = {r["stage"] for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"}
+    assert stages == {0, 1, 2}  # a replica of every stage
