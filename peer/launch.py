@@ -50,15 +50,16 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         torch.set_num_threads(peer.threads)
     tokenizer = load_tokenizer(peer.tokenizer)  # fail on a bad file before joining
     cfg = load_config(config) if config else (None if peer.initial_peers else with_tokenizer(SwarmConfig(), tokenizer))
-    if cfg is not None and peer.role == "trainer":  # --role auto: once it turns out to be a trainer
+    if cfg is not None and peer.role in ("trainer", "full"):  # --role auto: once it turns out to be a trainer
         check_tokenizer(cfg, tokenizer, peer.tokenizer)
     name = (
         peer.name
-        or {"trainer": "trainer", "stage": f"stage{peer.stage or ''}"}.get(peer.role, "peer") + f"-{os.getpid()}"
+        or {"trainer": "trainer", "full": "full", "stage": f"stage{peer.stage or ''}"}.get(peer.role, "peer")
+        + f"-{os.getpid()}"
     )
     peer = dataclasses.replace(peer, name=name)
     logs.set_peer_name(name)
-    if peer.role == "trainer" and peer.data:
+    if peer.role in ("trainer", "full") and peer.data:
         resolve_paths(peer.data)  # fail on bad --data before joining
     echo(f"{name}: {peer.chosen_reachability().describe()}")
 
@@ -93,7 +94,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-        if record.get("role") == "trainer":  # progress, not outer-step events
+        if record.get("role") in ("trainer", "full"):  # progress, not outer-step events
             echo(progress_line(record, peer.steps))
 
     async def main() -> dict[str, Any]:
@@ -112,16 +113,21 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
 def progress_line(record: dict[str, Any], steps: int) -> str:
     loss = "-" if record.get("train_loss") is None else f"{record['train_loss']:.3f}"
     val = f"  val {record['val_loss']:.3f}" if "val_loss" in record else ""
+    pipeline = (  # a full peer's microbatches take no path
+        f"done {record.get('completed', 0)} failed {record.get('failed', 0)} skipped hops {record.get('skipped_hops', 0)}  "
+        if record.get("role") == "trainer"
+        else "full model  "
+    )
     return (
         f"[{record['peer']}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
-        f"done {record.get('completed', 0)} failed {record.get('failed', 0)} skipped hops {record.get('skipped_hops', 0)}  "
-        f"{record['elapsed_s']:.0f}s"
+        f"{pipeline}{record['elapsed_s']:.0f}s"
     )
 
 
 @dataclasses.dataclass(kw_only=True)
 class LocalSwarm:
-    """The process layout of a loopback swarm: ``peers`` processes, ``trainers`` of them trainers.
+    """The process layout of a loopback swarm: ``peers`` processes, ``trainers`` of them trainers, and ``full`` full
+    peers besides (each the whole model, one more replica of every stage; ``swarm/full.py``).
 
     ``joiners`` more peers start with ``--role auto`` ``join_after_s`` seconds after the trainers start training:
     they join the running swarm, take the role it needs most and download their stage's state.
@@ -133,12 +139,13 @@ class LocalSwarm:
     steps: int = 100
     joiners: int = 0
     join_after_s: float = 30.0
+    full: int = 0
 
     def __post_init__(self) -> None:
         if self.stages < 1 or self.trainers < 1 or self.steps < 1:
             raise ValueError("stages, trainers and steps must be positive")
-        if self.joiners < 0 or self.join_after_s < 0:
-            raise ValueError("joiners and join_after_s must be non-negative")
+        if self.joiners < 0 or self.join_after_s < 0 or self.full < 0:
+            raise ValueError("joiners, full and join_after_s must be non-negative")
         if self.peers - self.trainers < self.stages:
             raise ValueError(
                 f"{self.peers} peers with {self.trainers} trainer(s) leave {self.peers - self.trainers} servers "
@@ -167,8 +174,9 @@ LOOPBACK = Placement()
 
 
 def local_config(base: SwarmConfig, layout: LocalSwarm) -> SwarmConfig:
-    """``base`` with the layout's stages and steps; several trainers get a data shard each unless ``base`` shards."""
-    shards = layout.trainers if base.data.shards == 1 else base.data.shards
+    """``base`` with the layout's stages and steps; several trainers (and full peers) get a data shard each unless
+    ``base`` shards."""
+    shards = layout.trainers + layout.full if base.data.shards == 1 else base.data.shards
     return dataclasses.replace(
         base,
         stages=StagesConfig(num_stages=layout.stages),
@@ -216,7 +224,8 @@ def launch_local(
 
     echo(
         f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "
-        f"{layout.stages} stages, {layout.steps} steps, {layout.joiners} late joiner(s); logs and metrics in {out}"
+        f"{layout.stages} stages, {layout.full} full peer(s), {layout.steps} steps, {layout.joiners} late joiner(s); "
+        f"logs and metrics in {out}"
     )
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -237,6 +246,11 @@ def launch_local(
             procs[name] = spawn(
                 name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *shard, *saved, *join]
             )
+        full = [f"full-{i}" for i in range(layout.full)]
+        for i, name in enumerate(full):  # the shards after the trainers'
+            shard = ["--data-shard", str((layout.trainers + i) % cfg.data.shards)]
+            seed = ["--seed", str(layout.trainers + i)]
+            procs[name] = spawn(name, ["--role", "full", "--steps", str(layout.steps), *seed, *shard, *join])
         joiners, join_at = [f"joiner-{i}" for i in range(layout.joiners)], []
 
         def start_joiners() -> None:  # join_after_s once every trainer has logged progress: the swarm is running
@@ -247,7 +261,7 @@ def launch_local(
                 procs[name] = spawn(name, ["--role", "auto", "--steps", str(layout.steps), *join])
                 echo(f"{name} joins the running swarm")
 
-        codes = follow_trainers({name: procs[name] for name in trainers}, out, echo, tick=start_joiners)
+        codes = follow_trainers({name: procs[name] for name in trainers + full}, out, echo, tick=start_joiners)
         if export:
             export_model(address, cfg, out, [name for name in trainers if codes[name] == 0], echo, tokenizer=tokenizer)
     finally:
@@ -341,9 +355,16 @@ def summary(out: Path, names: Iterable[str]) -> list[str]:
     fp32: Counter[str] = Counter()
     for name, r in records.items():
         rounds = sum(r.get(f"outer_{outcome}", 0) for outcome in ("done", "late", "failed"))
-        if r["role"] == "trainer":
+        if r["role"] in ("trainer", "full"):
             val = f"{r['val_loss']:.4f}" if "val_loss" in r else "-"
-            row = ["trainer", val, r["tokens"], f"{r['tokens_per_s']:.0f}", r["failed"], r["skipped_hops"]]
+            row = [
+                r["role"],
+                val,
+                r["tokens"],
+                f"{r['tokens_per_s']:.0f}",
+                r.get("failed", "-"),
+                r.get("skipped_hops", "-"),
+            ]
         else:
             row = [f"stage {r.get('stage')}", "-", "-", "-", "-", "-"]
         done = f"{r.get('outer_done', 0)} of {rounds}"

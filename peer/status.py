@@ -87,6 +87,7 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(
                 f"  {peer['peer']}  {peer['samples_per_s']:.1f} samples/s  queue {peer['queue']}  "
                 f"inner steps {peer['inner_steps']}  round {peer['outer_round']}{loss}{'  recovered' if peer.get('recovered') else ''}"
+                f"{'  full peer (no pipeline traffic)' if peer.get('serves') is False else ''}"
             )
     return "\n".join(lines)
 

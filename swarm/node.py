@@ -3,7 +3,8 @@
 The peer that starts with no initial peers creates the swarm and publishes its config; any
 other joins through initial peers and fetches (or checks) the config. A stage server serves its
 stage over hivemind P2P and re-announces itself every ``announce_period_s``; a trainer keeps its
-router in sync with the announced replicas and trains (the roles: ``swarm/roles.py``). On ``stop``
+router in sync with the announced replicas and trains (the roles: ``swarm/roles.py``); a full peer trains the
+whole model by itself and is one more replica of every stage (``swarm/full.py``). On ``stop``
 (SIGINT / SIGTERM in the CLI) the peer retires its DHT records and shuts its DHT down. A peer of a
 private swarm follows the authority's newest signed revocation list while it runs (its
 ``--revocations`` file and the DHT: ``swarm/dht/revocations.py``).
@@ -12,7 +13,7 @@ Every replica takes part in its stage's outer rounds (``swarm/outer/replica.py``
 running swarm first downloads its stage's current state from a live replica, so it starts at the
 stage's round and weights without pausing anyone. ``role="auto"`` (``choose_role``) takes the role
 the swarm needs most: a server for a stage nobody serves, else a trainer if there is none, else a
-server of the bottleneck stage. Stage servers rebalance (SWARM) and rebuild lost stages (CheckFree);
+server of the bottleneck stage; it never picks a full peer (``--role full`` only). Stage servers rebalance (SWARM) and rebuild lost stages (CheckFree);
 with ``stage_checkpoint`` a server also writes its stage state every ``checkpoint_every`` inner
 steps, and one started on a stage with no live replica loads that file instead (rollback).
 
@@ -39,11 +40,12 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import Membership, check_access, pick_stage
+from swarm.dht.membership import Membership, check_access, pick_stage, pipeline_replicas
 from swarm.dht.records import StageStatus
 from swarm.dht.revocations import RevocationFollower
 from swarm.dht.start import start_dht
 from swarm.faults import kill_this_peer, wait_for_step
+from swarm.full import FullRole
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageFootprint, check_fits
 from swarm.model.stages import EDGE_STAGE
@@ -78,15 +80,15 @@ class Node:
         on_ready: Callable[[list[str]], None] = lambda maddrs: None,
         on_fault: Literal["kill", "crash"] = "kill",
     ) -> None:
-        if config.role == "trainer" and data is None:
-            raise ValueError("a trainer needs data")
+        if config.role in ("trainer", "full") and data is None:
+            raise ValueError(f"a {config.role} peer needs data")
         self.config, self.cfg, self.data = config, cfg, data
         self.on_log, self.on_ready, self.on_fault = on_log, on_ready, on_fault
         self.dht: DHT | None = None
         self.membership: Membership | None = None
         self.outer_service: OuterService | None = None
         self.revocations: RevocationFollower | None = None  # private swarms: follows the authority's newest list
-        self.role: StageRole | TrainerRole | None = None
+        self.role: StageRole | TrainerRole | FullRole | None = None
         self.maddrs: list[str] = []  # where others join through, once ready
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()
@@ -139,21 +141,27 @@ class Node:
                 stop=self._stop,
                 device=device,
             )
-            replicas = await membership.all_replicas()
+            replicas = pipeline_replicas(await membership.all_replicas())  # full peers serve no path
             role, stage = (
                 choose_role(replicas, cfg.stages.num_stages) if config.role == "auto" else (config.role, config.stage)
             )
-            if reachability.mode == "client":  # it only calls out: nobody could call it as a stage server
+            if reachability.mode == "client" and role == "stage":  # it only calls out: nobody could call it
                 role, stage = "trainer", None
             if role == "stage":
                 stage = stage or pick_stage(replicas)
-            footprint = StageFootprint.of(cfg, stage if role == "stage" else EDGE_STAGE)
+            footprint = (
+                StageFootprint.whole_model(cfg, outer=True)
+                if role == "full"
+                else StageFootprint.of(cfg, stage if role == "stage" else EDGE_STAGE)
+            )
             logger.info(f"{describe(device)}: {footprint.describe()}")
             check_fits(footprint, available=available_memory(device), device=describe(device))
             if role == "stage":
                 self.role = StageRole(parts, stage)
             elif self.data is None:
-                raise ValueError("this swarm needs a trainer, and a trainer needs data")
+                raise ValueError(f"this swarm needs a {role}, and a {role} needs data")
+            elif role == "full":
+                self.role = FullRole(parts, self.data)
             else:
                 self.role = TrainerRole(parts, self.data)
         except BaseException:
@@ -233,6 +241,10 @@ def choose_role(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int)
     1. A middle stage nobody serves is a hole in every path: serve it (the lowest such stage).
     2. With no trainer nothing trains: become one (stage 0).
     3. Otherwise serve the bottleneck, the stage with the least total throughput (SWARM's rule for newcomers).
+
+    It never picks ``full`` (``--role full`` asks for it): whether one more whole-model replica helps the swarm more than
+    one more server of its bottleneck depends on data and bandwidth it cannot see. ``replicas`` are the pipeline's
+    (``pipeline_replicas``): a full peer neither fills a hole in the paths nor drives them as a trainer.
     """
     loads = stage_loads(replicas, num_stages)
     empty = [stage for stage, servers in loads.items() if not servers]

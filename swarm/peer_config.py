@@ -29,7 +29,7 @@ from swarm.hardware import DEVICE_SPEC
 from swarm.pipeline.trainer import TrainerOptions
 from swarm.rpc.admission import Credentials
 
-Role = Literal["auto", "trainer", "stage"]
+Role = Literal["auto", "trainer", "stage", "full"]
 ROLES: tuple[str, ...] = get_args(Role)
 REBALANCE_PERIOD_S = 30.0
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
@@ -41,7 +41,8 @@ _PARSE: dict[str, Callable[[object], object]] = {
 
 @dataclass(kw_only=True)
 class PeerConfig:
-    role: Role = "auto"  # auto: what the swarm needs most (``swarm.node.choose_role``)
+    # auto: what the swarm needs most (``swarm.node.choose_role``; never full); full: the whole model (``swarm/full.py``)
+    role: Role = "auto"
     stage: int | None = None  # stage servers: the stage to serve; None = the one with fewest replicas
     initial_peers: list[str] = field(default_factory=list)  # none: this peer creates the swarm
     host_maddrs: list[str] = field(default_factory=lambda: list(DEFAULT_HOST_MADDRS))
@@ -88,7 +89,8 @@ class PeerConfig:
             )
         if self.role != "stage" and self.stage is not None:
             raise ConfigError(
-                "stage", "a trainer holds stage 0, --role auto picks its own stage; --stage is for --role stage"
+                "stage",
+                "a trainer holds stage 0, a full peer every stage, --role auto picks its own; --stage is for --role stage",
             )
         if self.stage is not None and self.stage < 1:
             raise ConfigError("stage", f"stage servers serve stages 1..S, got stage {self.stage}")

@@ -26,8 +26,9 @@ from typing import Any
 from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
+from swarm.dht.membership import pipeline_replicas
 from swarm.dht.metrics import Meter
-from swarm.dht.records import StageStatus
+from swarm.dht.records import StageStatus, serving
 from swarm.hardware import describe
 from swarm.model.stages import EDGE_STAGE
 from swarm.outer.replica import Holder
@@ -56,11 +57,12 @@ DataFactory = Callable[[SwarmConfig, str], tuple[Iterator[Batch], Sequence[Batch
 
 
 def stage_loads(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> Snapshot:
-    """The rebalancer's view of the DHT records: each middle stage's servers and their throughput."""
+    """The rebalancer's view of the DHT records: each middle stage's servers and their throughput (a full peer's record
+    is none: it takes no pipeline traffic, so a stage it alone holds is a hole in every path)."""
     return {
         stage: [
             StageLoad(peer_id=peer.to_base58(), throughput=status.samples_per_s)
-            for peer, status in replicas.get(stage, {}).items()
+            for peer, status in serving(replicas.get(stage, {})).items()
         ]
         for stage in range(1, num_stages + 1)
     }
@@ -223,13 +225,14 @@ class StageRole:
             await asyncio.sleep(next_check_delay(hole_check_s, rng))
             try:
                 replicas = await membership.all_replicas()
-                holes = empty_stages(replicas, num_stages)
+                holes = empty_stages(pipeline_replicas(replicas), num_stages)
                 if not holes and time.monotonic() < next_balance:
                     continue
                 next_balance = time.monotonic() + next_check_delay(period_s, rng)
                 if (target := plan_move(stage_loads(replicas, num_stages), me)) is None:
                     continue
-                if target in holes and swarm_has_trained(replicas):
+                # a stage only full peers hold was not lost: its state is downloaded from them, not rebuilt
+                if target in holes and not replicas.get(target) and swarm_has_trained(replicas):
                     if (rebuilt := await self._claim_and_rebuild(target, PRIORITY_MOVER)) is not None:
                         return Move(target, rebuilt.state, rebuilt)
                     continue
@@ -291,9 +294,8 @@ class TrainerRole:
             banned = 0
             for stage, replicas in (await membership.all_replicas()).items():
                 if stage != EDGE_STAGE:
-                    queues = {peer: status.queue for peer, status in replicas.items()}
-                    router.update(stage, list(replicas), queues=queues, task_size=cfg.train.microbatch_size)
-                    banned += len(replicas) - len(router.balancers[stage].live_peers())
+                    router.update_records(stage, replicas, task_size=cfg.train.microbatch_size)
+                    banned += len(serving(replicas)) - len(router.balancers[stage].live_peers())
             status = trainer.status().copy(update=sync.status_fields())
             await membership.announce(EDGE_STAGE, status)
             await membership.publish_config()

@@ -3,7 +3,7 @@
 A ``StageRole`` (``swarm/roles.py``) builds one per stage it serves, a new one after each move: the
 ``StageServer``, its replica sync (``swarm/outer/replica.py``), the stage RPC service, the meter, the
 periodic announcements and checkpoints. ``provide_local_state`` serves a replica's local weights
-(``local/<stage>``), for a stage server's and a trainer's stage alike.
+(``local/<stage>``), for a stage server's, a trainer's and a full peer's stages alike.
 
     >>> served = ServedStage(parts, stage, state, rebuilt=None, recoveries=0); await served.start()
     >>> ...; await served.close(retire=False); parts.on_log(served.record())
@@ -18,6 +18,7 @@ from typing import Any
 from swarm.dht.metrics import Meter
 from swarm.hardware import describe
 from swarm.outer.replica import ReplicaSync
+from swarm.outer.service import held_stage
 from swarm.outer.transfer import StageState, stream_state, weights_hash
 from swarm.parts import PeerParts, every
 from swarm.pipeline.metering import MeteredBackend
@@ -28,18 +29,19 @@ from swarm.recovery.rebuild import Rebuilt, save_rebuild, save_stage_checkpoint
 from swarm.rpc.blobs import BlobStream
 
 
-def provide_local_state(parts: PeerParts, sync: ReplicaSync) -> None:
-    """Serve ``local/<stage>`` (a snapshot of the weights, streamed); each blob served whole is logged with its hash, so a
-    rebuild's inputs can be traced to their replica.
+def provide_local_state(parts: PeerParts, *syncs: ReplicaSync) -> None:
+    """Serve ``local/<stage>`` of each replica held (a snapshot of its weights, streamed), instead of those served
+    before; each blob served whole is logged with its hash, so a rebuild's inputs can be traced to their replica.
 
     With an outer step, ``state/<i>`` serves the global weights of the last round (what a newcomer
     joins from), which lag up to H inner steps behind; a lost neighbour is rebuilt from the latest.
     """
-    stage = sync.stage
+    held = {sync.stage: sync for sync in syncs}
 
     async def provide(name: str) -> BlobStream:
-        if name != f"local/{stage}":
-            raise LookupError(f"this peer holds stage {stage}")
+        if (sync := held.get(held_stage(name))) is None:
+            raise LookupError(f"this peer holds stages {sorted(held)}, not {name!r}")
+        stage = sync.stage
         return stream_state(
             await sync.local_state(),
             on_sent=lambda sha256: parts.on_log({"event": "state_served", "stage": stage, "sha256": sha256[:16]}),

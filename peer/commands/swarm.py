@@ -69,7 +69,9 @@ def run_cmd(
         str,
         typer.Option(
             help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
-            "else a server of the bottleneck stage), trainer (stage 0: data, embedding, loss) or stage (a server of one middle stage)."
+            "else a server of the bottleneck stage; never full), trainer (stage 0: data, embedding, loss), stage (a server "
+            "of one middle stage) or full (the whole model trained on its own data, one more replica of every stage in "
+            "the outer rounds, sent no microbatches)."
         ),
     ] = "auto",
     stage: Annotated[
@@ -290,7 +292,9 @@ def export_cmd(
 @app.command("local")
 @user_errors
 def local_cmd(
-    peers: Annotated[int, typer.Option(min=2, help="Peer processes in all (trainers + stage servers).")] = 3,
+    peers: Annotated[
+        int, typer.Option(min=2, help="Pipeline peer processes in all (trainers + stage servers; full peers extra).")
+    ] = 3,
     stages: Annotated[int, typer.Option(min=1, help="Middle stages S.")] = 2,
     trainers: Annotated[int, typer.Option(min=1, help="How many of the peers are trainers.")] = 1,
     steps: Annotated[int, typer.Option(min=1, help="Inner steps per trainer.")] = 100,
@@ -307,15 +311,30 @@ def local_cmd(
     join_after: Annotated[
         float, typer.Option(min=0.0, help="Seconds after the trainers start training that the joiners start.")
     ] = 30.0,
+    full: Annotated[
+        int,
+        typer.Option(
+            "--full",
+            min=0,
+            help="Extra full peers: each trains the whole model on its own data shard and joins every stage's outer "
+            "rounds.",
+        ),
+    ] = 0,
     device: DeviceOpt = "auto",
 ) -> None:
-    """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers finish; several
-    trainers read distinct data shards."""
+    """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers (and full peers)
+    finish; trainers and full peers read distinct data shards."""
     from peer.launch import LocalSwarm, launch_local
 
     try:
         layout = LocalSwarm(
-            peers=peers, stages=stages, trainers=trainers, steps=steps, joiners=joiners, join_after_s=join_after
+            peers=peers,
+            stages=stages,
+            trainers=trainers,
+            steps=steps,
+            joiners=joiners,
+            join_after_s=join_after,
+            full=full,
         )
     except ValueError as e:
         fail(str(e))

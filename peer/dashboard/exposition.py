@@ -47,7 +47,12 @@ def prometheus_text(state: Mapping[str, Any]) -> str:
     peers = state["peers"]
     who = lambda peer: {"peer": peer["id"], "name": peer["name"] or "", "role": peer["role"], "stage": peer["stage"]}
     roles = Counter(peer["role"] for peer in peers)
-    family("peers", "gauge", "Live peers by role.", [({"role": role}, roles[role]) for role in ("trainer", "stage")])
+    family(
+        "peers",
+        "gauge",
+        "Live peers by role.",
+        [({"role": role}, roles[role]) for role in ("trainer", "stage", "full")],
+    )
     verdict = state["health"]["verdict"]
     family(
         "health",

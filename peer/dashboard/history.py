@@ -67,7 +67,7 @@ class Saved:
 
 
 def _where(metrics: PeerMetrics) -> str:
-    return "as a trainer" if metrics.role == "trainer" else f"stage {metrics.stage}"
+    return {"trainer": "as a trainer", "full": "as a full peer"}.get(metrics.role, f"stage {metrics.stage}")
 
 
 def _rates(start: dict[str, int], end: dict[str, int], seconds: float) -> dict[str, float]:

@@ -55,6 +55,7 @@ from swarm.dht.records import (
     RevocationRecord,
     RoundDeclaration,
     StageStatus,
+    serving,
 )
 from swarm.errors import ConfigError
 
@@ -336,6 +337,11 @@ class Membership:
     async def _store(self, key: str, value: object, expiration: float | None = None) -> None:
         expiration = expiration or get_dht_time() + self.cfg.timeouts.record_ttl_s
         await self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True)
+
+
+def pipeline_replicas(replicas: dict[int, dict[PeerID, StageStatus]]) -> dict[int, dict[PeerID, StageStatus]]:
+    """``all_replicas`` as the pipeline sees it: only the records of replicas that take microbatches (not full peers)."""
+    return {stage: serving(peers) for stage, peers in replicas.items()}
 
 
 def pick_stage(replicas: dict[int, dict[PeerID, StageStatus]]) -> int:

@@ -12,7 +12,8 @@ without importing the DHT layer.
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from collections.abc import Mapping
+from typing import Dict, Optional, TypeVar
 
 import pydantic.v1 as pydantic
 
@@ -21,6 +22,7 @@ MAX_CONFIG_CHARS = 1 << 16
 # A round declaration's time must be within this of the checking node's clock (hivemind's DHT time is the wall clock):
 # far above any honest skew, and it keeps absurd times (0, the far future) out of every honest node.
 MAX_DECLARED_TIME_OFFSET_S = 86400.0
+K = TypeVar("K")  # how a caller names a peer: PeerID or its base58 text
 
 
 class StageStatus(pydantic.BaseModel):
@@ -35,7 +37,15 @@ class StageStatus(pydantic.BaseModel):
     )
     grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
     recovered: pydantic.StrictBool = False  # this replica was rebuilt from its neighbours (CheckFree), not downloaded
+    # False: a full peer's record (``swarm/full.py``), a replica for the outer step, state downloads and exports only,
+    # never called for a microbatch. Came later with a default, so records without it stay valid (and serve).
+    serves: pydantic.StrictBool = True
     version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+
+
+def serving(records: Mapping[K, StageStatus]) -> dict[K, StageStatus]:
+    """The records of replicas that take pipeline traffic (a full peer's do not): what routing and rebalancing count."""
+    return {peer: status for peer, status in records.items() if status.serves}
 
 
 class RecoveryClaim(pydantic.BaseModel):
@@ -101,10 +111,10 @@ class PeerMetrics(pydantic.BaseModel):
 
     ``name``, ``tokens``, ``uptime_s``, ``busy_fraction``, ``device``, ``window`` and the staleness came later with
     defaults, so records without them stay valid; a node of an older release refuses records that carry them (its
-    schema forbids unknown fields).
+    schema forbids unknown fields), as it refuses role "full".
     """
 
-    role: pydantic.constr(regex=r"^(trainer|stage)$", strict=True)
+    role: pydantic.constr(regex=r"^(trainer|stage|full)$", strict=True)  # full: the whole model (``swarm/full.py``)
     name: Optional[pydantic.constr(regex=PEER_NAME_PATTERN, strict=True)] = None  # the peer's --name
     stage: pydantic.conint(ge=0, strict=True)  # 0 = trainers (the edge stage)
     state: pydantic.constr(regex=rf"^({'|'.join(STATES)})$", strict=True)

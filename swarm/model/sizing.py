@@ -88,14 +88,15 @@ class StageFootprint:
         return cls(f"stage {stage}", params, TRAINING_BYTES_PER_PARAMETER * params, outer, activation_bytes(cfg, stage))
 
     @classmethod
-    def whole_model(cls, cfg: SwarmConfig) -> StageFootprint:
-        """One process holding every stage with no outer step (train-local): the stages summed, activations included."""
+    def whole_model(cls, cfg: SwarmConfig, *, outer: bool = False) -> StageFootprint:
+        """One process holding every stage: the stages summed, activations included; the outer step's state only with
+        ``outer`` (a full peer, a replica of every stage; train-local has none)."""
         parts = [cls.of(cfg, stage) for stage in range(cfg.stages.num_stages + 1)]
         return cls(
             "the whole model",
             sum(p.parameters for p in parts),
             sum(p.training_bytes for p in parts),
-            0,
+            sum(p.outer_bytes for p in parts) if outer else 0,
             sum(p.activation_bytes for p in parts),
         )
 

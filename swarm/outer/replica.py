@@ -162,6 +162,11 @@ class ReplicaSync:
     def schedule_step(self) -> int:
         return self.holder.start_step + self.holder.inner_steps
 
+    @property
+    def due(self) -> bool:
+        """This replica has taken the H inner steps of its next round (and has an outer step to take)."""
+        return self.outer is not None and self.holder.inner_steps - self.synced_at >= self.cfg.outer.inner_steps
+
     def status_fields(self) -> dict[str, Any]:
         """The outer step's part of this replica's DHT record."""
         return {"outer_round": self.round, "global_hash": self.global_hash}
@@ -249,6 +254,7 @@ class ReplicaSync:
                 "reason": result.reason,
                 "group": len(result.group),
                 "contributors": len(result.contributors),
+                "contributor_ids": list(result.contributors),  # whose Δ is in the set: a full peer is in every stage's
                 "leader": result.leader,
                 "outer_round": self.round,
                 "global_hash": self.global_hash,

@@ -1,7 +1,7 @@
 """This peer's outer-step service (``OuterService``): its other replicas, a ``ReplicaSync`` per replica held, state downloads.
 
 ``OuterService`` wires ``swarm/outer/replica.py`` to the swarm: one blob service (outer-round payloads
-and commits, and the state of the stage the peer holds), the DHT records, and state downloads for a newcomer.
+and commits, and the state of each stage the peer holds), the DHT records, and state downloads for a newcomer.
 
     >>> outer_service = OuterService(cfg, membership, p2p); await outer_service.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
     >>> state = await outer_service.download(stage)                       # None: nobody holds the stage yet
@@ -36,7 +36,7 @@ from swarm.outer.transfer import (
     state_bytes_bound,
 )
 from swarm.rpc.auth import CertificateVerifier
-from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError
+from swarm.rpc.blobs import BlobClient, BlobServicer, BlobStream, Sink, TransferError
 from swarm.rpc.defences import PeerGuard
 
 logger = logging.getLogger(__name__)
@@ -63,15 +63,20 @@ class OuterService:
         self.board = Board(retention_s=RoundTiming.of(cfg.timeouts).max_round_s, clock=get_dht_time)
         self.servicer = BlobServicer(verifier=verifier, wait_s=2 * cfg.timeouts.rpc_s)
         self.servicer.provide("outer", self.board.get)
+        self.servicer.provide("state", self._export_state)
         self.client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
+        self.held: dict[int, ReplicaSync] = {}  # stage → the replica sync whose state this peer serves
 
     async def replicas(self, stage: int) -> dict[str, StageStatus]:
         """The other live replicas of ``stage``."""
         found = await self.membership.replicas(stage)
         return {peer.to_base58(): status for peer, status in found.items() if peer != self.membership.peer_id}
 
-    def sync(self, stage: int, holder: Holder, on_log: Callable[[dict[str, Any]], None]) -> ReplicaSync:
-        """The outer step of ``holder``, whose state this peer serves from now on."""
+    def sync(
+        self, stage: int, holder: Holder, on_log: Callable[[dict[str, Any]], None], *, alongside: bool = False
+    ) -> ReplicaSync:
+        """The outer step of ``holder``, whose state this peer serves from now on: instead of the stage it held before
+        (a server that moved), or ``alongside`` the others (a full peer holds every stage)."""
         params = dict(holder.module.named_parameters())
         net = P2PGroupNetwork(
             self.membership, self.client, max_payload_bytes=8 * sum(p.numel() for p in params.values()) + (1 << 20)
@@ -88,7 +93,9 @@ class OuterService:
             clock=get_dht_time,
             guard=self.guard,
         )
-        self.servicer.provide("state", sync.export_state)
+        if not alongside:
+            self.held.clear()
+        self.held[stage] = sync
         return sync
 
     async def download(self, stage: int) -> StageState | None:
@@ -125,6 +132,13 @@ class OuterService:
                 raise TransferError("; ".join(failures))
             await asyncio.sleep(timeouts.announce_period_s)  # the records may have changed: read them again
 
+    async def _export_state(self, name: str) -> BlobStream:
+        """``state/<stage>`` from the replica sync of that stage, if this peer holds it."""
+        sync = self.held.get(held_stage(name))
+        if sync is None:
+            raise LookupError(f"this peer holds stages {sorted(self.held)}, not {name!r}")
+        return await sync.export_state(name)
+
     def _blame(self, peer: str, why: str) -> None:
         """A strike against ``peer``, which served a state it does not hold (or no stage's state at all)."""
         if self.guard.strike(peer):
@@ -132,3 +146,9 @@ class OuterService:
 
     async def _stream(self, peer: str, name: str, sink: Sink, *, max_bytes: int) -> str:
         return await self.client.stream(peer, name, sink, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)
+
+
+def held_stage(name: str) -> int | None:
+    """The stage a ``<kind>/<stage>`` blob name asks for; None if it names none."""
+    _, _, stage = name.partition("/")
+    return int(stage) if stage.isdigit() else None

@@ -6,7 +6,8 @@ increasing order, with a few disjoint adjacent pairs swapped. Replicas follow SW
 in proportion to its measured throughput (network included; a replica's first call, which also
 times the dial, is not counted, and the estimate is a mean in log space that starts from the
 stage's median, so one slow call cannot starve a replica); a replica's announced queue of other
-trainers' requests counts against it until its next announce (``update_queues``). Time and randomness are injected,
+trainers' requests counts against it until its next announce (``update_queues``); a full peer's record, which takes
+no pipeline traffic, is never routed to (``update_records``). Time and randomness are injected,
 so all of it is unit-tested without sockets or sleeps.
 
     >>> router = Router(num_stages=4, rng=random.Random(0))
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from swarm.dht.records import StageStatus, serving
 from swarm.errors import ConfigError
 
 Peer = Hashable  # a libp2p PeerID in the swarm; any hashable, orderable id in tests
@@ -273,6 +275,14 @@ class Router:
         self.balancers[stage].update_peers(peers)
         if queues is not None:
             self.balancers[stage].update_queues(queues, task_size)
+
+    def update_records(self, stage: int, records: Mapping[Peer, StageStatus], *, task_size: float = 1.0) -> None:
+        """The replicas of ``stage`` as their DHT records announce them, with their queues; a record that takes no
+        pipeline traffic (a full peer's: it holds the stage only for the outer step) is left out."""
+        served = serving(records)
+        self.update(
+            stage, list(served), queues={peer: status.queue for peer, status in served.items()}, task_size=task_size
+        )
 
     def choose(self, stage: int, task_size: float = 1.0, exclude: Container[Peer] = ()) -> Peer:
         """A replica of ``stage``; ``exclude`` holds the replicas already tried for this hop."""

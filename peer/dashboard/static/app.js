@@ -15,7 +15,7 @@ const LOSS_X = { time: 0, step: 1, tokens: 2 };  // a loss point is [time, step,
 const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const short = (id) => id.slice(-6);
-const peerName = (p) => p.name || `${p.role === "trainer" ? "trainer" : "s" + p.stage}·${short(p.id)}`;
+const peerName = (p) => p.name || `${p.role === "stage" ? "s" + p.stage : p.role}·${short(p.id)}`;
 const labelOf = (state, id) => state.labels[id] || short(id);  // a peer's --name, also after it left
 const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 
@@ -142,6 +142,7 @@ function legend(node, items) {
 
 function renderKpis(state) {
   const peers = state.peers, trainers = peers.filter((p) => p.role === "trainer");
+  const full = peers.filter((p) => p.role === "full").length;  // whole-model replicas: no pipeline, no stage served
   const latest = (key) => trainers.map((p) => p[key]).filter((v) => v !== null);
   const mean = (xs) => (xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
   const firstLoss = Object.values(state.loss).map((pts) => pts[0] && pts[0][3]).filter((v) => v !== undefined);
@@ -151,7 +152,7 @@ function renderKpis(state) {
   const total = peers.reduce((a, p) => a + sum(p.bytes_sent), 0);
   const rounds = Object.values(state.rounds).map((points) => points[points.length - 1][1]);
   const tiles = [
-    ["Peers", peers.length, `${trainers.length} trainer${trainers.length === 1 ? "" : "s"} · ${peers.length - trainers.length} stage servers`],
+    ["Peers", peers.length, `${trainers.length} trainer${trainers.length === 1 ? "" : "s"} · ${peers.length - trainers.length - full} stage servers${full ? ` · ${full} full` : ""}`],
     ["Train loss", train === null ? "–" : train.toFixed(3), firstLoss.length ? `from ${Math.max(...firstLoss).toFixed(3)}` : "mean over trainers"],
     ["Validation loss", val === null ? "–" : val.toFixed(3), "held-out split, last pass"],
     ["Throughput", `${human(tps)} tok/s`, `${trainers.length ? human(tps / trainers.length) : 0} per trainer`],

@@ -1,0 +1,258 @@
+"""A full peer (``FullRole``): the whole model in one process, trained on its own data, one more replica of every stage.
+
+It builds the seeded ``Transformer`` once and cuts it into its stages (``split_model``: the edge and
+every middle stage, sharing its parameters), runs each microbatch through all of them in order in
+one process (``run_microbatch``, as the centralized baseline does) and steps each stage with its own
+``InnerStep``, so its gradient clipping is the swarm's per-stage clipping. No activation leaves it.
+
+For the outer step it is a replica of stages 0..S like any trainer or stage server: one
+``ReplicaSync`` per stage (``swarm/outer/replica.py``), each over a ``StageHolder``, with the swarm's
+outer method, codecs and screening. It announces a record for every stage with ``serves=False``:
+round records, ``swarmloco status`` and the dashboard count it, state downloads and exports may
+take a stage from it (``state/<i>``, ``local/<i>``), but routing and rebalancing never count it as a
+server (``swarm.dht.records.serving``), so no trainer sends it a microbatch.
+
+A full peer trains much faster than a pipeline, and a replica too far ahead meets nobody: the
+others, with too few steps, sit its rounds out and download its state instead of adding theirs.
+So it never runs past a round: while any of its stages is due (H inner steps since its last round
+or download), it waits for that round to be done.
+
+    >>> role = FullRole(parts, data)      # swarm/node.py makes it for ``--role full``
+    >>> last = await role.run()           # ``config.steps`` inner steps of stage 0 (or until parts.stop)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from swarm.config import SwarmConfig
+from swarm.dht.metrics import Meter
+from swarm.dht.records import StageStatus
+from swarm.hardware import compute_precision, describe
+from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, split_model
+from swarm.model.step import Batch, InnerStep, run_microbatch
+from swarm.model.transformer import Transformer
+from swarm.outer.replica import ReplicaSync
+from swarm.outer.transfer import StageState, TransferError
+from swarm.parts import PeerParts, every, until_stopped
+from swarm.recovery.rebuild import save_stage_checkpoint
+from swarm.roles import DataFactory
+from swarm.served_stage import provide_local_state
+from swarm.sim.centralized import evaluate
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class FullModel:
+    """The whole model as stages 0..S of one ``Transformer``, each with its inner step; all torch work on one thread."""
+
+    def __init__(self, cfg: SwarmConfig, *, start_steps: Sequence[int], device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.model = Transformer(cfg.model).to(device)  # seeded: its stages start as every other replica's
+        self.stages: list[EdgeStage | MiddleStage] = split_model(self.model, cfg.stages.num_stages)
+        self.inners = [
+            InnerStep(stage.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start)
+            for stage, start in zip(self.stages, start_steps, strict=True)
+        ]
+        self.start_steps = list(start_steps)  # where each stage's lr schedule began (a joiner's: the swarm's point)
+        self.tokens = 0  # trained on since the peer started
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="full")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the compute thread: after or before a whole microbatch, never within one."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One microbatch through every stage in order, and each stage's inner step when due; its loss."""
+        loss = await self.run(self._train, inputs, targets)
+        self.tokens += inputs.numel()
+        return loss
+
+    async def evaluate(self, batches: Sequence[Batch]) -> float:
+        """Mean validation loss of the whole model (the plain path 1..S)."""
+
+        def run() -> float:
+            self.model.eval()
+            try:
+                return evaluate(self.model, batches, device=self.device, precision=self.cfg.train.precision)
+            finally:
+                self.model.train()
+
+        return await self.run(run)
+
+    def _train(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        edge, *middles = self.stages
+        with compute_precision(self.device, self.cfg.train.precision):
+            loss = run_microbatch(
+                edge,  # type: ignore[arg-type]
+                middles,  # type: ignore[arg-type]
+                (inputs.to(self.device), targets.to(self.device)),
+                inner_batch=self.cfg.train.inner_batch,
+            )
+        for inner in self.inners:  # stages hold disjoint parameters: each clips and steps its own
+            inner.add(inputs.shape[0])
+        return loss
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class StageHolder:
+    """One stage of a ``FullModel`` as its ``ReplicaSync`` holds it (``swarm.outer.replica.Holder``)."""
+
+    def __init__(self, full: FullModel, stage: int) -> None:
+        self.full, self.stage = full, stage
+        self.module = full.stages[stage]
+        self.inner = full.inners[stage]
+        self.start_step = full.start_steps[stage]
+
+    @property
+    def inner_steps(self) -> int:
+        return self.inner.steps
+
+    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
+        """``fn()`` on the compute thread, between microbatches; ``new_weights``: the gradients this stage holds for its
+        next inner step were taken on the old weights, so they are dropped (as a trainer drops its own)."""
+
+        def run() -> T:
+            result = fn()
+            if new_weights:
+                self.inner.drop()
+            return result
+
+        return await self.full.run(run)
+
+    def settled(self) -> bool:
+        """Always: a microbatch's forward and backward run in one call on the compute thread."""
+        return True
+
+    def status(self) -> StageStatus:
+        return StageStatus(inner_steps=self.inner.steps, grad_norm=float(self.inner.grad_norm), serves=False)
+
+
+class FullRole:
+    """A full peer: trains every stage locally and takes part in every stage's outer rounds, until ``config.steps``."""
+
+    def __init__(self, parts: PeerParts, data: DataFactory) -> None:
+        self.parts, self.data = parts, data
+        self.holder: StageHolder | None = None  # stage 0's (a fault schedule reads its step)
+        self.stage = EDGE_STAGE
+
+    async def run(self) -> dict[str, Any]:
+        """Train ``config.steps`` inner steps of stage 0; the last record ({} if stopped first)."""
+        self.parts.ready()
+        return await until_stopped(self._train(), self.parts.stop) or {}
+
+    async def _download_all(self) -> dict[int, StageState]:
+        """Each stage's current state from its replicas (none yet: the seeded weights)."""
+        states = {}
+        for stage in range(self.parts.cfg.stages.num_stages + 1):
+            try:
+                if (state := await self.parts.outer_service.download(stage)) is not None:
+                    states[stage] = state
+            except TransferError as e:  # listed but none delivers: train, and catch up at the next round
+                logger.warning(f"stage {stage}: no listed replica delivered its state ({e}); starting from the seeds")
+        return states
+
+    async def _train(self) -> dict[str, Any]:
+        parts, cfg, config = self.parts, self.parts.cfg, self.parts.config
+        meter = Meter(role="full", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(parts.device))
+        states = await self._download_all()
+        num_stages = cfg.stages.num_stages
+        full = FullModel(
+            cfg,
+            start_steps=[states[s].schedule_step if s in states else 0 for s in range(num_stages + 1)],
+            device=parts.device,
+        )
+        holders = [StageHolder(full, stage) for stage in range(num_stages + 1)]
+        self.holder = holders[EDGE_STAGE]
+        syncs = [parts.outer_service.sync(h.stage, h, parts.on_log, alongside=True) for h in holders]
+        provide_local_state(parts, *syncs)
+        for stage, state in states.items():
+            await syncs[stage].adopt(state)
+            parts.on_log({"event": "state_download", "stage": stage, "reason": "join", "outer_round": state.round})
+        batches, val_batches = await asyncio.to_thread(self.data, cfg, parts.membership.peer_id.to_base58())
+
+        async def announce() -> None:
+            for holder, sync in zip(holders, syncs, strict=True):
+                await parts.membership.announce(holder.stage, holder.status().copy(update=sync.status_fields()))
+            await parts.membership.publish_config()
+            status = holders[EDGE_STAGE].status().copy(update=syncs[EDGE_STAGE].status_fields())
+            await parts.membership.publish_metrics(meter.sample(status, tokens=full.tokens))
+
+        background = [asyncio.create_task(every(cfg.timeouts.announce_period_s, announce))]
+        background += [asyncio.create_task(sync.run()) for sync in syncs]
+        try:
+            meter.state = "training"
+            last = await self._loop(full, syncs, batches, val_batches, meter)
+            if config.stage_checkpoint is not None:  # as a trainer does: stage 0 outlives the peer
+                await save_stage_checkpoint(config.stage_checkpoint, await syncs[EDGE_STAGE].local_state())
+            return last
+        finally:
+            for task in background:
+                task.cancel()
+            full.shutdown()
+            for sync in syncs:
+                sync.close()
+
+    async def _loop(
+        self,
+        full: FullModel,
+        syncs: list[ReplicaSync],
+        batches: Iterator[Batch],
+        val_batches: Sequence[Batch],
+        meter: Meter,
+    ) -> dict[str, Any]:
+        """Microbatches until ``config.steps`` inner steps of stage 0, holding still while a stage's round is due."""
+        config, edge = self.parts.config, full.inners[EDGE_STAGE]
+        options, started, losses = config.trainer, time.perf_counter(), []
+        record: dict[str, Any] = {}
+        logged = edge.steps
+        while edge.steps < config.steps:
+            while any(sync.due for sync in syncs):  # a round to meet first: never lap the pipelines
+                await asyncio.sleep(sync_poll_s(syncs))
+            losses.append(await full.train_microbatch(*next(batches)))
+            if edge.steps >= min(logged + options.log_every, config.steps):
+                logged = edge.steps
+                record = progress(full, syncs, started, losses)
+                if val_batches and (
+                    edge.steps >= config.steps or (options.eval_every and logged % options.eval_every == 0)
+                ):
+                    record["val_loss"] = await full.evaluate(val_batches)
+                meter.observe(record)
+                self.parts.on_log({**record, "metrics": meter.last and meter.last.dict()})
+                losses = []
+        return record
+
+
+def sync_poll_s(syncs: Sequence[ReplicaSync]) -> float:
+    return min(sync.poll_s for sync in syncs)
+
+
+def progress(full: FullModel, syncs: Sequence[ReplicaSync], started: float, losses: list[float]) -> dict[str, Any]:
+    """A full peer's progress record: a trainer's fields that apply, and its outer counters summed over its stages."""
+    elapsed, edge = time.perf_counter() - started, full.inners[EDGE_STAGE]
+    counters: Counter[str] = Counter()
+    for sync in syncs:
+        counters.update(sync.counters)
+    return {
+        "role": "full",
+        "step": edge.steps,
+        "tokens": full.tokens,
+        "elapsed_s": elapsed,
+        "train_loss": sum(losses) / len(losses) if losses else None,
+        "tokens_per_s": full.tokens / max(elapsed, 1e-9),
+        "lr": edge.lr,
+        "grad_norm": edge.grad_norm,
+        "outer_rounds": {str(sync.stage): sync.round for sync in syncs},
+        **counters,
+    }

@@ -1,0 +1,204 @@
+"""Full peers (``swarm/full.py``): the whole model in one process, one more replica of every stage, never on a path.
+
+The records and the router are checked as units; a real swarm of ``Node``s in this process (``node_harness.py``:
+1 trainer, a server per stage of 2, a full peer) trains, meets in every stage's outer rounds, agrees, sends the
+full peer no microbatch, and a newcomer server takes its stage from the full peer alone.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from node_harness import LOOPBACK, BackgroundNode
+from pydantic.v1 import ValidationError
+from swarm_harness import DATA, swarmloco, tiny_config
+
+from compress.config import CodecConfig
+from optim.config import OuterOptimConfig
+from peer.data import load_corpus
+from peer.launch import LocalSwarm, local_config
+from swarm.config import SwarmConfig, TimeoutConfig, save_config
+from swarm.dht.membership import pipeline_replicas
+from swarm.dht.records import PeerMetrics, StageStatus
+from swarm.node import DataFactory, choose_role, stage_loads
+from swarm.peer_config import PeerConfig
+from swarm.pipeline.routing import Router
+from swarm.pipeline.trainer import Batch, TrainerOptions
+
+H = 5
+TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+NUM_STAGES = 2
+
+
+class Peer(str):
+    """A peer id in a unit test: ``stage_loads`` asks for ``to_base58``."""
+
+    def to_base58(self) -> str:
+        return str(self)
+
+
+def test_a_full_peers_record_is_never_routed_to_nor_counted_as_a_server() -> None:
+    server, full = Peer("server"), Peer("full")
+    records = {server: StageStatus(queue=1), full: StageStatus(serves=False)}
+    router = Router(1, random.Random(0))
+    router.update_records(1, records, task_size=8)
+    assert router.balancers[1].live_peers() == [server]
+    assert {router.choose(1, task_size=8) for _ in range(20)} == {server}
+    router.update_records(1, {full: StageStatus(serves=False)})
+    assert router.live_stages() == []  # a stage only a full peer holds is a hole in every path: skipped
+
+    # an old record (no ``serves`` field) serves; one that says otherwise must be a strict bool
+    assert StageStatus.parse_obj({"queue": 0}).serves is True
+    with pytest.raises(ValidationError):
+        StageStatus.parse_obj({"serves": "no"})
+
+    # rebalancing and --role auto see the pipeline only: a full peer fills no hole and is no trainer
+    everyone = {0: {full: StageStatus(serves=False)}, 1: {full: StageStatus(serves=False)}, 2: dict(records)}
+    pipeline = pipeline_replicas(everyone)
+    assert [load.peer_id for load in stage_loads(pipeline, 2)[2]] == ["server"]
+    assert choose_role(pipeline, 2) == ("stage", 1)
+    assert choose_role(pipeline_replicas({0: {full: StageStatus(serves=False)}, 1: records, 2: records}), 2) == (
+        "trainer",
+        0,
+    )
+    assert PeerMetrics(role="full", stage=0, state="training", step=3, version=3).role == "full"
+    with pytest.raises(ValidationError):
+        PeerMetrics(role="oracle", stage=0, state="training", step=3, version=3)
+
+
+def full_config(steps: int) -> SwarmConfig:
+    return tiny_config(
+        stages=NUM_STAGES,
+        steps=steps,
+        outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
+        codecs=CodecConfig(pseudo_gradients="sparseloco"),
+        timeouts=TIMEOUTS,
+    )
+
+
+def batches(seed: int) -> DataFactory:
+    corpus = load_corpus([DATA])
+
+    def make(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], list[Batch]]:
+        kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
+        return corpus.sample_batches("train", seed=seed, **kw), corpus.val_batches(num_batches=2, **kw)
+
+    return make
+
+
+def peer_id(node: BackgroundNode) -> str:
+    assert node.node is not None and node.node.membership is not None
+    return node.node.membership.peer_id.to_base58()
+
+
+def rounds(node: BackgroundNode, stage: int) -> list[dict]:
+    return [r for r in node.events("outer_round") if r["stage"] == stage and r["outcome"] == "done"]
+
+
+def shared_rounds(full: BackgroundNode, others: dict[int, BackgroundNode]) -> dict[int, list[tuple[dict, dict]]]:
+    """Per stage, the done rounds that the full peer and the stage's other replica both logged, with the other
+    replica among the full peer's contributors: (the full peer's record, the other's)."""
+    found = {}
+    for stage, other in others.items():
+        theirs = {(r["round"], r["leader"]): r for r in rounds(other, stage)}
+        found[stage] = [
+            (r, theirs[r["round"], r["leader"]])
+            for r in rounds(full, stage)
+            if peer_id(other) in r["contributor_ids"] and (r["round"], r["leader"]) in theirs
+        ]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcomer() -> None:
+    steps = 400
+    cfg = full_config(steps)
+
+    def server(stage: int, initial: list[str]) -> BackgroundNode:
+        config = PeerConfig(
+            role="stage", stage=stage, name=f"stage{stage}", initial_peers=initial, host_maddrs=LOOPBACK
+        )
+        return BackgroundNode(config, cfg if not initial else None)
+
+    def trainer_like(role: str, initial: list[str]) -> BackgroundNode:
+        config = PeerConfig(
+            role=role,  # type: ignore[arg-type]
+            name=role,
+            initial_peers=initial,
+            host_maddrs=LOOPBACK,
+            steps=steps,
+            trainer=TrainerOptions(log_every=5),
+        )
+        return BackgroundNode(config, data=batches(seed=len(role)))
+
+    with server(1, []) as stage1:
+        with server(2, stage1.maddrs) as stage2, trainer_like("trainer", stage1.maddrs) as trainer:
+            with trainer_like("full", stage1.maddrs) as full:
+                others = {0: trainer, 1: stage1, 2: stage2}
+                shared = full.wait(
+                    "an outer round of every stage shared by the full peer and the stage's other replica",
+                    lambda: (found := shared_rounds(full, others)) and all(found.values()) and found,
+                    240,
+                )
+                # the members of a round applied one set: the same global weights, on the full peer and on the other
+                for stage, pairs in shared.items():
+                    for mine, theirs in pairs:
+                        assert peer_id(full) in theirs["contributor_ids"], (stage, theirs)
+                        assert mine["global_hash"] == theirs["global_hash"], (stage, mine, theirs)
+
+                # every record the full peer announces says it takes no pipeline traffic
+                listed = full.call(lambda node: node.membership.all_replicas())
+                me = full.node.membership.peer_id
+                assert all(me in listed[s] and listed[s][me].serves is False for s in range(NUM_STAGES + 1))
+                progress = [r for r in full.records if r.get("role") == "full"]
+                assert progress and progress[-1]["metrics"]["role"] == "full"
+
+                trainer_records = [r for r in trainer.records if r.get("role") == "trainer"]
+
+                # the newcomer: stage 1 held by the full peer alone, a new server takes its state from it
+                stage1_round = full.call(lambda node: node.membership.replicas(1))[me].outer_round
+                joined = stage1.stop()
+                assert joined["role"] == "stage"
+                with server(1, stage2.maddrs) as newcomer:
+                    download = newcomer.events("state_download")[0]
+                    assert download["reason"] == "join" and download["outer_round"] >= stage1_round
+                    (serving,) = newcomer.events("serving")
+                    held = full.call(lambda node: node.membership.replicas(1))[me]
+                    assert serving["global_hash"] and serving["outer_round"] <= held.outer_round
+                full.stop()
+            trainer.stop()
+    # no microbatch ever went to the full peer: it serves no stage RPC, so one would have failed its hop
+    assert trainer_records and all(r["hop_failures"] == 0 and r["hop_timeouts"] == 0 for r in trainer_records)
+    assert trainer_records[-1]["completed"] > 0
+
+
+def test_local_layout_counts_full_peers_apart_and_rejects_a_negative_count() -> None:
+    layout = LocalSwarm(peers=3, stages=2, full=2)
+    assert layout.servers() == [("stage1-0", 1), ("stage2-0", 2)]  # full peers take no server's place
+    assert local_config(SwarmConfig(), layout).data.shards == 3  # one shard per trainer and per full peer
+    with pytest.raises(ValueError, match="full"):
+        LocalSwarm(full=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_swarmloco_local_with_a_full_peer_trains_and_lists_it(tmp_path: Path, child_processes: list) -> None:
+    toml = tmp_path / "tiny.toml"
+    save_config(tiny_config(stages=2, outer=OuterOptimConfig(method="sparseloco", inner_steps=H)), toml)
+    out = tmp_path / "run"
+    (result,) = swarmloco(
+        ["local", "--config", str(toml), "--steps", "20", "--full", "1", "--out", str(out)], children=child_processes
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 full peer(s)" in result.stdout
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("full-0 ")]
+    assert row.split()[1] == "full", row
+    records = [json.loads(line) for line in (out / "full-0.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records if r.get("role") == "full") == 20
+    stages = {r["stage"] for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"}
+    assert stages == {0, 1, 2}  # a replica of every stage
