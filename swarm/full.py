@@ -131,10 +131,6 @@ class StageHolder:
 
         return await self.full.run(run)
 
-    def settled(self) -> bool:
-        """Always: a microbatch's forward and backward run in one call on the compute thread."""
-        return True
-
     def status(self) -> StageStatus:
         return StageStatus(inner_steps=self.inner.steps, grad_norm=float(self.inner.grad_norm), serves=False)
 
