@@ -5,6 +5,7 @@ Config sections are keyword-only dataclasses whose choice fields are ``Literal``
 (the enclosing section prefixes its own name).
 
     >>> CodecConfig(activations="subspace+int8", gradients="subspace").uses_subspace  # True
+    >>> CodecConfig(activations="adaptive", gradients="adaptive")  # per link, by measured throughput
     >>> CodecConfig(activations="gzip")  # ConfigError: config field 'activations': unknown value 'gzip'; choose from fp32, …
 """
 
@@ -17,6 +18,9 @@ from typing import Literal
 
 from compress.codecs import CodecName, PseudoGradientCodecName
 from compress.errors import ConfigError
+
+# a codec, or "adaptive": per link, from bf16 to int4 by the link's measured throughput (compress/adaptive.py)
+BoundaryCodecName = Literal[CodecName, "adaptive"]
 
 SPARSELOCO_CHUNK = 4096  # the SparseLoCo codec's chunks are 64×64 tiles
 
@@ -56,8 +60,8 @@ def check_non_negative(section: object, *names: str) -> None:
 
 @dataclass(kw_only=True)
 class CodecConfig:
-    activations: CodecName = "int8"  # forward activations between stages
-    gradients: CodecName = "int8"  # activation-gradients on the way back
+    activations: BoundaryCodecName = "int8"  # forward activations between stages
+    gradients: BoundaryCodecName = "int8"  # activation-gradients on the way back
     pseudo_gradients: PseudoGradientCodecName = (
         "sparseloco"  # outer-step exchange (sparseloco needs outer.method = sparseloco)
     )

@@ -166,6 +166,14 @@ def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple
     return b"".join((header[:_CRC_OFFSET], struct.pack("<I", crc), tail, payload))
 
 
+def frame_codec_id(data: bytes) -> int | None:
+    """The codec id a frame's header declares, read without decoding anything; None where there is no header to read
+    (``decode_frame`` then says what is wrong)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < _HEADER.size or bytes(data[:4]) != MAGIC:
+        return None
+    return memoryview(data).cast("B")[5]
+
+
 def decode_frame(
     data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, expected_shape: tuple[int, ...] | None = None
 ) -> Frame:

@@ -12,14 +12,15 @@ replicas of stage 0, so outer rounds really exchange pseudo-gradients, and a ski
 drops exactly one of the three stages per microbatch.
 
 The plan varies one thing at a time around SparseLoCo with int8 activations: every activation
-codec (``none`` is fp32 on the wire) at every bandwidth, DiLoCo (fp32 exchange) instead of
-SparseLoCo, and skip 0.33. ``--repeats`` runs the plan several times, interleaved, and reports
+codec (``none`` is fp32 on the wire; ``adaptive`` chooses per link by measured throughput) at
+every bandwidth, DiLoCo (fp32 exchange) instead of SparseLoCo, and skip 0.33. ``--repeats`` runs the plan several times, interleaved, and reports
 medians: the machine is shared and time-sliced, so every tokens/s is relative to the uncapped
 run of the same configuration measured in the same invocation.
 
     sudo python scripts/bench_e2e.py --json bench-e2e.json --plot docs/bench-e2e.png    # ~60 min per repeat on 2 cores
     sudo python scripts/bench_e2e.py --steps 40 --only int8                             # a quick look
     sudo python scripts/bench_e2e.py --steps 40 --only int8 --bandwidths 20,none --rtt-ms 100  # with 100 ms round trips
+    sudo python scripts/bench_e2e.py --only int8 adaptive --bandwidths 20,none --repeats 2    # link-adaptive vs int8
     sudo python scripts/bench_e2e.py --windows 1,4 --bandwidths 20,none --rtt-ms 100 --repeats 2  # window vs synchronous
 """
 
@@ -42,6 +43,8 @@ from peer.launch import LocalSwarm, Placement, local_config
 from swarm.config import OuterChoice, SwarmConfig, derive_config
 
 LAYOUT = dict(trainers=2, stages=3)  # and one server per stage
+# "adaptive": each trainer picks per link from bf16/int8/int4 by the link's measured throughput (compress/adaptive.py)
+ACT_CODECS = ("none", "int8", "subspace", "adaptive")
 TARGET_KEEP = 0.8  # at 20 Mbit/s, compressed, at least 80% of the uncapped tokens/s
 TARGET_SKIP_STEP_CUT, TARGET_SKIP_LOSS = 0.25, 0.03  # skip 0.33: ≥ 25% less time per step at ≤ 3% loss
 
@@ -49,7 +52,7 @@ TARGET_SKIP_STEP_CUT, TARGET_SKIP_LOSS = 0.25, 0.03  # skip 0.33: ≥ 25% less t
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
     bandwidth_mbit: float | None  # per peer, each direction; None: uncapped
-    act_codec: str = "int8"  # activations and their gradients; "none": fp32
+    act_codec: str = "int8"  # activations and their gradients; "none": fp32; "adaptive": per link
     outer: OuterChoice = "sparseloco"
     skip: float = 0.0
     window: int | None = None  # the trainers' window cap (--in-flight); 1: the synchronous pipeline; None: the default
@@ -66,7 +69,7 @@ class Run:
 def plan(bandwidths: list[float | None], windows: list[int] | None = None) -> list[Run]:
     if windows:  # the window study: int8 SparseLoCo at every bandwidth, once per window cap
         return [Run(bandwidth_mbit=bw, window=w) for bw in bandwidths for w in windows]
-    runs = [Run(bandwidth_mbit=bw, act_codec=codec) for bw in bandwidths for codec in ("none", "int8", "subspace")]
+    runs = [Run(bandwidth_mbit=bw, act_codec=codec) for bw in bandwidths for codec in ACT_CODECS]
     low = [bw for bw in bandwidths if bw is not None][:1]  # the lowest cap, and uncapped
     for bw in [*low, None]:
         runs += [Run(bandwidth_mbit=bw, outer="diloco"), Run(bandwidth_mbit=bw, skip=0.33)]
@@ -155,7 +158,7 @@ def check_targets(records: list[dict[str, Any]], low: float | None) -> dict[str,
     """The issue's targets, each with the numbers it was judged on (None where the plan lacks a run)."""
     targets: dict[str, Any] = {}
     windows = sorted({r["window"] for r in records if r["window"] is not None})
-    for codec in ("none", "int8", "subspace") if low is not None else ():
+    for codec in ACT_CODECS if low is not None else ():
         for window in windows or [None]:
             capped, free = (
                 find(records, bandwidth_mbit=low, act_codec=codec, outer="sparseloco", skip=0.0, window=window),

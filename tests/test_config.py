@@ -168,8 +168,8 @@ def test_component_errors_outside_swarm_name_the_field(data: dict, field: str) -
     "data,field,choices",
     [
         ({"outer": {"method": "adam"}}, "outer.method", OUTER_METHODS),
-        ({"codecs": {"activations": "gzip"}}, "codecs.activations", CODEC_NAMES),
-        ({"codecs": {"gradients": 8}}, "codecs.gradients", CODEC_NAMES),
+        ({"codecs": {"activations": "gzip"}}, "codecs.activations", (*CODEC_NAMES, "adaptive")),
+        ({"codecs": {"gradients": 8}}, "codecs.gradients", (*CODEC_NAMES, "adaptive")),
         ({"codecs": {"pseudo_gradients": "int8"}}, "codecs.pseudo_gradients", ("fp32", "fp16", "bf16", "sparseloco")),
     ],
 )

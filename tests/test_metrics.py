@@ -40,6 +40,7 @@ GOOD = PeerMetrics(
     device="cuda:0 (NVIDIA H100 80GB HBM3)",
     bytes_sent={"activations": 1000, "gradients": 900},
     bytes_received={"activations": 1000},
+    frames_sent={"int8": 3, "subspace+int4": 1},
     version=PROTOCOL_VERSION,
 ).dict()
 
@@ -86,10 +87,15 @@ def test_metrics_records_must_match_the_schema(validator_for) -> None:
         ("uptime_s", math.inf),
         ("device", "<script>"),
         ("device", "x" * 81),
+        ("frames_sent", {"<b>int8</b>": 1}),
+        ("frames_sent", {"int8": -1}),
+        ("frames_sent", {f"codec{i}": 1 for i in range(MAX_KINDS + 1)}),
     ]:
         assert not validator.validate(stored({**GOOD, field: bad})), (field, bad)
     assert not validator.validate(stored({**GOOD, "extra": 1}))
-    old = {key: value for key, value in GOOD.items() if key not in ("name", "tokens", "uptime_s", "device")}
+    old = {
+        key: value for key, value in GOOD.items() if key not in ("name", "tokens", "uptime_s", "device", "frames_sent")
+    }
     assert validator.validate(stored(old))  # a record from before these fields is still valid
     assert not validator.validate(stored(GOOD, subkey=b"no owner marker"))
 

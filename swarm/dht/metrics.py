@@ -31,10 +31,11 @@ from swarm.dht.records import PeerMetrics, StageStatus
 
 @dataclass
 class Traffic:
-    """Bytes of wire frames by kind, in each direction."""
+    """Bytes of wire frames by kind, in each direction, and the boundary frames sent by codec."""
 
     sent: Counter[str] = field(default_factory=Counter)
     received: Counter[str] = field(default_factory=Counter)
+    frames: Counter[str] = field(default_factory=Counter)  # codec name → activation and gradient frames sent
 
 
 class Meter:
@@ -94,6 +95,7 @@ class Meter:
             uptime_s=max(now - self._started, 0.0),
             bytes_sent=dict(self.traffic.sent),
             bytes_received=dict(self.traffic.received),
+            frames_sent=dict(self.traffic.frames),
             outer_round=status.outer_round,
             recoveries=self.recoveries,
             bans=bans,

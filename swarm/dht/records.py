@@ -101,6 +101,7 @@ MAX_KINDS = 16
 
 Kind = pydantic.constr(regex=r"^[a-z][a-z0-9_]{0,31}$", strict=True)  # activations, gradients, eval, ...
 ByteCounts = Dict[Kind, pydantic.conint(ge=0, strict=True)]
+FrameCounts = Dict[pydantic.constr(regex=r"^[a-z][a-z0-9_+]{0,31}$", strict=True), pydantic.conint(ge=0, strict=True)]
 Loss = Optional[pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)]
 # a peer's --name: also a file name (OUT/<name>.jsonl) and a dashboard label, so short and plain
 PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -109,7 +110,7 @@ PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 class PeerMetrics(pydantic.BaseModel):
     """One peer's numbers; strict types, as hivemind's SchemaValidator requires.
 
-    ``name``, ``tokens``, ``uptime_s``, ``busy_fraction``, ``device``, ``window`` and the staleness came later with
+    ``name``, ``tokens``, ``uptime_s``, ``busy_fraction``, ``device``, ``window``, the staleness and ``frames_sent`` came later with
     defaults, so records without them stay valid; a node of an older release refuses records that carry them (its
     schema forbids unknown fields), as it refuses role "full".
     """
@@ -126,6 +127,8 @@ class PeerMetrics(pydantic.BaseModel):
     uptime_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # since the peer started
     bytes_sent: ByteCounts = {}  # wire frames by kind, since the peer started
     bytes_received: ByteCounts = {}
+    # activation and gradient frames sent, by codec (an adaptive swarm's mix: compress/adaptive.py), since it started
+    frames_sent: FrameCounts = {}
     outer_round: pydantic.conint(ge=0, strict=True) = 0
     recoveries: pydantic.conint(ge=0, strict=True) = 0  # stages this peer rebuilt from their neighbours
     bans: pydantic.conint(ge=0, strict=True) = 0  # peers it refuses to call right now
@@ -140,7 +143,7 @@ class PeerMetrics(pydantic.BaseModel):
     staleness_max: Optional[pydantic.conint(ge=0, strict=True)] = None
     version: pydantic.conint(ge=0, strict=True)
 
-    @pydantic.validator("bytes_sent", "bytes_received")
+    @pydantic.validator("bytes_sent", "bytes_received", "frames_sent")
     def _few_kinds(cls, counts: dict[str, int]) -> dict[str, int]:
         if len(counts) > MAX_KINDS:
             raise ValueError(f"at most {MAX_KINDS} kinds of traffic, got {len(counts)}")

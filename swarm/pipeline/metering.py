@@ -2,7 +2,8 @@
 
 ``MeteredBackend``, a thin wrapper around a stage server's ``StageBackend``, counts requests as
 received and replies as sent into the peer's ``Traffic`` (``swarm/dht/metrics.py``), which its
-metrics record publishes. A trainer counts its own calls (``Trainer._count``, which also knows
+metrics record publishes, with the frames it sent by codec (an adaptive swarm's replies are each in
+the codec its trainer chose for that link). A trainer counts its own calls (``Trainer._count``, which also knows
 what fp32 would have cost).
 
 ``BusyTime`` is the server's busy fraction: the time its compute thread spends on requests
@@ -49,14 +50,16 @@ class MeteredBackend:
 
     async def forward(self, peer: PeerID, request: Forward) -> bytes:
         self.traffic.received.update(_request_frames(request))
-        reply = await self.backend.forward(peer, request)
-        self.traffic.sent[_reply_kind(request)] += len(reply)
-        return reply
+        return self._sent(request, await self.backend.forward(peer, request))
 
     async def backward(self, peer: PeerID, request: Backward) -> bytes:
         self.traffic.received.update(_request_frames(request))
-        reply = await self.backend.backward(peer, request)
+        return self._sent(request, await self.backend.backward(peer, request))
+
+    def _sent(self, request: Forward | Backward, reply: bytes) -> bytes:
         self.traffic.sent[_reply_kind(request)] += len(reply)
+        if (codec := getattr(reply, "codec", None)) is not None:  # a ``Reply`` says its codec
+            self.traffic.frames[codec] += 1
         return reply
 
     def info(self) -> dict[str, Any]:

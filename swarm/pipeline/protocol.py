@@ -17,6 +17,7 @@ computes lives behind ``StageBackend`` (``swarm/pipeline/server.py``).
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import Callable
@@ -80,20 +81,47 @@ def _check_microbatch(message: Forward | Backward) -> Forward | Backward:
     return message
 
 
+class Reply(bytes):
+    """A reply frame, and what its server said about it: the codec it chose (server side only), how long it held the
+    request (from taking it to the reply being ready, waiting for its compute thread included) and how long it
+    computed. Plain bytes to a caller that needs only the frame; a trainer times its links with the rest
+    (``compress/adaptive.py``). Timings are None when the server did not say (an older release)."""
+
+    codec: str | None
+    server_s: float | None
+    compute_s: float | None
+
+    def __new__(
+        cls, frame: bytes, *, codec: str | None = None, server_s: float | None = None, compute_s: float | None = None
+    ) -> Reply:
+        reply = super().__new__(cls, frame)
+        reply.codec, reply.server_s, reply.compute_s = codec, server_s, compute_s
+        return reply
+
+
+_TIMINGS = ("server_s", "compute_s")
+
+
 def _reply(frame: bytes) -> bytes:
-    return msgpack.packb({"y": frame}, use_bin_type=True)
+    timings = {name: value for name in _TIMINGS if (value := getattr(frame, name, None)) is not None}
+    return msgpack.packb({"y": frame, **timings}, use_bin_type=True)
 
 
-def parse_reply(data: bytes) -> bytes:
+def parse_reply(data: bytes) -> Reply:
     try:
         body = msgpack.unpackb(data, raw=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise RemoteError(RequestError.INTERNAL, f"unreadable reply: {e}") from None
     if isinstance(body, dict) and isinstance(body.get("y"), bytes):
-        return body["y"]
+        return Reply(body["y"], **{name: _seconds(body.get(name)) for name in _TIMINGS})
     if (error := remote_error(body)) is not None:
         raise error
     raise RemoteError(RequestError.INTERNAL, "reply holds neither a frame nor an error")
+
+
+def _seconds(value: object) -> float | None:
+    """A timing a server sent, if it is one (anything else is as good as not said: it only informs a codec choice)."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value >= 0 else None
 
 
 def _chunks(data: bytes) -> list[bytes]:
@@ -230,10 +258,10 @@ class StageClient:
         self._certificate: bytes | None = None
         self._expires_at = 0
 
-    async def forward(self, peer: PeerID, request: Forward, *, timeout: float) -> bytes:
+    async def forward(self, peer: PeerID, request: Forward, *, timeout: float) -> Reply:
         return await self._call(peer, "forward", pack(request, self.certificate()), timeout)
 
-    async def backward(self, peer: PeerID, request: Backward, *, timeout: float) -> bytes:
+    async def backward(self, peer: PeerID, request: Backward, *, timeout: float) -> Reply:
         return await self._call(peer, "backward", pack(request, self.certificate()), timeout)
 
     async def info(self, peer: PeerID, *, timeout: float) -> dict[str, Any]:
@@ -253,7 +281,7 @@ class StageClient:
             self._expires_at = Certificate.decode(self._certificate).expires_at
         return self._certificate
 
-    async def _call(self, peer: PeerID, method: str, payload: bytes, timeout: float) -> bytes:
+    async def _call(self, peer: PeerID, method: str, payload: bytes, timeout: float) -> Reply:
         stub = StageServicer.get_stub(self.p2p, peer, namespace=self.namespace)
         try:
             if len(payload) <= MAX_UNARY_PAYLOAD_SIZE:
@@ -266,7 +294,7 @@ class StageClient:
             raise RemoteError(RequestError.UNREACHABLE, f"{type(e).__name__}: {e}") from None
 
     @staticmethod
-    async def _call_stream(stub: Any, method: str, payload: bytes) -> bytes:
+    async def _call_stream(stub: Any, method: str, payload: bytes) -> Reply:
         async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
             for part in _chunks(payload):
                 yield runtime_pb2.ExpertRequest(metadata=part)

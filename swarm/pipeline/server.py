@@ -29,7 +29,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from compress.codecs import all_finite
+from compress.codecs import Codec, all_finite
 from compress.wire import WireLimits
 from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
@@ -37,9 +37,9 @@ from swarm.dht.records import StageStatus
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import build_stage
 from swarm.model.step import InnerStep, add_gradients, stage_forward, stage_gradients
-from swarm.pipeline.boundary import boundary_codecs
+from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.metering import BusyTime
-from swarm.pipeline.protocol import Backward, Forward, RequestError
+from swarm.pipeline.protocol import Backward, Forward, Reply, RequestError
 
 T = TypeVar("T")
 FRAME_SLACK_BYTES = 64 << 10  # frame header, codec metadata and token ids on top of fp32 values
@@ -135,7 +135,8 @@ class StageServer:
         )
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
-        self.act_codec, self.grad_codec = boundary_codecs(cfg)
+        # the codecs it accepts; it replies in the request's own (the trainer chose it for their link)
+        self.act_codecs, self.grad_codecs = boundary_ladders(cfg)
         self.max_batch = cfg.train.microbatch_size
         max_values = self.max_batch * cfg.model.max_seq_len * cfg.model.d_model
         max_frame = 4 * max_values + FRAME_SLACK_BYTES
@@ -154,13 +155,14 @@ class StageServer:
             0  # outer installs and downloads so far: forwards from before one get no parameter gradient
         )
 
-    async def forward(self, peer: PeerID, request: Forward) -> bytes:
+    async def forward(self, peer: PeerID, request: Forward) -> Reply:
+        taken = self.clock()
         if not 0 <= request.prev_stage <= self.cfg.stages.num_stages or request.prev_stage == self.stage:
             raise RequestError(
                 RequestError.INVALID,
                 f"prev_stage {request.prev_stage} is not another stage of 0..{self.cfg.stages.num_stages}",
             )
-        x, tokens = self._decode_input(request.x)
+        codec, x, tokens = self._decode_input(request.x)
         y, elapsed = await self._run(self._compute_forward, x, busy=True)
         if request.train:
             self.cache.put(
@@ -169,18 +171,19 @@ class StageServer:
             self.from_stage[request.prev_stage] += 1
         self.counters["forward" if request.train else "eval_forward"] += 1
         self.first_served_at = self.first_served_at or time.time()
-        return self.act_codec.encode(y, tokens=tokens)
+        return self._reply(codec.encode(y, tokens=tokens), codec.name, taken, elapsed)
 
-    async def backward(self, peer: PeerID, request: Backward) -> bytes:
+    async def backward(self, peer: PeerID, request: Backward) -> Reply:
+        taken = self.clock()
         entry = self.cache.pop(peer, request.mb)
         if entry is None:
             if request.x is None:
                 self.counters["cache_miss"] += 1
                 raise RequestError(RequestError.CACHE_MISS, f"no forward input for microbatch {request.mb}; resend it")
-            x, tokens = self._decode_input(request.x)
+            _, x, tokens = self._decode_input(request.x)
             entry = CacheEntry(x=x, tokens=tokens, forward_s=0.0, weights=self.weights_epoch)
             self.counters["recompute_from_resent"] += 1
-        grad = self.grad_codec.decode(request.grad, limits=self.limits)
+        codec, grad, _ = self.grad_codecs.decode(request.grad, limits=self.limits)
         if grad.shape != entry.x.shape:
             raise RequestError(
                 RequestError.INVALID,
@@ -193,7 +196,11 @@ class StageServer:
             raise
         self.throughput.update(entry.x.shape[0], interval=entry.forward_s + elapsed)
         self.counters["backward"] += 1
-        return self.grad_codec.encode(grad_x)
+        return self._reply(codec.encode(grad_x), codec.name, taken, elapsed)
+
+    def _reply(self, frame: bytes, codec: str, taken: float, compute_s: float) -> Reply:
+        """The reply, with the times that let the trainer tell its link's share of the round trip from ours."""
+        return Reply(frame, codec=codec, server_s=self.clock() - taken, compute_s=compute_s)
 
     def info(self) -> dict[str, Any]:
         recent, total = self.busy.fractions()
@@ -243,8 +250,8 @@ class StageServer:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _decode_input(self, frame: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x, tokens = self.act_codec.decode_with_tokens(frame, limits=self.limits)
+    def _decode_input(self, frame: bytes) -> tuple[Codec, torch.Tensor, torch.Tensor | None]:
+        codec, x, tokens = self.act_codecs.decode(frame, limits=self.limits)
         b, t, d = x.shape if x.ndim == 3 else (0, 0, 0)
         if not (1 <= b <= self.max_batch and 1 <= t <= self.cfg.model.max_seq_len and d == self.cfg.model.d_model):
             raise RequestError(
@@ -252,7 +259,7 @@ class StageServer:
                 f"activation of shape {tuple(x.shape)}; expected (B ≤ {self.max_batch}, "
                 f"T ≤ {self.cfg.model.max_seq_len}, d = {self.cfg.model.d_model})",
             )
-        return x, tokens
+        return codec, x, tokens
 
     async def _run(self, fn: Callable[..., T], *args: Any, busy: bool = False) -> tuple[T, float]:
         """``fn(*args)`` on the compute thread, and its compute time (waiting for the thread excluded), counted

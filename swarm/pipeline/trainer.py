@@ -12,14 +12,18 @@ One that lands too stale anyway (overtaken by later ones: a retry, a slow replic
 before an outer round installed new weights, has its stage-0 gradients dropped and counted. A
 hop that fails is retried on another replica; a stage with no live replica is skipped on the way
 forward. On the way back a lost forward input is resent (stateless recompute). Every microbatch
-ends as completed or failed, and every failure is counted, so none is lost silently. What a
+ends as completed or failed, and every failure is counted, so none is lost silently. Each frame goes in the codec
+``LinkCodecs`` chooses for its destination's link (``codecs.* = "adaptive"``: by the link's measured throughput,
+``compress/adaptive.py``); a frame relayed from one hop to the next is re-encoded only when the next link's codec
+differs. What a
+microbatch computes What a
 microbatch computes (loss weight, accumulation, clip and inner step) is ``swarm/model/step.py``'s,
 the same as in the simulator and the centralized baseline; this module only carries it over the network.
 
 The network is a ``StageCalls`` object: the real ``StageClient`` or, in tests, direct calls.
 
     >>> trainer = Trainer(cfg, StageClient(p2p, namespace=cfg.swarm_id), router)
-    >>> await trainer.train(batches, steps=100, on_log=print)  # records: window, staleness_mean/max, drops
+    >>> await trainer.train(batches, steps=100, on_log=print)  # records: window, staleness_mean/max, drops, links
     >>> await trainer.evaluate(val_batches)  # mean loss over the full plain path
 """
 
@@ -39,6 +43,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from compress.adaptive import Ladder, LinkEstimator, choose_codec
+from compress.codecs import Codec
 from compress.errors import WireError
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Traffic
@@ -47,7 +53,7 @@ from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 from swarm.model.step import InnerStep, add_gradients, embed, embed_backward, head_gradients
 from swarm.model.transformer import loss_fn
-from swarm.pipeline.boundary import boundary_codecs
+from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
 
@@ -73,6 +79,9 @@ COUNTERS = (
 
 
 class StageCalls(Protocol):
+    """Each call returns the reply frame; a ``Reply`` (``StageClient``'s, ``StageServer``'s) also carries the server's
+    timings, which measure the link: a link answered in plain bytes stays unmeasured."""
+
     async def forward(self, peer: Peer, request: Forward, *, timeout: float) -> bytes: ...
 
     async def backward(self, peer: Peer, request: Backward, *, timeout: float) -> bytes: ...
@@ -112,6 +121,53 @@ class Hop:
     stage: int
     peer: Peer
     x: bytes  # the frame this hop received: resent if its server loses it
+    x_codec: str  # its codec
+
+
+class Outgoing:
+    """A boundary tensor on its way to the next hop: encoded once per codec a link asks for, the frame it arrived in
+    relayed as is when the link's codec is that frame's (no second rounding)."""
+
+    def __init__(
+        self, value: torch.Tensor, tokens: torch.Tensor | None, frame: bytes | None = None, codec: Codec | None = None
+    ) -> None:
+        self.value, self.tokens = value, tokens
+        self._frames: dict[str, bytes] = {} if frame is None or codec is None else {codec.name: frame}
+
+    def frame(self, codec: Codec) -> bytes:
+        if codec.name not in self._frames:
+            self._frames[codec.name] = codec.encode(self.value, tokens=self.tokens)
+        return self._frames[codec.name]
+
+
+class LinkCodecs:
+    """The codec of every frame a trainer sends, per kind and destination peer: the one place the choice is made.
+
+    Each kind has its ladder (a fixed codec: a ladder of one); links are measured from the RPCs that complete
+    (``observe``), and ``report`` says per link what was chosen last and what was measured."""
+
+    def __init__(self, ladders: dict[str, Ladder]) -> None:
+        self.ladders = ladders  # "activations", "gradients"
+        self.links = LinkEstimator()
+        self.chosen: dict[Peer, dict[str, str]] = {}
+
+    def choose(self, kind: str, peer: Peer, shape: tuple[int, ...]) -> Codec:
+        codec = choose_codec(self.ladders[kind], shape, self.links.get(peer))
+        self.chosen.setdefault(peer, {})[kind] = codec.name
+        return codec
+
+    def observe(self, peer: Peer, reply: bytes, *, nbytes: int, elapsed_s: float) -> None:
+        server_s, compute_s = getattr(reply, "server_s", None), getattr(reply, "compute_s", None)
+        self.links.observe(peer, nbytes=nbytes, elapsed_s=elapsed_s, server_s=server_s, compute_s=compute_s)
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Per peer: the codec chosen last for each kind, and the link's estimated bytes/s and compute per call."""
+        report = {}
+        for peer, chosen in self.chosen.items():
+            link = self.links.get(peer)
+            measured = {} if link is None else {"bytes_per_s": link.bytes_per_s, "compute_s": link.compute_s}
+            report[str(peer)] = {**{f"codec_{kind}": name for kind, name in chosen.items()}, **measured}
+        return report
 
 
 @dataclass(frozen=True)
@@ -209,7 +265,8 @@ class Trainer:
             self.edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step
         )
         self.start_step = start_step  # a trainer that joins mid-run starts at the swarm's point of the lr schedule
-        self.act_codec, self.grad_codec = boundary_codecs(cfg)
+        activations, gradients = boundary_ladders(cfg)
+        self.codecs = LinkCodecs({"activations": activations, "gradients": gradients})
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.traffic = traffic or Traffic()  # frame bytes by kind and direction: the peer's metrics publish it
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
@@ -292,6 +349,8 @@ class Trainer:
             **self.counters,
             "wire_bytes": dict(self.traffic.sent + self.traffic.received),
             "fp32_bytes": dict(self.fp32_bytes),
+            "frames_sent": dict(self.traffic.frames),  # by codec
+            "links": self.codecs.report(),  # per peer: codecs chosen, bytes/s and compute per call measured
         }
 
     def status(self) -> StageStatus:
@@ -309,10 +368,10 @@ class Trainer:
             h0, departure = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
             hops, h = await self._forward_path(mb, path, h0.detach(), inputs)
             loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
-            if hops:
-                grad_frame = self.grad_codec.encode(grad)
-                for hop in reversed(hops):
-                    grad_frame, grad = await self._backward_hop(mb, hop, grad_frame)
+            outgoing = Outgoing(grad, None)
+            for hop in reversed(hops):
+                outgoing = await self._backward_hop(mb, hop, outgoing)
+            grad = outgoing.value
             staleness, used = await self._run(self._land, departure, h0, grad, head_grads)
         except asyncio.CancelledError:
             self.counters["cancelled"] += 1
@@ -343,43 +402,44 @@ class Trainer:
         self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor
     ) -> tuple[list[Hop], torch.Tensor]:
         """The hops taken and the decoded output of the last one (``h0`` itself if none was)."""
-        hops, prev, frame, h = [], EDGE_STAGE, self.act_codec.encode(h0, tokens=tokens), h0
+        hops, prev, outgoing = [], EDGE_STAGE, Outgoing(h0, tokens)
         for stage in path:
             try:
-                peer, out, h_out = await self._forward_hop(
-                    mb, Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
-                )
+                hop, outgoing = await self._forward_hop(mb, stage, prev, outgoing)
             except HopFailed as e:
                 self.counters["skipped_hops"] += 1  # go on without this stage, as SkipPipe paths do
                 logger.warning(f"{mb.id}: skipping stage {stage}: {e}")
                 continue
-            hops.append(Hop(stage, peer, frame))
-            frame, h, prev = out, h_out, stage
-        return hops, h
+            hops.append(hop)
+            prev = stage
+        return hops, outgoing.value
 
-    async def _forward_hop(self, mb: Microbatch, request: Forward) -> tuple[Peer, bytes, torch.Tensor]:
+    async def _forward_hop(self, mb: Microbatch, stage: int, prev: int, x: Outgoing) -> tuple[Hop, Outgoing]:
         tried: list[Peer] = []
         for _ in range(self.options.max_attempts):
-            peer = self._choose(request.stage, tried)
+            peer = self._choose(stage, tried)
             tried.append(peer)
-            if (reply := await self._call(mb, peer, request)) is not None:
-                return peer, *reply
-        raise HopFailed(f"stage {request.stage}: {len(tried)} replicas failed")
+            codec = self.codecs.choose("activations", peer, mb.shape)
+            frame = x.frame(codec)
+            request = Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
+            if (reply := await self._call(mb, peer, request, codec.name)) is not None:
+                return Hop(stage, peer, frame, codec.name), Outgoing(*reply)
+        raise HopFailed(f"stage {stage}: {len(tried)} replicas failed")
 
-    async def _backward_hop(self, mb: Microbatch, hop: Hop, grad: bytes) -> tuple[bytes, torch.Tensor]:
+    async def _backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
         """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again."""
         peer, tried, resend = hop.peer, [hop.peer], False
         for _ in range(self.options.max_attempts):
             self.counters["resent_inputs"] += resend
+            codec = self.codecs.choose("gradients", peer, mb.shape)
+            request = Backward(mb=mb.id, stage=hop.stage, grad=grad.frame(codec), x=hop.x if resend else None)
             try:
-                reply = await self._call(
-                    mb, peer, Backward(mb=mb.id, stage=hop.stage, grad=grad, x=hop.x if resend else None)
-                )
+                reply = await self._call(mb, peer, request, codec.name, hop.x_codec)
             except CacheMiss:  # the server dropped the input: resend it, to the same server
                 resend = True
                 continue
             if reply is not None:
-                return reply
+                return Outgoing(*reply)
             resend = True  # another replica never saw this microbatch
             peer = self._choose(hop.stage, tried)
             tried.append(peer)
@@ -391,23 +451,23 @@ class Trainer:
         except NoLiveReplica as e:
             raise HopFailed(f"stage {stage}: {e}") from None
 
-    async def _call(self, mb: Microbatch, peer: Peer, request: Forward | Backward) -> tuple[bytes, torch.Tensor] | None:
-        """One RPC, with the router told how it went: the reply (frame, decoded), or None to move on."""
+    async def _call(
+        self, mb: Microbatch, peer: Peer, request: Forward | Backward, codec: str, x_codec: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bytes, Codec] | None:
+        """One RPC, with the router and the link estimate told how it went: the reply (decoded, its token ids, the
+        frame, its codec), or None to move on. ``codec``: the request's frame's; ``x_codec``: a resent input's."""
         stage, timeout, started = request.stage, self.cfg.timeouts.rpc_s, time.perf_counter()
         forward = isinstance(request, Forward)
-        kind, codec, call = (
-            ("activations", self.act_codec, self.calls.forward)
-            if forward
-            else ("gradients", self.grad_codec, self.calls.backward)
-        )
-        self._count(mb, kind, request.x if forward else request.grad, sent=True)
+        kind, call = ("activations", self.calls.forward) if forward else ("gradients", self.calls.backward)
+        sent = self._count(mb, kind, request.x if forward else request.grad, sent=True, codec=codec)
         if not forward and request.x is not None:
-            self._count(mb, "activations", request.x, sent=True)
+            sent += self._count(mb, "activations", request.x, sent=True, codec=x_codec)
         try:
             out = await call(peer, request, timeout=timeout)
-            self._count(mb, kind, out, sent=False)
+            wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
+            received = self._count(mb, kind, out, sent=False)
             # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
-            value = codec.decode(out, expected_shape=mb.shape)
+            reply_codec, value, tokens = self.codecs.ladders[kind].decode(out, expected_shape=mb.shape)
         except TimeoutError:
             self.counters["hop_timeouts"] += 1
             self.router.report_timeout(stage, peer, timeout)
@@ -430,14 +490,20 @@ class Trainer:
             self.router.report_failure(stage, peer)
             logger.info(f"stage {stage} peer {peer}: call failed: {type(e).__name__}: {e}")
             return None
-        self.router.report_success(stage, peer, samples=mb.shape[0], seconds=time.perf_counter() - started)
-        return out, value
+        elapsed = time.perf_counter() - started
+        self.router.report_success(stage, peer, samples=mb.shape[0], seconds=elapsed)
+        self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
+        return value, tokens, out, reply_codec
 
-    def _count(self, mb: Microbatch, kind: str, frame: bytes, *, sent: bool) -> None:
-        """The one count of a trainer's wire traffic; fp32_bytes: what the same tensor would cost uncompressed."""
+    def _count(self, mb: Microbatch, kind: str, frame: bytes, *, sent: bool, codec: str | None = None) -> int:
+        """The one count of a trainer's wire traffic (and of the frames it sends by ``codec``); fp32_bytes: what the
+        same tensor would cost uncompressed. Returns the frame's bytes."""
         kind = kind if mb.train else "eval"  # validation traffic apart: per-token costs are of training
         (self.traffic.sent if sent else self.traffic.received)[kind] += len(frame)
         self.fp32_bytes[kind] += 4 * math.prod(mb.shape)
+        if codec is not None:
+            self.traffic.frames[codec] += 1
+        return len(frame)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

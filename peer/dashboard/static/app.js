@@ -215,10 +215,14 @@ function renderPipeline(state) {
       // a trainer's microbatch window, and how many inner steps late its microbatches landed (mean, max)
       const stale = p.staleness_max == null ? "" : `, stale ${p.staleness_mean.toFixed(1)}/${p.staleness_max}`;
       const pipe = p.window == null ? "" : ` · window ${p.window}${stale}`;
+      // the codecs its activation and gradient frames went in (an adaptive swarm picks one per link), by share
+      const frames = p.frames_sent || {}, total = sum(frames);
+      const codecs = total ? `<div class="stats">codecs ${Object.keys(frames).sort().map((c) =>
+        `${esc(c)} ${(100 * frames[c] / total).toFixed(0)}%`).join(" · ")}</div>` : "";
       return `<div class="peer-card ${p.state}" data-peer="${esc(p.id)}" title="${esc(p.id)}">` +
         `<div class="top"><span class="peer-id">${esc(peerName(p))}</span><span class="badge ${p.state}">${p.state}</span></div>` +
         `<div class="stats">step ${p.step} · ${human(p.tokens_per_s)} tok/s${loss}${pipe}</div>` +
-        `<div class="stats">↑ ${bytes(sum(p.rate_sent))}/s ↓ ${bytes(sum(p.rate_received))}/s${p.bans ? ` · ${p.bans} banned` : ""}</div></div>`;
+        `<div class="stats">↑ ${bytes(sum(p.rate_sent))}/s ↓ ${bytes(sum(p.rate_received))}/s${p.bans ? ` · ${p.bans} banned` : ""}</div>${codecs}</div>`;
     });
     if (!cards.length) cards.push(`<div class="peer-card missing">no replica: paths skip this stage</div>`);
     return `<div class="stage-col" data-stage="${s}">${cards.join("")}</div>`;

@@ -1,0 +1,140 @@
+"""Link-adaptive boundary codecs: per link, the least lossy codec whose frames cross it within the hop's compute time.
+
+A ``Ladder`` is the codecs one kind of boundary tensor may travel in, least lossy first. A fixed
+codec (``codecs.activations = "int8"``) is a ladder of one; ``"adaptive"`` is ``bf16 → int8 →
+int4`` (``subspace+`` each of them for a subspace-constrained model). Frames are self-describing,
+so a receiver decodes one by its codec id among the ladder's codecs, with the same limits and
+expected-shape checks as a single codec, and refuses any other codec (``UnknownCodec``).
+
+The sender chooses (``choose_codec``), per destination peer, from a ``LinkEstimate``: with a window
+of microbatches in flight the wire and the stage compute overlap, so a link stops being the
+bottleneck once a call's frames (one each way: the request's tensor and the reply's, in the same
+codec) cross it in no more than the server's compute time for that call. Among the ladder, the
+least lossy codec meeting that budget wins; none does: the most compressed. A link not measured yet
+gets the ladder's ``start`` (int8, the swarm's default codec).
+
+``LinkEstimator`` measures each link from the RPCs themselves: the server says in its reply how long
+it held the request (waiting for its compute thread included) and how long it computed; the rest
+of the round trip is the wire, so seconds per byte = (round trip − server time) / bytes both ways.
+Round-trip latency counts as wire time too, since one RPC cannot tell latency from bandwidth: on a
+long-delay link the estimate is pessimistic and the choice errs towards more compression. A server
+can lie about its times, but only about its own link: the estimate is clamped to the round trip
+the trainer measured, and the ladder bounds what any claim can lead to.
+
+    >>> ladder = Ladder([get_codec(n) for n in ADAPTIVE_LADDER], start=1)
+    >>> codec = choose_codec(ladder, (16, 128, 512), LinkEstimate(seconds_per_byte=1e-8, compute_s=0.05))  # bf16
+    >>> codec, x, tokens = ladder.decode(codec.encode(torch.randn(16, 128, 512)), expected_shape=(16, 128, 512))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from compress.codecs import Codec
+from compress.errors import UnknownCodec
+from compress.wire import WireLimits, decode_frame, frame_codec_id, header_bytes, receiver_limits
+
+ADAPTIVE = "adaptive"  # the config value that selects a ladder
+ADAPTIVE_LADDER = ("bf16", "int8", "int4")  # bf16, not fp16: fp16 cannot encode values beyond ±65504
+ADAPTIVE_START = "int8"  # before a link is measured: the default codec of a fixed swarm
+EMA_ALPHA = 0.2  # weight of the newest measurement of a link
+
+
+class Ladder:
+    """The codecs a kind of boundary tensor may travel in, least lossy first; ``start``: the index used unmeasured."""
+
+    def __init__(self, codecs: Sequence[Codec], *, start: int = 0) -> None:
+        if not codecs or not 0 <= start < len(codecs):
+            raise ValueError(f"a ladder needs at least one codec and a start among them, got {len(codecs)}, {start}")
+        self.codecs, self.start = tuple(codecs), codecs[start]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(codec.name for codec in self.codecs)
+
+    def decode(
+        self,
+        data: bytes,
+        *,
+        limits: WireLimits | None = None,
+        allow_nonfinite: bool = False,
+        expected_shape: tuple[int, ...] | None = None,
+    ) -> tuple[Codec, torch.Tensor, torch.Tensor | None]:
+        """(the codec the frame is in, its tensor, its token ids or None), as ``Codec.decode_with_tokens`` checks it;
+        ``UnknownCodec`` for a frame in a codec outside the ladder. Raises only ``WireError``s."""
+        codec_id = frame_codec_id(data)
+        if codec_id is None:  # no header to read: the first codec's decode names what is wrong
+            return self.codecs[0], *self.codecs[0].decode_with_tokens(data, limits=limits)
+        candidates = [codec for codec in self.codecs if codec.codec_id == codec_id]  # subspace ones share an id
+        if not candidates:
+            raise UnknownCodec(f"frame has codec id {codec_id}; this swarm accepts only {', '.join(self.names)} here")
+        shape_limits = None  # the bounds of the roomiest candidate: never above what a single codec allowed before
+        if expected_shape is not None:
+            shape = tuple(expected_shape)
+            shape_limits = max(candidates, key=lambda codec: codec.payload_bytes(shape)).limits_for(shape)
+        frame = decode_frame(data, limits=receiver_limits(limits, shape_limits), expected_shape=expected_shape)
+        for codec in candidates:
+            if codec.matches(frame):
+                return codec, *codec.from_frame(frame, allow_nonfinite=allow_nonfinite)
+        raise UnknownCodec(f"frame's subspace inner codec is not one of {', '.join(self.names)}")
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    seconds_per_byte: float  # the wire's time per byte, both directions together
+    compute_s: float  # the server's compute per call
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / max(self.seconds_per_byte, 1e-12)
+
+
+def frame_bytes(codec: Codec, shape: tuple[int, ...]) -> int:
+    """A frame of ``shape`` in ``codec``, before zstd (which only helps)."""
+    return header_bytes(len(shape)) + codec.payload_bytes(shape)
+
+
+def choose_codec(ladder: Ladder, shape: tuple[int, ...], link: LinkEstimate | None) -> Codec:
+    """The least lossy codec whose frames, one each way, cross ``link`` within its compute time per call."""
+    if link is None:
+        return ladder.start
+    for codec in ladder.codecs:
+        if 2 * frame_bytes(codec, shape) * link.seconds_per_byte <= link.compute_s:
+            return codec
+    return ladder.codecs[-1]
+
+
+class LinkEstimator:
+    """Per peer, EMAs of the wire's seconds per byte and the server's compute per call, from completed RPCs."""
+
+    def __init__(self, alpha: float = EMA_ALPHA) -> None:
+        self.alpha = alpha
+        self._links: dict[Hashable, LinkEstimate] = {}
+
+    def observe(
+        self, peer: Hashable, *, nbytes: int, elapsed_s: float, server_s: float | None, compute_s: float | None
+    ) -> None:
+        """One RPC to ``peer``: ``nbytes`` of frames both ways in ``elapsed_s``, of which the server held it
+        ``server_s`` and computed ``compute_s`` (its claims, clamped to what was measured). Ignored without them."""
+        if server_s is None or compute_s is None or nbytes <= 0 or not math.isfinite(elapsed_s) or elapsed_s <= 0:
+            return
+        server_s = min(max(server_s, 0.0), elapsed_s)
+        compute_s = min(max(compute_s, 0.0), server_s)
+        wire_s = max(elapsed_s - server_s, 1e-6)  # a clock's resolution, not a free wire
+        sample = LinkEstimate(seconds_per_byte=wire_s / nbytes, compute_s=compute_s)
+        old = self._links.get(peer)
+        self._links[peer] = (
+            sample
+            if old is None
+            else LinkEstimate(
+                seconds_per_byte=old.seconds_per_byte + self.alpha * (sample.seconds_per_byte - old.seconds_per_byte),
+                compute_s=old.compute_s + self.alpha * (sample.compute_s - old.compute_s),
+            )
+        )
+
+    def get(self, peer: Hashable) -> LinkEstimate | None:
+        return self._links.get(peer)
