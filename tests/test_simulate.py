@@ -37,10 +37,14 @@ def corpus():
     return load_corpus([Path(sysconfig.get_paths()["stdlib"]) / "json"])
 
 
-def run(cfg: SwarmConfig, corpus, *, ticks: int = 8, replicas: int = 2, mode: str = "outer") -> SimulationResult:
+def run(
+    cfg: SwarmConfig, corpus, *, ticks: int = 8, replicas: int = 2, mode: str = "outer", **sim_options
+) -> SimulationResult:
     streams = [corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=k) for k in range(replicas)]
     val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_batches=2)
-    sim = SimulationConfig(replicas=replicas, mode=mode, tokens=ticks * replicas * MICRO * SEQ, log_every=ticks)
+    sim = SimulationConfig(
+        replicas=replicas, mode=mode, tokens=ticks * replicas * MICRO * SEQ, log_every=ticks, **sim_options
+    )
     return simulate(cfg, sim, streams, val)
 
 
@@ -76,6 +80,20 @@ def test_bf16_runs_the_same_swarm_with_fp32_weights_and_replicas_still_agree(cor
     assert all_replicas_agree(b.replicas) and b.outer_rounds == 3
     assert all(p.dtype == torch.float32 for group in b.replicas.values() for r in group for p in r.module.parameters())
     assert a.val_loss != b.val_loss and abs(a.val_loss - b.val_loss) < 0.05 * a.val_loss  # bf16 matmuls, same run
+
+
+def test_full_replicas_send_no_activations_and_still_agree_in_every_stages_rounds(corpus) -> None:
+    int8 = tiny(codecs=CodecConfig(activations="int8", gradients="int8", pseudo_gradients="fp32"))
+    pipelined, one_full, all_full = (run(int8, corpus, ticks=7, full=f) for f in (0, 1, 2))
+    sent = lambda r: r.bytes_by_kind.get("activations", 0) + r.bytes_by_kind.get("activation_gradients", 0)
+    assert sent(all_full) == 0 and 0 < sent(one_full) < sent(pipelined)
+    # the pipelined trainer's hops only (int8 frames are entropy-coded: their sizes vary a little)
+    assert sent(one_full) == pytest.approx(sent(pipelined) / 2, rel=0.05)
+    for result in (one_full, all_full):
+        assert result.outer_rounds == 3 and all_replicas_agree(result.replicas)
+        assert result.bytes_by_kind["pseudo_gradients"] == pipelined.bytes_by_kind["pseudo_gradients"]
+    compressed = run(int8, corpus, ticks=7, full=1, compress_full=True)
+    assert sent(compressed) == sent(one_full) and compressed.val_loss != one_full.val_loss  # lossy, and not counted
 
 
 def test_independent_replicas_drift_apart(corpus) -> None:

@@ -50,6 +50,12 @@ class SimulationConfig:
     tokens: int = 500_000  # training tokens over all trainers
     seed: int = 0
     log_every: int = 25  # ticks
+    # replicas 0..full-1 are full peers (``swarm/full.py``): trainer k runs the whole model on its own copies k of
+    # every stage, every stage in order, with no wire between them; the others are pipelined among themselves
+    full: int = 0
+    compress_full: bool = (
+        False  # a full replica's boundaries go through the codecs too (what selective compression saves)
+    )
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -60,6 +66,8 @@ class SimulationConfig:
             raise ConfigError("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.tokens <= 0 or self.log_every <= 0:
             raise ConfigError("tokens", "tokens and log_every must be positive")
+        if not 0 <= self.full <= self.replicas:
+            raise ConfigError("full", f"must be in [0, replicas={self.replicas}], got {self.full}")
 
 
 @dataclass
@@ -108,6 +116,11 @@ class Link:
         self.bytes[kind] += len(frame)
         self.messages[kind] += 1
         return self.codecs[kind].decode(frame).to(self.device)
+
+
+def fp32_boundaries(cfg: SwarmConfig) -> SwarmConfig:
+    """``cfg`` with uncompressed boundaries: a full replica hands tensors from stage to stage in its own memory."""
+    return replace(cfg, codecs=replace(cfg.codecs, activations="fp32", gradients="fp32"))
 
 
 def make_replica(
@@ -197,21 +210,28 @@ def simulate(
     inner_steps = max(1, ticks // ticks_per_step)
     replicas = {s: [make_replica(cfg, s, inner_steps, with_outer, device) for _ in range(K)] for s in range(S + 1)}
     link = Link(*boundary_codecs(cfg), device=device)
+    # a full replica's boundaries are in its own memory: no bytes cross a wire (its link's bytes are not counted);
+    # uncompressed, unless the run compresses them too (what selective compression is compared against)
+    full_link = Link(*boundary_codecs(cfg if sim.compress_full else fp32_boundaries(cfg)), device=device)
+    pipelined = list(range(sim.full, K))  # the replicas a pipelined trainer's hops choose among
     skipped = outer_rounds = 0
     log: list[dict[str, float]] = []
     started = time.perf_counter()
     for tick in range(1, ticks + 1):
         losses = []
         for k, (trainer, stream) in enumerate(zip(replicas[EDGE_STAGE], streams)):
-            path = sample_path(S, cfg.paths, rng)
+            if k < sim.full:  # a full peer: its own copy of every stage, in order
+                path, hops = list(range(1, S + 1)), [replicas[s][k] for s in range(1, S + 1)]
+            else:
+                path = sample_path(S, cfg.paths, rng)
+                hops = [replicas[s][k] if sim.routing == "sticky" else replicas[s][rng.choice(pipelined)] for s in path]
             skipped += S - len(path)
-            hops = [replicas[s][k] if sim.routing == "sticky" else rng.choice(replicas[s]) for s in path]
             losses.append(
                 train_microbatch(
                     trainer,
                     hops,
                     next(stream),
-                    link,
+                    full_link if k < sim.full else link,
                     step_when_due=sim.mode == "outer",
                     precision=cfg.train.precision,
                 )
