@@ -91,7 +91,9 @@ def test_full_replicas_send_no_activations_and_still_agree_in_every_stages_round
     assert sent(one_full) == pytest.approx(sent(pipelined) / 2, rel=0.05)
     for result in (one_full, all_full):
         assert result.outer_rounds == 3 and all_replicas_agree(result.replicas)
-        assert result.bytes_by_kind["pseudo_gradients"] == pipelined.bytes_by_kind["pseudo_gradients"]
+        # full replicas exchange pseudo-gradients as any replica does (compressed frames: sizes vary with the values)
+        pseudo = result.bytes_by_kind["pseudo_gradients"]
+        assert pseudo == pytest.approx(pipelined.bytes_by_kind["pseudo_gradients"], rel=0.2)
     compressed = run(int8, corpus, ticks=7, full=1, compress_full=True)
     assert sent(compressed) == sent(one_full) and compressed.val_loss != one_full.val_loss  # lossy, and not counted
 
