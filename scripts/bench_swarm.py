@@ -100,12 +100,16 @@ def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | No
     return busy
 
 
+WINDOW_STALENESS = 6  # what a window of more than one microbatch may span (the trainers' default keeps it in a step)
+
+
 def window_args(window: int | None) -> list[str]:
-    """The peer options that cap the trainers' microbatch window (None: the default); a window of one never overlaps
-    inner steps: the synchronous pipeline of before the window existed."""
+    """The peer options for a trainers' window cap (None: the trainers' defaults): a window of one never overlaps
+    inner steps (the synchronous pipeline); a wider one may span WINDOW_STALENESS steps, as measured in
+    docs/benchmarks.md."""
     if window is None:
         return []
-    return ["--in-flight", str(window), *(["--max-staleness", "0"] if window == 1 else [])]
+    return ["--in-flight", str(window), "--max-staleness", str(0 if window == 1 else WINDOW_STALENESS)]
 
 
 def window_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:

@@ -160,7 +160,8 @@ def run_cmd(
         typer.Option(
             min=0,
             help="Trainers: inner steps a microbatch may land after its forward began; staler ones are not started, "
-            "or their gradients are dropped (counted).",
+            "or their gradients are dropped (counted). 0 keeps the window within an inner step (no staleness); "
+            "more lets it span steps: faster over slow links, at a quality cost (docs/benchmarks.md).",
         ),
     ] = TrainerOptions().max_staleness,
     faults: Annotated[
