@@ -44,11 +44,18 @@ def assert_groups_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int, 
     """
     hashes: dict[tuple[int, int, str], set[str]] = {}
     members: dict[tuple[int, int, str], list[str]] = {}
+    screened: set[tuple[int, int, str]] = set()  # groups in which a member dropped or clipped someone's Δ
     for name in names:
         for r in swarm.rounds(name):
-            hashes.setdefault((r["stage"], r["round"], r["leader"]), set()).add(r["global_hash"])
-            members.setdefault((r["stage"], r["round"], r["leader"]), []).append(name)
-    assert all(len(h) == 1 for h in hashes.values()), hashes
+            key = (r["stage"], r["round"], r["leader"])
+            hashes.setdefault(key, set()).add(r["global_hash"])
+            members.setdefault(key, []).append(name)
+            if r.get("dropped") or r.get("clipped"):
+                screened.add(key)
+    # the one documented way a group splits (optim/outer.py, Screening): in a pair each member bounds the other's Δ
+    # by its own recent ‖Δ‖, so near that bound one drops or clips what the other keeps; the split is then repaired
+    # by download. Any other disagreement is a bug.
+    assert all(len(h) == 1 for key, h in hashes.items() if key not in screened), hashes
     return members
 
 
