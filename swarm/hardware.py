@@ -29,10 +29,15 @@ DEVICE_SPEC = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 DEVICE_HELP = "Where to compute: auto (a CUDA GPU if there is one, else Apple mps, else cpu), cpu, cuda, cuda:N or mps."
 
 
+def device_spec_problem(spec: str) -> str | None:
+    """Why ``spec`` names no device at all (None when its form is right; whether this machine has it is apart)."""
+    return None if DEVICE_SPEC.match(spec) else f"must be auto, cpu, cuda, cuda:N or mps, got {spec!r}"
+
+
 def resolve_device(spec: str) -> torch.device:
     """The device ``spec`` names; ConfigError (naming ``--device``) when it is malformed or not on this machine."""
-    if not DEVICE_SPEC.match(spec):
-        raise ConfigError("--device", f"must be auto, cpu, cuda, cuda:N or mps, got {spec!r}")
+    if (problem := device_spec_problem(spec)) is not None:
+        raise ConfigError("--device", problem)
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())

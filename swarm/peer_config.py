@@ -25,7 +25,7 @@ from swarm.dht.reachability import REACHABILITY_MODES, Reachability, Reachabilit
 from swarm.dht.records import PEER_NAME_PATTERN
 from swarm.errors import ConfigError
 from swarm.faults import FaultSchedule
-from swarm.hardware import DEVICE_SPEC
+from swarm.hardware import device_spec_problem
 from swarm.pipeline.trainer import TrainerOptions
 from swarm.rpc.admission import Credentials
 
@@ -104,8 +104,8 @@ class PeerConfig:
         for name in ("rebalance_period_s", "checkpoint_every", "threads", "wait_for_stages_s", "data_shard"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(name, f"must be non-negative, got {getattr(self, name)}")
-        if not DEVICE_SPEC.match(self.device):
-            raise ConfigError("device", f"must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if (problem := device_spec_problem(self.device)) is not None:
+            raise ConfigError("device", problem)
         if self.checkpoint_every and not self.stage_checkpoint:
             raise ConfigError("checkpoint_every", "needs a stage_checkpoint file to write")
         if any(event.at_s is not None for event in self.faults.events):
