@@ -59,9 +59,19 @@ class OuterOptimConfig:
     sparseloco_momentum: float = 0.0  # Nesterov; 0: plain SGD (the SparseLoCo paper's α = 1 step)
     noloco_lr: float = 0.7  # NoLoCo: heavy-ball SGD on mean(Δ) plus the pull towards the partner's weights
     noloco_momentum: float = 0.5
+    # a warm start: replicas meet after every inner step for their first ``warm_start_steps`` steps, then every H
+    warm_start_steps: int = 0
 
     def __post_init__(self) -> None:
         check_choices(self)
         check_positive(self, "inner_steps", "diloco_lr", "sparseloco_lr", "noloco_lr")
+        check_non_negative(self, "warm_start_steps")
         for momentum in ("diloco_momentum", "sparseloco_momentum", "noloco_momentum"):
             _check_unit_interval(self, momentum, closed=False)
+
+    def horizon(self, synced_at: int) -> int:
+        """Inner steps until the next round, for a replica whose last round was after its ``synced_at``-th step.
+
+        >>> OuterOptimConfig(inner_steps=10, warm_start_steps=3).horizon(2), OuterOptimConfig(inner_steps=10).horizon(2)  # (1, 10)
+        """
+        return 1 if synced_at < self.warm_start_steps else self.inner_steps

@@ -70,17 +70,25 @@ ROWS: list[Row] = [
     Row(name="sparseloco/H50", outer="sparseloco", overrides={"outer.inner_steps": 50}),
     Row(name="sparseloco/k128", outer="sparseloco", overrides={"codecs.topk": 128}),  # 3.1% density
     Row(name="sparseloco/H10/k128", outer="sparseloco", overrides={"outer.inner_steps": 10, "codecs.topk": 128}),
+    # a warm start: every step for the first N inner steps, then every H
+    Row(name="diloco/warm50", outer="diloco", overrides={"outer.warm_start_steps": 50}),
+    Row(name="sparseloco/warm20", outer="sparseloco", overrides={"outer.warm_start_steps": 20}),
+    Row(name="sparseloco/warm50", outer="sparseloco", overrides={"outer.warm_start_steps": 50}),
+    # SparseLoCo's error feedback: β of the buffer, and the outer step's size on the aggregated sparse Δ
+    Row(name="sparseloco/ef0.9", outer="sparseloco", overrides={"codecs.error_decay": 0.9}),
+    Row(name="sparseloco/ef0.99", outer="sparseloco", overrides={"codecs.error_decay": 0.99}),
+    Row(name="sparseloco/ef1", outer="sparseloco", overrides={"codecs.error_decay": 1.0}),
+    Row(name="sparseloco/lr1.5", outer="sparseloco", overrides={"outer.sparseloco_lr": 1.5}),
+    Row(name="sparseloco/lr0.7", outer="sparseloco", overrides={"outer.sparseloco_lr": 0.7}),
 ]
 
+SEQ64: dict[str, ConfigValue] = {"model.max_seq_len": 64, "stages.num_stages": 2, "train.seq_len": 64}
+# micro, small and medium differ only in width and depth (sequences of 64, 2 middle stages): the model-size curve
 PRESETS: dict[str, dict[str, ConfigValue]] = {
     "default": {},
-    "small": {
-        "model.d_model": 64,
-        "model.n_layers": 4,
-        "model.max_seq_len": 64,
-        "stages.num_stages": 2,
-        "train.seq_len": 64,
-    },
+    "micro": {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2} | SEQ64,
+    "small": {"model.d_model": 64, "model.n_layers": 4} | SEQ64,
+    "medium": {"model.d_model": 128, "model.n_layers": 8} | SEQ64,
 }
 
 
@@ -298,7 +306,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, ConfigValue]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="default", help="small: a 64-wide, 4-layer, 2-stage model"
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="small: a 64-wide, 4-layer, 2-stage model; micro (32, 2 layers) and medium (128, 8) beside it for the size curve",
     )
     parser.add_argument(
         "--replicas", type=int, nargs="+", default=[2, 4], help="K replicas per stage; every row runs at each"

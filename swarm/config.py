@@ -103,6 +103,7 @@ HASHED_ONLY_IF_SET: dict[str, object] = {
     "authority": "",
     "train.precision": "fp32",
     "data": dataclasses.asdict(DataConfig()),
+    "outer.warm_start_steps": 0,
 }
 
 

@@ -166,6 +166,14 @@ def test_h_and_the_lr_schedule_count_inner_steps_not_microbatches(corpus) -> Non
     assert trainer.steps == 6 and trainer.lr == pytest.approx(cfg.inner.lr * cfg.inner.min_lr_ratio)
 
 
+def test_a_warm_start_meets_every_step_then_every_h(corpus) -> None:
+    """warm_start_steps = 4, H = 3, 12 inner steps: rounds after steps 1, 2, 3, 4, then 7 and 10, and the last tick."""
+    cfg = tiny(outer=dataclasses.replace(tiny().outer, warm_start_steps=4))
+    result = run(cfg, corpus, ticks=12)
+    assert result.outer_rounds == 7 and all_replicas_agree(result.replicas)
+    assert run(tiny(), corpus, ticks=12).outer_rounds == 4  # without: after 3, 6, 9, 12
+
+
 def test_averaging_every_step_tracks_data_parallel_training(corpus) -> None:
     """H = 1 with a plain average (outer lr 1, no momentum) trains as well as averaging gradients every step (within 3%)."""
     ddp = run(tiny(outer=OuterOptimConfig(method="none")), corpus, ticks=24, mode="ddp")

@@ -6,7 +6,7 @@ weights only through ``Holder.exclusive`` (the replica's compute thread), each t
 instant: to snapshot them and to install a round's result. Requests keep being served meanwhile.
 
 - **When.** Round r opens once this replica has taken H inner steps since its last snapshot
-  (H = ``outer.inner_steps``, counted per replica). A replica with at least H/2 steps joins earlier
+  (H = ``outer.inner_steps``, counted per replica; 1 during a warm start, ``outer.warm_start_steps``). A replica with at least H/2 steps joins earlier
   when it sees the round's window already open: the fastest replica sets the pace and the others
   meet it, however their step counts drift (a stage server fed by two trainers steps twice as
   often as each trainer). One with fewer steps sits the round out and downloads its result: its
@@ -163,9 +163,14 @@ class ReplicaSync:
         return self.holder.start_step + self.holder.inner_steps
 
     @property
+    def horizon(self) -> int:
+        """H of this replica's next round: 1 during the swarm's warm start (counted on the lr schedule), then H."""
+        return self.cfg.outer.horizon(self.holder.start_step + self.synced_at)
+
+    @property
     def due(self) -> bool:
         """This replica has taken the H inner steps of its next round (and has an outer step to take)."""
-        return self.outer is not None and self.holder.inner_steps - self.synced_at >= self.cfg.outer.inner_steps
+        return self.outer is not None and self.holder.inner_steps - self.synced_at >= self.horizon
 
     def status_fields(self) -> dict[str, Any]:
         """The outer step's part of this replica's DHT record."""
@@ -186,7 +191,7 @@ class ReplicaSync:
                     next_check = time.monotonic() + self.cfg.timeouts.announce_period_s
                     if await self.catch_up():
                         continue
-                taken, h = self.holder.inner_steps - self.synced_at, self.cfg.outer.inner_steps
+                taken, h = self.holder.inner_steps - self.synced_at, self.horizon
                 if taken >= h or (taken >= (h + 1) // 2 and await self._window_open()):
                     # Never open a round others have passed: a stale half of the stage would go on meeting on
                     # its own, round after round, one download behind the rest.

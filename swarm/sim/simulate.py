@@ -205,7 +205,7 @@ def simulate(
     ticks = max(1, sim.tokens // tokens_per_tick)
     # H and the lr schedule count inner steps, as in the swarm: one per inner_batch samples a replica serves
     ticks_per_step = cfg.train.inner_batch // cfg.train.microbatch_size
-    ticks_per_round = cfg.outer.inner_steps * ticks_per_step
+    next_round_tick = cfg.outer.horizon(0) * ticks_per_step  # H counts inner steps (a warm start's are 1)
     with_outer = sim.mode == "outer" and cfg.outer.method != "none"
     inner_steps = max(1, ticks // ticks_per_step)
     replicas = {s: [make_replica(cfg, s, inner_steps, with_outer, device) for _ in range(K)] for s in range(S + 1)}
@@ -239,10 +239,11 @@ def simulate(
         if sim.mode == "ddp" and tick % ticks_per_step == 0:
             for group in replicas.values():
                 link.bytes["gradients"] += ddp_step(group)
-        elif with_outer and (tick % ticks_per_round == 0 or tick == ticks):
+        elif with_outer and (tick >= next_round_tick or tick == ticks):
             for group in replicas.values():
                 link.bytes["pseudo_gradients"] += outer_round(group)
             outer_rounds += 1
+            next_round_tick = tick + cfg.outer.horizon(tick // ticks_per_step) * ticks_per_step
         if tick % sim.log_every == 0 or tick == ticks:
             record = {
                 "tick": tick,
