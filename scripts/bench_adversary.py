@@ -8,10 +8,10 @@ test_membership.py, test_outer.py), played here with their own helpers:
   poisons backward gradients (an int8 scale of 3.4e38, or ×10⁴), floods forwards, or forges stage records; the
   honest outcome is the trainer's validation loss against the clean run's.
 - state-liar, round-staller, pg-x1000: honest replicas of stage 1 (the tests' ``Replica``: real membership,
-  outer service and rounds; random inner steps) run for ``--window`` seconds with a peer serving ×1000 weights under
-  a later round, declaring every round long opened, or sending a ×1000 pseudo-gradient as the only other member of
-  the round. No loss exists there: the honest outcome is how far the honest weights' norms moved from the seed
-  (the largest per-tensor ratio) against the clean run's, and the outer rounds the honest replica completed.
+  outer service and rounds, H = 3; each trains its own stage 0 and stage 1 on its own text, ``TrainingHolder``)
+  take ``--steps`` inner steps with a peer serving ×1000 weights under a later round, declaring every round long
+  opened, or sending a ×1000 pseudo-gradient as the only other member of the round. The honest outcome is the
+  honest replicas' mean validation loss against the clean run's, and the outer rounds they completed.
 - memory-bomb: a real ``OuterOptimizer`` applies a round with a SparseLoCo frame declaring (1, 64M) and a DiLoCo
   fp32 frame declaring (4096, 4096); tracemalloc's peak against the same round without the bomb.
 
@@ -157,7 +157,51 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
 # ---- state-liar, round-staller, pg-x1000: honest replicas of stage 1 in outer rounds -----------------------------
 
 
-def outer_run(attack: str | None, window_s: float) -> dict[str, Any]:
+STEP_EVERY_S = 0.3  # an inner step runs on the event loop: leave the rounds' traffic room between steps
+
+
+class TrainingHolder:
+    """A ``Holder`` of stage 1 (the tests' ``StageHolder`` interface) whose inner step is a real one: the replica
+    trains its own stage 0 and stage 1 on its own microbatches (stage 0 never syncs), so the honest outcome of an
+    outer attack is a validation loss, that of the replica's whole model, as in the pipeline attacks."""
+
+    steps = 60  # inner steps each replica takes (``--steps``); the lr schedule's length
+    val_batches: list[Any] = []
+    go = False  # set once every replica has joined: they train side by side, as a stage's replicas do
+
+    def __init__(self, cfg: Any, seed: int, step_size: float = 0.0) -> None:
+        from swarm_harness import DATA
+
+        from peer.data import load_corpus
+        from swarm.pipeline.boundary import boundary_codecs
+        from swarm.sim.simulate import Link, make_replica
+
+        corpus = load_corpus([DATA])
+        kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
+        self.stream = corpus.sample_batches("train", seed=seed, **kw)
+        TrainingHolder.val_batches = TrainingHolder.val_batches or corpus.val_batches(num_batches=4, **kw)
+        self.edge, self.middle = (make_replica(cfg, stage, self.steps, with_outer=False) for stage in (0, 1))
+        self.module = self.middle.module  # what the outer step syncs
+        self.link = Link(*boundary_codecs(cfg))
+        self.inner_steps = self.start_step = 0
+
+    async def exclusive(self, fn: Any, *, new_weights: bool = False) -> Any:
+        return fn()  # inner steps run on the event loop too: nothing overlaps
+
+    def train(self) -> None:
+        from swarm.sim.simulate import train_microbatch
+
+        if self.go and self.inner_steps < self.steps:
+            train_microbatch(self.edge, [self.middle], next(self.stream), self.link)
+            self.inner_steps = self.middle.inner.steps
+
+    def val_loss(self) -> float:
+        from swarm.sim.simulate import full_pipeline_loss
+
+        return full_pipeline_loss({0: [self.edge], 1: [self.middle]}, 1, self.val_batches)
+
+
+def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any]:
     import test_outer_attacks
     import torch
     from test_outer_attacks import (
@@ -178,6 +222,9 @@ def outer_run(attack: str | None, window_s: float) -> dict[str, Any]:
         return await asyncio.to_thread(SwarmDHT, initial_peers=initial_peers or None, host_maddrs=[LOOPBACK])
 
     test_outer_attacks.start_dht = start_dht
+    test_outer_attacks.StageHolder = TrainingHolder  # the replicas train on text instead of random steps
+    test_outer_attacks.STEP_EVERY_S = STEP_EVERY_S
+    TrainingHolder.steps = steps
     torch.set_num_threads(1)
     cfg = outer_config()
     seeded = seeded_weights(cfg)
@@ -197,10 +244,14 @@ def outer_run(attack: str | None, window_s: float) -> dict[str, Any]:
                 {name: g - 1000.0 * (g - local[name]) for name, g in outer.global_params.items()}
             )
         staller = await start_round_staller(cfg, a.peer.maddrs, [a, b]) if attack == "round-staller" else None
+        TrainingHolder.go = True
         try:
             async with stopping(a, b, *extra):
-                await asyncio.sleep(window_s)
                 honest = [a] if attack == "pg-x1000" else [a, b]
+                deadline = time.monotonic() + timeout_s
+                while min(r.holder.inner_steps for r in honest) < steps and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                await asyncio.sleep(2 * cfg.timeouts.matchmaking_s)  # the last round settles
                 if attack == "pg-x1000":
                     bans = [e for e in a.events if e["event"] == "outer_strike" and e["banned"]]
                     outcome["banned"] = "yes" if any(e["peer"] == b.peer.id for e in bans) else "no"
@@ -208,13 +259,17 @@ def outer_run(attack: str | None, window_s: float) -> dict[str, Any]:
                     took = [e for r in honest for e in r.events if e.get("from") == extra[0].id]
                     outcome["banned"] = "no" if took or any(r.sync.round >= 1000 for r in honest) else "yes"
                 ratios = [largest_norm_ratio(r.weights(), seeded) for r in honest]
+                losses = [r.holder.val_loss() for r in honest]
                 return {
                     **outcome,
-                    "metric": "weight_norm_ratio",
-                    "value": max(ratios),
+                    "metric": "val loss",
+                    "value": sum(losses) / len(losses),
+                    "val_losses": losses,
+                    "inner_steps": [r.holder.inner_steps for r in honest],
+                    "weight_norm_ratio": max(ratios),
                     "rounds": min(len(r.rounds()) for r in honest),
                     "rounds_together": min(len(r.rounds(contributors=2)) for r in honest),
-                    "finite": all(math.isfinite(x) for x in ratios),
+                    "finite": all(math.isfinite(x) for x in ratios + losses),
                 }
         finally:
             if staller is not None:
@@ -282,7 +337,7 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     if attack in PIPELINE:
         result = pipeline_run(name, args.steps)
     elif attack in OUTER:
-        result = outer_run(name, args.window)
+        result = outer_run(name, args.steps, args.timeout - 30)
     else:
         result = memory_bomb_run(name)
     result["wall_s"] = time.monotonic() - started
@@ -292,7 +347,7 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
 
 def spawn(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", attack, variant, "--steps", str(args.steps)]
-    command += ["--window", str(args.window)]
+    command += ["--timeout", str(args.timeout)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -344,8 +399,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=ATTACKS, default=list(ATTACKS))
-    parser.add_argument("--steps", type=int, default=60, help="the trainer's inner steps (pipeline attacks)")
-    parser.add_argument("--window", type=float, default=20.0, help="seconds of outer rounds (outer attacks)")
+    parser.add_argument("--steps", type=int, default=60, help="inner steps of every honest trainer and replica")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", nargs=2, metavar=("ATTACK", "VARIANT"), help=argparse.SUPPRESS)
