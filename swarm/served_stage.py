@@ -135,7 +135,12 @@ class ServedStage:
         microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
         busy_recent, _ = server.busy.fractions()
         await membership.publish_metrics(
-            self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens, busy_fraction=busy_recent)
+            self.meter.sample(
+                status,
+                tokens=server.counters["backward"] * microbatch_tokens,
+                busy_fraction=busy_recent,
+                dht_stores=membership.stores,
+            )
         )
         self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
 
