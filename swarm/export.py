@@ -114,6 +114,8 @@ async def download_model(
             f"stage {stage}/{num_stages}: {sum(t.numel() for t in state.params.values()):,} parameters from {peer} "
             f"(outer round {state.round}, step {state.schedule_step}{trust})"
         )
+        if claim.vouched and claim.round == 0:
+            on_progress(f"stage {stage}: no outer round done yet: the vouched weights are the seeded ones")
         if not claim.vouched:
             why = (
                 "no outer step to vouch for" if not claim.weights_hash else "no two replicas announce the same weights"
