@@ -4,7 +4,8 @@ and check at the end that every trainer's microbatches are accounted for and no 
 Each peer is a real ``swarmloco run`` process (tiny model, 2 middle stages, one thread) on loopback, started as
 ``swarmloco local`` starts them (``peer.launch.spawn_peer``). The kill hits the peer's main process only, as the
 OOM killer would: its DHT process and libp2p daemon must then go by themselves (issue 20 item 7). Every couple of
-seconds the script samples each peer's RSS and CPU (process and descendants, read from /proc).
+seconds the script samples each peer's RSS and CPU (process and descendants, read from /proc). DHT stores per second
+come from the peers' own counts (``dht_stores`` in the metrics of their JSONL records: every record a peer stored).
 
     python3 scripts/bench_churn.py                                   # 16 peers, a kill every 20 s for 300 s
     python3 scripts/bench_churn.py --peers 8 --duration 120 --json docs/data/churn.json
@@ -24,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the tiny config the tests run
@@ -88,6 +91,38 @@ def last_stage_record(out: Path, name: str) -> dict[str, Any] | None:
     return stage[-1] if stage else None
 
 
+def dht_stores(out: Path, name: str) -> list[tuple[float, int]]:
+    """(time, DHT stores since the peer started) from each of its records that carries its metrics."""
+    return [
+        (r["time"], r["metrics"]["dht_stores"])
+        for r in records(out, name)
+        if isinstance(r.get("metrics"), dict) and "dht_stores" in r["metrics"]
+    ]
+
+
+def dht_store_rates(out: Path, spawned: dict[str, float], window: tuple[float, float]) -> dict[str, Any]:
+    """DHT stores per second: each peer's over its logged span (first to last record carrying its count), and the
+    swarm's over ``window`` (the churn): every peer's count, 0 when it was spawned and linear between its records
+    (flat after its last: a killed peer's last few stores are lost), summed over the peers."""
+    per_peer, stored = {}, 0.0
+    for name, spawned_at in spawned.items():
+        if not (counts := dht_stores(out, name)):
+            continue
+        times, stores = zip(*[(spawned_at, 0), *counts], strict=True)
+        stored += float(np.interp(window[1], times, stores) - np.interp(window[0], times, stores))
+        (t0, n0), (t1, n1) = counts[0], counts[-1]
+        if t1 > t0:
+            per_peer[name] = (n1 - n0) / (t1 - t0)
+    rates = sorted(per_peer.values())
+    return {
+        "per_peer_per_s": per_peer,
+        "per_peer_median_per_s": rates[len(rates) // 2] if rates else None,
+        "swarm_stores": round(stored),
+        "swarm_window_s": window[1] - window[0],
+        "swarm_per_s": stored / (window[1] - window[0]) if window[1] > window[0] else None,
+    }
+
+
 def role_of(out: Path, name: str) -> str:
     """The role a peer took (``auto`` peers decide after joining): that of its last record, "joining" before any."""
     roles = [r["role"] for r in records(out, name) if "role" in r]
@@ -98,6 +133,8 @@ class Churn:
     def __init__(self, args: argparse.Namespace, out: Path) -> None:
         self.args, self.out = args, out
         self.procs: dict[str, subprocess.Popen] = {}
+        self.spawned: dict[str, float] = {}  # name → when it was started (its DHT store count is 0 then)
+        self.churn: tuple[float, float] = (0.0, 0.0)  # from the warm-up's end to the last kill's period's end
         self.killed: list[dict[str, Any]] = []
         self.seen_pids: dict[int, str] = {}  # every pid ever in a peer's tree: none may outlive the run
         self.samples: dict[str, list[tuple[float, float, float]]] = {}  # name → (time, rss, cpu s) of the tree
@@ -108,6 +145,7 @@ class Churn:
         common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(self.out), "--threads", "1"]
         data = ["--data", DATA, "--steps", str(STEPS)]
         config = self.join or ["--config", str(self.out / "swarm.toml")]
+        self.spawned[name] = time.time()
         self.procs[name] = spawn_peer(name, [*role, *data, *config, *common], self.out)
 
     def start(self) -> None:
@@ -163,6 +201,7 @@ class Churn:
         self.start()
         next_kill, next_sample, kills = started + args.warmup + args.kill_every, started, 0
         end = started + args.warmup + args.duration
+        self.churn = (started + args.warmup, end)
         while (now := time.time()) < end:
             if now >= next_sample:
                 self.sample()
@@ -201,6 +240,7 @@ class Churn:
                     "train_loss": r.get("train_loss"),
                 }
             )
+        stores = dht_store_rates(self.out, self.spawned, self.churn)
         peers = []
         for name, samples in self.samples.items():
             if len(samples) < 2:
@@ -214,6 +254,7 @@ class Churn:
                     "mean_rss_mb": sum(s[1] for s in samples) / len(samples) / 1e6,
                     "cpu_percent": 100 * (samples[-1][2] - samples[0][2]) / span if span > 0 else 0.0,
                     "sampled_s": span,
+                    "dht_stores_per_s": stores["per_peer_per_s"].get(name),
                 }
             )
         servers = [r for name in self.procs if (r := last_stage_record(self.out, name))]
@@ -228,6 +269,7 @@ class Churn:
             "kills": self.killed,
             "trainers": trainers,
             "per_peer": peers,
+            "dht_stores": {k: v for k, v in stores.items() if k != "per_peer_per_s"},
             "orphans_after_kill": orphans_of_kills,
             "left_after_stop": left,
             "load_avg": {"mean": sum(loads) / max(len(loads), 1), "max": max(loads, default=0.0)},
@@ -248,10 +290,18 @@ def print_table(result: dict[str, Any]) -> None:
             f"{t['peer']:<10} {'yes' if t['killed'] else 'no':>6} {t['step']:>5} {t['started']:>7} {t['completed']:>6} "
             f"{t['failed']:>6} {t['cancelled']:>6} {t['in_flight']:>5}"
         )
-    print(f"\n{'peer':<10} {'role':<8} {'peak RSS MB':>11} {'mean RSS MB':>11} {'CPU %':>6}")
+    print(f"\n{'peer':<10} {'role':<8} {'peak RSS MB':>11} {'mean RSS MB':>11} {'CPU %':>6} {'DHT stores/s':>12}")
     for p in result["per_peer"]:
+        rate = "-" if p["dht_stores_per_s"] is None else f"{p['dht_stores_per_s']:.2f}"
         print(
             f"{p['peer']:<10} {p['role']:<8} {p['peak_rss_mb']:>11.0f} {p['mean_rss_mb']:>11.0f} {p['cpu_percent']:>6.1f}"
+            f" {rate:>12}"
+        )
+    stores = result["dht_stores"]
+    if stores["swarm_per_s"] is not None:
+        print(
+            f"DHT stores: {stores['swarm_per_s']:.1f}/s for the swarm ({stores['swarm_stores']} in the "
+            f"{stores['swarm_window_s']:.0f} s of churn), median {stores['per_peer_median_per_s'] or 0:.2f}/s per peer"
         )
     print(
         f"\nkills {len(result['kills'])}, orphans after kill {len(result['orphans_after_kill'])}, processes left after "

@@ -183,7 +183,9 @@ class FullRole:
                 await parts.membership.announce(holder.stage, holder.status().copy(update=sync.status_fields()))
             await parts.membership.publish_config()
             status = holders[EDGE_STAGE].status().copy(update=syncs[EDGE_STAGE].status_fields())
-            await parts.membership.publish_metrics(meter.sample(status, tokens=full.tokens))
+            await parts.membership.publish_metrics(
+                meter.sample(status, tokens=full.tokens, dht_stores=parts.membership.stores)
+            )
 
         background = [asyncio.create_task(every(cfg.timeouts.announce_period_s, announce))]
         background += [asyncio.create_task(sync.run()) for sync in syncs]

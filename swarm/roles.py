@@ -299,7 +299,9 @@ class TrainerRole:
             status = trainer.status().copy(update=sync.status_fields())
             await membership.announce(EDGE_STAGE, status)
             await membership.publish_config()
-            await membership.publish_metrics(meter.sample(status, tokens=trainer.tokens, bans=banned))
+            await membership.publish_metrics(
+                meter.sample(status, tokens=trainer.tokens, bans=banned, dht_stores=membership.stores)
+            )
 
         def log(record: dict[str, Any]) -> None:
             meter.observe(record)

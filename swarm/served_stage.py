@@ -34,7 +34,8 @@ def provide_local_state(parts: PeerParts, *syncs: ReplicaSync) -> None:
     before; each blob served whole is logged with its hash, so a rebuild's inputs can be traced to their replica.
 
     With an outer step, ``state/<i>`` serves the global weights of the last round (what a newcomer
-    joins from), which lag up to H inner steps behind; a lost neighbour is rebuilt from the latest.
+    joins from, and a rebuild or an export takes where two replicas vouch for them), which lag up to H
+    inner steps behind; ``local/<i>`` is their fallback where no claim is vouched (``swarm/export.py``).
     """
     held = {sync.stage: sync for sync in syncs}
 
@@ -134,7 +135,12 @@ class ServedStage:
         microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
         busy_recent, _ = server.busy.fractions()
         await membership.publish_metrics(
-            self.meter.sample(status, tokens=server.counters["backward"] * microbatch_tokens, busy_fraction=busy_recent)
+            self.meter.sample(
+                status,
+                tokens=server.counters["backward"] * microbatch_tokens,
+                busy_fraction=busy_recent,
+                dht_stores=membership.stores,
+            )
         )
         self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
 

@@ -131,7 +131,13 @@ def test_prometheus_text_exposes_every_peer_under_typed_families() -> None:
     history.update(
         {
             "T": trainer(
-                name="alice", step=3, tokens=6000, train_loss=3.5, tokens_per_s=1200.0, bytes_sent={"activations": 4096}
+                name="alice",
+                step=3,
+                tokens=6000,
+                train_loss=3.5,
+                tokens_per_s=1200.0,
+                bytes_sent={"activations": 4096},
+                dht_stores=42,
             ),
             "S": record(step=3, bans=1, bytes_received={"activations": 4096}),
         },
@@ -155,6 +161,8 @@ def test_prometheus_text_exposes_every_peer_under_typed_families() -> None:
     assert typed["swarmloco_bytes_sent_total"] == "counter" and typed["swarmloco_train_loss"] == "gauge"
     assert typed["swarmloco_tokens_total"] == "counter" and "swarmloco_tokens_per_second" not in typed  # no rate gauge
     assert samples['swarmloco_tokens_total{peer="T",name="alice",role="trainer",stage="0"}'] == 6000
+    assert typed["swarmloco_dht_stores_total"] == "counter"
+    assert samples['swarmloco_dht_stores_total{peer="T",name="alice",role="trainer",stage="0"}'] == 42
     assert samples['swarmloco_train_loss{peer="T",name="alice",role="trainer",stage="0"}'] == 3.5
     assert (
         samples['swarmloco_bytes_sent_total{peer="T",name="alice",role="trainer",stage="0",kind="activations"}'] == 4096

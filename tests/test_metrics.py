@@ -20,7 +20,7 @@ from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, metrics_key, stage_validator
 from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.process import SwarmDHT
-from swarm.dht.records import MAX_KINDS, PROTOCOL_VERSION, STATES, PeerMetrics, StageStatus
+from swarm.dht.records import MAX_KINDS, PROTOCOL_VERSION, STATES, PeerMetrics, RecoveryClaim, StageStatus
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
 
@@ -136,6 +136,7 @@ def test_every_record_a_peer_can_build_is_accepted_unchanged(
         outer_round=outer_round,
         recoveries=recoveries,
         bans=bans,
+        dht_stores=recoveries + bans,
         version=PROTOCOL_VERSION,
     )
     assert stage_validator(CFG).validate(stored(metrics.dict()))
@@ -248,6 +249,33 @@ async def _round_trip(peer_dht: SwarmDHT, client_dht: SwarmDHT) -> None:
 
     await peer.publish_metrics(None)
     assert await client.metrics() == {}
+
+
+@pytest.mark.timeout(60)
+def test_every_record_a_peer_stores_is_counted_and_the_count_published(
+    peer_and_client: tuple[SwarmDHT, SwarmDHT],
+) -> None:
+    asyncio.run(_counted_stores(*peer_and_client))
+
+
+async def _counted_stores(peer_dht: SwarmDHT, client_dht: SwarmDHT) -> None:
+    peer, client = Membership(peer_dht), Membership(client_dht)
+    await peer.join(CFG, create=True)
+    await client.join(None, create=False, name=CFG.name, fetch_timeout_s=5)
+    assert (peer.stores, client.stores) == (1, 1)  # each published the config
+    now = get_dht_time()
+    await peer.announce(1, StageStatus())
+    await peer.declare_round(1, 0, opened_at=now, expiration=now + 10)
+    await peer.claim_recovery(2, RecoveryClaim(priority=0, claimed_at=now), expiration=now + 10)
+    await peer.withdraw_recovery(2)
+    await peer.retire_all()
+    assert peer.stores == 6 and client.stores == 1  # a peer counts its own stores, not what it reads
+    metrics = Meter(role="stage", stage=1, state="serving").sample(StageStatus(), tokens=0, dht_stores=peer.stores)
+    await peer.publish_metrics(metrics)
+    assert peer.stores == 7
+    assert (await client.metrics())[peer_dht.peer_id].dht_stores == 6  # the count when the record was made
+    await peer.publish_metrics(None)
+    assert peer.stores == 8
 
 
 def test_a_peer_name_the_record_cannot_carry_is_refused_when_the_peer_is_configured() -> None:

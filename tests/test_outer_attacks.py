@@ -30,11 +30,14 @@ from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.membership import Membership, round_key
 from swarm.dht.process import SwarmDHT
 from swarm.dht.records import PROTOCOL_VERSION, StageStatus
-from swarm.model.stages import build_stage
+from swarm.errors import ExportError
+from swarm.export import download_model, export_sources
+from swarm.model.stages import build_stage, stage_template
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.service import OuterService
 from swarm.outer.transfer import StageState, pack_state, weights_hash
-from swarm.rpc.blobs import BlobServicer
+from swarm.recovery.rebuild import rebuild_stage
+from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 
 T = TypeVar("T")
 STAGE = 1
@@ -42,9 +45,9 @@ TIMEOUTS = TimeoutConfig(rpc_s=2.0, matchmaking_s=1.0, announce_period_s=0.5, re
 STEP_EVERY_S = 0.1  # one inner step of every replica: a round every 0.3 s or so
 
 
-def outer_config(method: str = "diloco") -> SwarmConfig:
+def outer_config(method: str = "diloco", *, stages: int = 1) -> SwarmConfig:
     return tiny_config(
-        stages=1,
+        stages=stages,
         outer=OuterOptimConfig(method=method, inner_steps=3),
         codecs=CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"),
         timeouts=TIMEOUTS,
@@ -52,7 +55,9 @@ def outer_config(method: str = "diloco") -> SwarmConfig:
 
 
 def seeded_weights(cfg: SwarmConfig) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in build_stage(cfg.model, 1, STAGE).named_parameters()}
+    return {
+        name: p.detach().clone() for name, p in build_stage(cfg.model, cfg.stages.num_stages, STAGE).named_parameters()
+    }
 
 
 class StageHolder:
@@ -86,6 +91,7 @@ class Peer:
     membership: Membership
     p2p: P2P
     tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)
+    stopped: bool = False
 
     @property
     def id(self) -> str:
@@ -102,8 +108,8 @@ class Peer:
         await membership.join(cfg, create=not initial_peers)
         return cls(name, dht, membership, await dht.replicate_p2p())
 
-    def every(self, period_s: float, action: Callable[[], Any]) -> None:
-        """Run ``action`` (sync or async) every ``period_s`` seconds until the peer stops."""
+    def every(self, period_s: float, action: Callable[[], Any]) -> asyncio.Task:
+        """Run ``action`` (sync or async) every ``period_s`` seconds until the peer stops (or the task is cancelled)."""
 
         async def loop() -> None:
             while True:
@@ -112,8 +118,12 @@ class Peer:
                 await asyncio.sleep(period_s)
 
         self.tasks.append(asyncio.create_task(loop()))
+        return self.tasks[-1]
 
     async def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -128,6 +138,7 @@ class Replica:
     holder: StageHolder
     sync: ReplicaSync
     events: list[dict[str, Any]]
+    training: asyncio.Task | None = None  # its inner steps; cancelled: no more rounds once the one under way is done
 
     @classmethod
     async def start(cls, name: str, cfg: SwarmConfig, initial_peers: list[str], *, seed: int) -> Replica:
@@ -142,7 +153,7 @@ class Replica:
             events.append({"event": "joined_from", "outer_round": state.round, "global_hash": sync.global_hash})
         replica = cls(peer, holder, sync, events)
         peer.every(cfg.timeouts.announce_period_s, replica.announce)
-        peer.every(STEP_EVERY_S, holder.train)
+        replica.training = peer.every(STEP_EVERY_S, holder.train)
         peer.tasks.append(asyncio.create_task(sync.run()))
         return replica
 
@@ -190,21 +201,35 @@ async def stopping(*peers: Replica | Peer) -> AsyncIterator[None]:
 # ---- item 2: a peer claiming a later round serves scaled weights ----------------------------------------------------
 
 
-async def start_state_liar(cfg: SwarmConfig, initial_peers: list[str], *, round_: int, scale: float) -> Peer:
+async def start_state_liar(
+    cfg: SwarmConfig,
+    initial_peers: list[str],
+    *,
+    round_: int = 0,
+    scale: float,
+    echo: ReplicaSync | None = None,
+    name: str = "liar",
+) -> Peer:
     """A peer announcing stage 1 at ``round_`` and serving the seeded weights ×``scale`` as that round's state (its
-    record announces exactly those weights' hash, so only the vouching, not the hash check, can stop it)."""
-    liar = await Peer.join("liar", cfg, initial_peers)
+    record announces exactly those weights' hash, so only the vouching, not the hash check, can stop it). With
+    ``echo``, it announces that honest replica's claim instead, round and weights hash as they change (so it holds a
+    vouched claim, and only the hash check can stop it), and serves its weights as a state of that round."""
+    liar = await Peer.join(name, cfg, initial_peers)
     weights = {name: scale * t for name, t in seeded_weights(cfg).items()}
-    blob = pack_state(StageState(stage=STAGE, round=round_, schedule_step=0, params=weights, optimizer=None))
     servicer = BlobServicer()
 
     async def provide(name: str) -> bytes:
-        return blob
+        served_round = echo.round if echo else round_
+        return pack_state(StageState(stage=STAGE, round=served_round, schedule_step=0, params=weights, optimizer=None))
 
     servicer.provide("state", provide)
     await servicer.add_p2p_handlers(liar.p2p, namespace=cfg.swarm_id)
-    status = StageStatus(outer_round=round_, global_hash=weights_hash(weights))
-    liar.every(cfg.timeouts.announce_period_s, lambda: liar.membership.announce(STAGE, status))
+    status = lambda: (  # noqa: E731
+        StageStatus(**echo.status_fields())
+        if echo
+        else StageStatus(outer_round=round_, global_hash=weights_hash(weights))
+    )
+    liar.every(cfg.timeouts.announce_period_s, lambda: liar.membership.announce(STAGE, status()))
     liar.servicer = servicer  # type: ignore[attr-defined]  # its served_bytes tell whether anyone fetched the lie
     return liar
 
@@ -240,6 +265,92 @@ def test_a_peer_claiming_a_later_round_with_scaled_weights_takes_over_no_replica
                     # the random inner steps grow the weights a little; a takeover would make them ×1000
                     assert largest_norm_ratio(replica.weights(), seeded) < 3.0
                     assert largest_norm_ratio(dict(replica.sync.outer.global_params), seeded) < 3.0
+
+    asyncio.run(scenario())
+
+
+async def wait_for_records(
+    peer: Peer, what: str, check: Callable[[dict[str, StageStatus]], bool], timeout: float
+) -> dict[str, StageStatus]:
+    """The stage's records as ``peer`` reads them, once ``check`` passes on them."""
+    deadline, found = time.monotonic() + timeout, {}
+    while not check(found := {p.to_base58(): s for p, s in (await peer.membership.replicas(STAGE)).items()}):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout:.0f}s: {found}")
+        await asyncio.sleep(0.1)
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_an_export_and_a_rebuild_take_no_weights_from_replicas_announcing_the_vouched_claim_and_serving_others() -> (
+    None
+):
+    cfg = outer_config(stages=2)  # stage 1 has replicas; stage 2 (gone) is rebuilt from it
+    seeded = lambda stage: {name: p.detach() for name, p in stage_template(cfg.model, 2, stage).items()}  # noqa: E731
+    have = {s: StageState(stage=s, round=0, schedule_step=0, params=seeded(s), optimizer=None) for s in (0, 2)}
+
+    async def scenario() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            a = await Replica.start("a", cfg, [], seed=1)
+            stack.push_async_callback(a.stop)
+            b = await Replica.start("b", cfg, a.peer.maddrs, seed=2)
+            stack.push_async_callback(b.stop)
+            await wait_for(
+                "a round of a and b together",
+                lambda: a.rounds(contributors=2) and b.rounds(contributors=2),
+                90,
+                lambda: (a.events[-5:], b.events[-5:]),
+            )
+            for replica in (a, b):  # no more inner steps: their claim stays as it is while the export reads it
+                replica.training.cancel()
+            await wait_for(
+                "a and b at rest on one state",
+                lambda: not a.sync.due and not b.sync.due and a.sync.status_fields() == b.sync.status_fields(),
+                60,
+                lambda: (a.sync.status_fields(), b.sync.status_fields()),
+            )
+            honest = a.sync.status_fields()
+            liars = []
+            for name in ("liar1", "liar2"):
+                liars.append(await start_state_liar(cfg, a.peer.maddrs, scale=1000.0, echo=a.sync, name=name))
+                stack.push_async_callback(liars[-1].stop)
+            exporter = await Peer.join("exporter", cfg, a.peer.maddrs)
+            stack.push_async_callback(exporter.stop)
+            client = BlobClient(exporter.p2p, namespace=cfg.swarm_id)
+            fetch = lambda peer, name, sink, max_bytes: client.stream(  # noqa: E731
+                peer, name, sink, timeout=cfg.timeouts.rpc_s, max_bytes=max_bytes
+            )
+            replicas = OuterService(cfg, exporter.membership, exporter.p2p).replicas
+            same = lambda found: all(  # noqa: E731
+                (s.outer_round, s.global_hash) == (honest["outer_round"], honest["global_hash"]) for s in found.values()
+            )
+            everyone = {a.peer.id, b.peer.id, *(liar.id for liar in liars)}
+            await wait_for_records(
+                exporter, "the liars' records", lambda found: set(found) == everyone and same(found), 30
+            )
+
+            sources = export_sources(await exporter.membership.all_replicas(), 2, have=have)
+            model, meta = await download_model(cfg, sources, fetch, have=have)
+            assert meta["stages"]["1"]["peer"] in (a.peer.id, b.peer.id) and meta["stages"]["1"]["vouched_by"] == 4
+            exported = {name: model.state_dict()[name] for name in seeded_weights(cfg)}  # stage 1 holds blocks.0
+            assert weights_hash(exported) == honest["global_hash"]
+            rebuilt = await rebuild_stage(cfg, 2, replicas, fetch)
+            (source,) = rebuilt.sources
+            assert source.peer in (a.peer.id, b.peer.id) and source.vouched_by == 4
+            assert weights_hash(source.state.params) == honest["global_hash"]
+
+            # a and b gone: only the liars vouch for the claim; neither the export nor the rebuild takes their word
+            await asyncio.gather(a.stop(), b.stop())
+            await wait_for_records(
+                exporter, "only the liars' records", lambda found: set(found) == {liar.id for liar in liars}, 30
+            )
+            sources = export_sources(await exporter.membership.all_replicas(), 2, have=have)
+            lie = "served weights hashing to [0-9a-f]+, its record claims " + honest["global_hash"]
+            with pytest.raises(ExportError, match=f"stage 1: no replica of stage 1 delivered its state .*{lie}"):
+                await download_model(cfg, sources, fetch, have=have)
+            with pytest.raises(TransferError, match=lie):
+                await rebuild_stage(cfg, 2, replicas, fetch)
+            assert all(liar.servicer.served_bytes > 0 for liar in liars)
 
     asyncio.run(scenario())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.export import ExportError, download_model, export_sources
 from swarm.model.stages import build_stage
-from swarm.outer.transfer import StageState, pack_state, stream_state, unpack_state, weights_hash
+from swarm.outer.transfer import StageState, StateClaim, pack_state, stream_state, unpack_state, weights_hash
 from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import checkfree_merge
 from swarm.recovery.rebuild import (
@@ -104,12 +105,14 @@ def test_one_claimant_wins_and_nobody_claims_over_a_live_claim() -> None:
     assert run(FakeClaims(A, board, rival=(B, claim(PRIORITY_MOVER))), PRIORITY_JOINER)  # a joiner beats a mover
 
 
-def source_blob(cfg: SwarmConfig, stage: int, scale: float, step: int) -> bytes:
-    params = {
-        name: torch.full_like(p, scale * (1 + i))
-        for i, (name, p) in enumerate(build_stage(cfg.model, 3, stage).named_parameters())
-    }
-    return pack_state(StageState(stage=stage, round=0, schedule_step=step, params=params, optimizer=None))
+def source_params(cfg: SwarmConfig, stage: int, scale: float) -> dict[str, torch.Tensor]:
+    """The seeded weights of ``stage`` ×``scale``: a replica's, as far as norms tell, for a small ``scale``."""
+    return {name: scale * p.detach() for name, p in build_stage(cfg.model, 3, stage).named_parameters()}
+
+
+def source_blob(cfg: SwarmConfig, stage: int, scale: float, step: int, round_: int = 0) -> bytes:
+    params = source_params(cfg, stage, scale)
+    return pack_state(StageState(stage=stage, round=round_, schedule_step=step, params=params, optimizer=None))
 
 
 @pytest.mark.timeout(20)
@@ -160,9 +163,10 @@ def test_an_interior_stage_whose_neighbour_is_lost_too_copies_the_other_one() ->
 def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> None:
     with pytest.raises(ExportError, match=r"stage 0 \(no trainer\), 2 have no live replica"):
         export_sources({0: {}, 1: {"a": StageStatus()}, 2: {}}, 2)
+    # no outer step: no weights hash, nothing vouched; the latest round first
     assert export_sources({0: {"t": StageStatus()}, 1: {"a": StageStatus(), "b": StageStatus(outer_round=2)}}, 1) == {
-        0: ["t"],
-        1: ["b", "a"],
+        0: [StateClaim(round=0, weights_hash="", holders=("t",))],
+        1: [StateClaim(round=2, weights_hash="", holders=("b",)), StateClaim(round=0, weights_hash="", holders=("a",))],
     }
 
     cfg = recovery_config(steps=10)
@@ -171,15 +175,112 @@ def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> N
     async def fetch(peer: str, name: str, sink: Sink, max_bytes: int) -> str:
         stage = int(name.split("/")[1])
         assert name == f"local/{stage}" and peer == f"p{stage}"
-        params = {n: torch.full_like(p, float(stage)) for n, p in stages[stage].items()}
+        params = {n: (1 + stage / 10) * p.detach() for n, p in stages[stage].items()}
         state = StageState(stage=stage, round=0, schedule_step=5, params=params, optimizer=None)
         return await feed(stream_state(state), sink)
 
-    model, meta = asyncio.run(download_model(cfg, {s: [f"p{s}"] for s in range(4)}, fetch))
-    assert meta["stages"]["2"] == {"peer": "p2", "outer_round": 0, "schedule_step": 5}
+    lines: list[str] = []
+    sources = export_sources({s: {f"p{s}": StageStatus()} for s in range(4)}, 3)
+    model, meta = asyncio.run(download_model(cfg, sources, fetch, on_progress=lines.append))
+    assert meta["stages"]["2"] == {"peer": "p2", "outer_round": 0, "schedule_step": 5, "vouched_by": 1}
     state = model.state_dict()
-    assert torch.all(state["blocks.1.attn.qkv.weight"] == 2.0) and torch.all(state["blocks.2.mlp.down.weight"] == 3.0)
-    assert torch.all(state["embed.weight"] == 0.0)
+    assert torch.equal(state["blocks.1.attn.qkv.weight"], 1.2 * stages[2]["blocks.0.attn.qkv.weight"].detach())
+    assert torch.equal(state["embed.weight"], stages[0]["embed.weight"].detach())
+    assert "stage 2: one replica's word, not vouched (no outer step to vouch for)" in lines
+
+
+H = "a" * 16  # the honest replicas' weights hash in the records below (the fakes serve weights hashing to it)
+
+
+def lying_swarm(cfg: SwarmConfig, stage: int, liar_scale: float) -> tuple[dict[str, StageStatus], Callable]:
+    """Stage ``stage``'s records and a fetch: honest a and b at outer round 3 (their weights in both blobs), and "0liar"
+    (first in any order by peer id) announcing their very claim while serving its weights ×``liar_scale``, and
+    "9late" alone at a later round."""
+    honest = source_params(cfg, stage, 1.1)
+    vouched = weights_hash(honest)
+    records = {peer: StageStatus(outer_round=3, global_hash=vouched, grad_norm=1.0) for peer in ("0liar", "a", "b")} | {
+        "9late": StageStatus(outer_round=9, global_hash=H, grad_norm=1.0)
+    }
+    asked: list[tuple[str, str]] = []
+
+    async def fetch(peer: str, name: str, sink: Sink, max_bytes: int) -> str:
+        asked.append((peer, name))
+        scale = {"0liar": liar_scale, "9late": liar_scale}.get(peer, 1.1)
+        return await feed(source_blob(cfg, stage, scale, step=30, round_=3), sink)
+
+    fetch.asked = asked  # type: ignore[attr-defined]
+    return records, fetch
+
+
+@pytest.mark.timeout(20)
+def test_an_export_takes_the_vouched_weights_and_never_a_holder_that_serves_others() -> None:
+    cfg = recovery_config(steps=10)
+    records, fetch = lying_swarm(cfg, 2, liar_scale=1000.0)
+    honest = weights_hash(source_params(cfg, 2, 1.1))
+    have = {
+        s: StageState(stage=s, round=0, schedule_step=0, params=source_params(cfg, s, 1.0), optimizer=None)
+        for s in (0, 1, 3)
+    }
+    lines: list[str] = []
+    sources = export_sources({2: records}, 3, have=have)
+    assert [(c.round, c.holders) for c in sources[2]] == [(3, ("0liar", "a", "b"))]  # the lone later claim is no source
+    model, meta = asyncio.run(download_model(cfg, sources, fetch, have=have, on_progress=lines.append))
+    # the liar was asked first (smallest id), served other weights and was refused; a's are the claimed ones
+    assert fetch.asked == [("0liar", "state/2"), ("a", "state/2")]
+    assert meta["stages"]["2"]["peer"] == "a" and meta["stages"]["2"]["vouched_by"] == 3
+    assert any("vouched for by 3 replicas" in line for line in lines)
+    exported = {name: model.state_dict()[name.replace("blocks.0", "blocks.1")] for name in source_params(cfg, 2, 1.0)}
+    assert weights_hash(exported) == honest
+
+    # only liars hold the vouched claim: the export fails, naming what each served, rather than take one's word
+    liars_only = {peer: StageStatus(outer_round=3, global_hash=honest) for peer in ("0liar", "1liar")}
+    sources = export_sources({2: liars_only}, 3, have=have)
+
+    async def lies(peer: str, name: str, sink: Sink, max_bytes: int) -> str:
+        return await feed(source_blob(cfg, 2, 1000.0, step=30, round_=3), sink)
+
+    with pytest.raises(ExportError, match=rf"stage 2: .*0liar: served weights hashing to .*its record claims {honest}"):
+        asyncio.run(download_model(cfg, sources, lies, have=have))
+
+
+@pytest.mark.timeout(20)
+def test_a_rebuild_takes_the_vouched_round_state_and_never_a_holder_that_serves_others() -> None:
+    cfg = recovery_config(steps=10)
+    records, fetch = lying_swarm(cfg, 2, liar_scale=1000.0)
+    rebuilt = asyncio.run(rebuild_stage(cfg, 3, lambda stage: asyncio.sleep(0, records), fetch))  # a copy of stage 2
+    (source,) = rebuilt.sources
+    assert fetch.asked == [("0liar", "state/2"), ("a", "state/2")]
+    assert (source.peer, source.vouched_by) == ("a", 3)
+    assert weights_hash(rebuilt.state.params) == weights_hash(source_params(cfg, 2, 1.1))
+
+
+@pytest.mark.timeout(20)
+def test_with_nothing_vouched_a_rebuild_takes_current_weights_only_where_other_replicas_bear_them_out() -> None:
+    cfg = recovery_config(steps=10)
+
+    def rebuild(scales: dict[str, float]) -> tuple[str, list[str]]:
+        """Rebuild stage 3 from stage 2's replicas serving the seeded weights × their scale; (source peer, asked)."""
+        records = {peer: StageStatus(grad_norm=1.0) for peer in scales}  # no outer step: no claim to vouch
+        asked: list[str] = []
+
+        async def fetch(peer: str, name: str, sink: Sink, max_bytes: int) -> str:
+            assert name == "local/2"
+            asked.append(peer)
+            return await feed(source_blob(cfg, 2, scales[peer], step=30), sink)
+
+        (source,) = asyncio.run(rebuild_stage(cfg, 3, lambda stage: asyncio.sleep(0, records), fetch)).sources
+        assert source.vouched_by == 0
+        return source.peer, asked
+
+    assert rebuild({"a": 1.1}) == ("a", ["a"])  # a lone replica: its word, near the seeded norms
+    assert rebuild({"a": 1.1, "b": 1.3}) == ("a", ["a", "b"])  # b bears a out
+    # far from the seeded norms: refused outright, and no reference for the honest one
+    assert rebuild({"0liar": 1000.0, "a": 1.1}) == ("a", ["0liar", "a"])
+    # near the seeded norms but ×30 the others': refused against a and b, while they bear each other out
+    assert rebuild({"0liar": 30.0, "a": 1.1, "b": 1.2}) == ("a", ["0liar", "a", "b"])
+    # a pair that disagrees beyond ×10: either may be the liar, so neither is taken
+    with pytest.raises(TransferError, match="0liar: its weights differ from every other replica's.*a: its weights"):
+        rebuild({"0liar": 30.0, "a": 1.1})
 
 
 def test_a_stage_checkpoint_needs_its_file_and_loads_back_checked(tmp_path: Path) -> None:

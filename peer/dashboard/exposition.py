@@ -1,7 +1,7 @@
 """``/metrics``: the dashboard's state in Prometheus' text exposition format (version 0.0.4).
 
 Every sample carries the swarm's name and config hash; each peer's also its id, name, role and stage. What
-only grows is a counter (tokens, bytes, recoveries, events), so Prometheus' ``rate()`` gives throughput and
+only grows is a counter (tokens, bytes, recoveries, DHT stores, events), so Prometheus' ``rate()`` gives throughput and
 bandwidth over any window and a missed scrape loses nothing; losses, steps and rounds are gauges.
 """
 
@@ -27,6 +27,10 @@ PEER_COUNTERS = {
         "Tokens the peer processed since it started (trainers: trained; servers: passed through).",
     ),
     "recoveries": ("recoveries_total", "Stages a peer rebuilt from their neighbours."),
+    "dht_stores": (
+        "dht_stores_total",
+        "DHT records the peer stored since it started (stage records, config, metrics, round declarations, claims).",
+    ),
 }
 
 

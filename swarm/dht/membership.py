@@ -203,6 +203,9 @@ class Membership:
         self._cfg: SwarmConfig | None = None  # set by join(); every record key holds its swarm id
         self._versions_reported: set[int] = set()  # other protocol versions seen in records, said once each
         self.announced: set[int] = set()  # stages this peer holds a record for
+        # every DHT store of this peer's own records (stage, config, metrics, round declarations, claims, revocation
+        # lists): they all go through ``_store``; published in its metrics (``PeerMetrics.dht_stores``)
+        self.stores = 0
 
     async def join(
         self, cfg: SwarmConfig | None, *, create: bool, name: str = SwarmConfig().name, fetch_timeout_s: float = 15.0
@@ -336,6 +339,7 @@ class Membership:
 
     async def _store(self, key: str, value: object, expiration: float | None = None) -> None:
         expiration = expiration or get_dht_time() + self.cfg.timeouts.record_ttl_s
+        self.stores += 1
         await self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True)
 
 

@@ -6,14 +6,14 @@ owner marker, as stage records), so one DHT get returns every live peer's latest
 expires with its peer. ``swarmloco dashboard`` (``peer/dashboard/``) draws them; each peer also logs the record it
 published last with its JSONL lines (under ``"metrics"``), so the file and the dashboard agree.
 
-Counters are cumulative (tokens, bytes, recoveries) so a reader that misses a record loses nothing;
+Counters are cumulative (tokens, bytes, recoveries, DHT stores) so a reader that misses a record loses nothing;
 tokens/s is a rate over the last period. Bytes are wire frames by kind, counted once into the peer's
 ``Traffic``: by the trainer for the calls it makes (``Trainer._count``), by a thin wrapper for the
 ones a stage server answers (``MeteredBackend``, ``swarm/pipeline/metering.py``).
 
     >>> meter = Meter(role="stage", stage=1, state="serving")
     >>> servicer = StageServicer(MeteredBackend(server, meter.traffic), stage=1, max_request_bytes=server.max_request_bytes)
-    >>> await membership.publish_metrics(meter.sample(server.status(queue=0), tokens=12_288))
+    >>> await membership.publish_metrics(meter.sample(server.status(queue=0), tokens=12_288, dht_stores=membership.stores))
     >>> await membership.metrics()  # {PeerID: PeerMetrics} of every live peer
 """
 
@@ -77,9 +77,16 @@ class Meter:
             self.staleness_max = record["staleness_max"]
 
     def sample(
-        self, status: StageStatus, *, tokens: int, bans: int = 0, busy_fraction: float | None = None
+        self,
+        status: StageStatus,
+        *,
+        tokens: int,
+        bans: int = 0,
+        busy_fraction: float | None = None,
+        dht_stores: int = 0,
     ) -> PeerMetrics:
-        """The record to publish now; ``tokens``: processed since the peer started; ``busy_fraction``: a stage server's, recent."""
+        """The record to publish now; ``tokens``: processed since the peer started; ``busy_fraction``: a stage server's,
+        recent; ``dht_stores``: the peer's DHT stores since it started (``Membership.stores``)."""
         now = self._clock()
         (then, before), self._since = self._since, (now, tokens)
         self.last = PeerMetrics(
@@ -104,6 +111,7 @@ class Meter:
             window=self.window,
             staleness_mean=self.staleness_mean,
             staleness_max=self.staleness_max,
+            dht_stores=dht_stores,
             version=status.version,
         )
         return self.last

@@ -110,7 +110,8 @@ PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 class PeerMetrics(pydantic.BaseModel):
     """One peer's numbers; strict types, as hivemind's SchemaValidator requires.
 
-    ``name``, ``tokens``, ``uptime_s``, ``busy_fraction``, ``device``, ``window``, the staleness and ``frames_sent`` came later with
+    ``name``, ``tokens``, ``uptime_s``, ``busy_fraction``, ``device``, ``window``, the staleness, ``frames_sent`` and
+    ``dht_stores`` came later with
     defaults, so records without them stay valid; a node of an older release refuses records that carry them (its
     schema forbids unknown fields), as it refuses role "full".
     """
@@ -141,6 +142,8 @@ class PeerMetrics(pydantic.BaseModel):
     window: Optional[pydantic.conint(ge=1, strict=True)] = None
     staleness_mean: Optional[pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)] = None
     staleness_max: Optional[pydantic.conint(ge=0, strict=True)] = None
+    # records the peer stored in the DHT since it started (stage, config, metrics, round declarations, claims…)
+    dht_stores: pydantic.conint(ge=0, strict=True) = 0
     version: pydantic.conint(ge=0, strict=True)
 
     @pydantic.validator("bytes_sent", "bytes_received", "frames_sent")

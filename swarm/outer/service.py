@@ -28,9 +28,9 @@ from swarm.model.stages import stage_template
 from swarm.outer.replica import OUTER_PEER_LIMITS, Holder, ReplicaSync
 from swarm.outer.rounds import Board, P2PGroupNetwork, RoundTiming
 from swarm.outer.transfer import (
-    NEWCOMER_MAX_NORM_RATIO,
     StageState,
-    download_state,
+    download_claimed,
+    newcomer_acceptance,
     newcomer_claims,
     stage_claims,
     state_bytes_bound,
@@ -117,19 +117,19 @@ class OuterService:
             others = {peer: s for peer, s in (await self.replicas(stage)).items() if not self.guard.banned_for(peer)}
             if not others:
                 return None
-            failures = []
-            for claim in newcomer_claims(stage_claims(others)):
-                try:
-                    check = claim.acceptance(template, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
-                    return (
-                        await download_state(
-                            fetch, claim.holders, stage=stage, template=template, check=check, blame=self._blame
-                        )
-                    )[1]
-                except TransferError as e:
-                    failures.append(str(e))
-            if time.monotonic() >= deadline:
-                raise TransferError("; ".join(failures))
+            try:
+                _, _, state = await download_claimed(
+                    fetch,
+                    newcomer_claims(stage_claims(others)),
+                    stage=stage,
+                    template=template,
+                    check_for=newcomer_acceptance(template),
+                    blame=self._blame,
+                )
+                return state
+            except TransferError:
+                if time.monotonic() >= deadline:
+                    raise
             await asyncio.sleep(timeouts.announce_period_s)  # the records may have changed: read them again
 
     async def _export_state(self, name: str) -> BlobStream:

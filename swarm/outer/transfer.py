@@ -18,7 +18,7 @@ or zeroed weights.
 
 It moves between peers as a named blob (``swarm/rpc/blobs.py``): ``state/<stage>`` (the last outer
 round's, with the outer optimizer) and ``local/<stage>`` (a replica's current local weights, which
-a stage rebuild ``swarm/recovery/rebuild.py`` and ``swarmloco export`` download).
+a stage rebuild ``swarm/recovery/rebuild.py`` and ``swarmloco export`` fall back to where no claim is vouched).
 
     >>> blobs = BlobServicer(); blobs.provide("state", lambda name: replica.export_state())
     >>> await blobs.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
@@ -26,6 +26,7 @@ a stage rebuild ``swarm/recovery/rebuild.py`` and ``swarmloco export`` download)
     >>> peer, state = await download_state(fetch, candidates, stage=2, template=params)
     >>> claims = catch_up_claims(stage_claims(others, me=(me, 7, own_hash)), round_=7, weights_hash=own_hash, me=me)
     >>> peer, state = await download_state(fetch, claims[0].holders, stage=2, template=params, check=claims[0].check)
+    >>> claim, peer, state = await download_claimed(fetch, newcomer_claims(claims), stage=2, template=params, check_for=lambda c: c.check)
 """
 
 from __future__ import annotations
@@ -127,6 +128,12 @@ def newcomer_claims(claims: Sequence[StateClaim]) -> list[StateClaim]:
     round, then most holders), else the lone ones (latest round first)."""
     vouched = [c for c in claims if c.vouched]
     return sorted(vouched or claims, key=lambda c: (-c.round, -len(c.holders), c.holders))
+
+
+def newcomer_acceptance(template: Mapping[str, torch.Tensor]) -> Callable[[StateClaim], StateCheck]:
+    """What a peer holding none of a stage's weights asks of each claim's state: exactly the claimed one when vouched
+    for, else weights within ``NEWCOMER_MAX_NORM_RATIO`` of the seeded ``template`` (``StateClaim.acceptance``)."""
+    return lambda claim: claim.acceptance(template, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
 
 
 def catch_up_claims(claims: Sequence[StateClaim], *, round_: int, weights_hash: str, me: str) -> list[StateClaim]:
@@ -438,3 +445,36 @@ async def download_state(
     raise TransferError(
         f"no replica of stage {stage} delivered its state ({'; '.join(failures) or 'no replica to ask'})"
     )
+
+
+async def download_claimed(
+    fetch: StreamFetch,
+    claims: Sequence[StateClaim],
+    *,
+    stage: int,
+    template: Mapping[str, torch.Tensor],
+    check_for: Callable[[StateClaim], StateCheck],
+    blob_for: Callable[[StateClaim], str] = lambda claim: "state",
+    blame: Callable[[str, str], None] = lambda peer, why: None,
+) -> tuple[StateClaim, str, StageState]:
+    """The first of ``claims`` (in order) that one of its holders fulfils: (claim, peer, state).
+
+    Each claim's state is the ``blob_for(claim)`` blob of its holders, and must pass ``check_for(claim)``
+    (``StateClaim.check`` or ``StateClaim.acceptance``); ``TransferError`` naming every failure if none delivers.
+    """
+    failures = []
+    for claim in claims:
+        try:
+            peer, state = await download_state(
+                fetch,
+                claim.holders,
+                stage=stage,
+                template=template,
+                blob=blob_for(claim),
+                check=check_for(claim),
+                blame=blame,
+            )
+            return claim, peer, state
+        except TransferError as e:
+            failures.append(str(e))
+    raise TransferError("; ".join(failures) or f"no replica of stage {stage} claims a state")

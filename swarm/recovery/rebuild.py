@@ -13,8 +13,12 @@ The math is ``swarm/recovery/checkfree.py``; this module moves it onto the netwo
   with a TTL, waits ``settle_s`` for concurrent claims to show, and goes on only if it is the
   ``claim_winner``: the lowest (priority, peer id), a joining peer (priority 0) before a moving
   server (1). A peer that sees another live claim does not claim at all.
-- **Rebuild.** The claimant downloads the source stages' current weights (``local/<i>`` blobs, hash-checked)
-  and reads each source replica's last gradient norm from its DHT record, applies
+- **Rebuild.** The claimant downloads each source stage as a catch-up would: the last outer round's
+  state (``state/<i>``) of a claim two or more of its replicas vouch for, which must hash to the
+  claim (``swarm/outer/transfer.py``); only a stage with no vouched claim (no outer step, a lone
+  replica) gives a replica's current weights (``local/<i>``), and then only weights near the seeded
+  norms that another replica's bear out where another delivers (``check_plausible``). It reads each
+  source replica's last gradient norm from its DHT record, applies
   ``apply_recovery`` (CheckFree merge for an interior stage; CheckFree+ copy of the swap partner
   for stage 1 or S when the paths swap, else copy of the only neighbour), and serves the result
   with a fresh optimizer at lr × 1.1, announcing ``recovered=True``.
@@ -43,9 +47,16 @@ from swarm.dht.membership import Membership
 from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.model.stages import EDGE_STAGE, split_layers, stage_template
 from swarm.outer.transfer import (
+    LONE_CLAIM_MAX_NORM_RATIO,
+    NEWCOMER_MAX_NORM_RATIO,
     StageState,
+    StreamFetch,
+    check_plausible,
+    download_claimed,
     download_state,
+    newcomer_claims,
     pack_state,
+    stage_claims,
     state_bytes_bound,
     unpack_state,
     weights_hash,
@@ -111,14 +122,16 @@ class Source:
 
     stage: int
     peer: str
-    sha256: str  # of the local/<stage> stream as served (hex); ``pack_state(state)`` gives those very bytes back
+    sha256: str  # of the state/<stage> or local/<stage> stream as served (hex); ``pack_state(state)`` gives those very bytes back
     state: StageState
     grad_norm: float  # from the peer's DHT record at download time
+    vouched_by: int = 0  # replicas announcing the round state taken; 0: the peer's current weights, its word only
 
     def summary(self) -> dict[str, Any]:
         return {
             "stage": self.stage,
             "peer": self.peer,
+            "vouched_by": self.vouched_by,
             "sha256": self.sha256[:16],
             "weights_hash": weights_hash(self.state.params),
             "grad_norm": self.grad_norm,
@@ -177,6 +190,8 @@ async def rebuild_stage(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, f
 
 
 async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader, fetch: BlobStreamer) -> Source:
+    """The state of source ``stage`` to rebuild from: the stage's vouched round state where it has one (exactly the
+    claimed weights, as a catch-up takes them), else a replica's current weights that another replica's bear out."""
     if stage == EDGE_STAGE:
         raise ValueError("middle stages are rebuilt from middle stages")
     found = await replicas(stage)
@@ -187,10 +202,71 @@ async def _download_source(cfg: SwarmConfig, stage: int, replicas: ReplicaReader
         digests[peer] = await fetch(peer, name, sink, state_bytes_bound(template))
         return digests[peer]
 
-    order = sorted(found, key=lambda p: (-found[p].outer_round, p))  # the most advanced replica first
-    # current weights, not the last round's
-    peer, state = await download_state(fetch_kept, order, stage=stage, template=template, blob="local")
-    return Source(stage=stage, peer=peer, sha256=digests[peer], state=state, grad_norm=found[peer].grad_norm)
+    vouched = [claim for claim in newcomer_claims(stage_claims(found)) if claim.vouched]
+    if vouched:
+        claim, peer, state = await download_claimed(
+            fetch_kept, vouched, stage=stage, template=template, check_for=lambda claim: claim.check
+        )
+        vouched_by = len(claim.holders)
+    else:
+        peer, state = await _borne_out_local(fetch_kept, found, stage=stage, template=template)
+        vouched_by = 0
+    return Source(
+        stage=stage,
+        peer=peer,
+        sha256=digests[peer],
+        state=state,
+        grad_norm=found[peer].grad_norm,
+        vouched_by=vouched_by,
+    )
+
+
+async def _borne_out_local(
+    fetch: StreamFetch, found: Mapping[str, StageStatus], *, stage: int, template: Mapping[str, torch.Tensor]
+) -> tuple[str, StageState]:
+    """A replica's current weights (``local/<stage>``; the most advanced replica first) when no claim is vouched for.
+
+    One peer's word, so checked as far as it can be: its tensor norms must stay within
+    ``NEWCOMER_MAX_NORM_RATIO`` of the seeded ones, and within ``LONE_CLAIM_MAX_NORM_RATIO`` of another replica's
+    that passes the same check, where one delivers. Two replicas that disagree beyond that both go unused: neither
+    can be told from a liar.
+    """
+    order = sorted(found, key=lambda p: (-found[p].outer_round, p))
+    delivered: dict[str, StageState | None] = {}  # peer → its current weights; None: failed or far from the seeded
+    failures: dict[str, str] = {}
+    seeded = lambda state: check_plausible(state.params, template, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
+
+    async def local(peer: str) -> StageState | None:  # each replica is asked once
+        if peer not in delivered:
+            try:
+                _, delivered[peer] = await download_state(
+                    fetch, [peer], stage=stage, template=template, blob="local", check=seeded, blame=failures.setdefault
+                )
+            except TransferError as e:
+                delivered[peer] = None
+                failures.setdefault(peer, str(e))  # a transfer failure; a refused state's reason is in already
+        return delivered[peer]
+
+    for peer in order:
+        if (state := await local(peer)) is None:
+            continue
+        references, problem = 0, ""
+        for other in order:
+            if other == peer or (reference := await local(other)) is None:
+                continue
+            references += 1
+            try:
+                check_plausible(state.params, reference.params, max_norm_ratio=LONE_CLAIM_MAX_NORM_RATIO)
+                return peer, state  # another replica bears it out
+            except ValueError as e:
+                problem = str(e)
+        if not references:
+            return peer, state  # the only replica that delivers: its word, near the seeded norms, is all there is
+        failures[peer] = f"its weights differ from every other replica's ({problem})"
+    raise TransferError(
+        f"no replica of stage {stage} delivered plausible weights "
+        f"({'; '.join(f'{peer}: {why}' for peer, why in failures.items()) or 'no replica to ask'})"
+    )
 
 
 def save_rebuild(rebuilt: Rebuilt, directory: Path, name: str) -> Path:
