@@ -80,6 +80,7 @@ ROWS: list[Row] = [
     Row(name="sparseloco/ef1", outer="sparseloco", overrides={"codecs.error_decay": 1.0}),
     Row(name="sparseloco/lr1.5", outer="sparseloco", overrides={"outer.sparseloco_lr": 1.5}),
     Row(name="sparseloco/lr0.7", outer="sparseloco", overrides={"outer.sparseloco_lr": 0.7}),
+    Row(name="sparseloco/lr2", outer="sparseloco", overrides={"outer.sparseloco_lr": 2.0}),
 ]
 
 SEQ64: dict[str, ConfigValue] = {"model.max_seq_len": 64, "stages.num_stages": 2, "train.seq_len": 64}
