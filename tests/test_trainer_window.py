@@ -283,6 +283,7 @@ def test_an_outer_install_drops_the_gradients_of_microbatches_begun_on_the_old_w
     held, in_flight, record = run(trainer, stage, scenario())
     assert held == 1 and record["round_dropped"] == held + in_flight
     assert record["stale_dropped"] == 0 and trainer.inner_steps == 6 and sync.round == 1
+    assert record["tokens"] == 6 * 2 * BATCH * SEQ  # the dropped ones' tokens, the held one's too, trained nothing
     assert_accounted(trainer)
 
 
