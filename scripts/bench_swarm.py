@@ -102,6 +102,24 @@ def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | No
     return busy
 
 
+def recompute_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | None]:
+    """Over every stage server's backwards: the share recomputed on weights an inner step has moved since their
+    forward (the servers keep no stash of older weights), and the inner steps between, on average over all."""
+    last = [
+        next((r for r in reversed(records) if r.get("role") == "stage" and "backward" in r), {})
+        for records in peers.values()
+    ]
+    backward = sum(r.get("backward", 0) for r in last)
+    return {
+        "server_stale_recompute_fraction": sum(r.get("stale_recompute", 0) for r in last) / backward
+        if backward
+        else None,
+        "server_stale_recompute_steps_mean": sum(r.get("stale_recompute_steps", 0) for r in last) / backward
+        if backward
+        else None,
+    }
+
+
 WINDOW_STALENESS = 6  # what a window of more than one microbatch may span (the trainers' default keeps it in a step)
 
 
@@ -183,6 +201,7 @@ def run_swarm(
         "unaccounted_microbatches": sum(t["started"] - t["completed"] - t["failed"] - t["cancelled"] for t in trainers),
         **outer_summary(peers, tokens),
         "busy_fraction": busy_summary(peers),  # per stage server: median while serving
+        **recompute_summary(peers),
         **window_summary(
             [r for i in range(layout.trainers) for r in peers[f"trainer-{i}"] if r.get("role") == "trainer"]
         ),
@@ -371,6 +390,8 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
     print(
         f"outer    {cfg.outer.method} H={cfg.outer.inner_steps}: rounds {swarm['outer_rounds']}  median {swarm['round_s'] or 0:.2f}s  "
         f"{swarm['pseudo_grad_bytes_per_token']:.3f} pseudo-grad B/token (fp32 would be {swarm['fp32_pseudo_grad_bytes_per_token']:.1f})"
+        f"  window {swarm['window_mean'] or 0:.2f}, staleness {swarm['staleness_mean'] or 0:.2f} (trainers), "
+        f"{swarm['server_stale_recompute_steps_mean'] or 0:.2f} steps (servers' recompute)"
         + (
             f"  joiner: {swarm['join_role']} of stage {swarm['join_stage']}, serving {swarm['join_s']:.1f}s after start"
             if swarm.get("join_s")
