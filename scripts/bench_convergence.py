@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 
 from peer.data import Corpus, load_corpus
-from swarm.config import ConfigValue, OuterChoice, SwarmConfig, derive_config
+from swarm.config import ConfigValue, OuterChoice, SwarmConfig, derive_config, parse_overrides
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import SimulationConfig, simulate
 
@@ -286,24 +286,6 @@ def write_json(path: str, args: argparse.Namespace, records: list[dict[str, Any]
         json.dump({"args": vars(args), "records": records, "summary": summarize(records)}, f, indent=1)
 
 
-def parse_overrides(pairs: list[str]) -> dict[str, ConfigValue]:
-    """``["train.inner_batch=64", "inner.lr=0.001"]`` → {path: int, float or str}."""
-    overrides: dict[str, ConfigValue] = {}
-    for pair in pairs:
-        path, sep, text = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {pair!r}: expected PATH=VALUE, e.g. train.inner_batch=64")
-        for parse in (int, float):
-            try:
-                overrides[path] = parse(text)
-                break
-            except ValueError:
-                continue
-        else:
-            overrides[path] = text
-    return overrides
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -358,7 +340,10 @@ def main() -> None:
             plot(json.load(f)["records"], args.plot)
         return
     torch.set_num_threads(args.threads)
-    base = derive_config(SwarmConfig(), PRESETS[args.preset] | parse_overrides(args.set))
+    try:
+        base = derive_config(SwarmConfig(), PRESETS[args.preset] | parse_overrides(args.set))
+    except ValueError as e:  # a malformed pair, an unknown field, a value the config refuses
+        raise SystemExit(f"--set: {e}") from None
     corpus = load_corpus(args.corpus)
     rows = [r for r in ROWS if not args.only or r.name in args.only]
     if not rows:

@@ -17,6 +17,8 @@ the same run.
     python scripts/bench_swarm.py --outer sparseloco --trainers 2 --replicas 2 --stages 1 --join --json bench-outer.json
     python scripts/bench_swarm.py --steps 30 --codec fp32                                   # quick look, fp32 on the wire
     python scripts/bench_swarm.py --seeds 3 --json docs/data/bench-local-default.json       # the default `swarmloco local` vs train-local
+    python scripts/bench_swarm.py --trainers 2 --stages 3 --seeds 3 --in-flight 4 --max-staleness 0 \
+        --set train.microbatch_size=4 --json docs/data/window-loss-mb4.json             # 4 microbatches per inner step
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from compress.codecs import CODEC_NAMES
 from optim.config import OUTER_METHODS, OuterMethod
 from peer.data import load_corpus
 from peer.launch import LOOPBACK, VAL_BATCHES, LocalSwarm, Placement, launch_local, local_config
-from swarm.config import ConfigValue, SwarmConfig, derive_config, load_config
+from swarm.config import ConfigValue, SwarmConfig, derive_config, load_config, parse_overrides
 from swarm.sim.centralized import train_centralized
 
 TARGET_LOSS_GAP = 0.05  # swarm val loss within 5% of the baseline's
@@ -100,16 +102,37 @@ def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | No
     return busy
 
 
+def recompute_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | None]:
+    """Over every stage server's backwards: the share recomputed on weights an inner step has moved since their
+    forward (the servers keep no stash of older weights), and the inner steps between, on average over all."""
+    last = [
+        next((r for r in reversed(records) if r.get("role") == "stage" and "backward" in r), {})
+        for records in peers.values()
+    ]
+    backward = sum(r.get("backward", 0) for r in last)
+    return {
+        "server_stale_recompute_fraction": sum(r.get("stale_recompute", 0) for r in last) / backward
+        if backward
+        else None,
+        "server_stale_recompute_steps_mean": sum(r.get("stale_recompute_steps", 0) for r in last) / backward
+        if backward
+        else None,
+    }
+
+
 WINDOW_STALENESS = 6  # what a window of more than one microbatch may span (the trainers' default keeps it in a step)
 
 
-def window_args(window: int | None) -> list[str]:
-    """The peer options for a trainers' window cap (None: the trainers' defaults): a window of one never overlaps
-    inner steps (the synchronous pipeline); a wider one may span WINDOW_STALENESS steps, as measured in
-    docs/benchmarks.md."""
+def window_args(window: int | None, max_staleness: int | None = None) -> list[str]:
+    """The peer options for a trainers' window cap and max staleness (None: the trainers' defaults). Unless
+    ``max_staleness`` is given, a window of one never overlaps inner steps (the synchronous pipeline) and a wider one
+    may span WINDOW_STALENESS steps, as measured in docs/benchmarks.md."""
+    staleness = [] if max_staleness is None else ["--max-staleness", str(max_staleness)]
     if window is None:
-        return []
-    return ["--in-flight", str(window), "--max-staleness", str(0 if window == 1 else WINDOW_STALENESS)]
+        return staleness
+    return ["--in-flight", str(window)] + (
+        staleness or ["--max-staleness", str(0 if window == 1 else WINDOW_STALENESS)]
+    )
 
 
 def window_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
@@ -178,6 +201,7 @@ def run_swarm(
         "unaccounted_microbatches": sum(t["started"] - t["completed"] - t["failed"] - t["cancelled"] for t in trainers),
         **outer_summary(peers, tokens),
         "busy_fraction": busy_summary(peers),  # per stage server: median while serving
+        **recompute_summary(peers),
         **window_summary(
             [r for i in range(layout.trainers) for r in peers[f"trainer-{i}"] if r.get("role") == "trainer"]
         ),
@@ -203,15 +227,20 @@ def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[s
 
 
 def bench_config(
-    base: SwarmConfig, outer: OuterMethod | None, inner_steps: int | None, codec: str | None
+    base: SwarmConfig,
+    outer: OuterMethod | None,
+    inner_steps: int | None,
+    codec: str | None,
+    extra: Mapping[str, ConfigValue] | None = None,
 ) -> SwarmConfig:
-    """The config with the outer method (DiLoCo exchanges fp32), H and the activation/gradient codec changed where given."""
+    """The config with the outer method (DiLoCo exchanges fp32), H, the activation/gradient codec and the ``extra``
+    dotted-path overrides (``--set``) changed where given."""
     overrides: dict[str, ConfigValue] = {"codecs.pseudo_gradients": "fp32"} if outer == "diloco" else {}
     if inner_steps:
         overrides["outer.inner_steps"] = inner_steps
     if codec:
         overrides["codecs.activations"] = codec
-    return derive_config(base, overrides, outer=outer)
+    return derive_config(base, overrides | dict(extra or {}), outer=outer)
 
 
 def main() -> None:
@@ -245,6 +274,20 @@ def main() -> None:
         type=int,
         help="the trainers' microbatch window cap (default: the trainers'); 1 is the synchronous pipeline",
     )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        help=f"inner steps the trainers' window may span (default: 0 with --in-flight 1, {WINDOW_STALENESS} with a "
+        "wider cap, else the trainers'); 0 keeps the window within an inner step",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="PATH=VALUE",
+        help="config overrides for the swarm and the baseline (e.g. train.microbatch_size=4: four microbatches per "
+        "inner step of 16)",
+    )
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
 
@@ -256,12 +299,18 @@ def main() -> None:
         joiners=int(args.join),
         join_after_s=args.join_after,
     )
-    cfg = bench_config(
-        local_config(load_config(args.config) if args.config else SwarmConfig(), layout),
-        args.outer,
-        args.inner_steps,
-        args.codec,
-    )
+    if args.max_staleness is not None and args.max_staleness < 0:
+        parser.error(f"--max-staleness must not be negative, got {args.max_staleness}")
+    try:
+        cfg = bench_config(
+            local_config(load_config(args.config) if args.config else SwarmConfig(), layout),
+            args.outer,
+            args.inner_steps,
+            args.codec,
+            parse_overrides(args.set),
+        )
+    except ValueError as e:  # a malformed --set pair, an unknown field, a value the config refuses
+        parser.error(str(e))
     results = [
         measure(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed)), layout, args)
         for seed in range(args.seeds)
@@ -281,7 +330,7 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
     """One seed: the swarm, then the baseline on as many tokens; the comparison and the targets."""
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
         out = args.out / f"seed{cfg.train.seed}" if args.out else Path(tmp)
-        swarm = run_swarm(cfg, layout, args.data, out, peer_args=window_args(args.in_flight))
+        swarm = run_swarm(cfg, layout, args.data, out, peer_args=window_args(args.in_flight, args.max_staleness))
     tokens_per_step = cfg.train.inner_batch * cfg.train.seq_len
     baseline = run_baseline(
         cfg, swarm["tokens"] // tokens_per_step, args.data
@@ -324,6 +373,7 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),
         "in_flight": args.in_flight,
+        "max_staleness": args.max_staleness,
         "tokens_per_s": swarm["tokens_per_s"],
         "baseline_tokens_per_s": baseline["tokens_per_s"],
         "val_loss": swarm["val_loss"],
@@ -340,6 +390,8 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
     print(
         f"outer    {cfg.outer.method} H={cfg.outer.inner_steps}: rounds {swarm['outer_rounds']}  median {swarm['round_s'] or 0:.2f}s  "
         f"{swarm['pseudo_grad_bytes_per_token']:.3f} pseudo-grad B/token (fp32 would be {swarm['fp32_pseudo_grad_bytes_per_token']:.1f})"
+        f"  window {swarm['window_mean'] or 0:.2f}, staleness {swarm['staleness_mean'] or 0:.2f} (trainers), "
+        f"{swarm['server_stale_recompute_steps_mean'] or 0:.2f} steps (servers' recompute)"
         + (
             f"  joiner: {swarm['join_role']} of stage {swarm['join_stage']}, serving {swarm['join_s']:.1f}s after start"
             if swarm.get("join_s")

@@ -26,7 +26,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -212,6 +212,28 @@ def derive_config(
         typing.cast(OuterOptimConfig, sections["outer"]).method,
     )
     return SwarmConfig(**sections)  # type: ignore[arg-type]
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, ConfigValue]:
+    """Command-line ``PATH=VALUE`` pairs as ``derive_config`` overrides; each value an int, else a float, else the text
+    (``derive_config`` checks paths and types). A pair without ``=`` is a ``ValueError``.
+
+        >>> parse_overrides(["train.microbatch_size=4", "inner.lr=0.001"])  # {'train.microbatch_size': 4, 'inner.lr': 0.001}
+    """
+    overrides: dict[str, ConfigValue] = {}
+    for pair in pairs:
+        path, sep, text = pair.partition("=")
+        if not sep or not path:
+            raise ValueError(f"{pair!r}: expected PATH=VALUE, e.g. train.inner_batch=64")
+        for parse in (int, float):
+            try:
+                overrides[path] = parse(text)
+                break
+            except ValueError:
+                continue
+        else:
+            overrides[path] = text
+    return overrides
 
 
 def _fit_codecs(codecs: CodecConfig, model: ModelConfig, method: OuterMethod) -> tuple[CodecConfig, ModelConfig]:

@@ -25,6 +25,7 @@ from swarm.config import (
     dumps_config,
     from_dict,
     load_config,
+    parse_overrides,
     save_config,
 )
 from swarm.errors import ConfigError
@@ -216,6 +217,15 @@ def test_derive_config_applies_the_rules() -> None:
         with pytest.raises(ConfigError) as err:
             derive_config(base, {path: 1})
         assert err.value.field.startswith(path.split(".")[0])
+
+
+def test_parse_overrides_types_each_value_and_refuses_a_pair_without_a_path() -> None:
+    overrides = parse_overrides(["train.microbatch_size=4", "inner.lr=0.001", "codecs.activations=fp16"])
+    assert overrides == {"train.microbatch_size": 4, "inner.lr": 0.001, "codecs.activations": "fp16"}
+    assert derive_config(SwarmConfig(), overrides).train.microbatch_size == 4
+    for bad in ("train.microbatch_size", "=4"):
+        with pytest.raises(ValueError, match="expected PATH=VALUE"):
+            parse_overrides([bad])
 
 
 def _cli_config(base: SwarmConfig, args: list[str]) -> SwarmConfig:

@@ -258,6 +258,26 @@ def test_a_backward_across_an_outer_install_goes_back_without_touching_the_new_w
     asyncio.run(scenario())
 
 
+def test_a_backward_recomputed_after_an_inner_step_since_its_forward_is_counted_with_the_steps_between() -> None:
+    """Two microbatches per inner step, five forwarded at step 0: "a" and "b" come back first (step 1), "c" and "d"
+    are recomputed one step on (step 2), "late" two steps on; none of it is refused or left out."""
+
+    async def scenario() -> None:
+        server, codec = StageServer(tiny(), 1), get_codec("fp32")
+        assert server.cfg.train.inner_batch == 2 * B
+        x, g = torch.randn(B, T, D), torch.randn(B, T, D)
+        for mb in ("late", "a", "b", "c", "d"):
+            await server.forward("p", Forward(mb=mb, stage=1, prev_stage=0, x=codec.encode(x)))
+        for mb in ("a", "b", "c", "d", "late"):
+            await server.backward("p", Backward(mb=mb, stage=1, grad=codec.encode(g)))
+        assert server.inner_steps == 2 and server.inner.samples == B  # "late" waits for the next step
+        assert server.counters["stale_recompute"] == 3 and server.counters["stale_recompute_steps"] == 1 + 1 + 2
+        assert server.counters["backward"] == 5 and server.counters["stale_backward"] == 0
+        server.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_stage_server_gradients_are_autograd_gradients_and_survive_a_lost_input() -> None:
     async def scenario() -> None:
         cfg = tiny()

@@ -162,6 +162,46 @@ def test_max_staleness_bounds_the_window_in_inner_steps() -> None:
     assert_accounted(trainer)
 
 
+class StepWatch(Stage1):
+    """``Stage1`` noting, at each training forward, the trainer's inner step for every microbatch then between its
+    forward and its backward: the steps whose microbatches share the pipeline."""
+
+    def __init__(self, cfg: SwarmConfig, trainer_steps: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+        self.trainer_steps = trainer_steps
+        self.started_in: dict[str, int] = {}  # open microbatch -> the trainer's inner step when its forward came
+        self.steps_together: list[set[int]] = []  # at each forward: the steps the open microbatches started in
+
+    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
+        if request.train:
+            self.started_in[request.mb] = self.trainer_steps()
+            self.steps_together.append(set(self.started_in.values()))
+        return await super().forward(peer, request, timeout=timeout)
+
+    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
+        reply = await super().backward(peer, request, timeout=timeout)
+        del self.started_in[request.mb]
+        return reply
+
+
+def test_a_window_within_an_inner_step_holds_its_microbatches_and_never_starts_the_next_steps() -> None:
+    """``max_staleness=0`` (the default) with four microbatches per inner step: the window fills with the step's four
+    (nothing holds it to one microbatch per step), and a microbatch of the next step starts only once the step is
+    taken, so none lands stale and none is dropped."""
+    cfg = config(steps=8, microbatches_per_step=4)
+    trainer: Trainer
+    stage = StepWatch(cfg, lambda: trainer.inner_steps, latency_s=0.05)  # the wire sets the round trip
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, log_every=1))
+    logged: list[dict] = []
+    record = run(trainer, stage, trainer.train(batches(), steps=8, on_log=logged.append))
+    assert stage.most_open == 4 and max(r["window"] for r in logged) == 4  # a whole step's microbatches at once
+    assert all(len(steps) == 1 for steps in stage.steps_together)  # never two inner steps' microbatches in flight
+    assert max(r["staleness_max"] for r in logged) == 0 and record["stale_dropped"] == 0
+    assert record["step"] == trainer.inner_steps == 8 and stage.server.inner_steps == 8
+    assert record["completed"] == 8 * 4 and record["tokens"] == 8 * 4 * BATCH * SEQ  # none started past the last step
+    assert_accounted(trainer)
+
+
 def test_a_window_of_one_is_the_synchronous_loop() -> None:
     """``in_flight=1`` trains exactly as one microbatch after the other did: same losses, same weights."""
     cfg = config(steps=6, microbatches_per_step=2)
@@ -243,6 +283,7 @@ def test_an_outer_install_drops_the_gradients_of_microbatches_begun_on_the_old_w
     held, in_flight, record = run(trainer, stage, scenario())
     assert held == 1 and record["round_dropped"] == held + in_flight
     assert record["stale_dropped"] == 0 and trainer.inner_steps == 6 and sync.round == 1
+    assert record["tokens"] == 6 * 2 * BATCH * SEQ  # the dropped ones' tokens, the held one's too, trained nothing
     assert_accounted(trainer)
 
 

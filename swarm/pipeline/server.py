@@ -51,6 +51,7 @@ class CacheEntry:
     tokens: torch.Tensor | None  # token ids the frame carried (subspace codecs), (B, T)
     forward_s: float  # compute time of the forward, counted into the throughput at backward
     weights: int  # the server's weights epoch the forward ran on (``StageServer.weights_epoch``)
+    inner_step: int | None = None  # the server's inner steps when the forward ran; None: unknown (a resent input)
 
 
 class ActivationCache:
@@ -163,11 +164,10 @@ class StageServer:
                 f"prev_stage {request.prev_stage} is not another stage of 0..{self.cfg.stages.num_stages}",
             )
         codec, x, tokens = self._decode_input(request.x)
-        y, elapsed = await self._run(self._compute_forward, x, busy=True)
+        (y, inner_step), elapsed = await self._run(self._forward_at_step, x, busy=True)
         if request.train:
-            self.cache.put(
-                peer, request.mb, CacheEntry(x=x, tokens=tokens, forward_s=elapsed, weights=self.weights_epoch)
-            )
+            entry = CacheEntry(x=x, tokens=tokens, forward_s=elapsed, weights=self.weights_epoch, inner_step=inner_step)
+            self.cache.put(peer, request.mb, entry)
             self.from_stage[request.prev_stage] += 1
         self.counters["forward" if request.train else "eval_forward"] += 1
         self.first_served_at = self.first_served_at or time.time()
@@ -281,6 +281,10 @@ class StageServer:
     def inner_steps(self) -> int:
         return self.inner.steps
 
+    def _forward_at_step(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The forward and the inner steps its weights had taken (read on the compute thread, where steps are taken)."""
+        return self._compute_forward(x), self.inner_steps
+
     def _compute_forward(self, x: torch.Tensor) -> torch.Tensor:
         with compute_precision(self.device, self.cfg.train.precision):
             return stage_forward(self.module, x.to(self.device))  # (B, T, d) → (B, T, d)
@@ -297,6 +301,11 @@ class StageServer:
             self.counters["stale_backward"] += 1
             return grad_x
         self.screen.accept(norm)
+        if entry.inner_step is not None and entry.inner_step < self.inner_steps:
+            # recomputed on weights an inner step (other microbatches' samples) has moved since its forward: the
+            # gradient is of weights its output never came from; counted, with the steps between (no weight stash)
+            self.counters["stale_recompute"] += 1
+            self.counters["stale_recompute_steps"] += self.inner_steps - entry.inner_step
         add_gradients(self.module, grads)
         self.inner.add(x.shape[0])  # step 6
         return grad_x  # (B, T, d)

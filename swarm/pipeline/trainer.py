@@ -272,11 +272,14 @@ class Trainer:
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.traffic = traffic or Traffic()  # frame bytes by kind and direction: the peer's metrics publish it
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
-        self.tokens = 0  # tokens of completed training microbatches whose stage-0 gradients were taken on landing
+        # tokens of the training microbatches whose stage-0 gradients were taken on landing and not dropped since by
+        # an install (``_drop_held_gradients``): counted on the edge thread, with the gradients
+        self.tokens = 0
         self.window = Window(self.options.in_flight)
         self.staleness: list[int] = []  # of the microbatches landed since the last progress record
         self._weights_epoch = 0  # new weights installed from outside (an outer round, a download)
         self._landed_since_step = 0  # microbatches whose gradients stage 0 holds, not yet stepped
+        self._held_tokens = 0  # their tokens
         self._ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge")
 
@@ -374,7 +377,7 @@ class Trainer:
             for hop in reversed(hops):
                 outgoing = await self._backward_hop(mb, hop, outgoing)
             grad = outgoing.value
-            staleness, used = await self._run(self._land, departure, h0, grad, head_grads)
+            staleness = await self._run(self._land, departure, h0, grad, head_grads)
         except asyncio.CancelledError:
             self.counters["cancelled"] += 1
             raise
@@ -383,7 +386,6 @@ class Trainer:
             logger.warning(f"microbatch {mb.id} failed: {e}", exc_info=not isinstance(e, HopFailed))
             return None
         self.counters["completed"] += 1
-        self.tokens += inputs.numel() if used else 0
         self.staleness.append(staleness)
         self.window.land(departure.delivered, departure.at, now=time.perf_counter())
         return loss
@@ -547,30 +549,34 @@ class Trainer:
 
     def _land(
         self, departure: Departure, h0: torch.Tensor, grad: torch.Tensor, head_grads: list[torch.Tensor | None]
-    ) -> tuple[int, bool]:
-        """A microbatch's stage-0 gradients join the inner step (step 3's held part, 5 and 6), unless it landed more
-        than ``max_staleness`` steps after its start or began on weights an outer round has since replaced (dropped
-        and counted). Its staleness, and whether they joined."""
+    ) -> int:
+        """A microbatch's stage-0 gradients (and its tokens) join the inner step (step 3's held part, 5 and 6), unless
+        it landed more than ``max_staleness`` steps after its start or began on weights an outer round has since
+        replaced (dropped and counted). Its staleness."""
         staleness = self.inner_steps - departure.inner_steps
         if departure.weights != self._weights_epoch:
             self.counters["round_dropped"] += 1
-            return staleness, False
+            return staleness
         if staleness > self.options.max_staleness:
             self.counters["stale_dropped"] += 1
-            return staleness, False
+            return staleness
         add_gradients(self.edge, head_grads)
         with self._precision():
             embed_backward(h0, grad.to(self.device))
+        tokens = h0.shape[0] * h0.shape[1]  # (B, T, d)
         self._landed_since_step += 1
+        self._held_tokens += tokens
+        self.tokens += tokens
         self.inner.add(h0.shape[0])
         if self.inner.samples == 0:  # stepped (or skipped a non-finite step): nothing held any more
-            self._landed_since_step = 0
-        return staleness, True
+            self._landed_since_step = self._held_tokens = 0
+        return staleness
 
     def _drop_held_gradients(self) -> None:
         """New weights from outside: the gradients held for the next inner step were computed on the old ones."""
         self.counters["round_dropped"] += self._landed_since_step
-        self._landed_since_step = 0
+        self.tokens -= self._held_tokens  # trained nothing: the run's tokens stay those of the inner steps taken
+        self._landed_since_step = self._held_tokens = 0
         self.inner.drop()
         self._weights_epoch += 1  # microbatches in flight began on the old weights: dropped when they land
 
