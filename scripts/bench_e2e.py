@@ -56,19 +56,23 @@ class Run:
     outer: OuterChoice = "sparseloco"
     skip: float = 0.0
     window: int | None = None  # the trainers' window cap (--in-flight); 1: the synchronous pipeline; None: the default
+    max_staleness: int | None = None  # inner steps the window may span (None: bench_swarm.window_args' choice)
 
     @property
     def name(self) -> str:
         bw = "unlimited" if self.bandwidth_mbit is None else f"{self.bandwidth_mbit:g}Mbit"
-        return f"{bw}/{self.act_codec}/{self.outer}/skip{self.skip:g}" + (f"/w{self.window}" if self.window else "")
+        name = f"{bw}/{self.act_codec}/{self.outer}/skip{self.skip:g}" + (f"/w{self.window}" if self.window else "")
+        return name + ("" if self.max_staleness is None else f"/s{self.max_staleness}")
 
     def peer_args(self) -> list[str]:
-        return window_args(self.window)
+        return window_args(self.window, self.max_staleness)
 
 
-def plan(bandwidths: list[float | None], windows: list[int] | None = None) -> list[Run]:
+def plan(
+    bandwidths: list[float | None], windows: list[int] | None = None, max_staleness: int | None = None
+) -> list[Run]:
     if windows:  # the window study: int8 SparseLoCo at every bandwidth, once per window cap
-        return [Run(bandwidth_mbit=bw, window=w) for bw in bandwidths for w in windows]
+        return [Run(bandwidth_mbit=bw, window=w, max_staleness=max_staleness) for bw in bandwidths for w in windows]
     runs = [Run(bandwidth_mbit=bw, act_codec=codec) for bw in bandwidths for codec in ACT_CODECS]
     low = [bw for bw in bandwidths if bw is not None][:1]  # the lowest cap, and uncapped
     for bw in [*low, None]:
@@ -299,6 +303,12 @@ def main() -> int:
         help="the window study: int8 SparseLoCo at every bandwidth once per trainer window cap, e.g. 1,4 "
         "(1 is the synchronous pipeline)",
     )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        help="inner steps the trainers' window may span (default: 0 for window 1, 6 wider); 0 keeps it within an "
+        "inner step, which with --microbatch below the inner batch still overlaps the step's microbatches",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
     parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")
     parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
@@ -319,7 +329,9 @@ def main() -> int:
     except ValueError as e:
         parser.error(str(e))
     runs = [
-        run for run in plan(args.bandwidths, args.windows) if not args.only or any(s in run.name for s in args.only)
+        run
+        for run in plan(args.bandwidths, args.windows, args.max_staleness)
+        if not args.only or any(s in run.name for s in args.only)
     ]
     results: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
