@@ -17,7 +17,7 @@ every stage's outer rounds had both replicas' pseudo-gradients (and the full pee
 the same global weights hash after each round and at the end.
 
     python scripts/bench_full_peers.py --seeds 3 --json docs/data/full-peers.json     # small model, ~10 min on 2 cores
-    python scripts/bench_full_peers.py --real --codecs int8 --json docs/data/full-peers-real.json   # ~8 min on 2 cores
+    python scripts/bench_full_peers.py --real --codecs int8 --json docs/data/full-peers-real.json   # ~3 min on 2 cores
 """
 
 from __future__ import annotations
