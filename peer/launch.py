@@ -126,8 +126,9 @@ def progress_line(record: dict[str, Any], steps: int) -> str:
 
 @dataclasses.dataclass(kw_only=True)
 class LocalSwarm:
-    """The process layout of a loopback swarm: ``peers`` processes, ``trainers`` of them trainers, and ``full`` full
-    peers besides (each the whole model, one more replica of every stage; ``swarm/full.py``).
+    """The process layout of a loopback swarm: ``peers`` pipeline processes, ``trainers`` of them trainers, and ``full``
+    full peers besides (each the whole model, one more replica of every stage; ``swarm/full.py``). A swarm of full peers
+    only has no pipeline: no trainer, no server (``peers=0, trainers=0``).
 
     ``joiners`` more peers start with ``--role auto`` ``join_after_s`` seconds after the trainers start training:
     they join the running swarm, take the role it needs most and download their stage's state.
@@ -142,11 +143,15 @@ class LocalSwarm:
     full: int = 0
 
     def __post_init__(self) -> None:
-        if self.stages < 1 or self.trainers < 1 or self.steps < 1:
-            raise ValueError("stages, trainers and steps must be positive")
-        if self.joiners < 0 or self.join_after_s < 0 or self.full < 0:
-            raise ValueError("joiners, full and join_after_s must be non-negative")
-        if self.peers - self.trainers < self.stages:
+        if self.stages < 1 or self.steps < 1:
+            raise ValueError("stages and steps must be positive")
+        if self.trainers < 0 or self.joiners < 0 or self.join_after_s < 0 or self.full < 0:
+            raise ValueError("trainers, joiners, full and join_after_s must be non-negative")
+        if self.trainers + self.full < 1:
+            raise ValueError("a swarm needs a trainer or a full peer to train")
+        if self.trainers == 0 and self.peers != 0:  # only full peers: no pipeline, so no server has anyone to serve
+            raise ValueError(f"a swarm of full peers only has no pipeline: use --peers 0, not {self.peers}")
+        if self.trainers and self.peers - self.trainers < self.stages:
             raise ValueError(
                 f"{self.peers} peers with {self.trainers} trainer(s) leave {self.peers - self.trainers} servers "
                 f"for {self.stages} stages; use --peers {self.trainers + self.stages} or more"
@@ -229,28 +234,16 @@ def launch_local(
     )
     procs: dict[str, subprocess.Popen] = {}
     try:
-        (first, first_stage), *others = layout.servers()
-        procs[first] = spawn(
-            first, ["--role", "stage", "--stage", str(first_stage), "--config", str(out / "swarm.toml")]
-        )
+        (first, first_args), *others = peer_roles(layout, cfg, out)  # the first creates the swarm, the others join it
+        procs[first] = spawn(first, [*first_args, "--config", str(out / "swarm.toml")])
         address = wait_for_address(procs[first], out / f"{first}.log", ready_timeout_s)
         join = ["--initial-peers", address]
         for line in watch_commands(address, cfg.name):
             echo(line)
-        for name, stage in others:
-            procs[name] = spawn(name, ["--role", "stage", "--stage", str(stage), *join])
+        for name, args in others:
+            procs[name] = spawn(name, [*args, *join])
         trainers = [f"trainer-{i}" for i in range(layout.trainers)]
-        for i, name in enumerate(trainers):
-            saved = ["--stage-checkpoint", str(stage0_file(out, name))]
-            shard = ["--data-shard", str(i % cfg.data.shards)]  # distinct shards: no two trainers share documents
-            procs[name] = spawn(
-                name, ["--role", "trainer", "--steps", str(layout.steps), "--seed", str(i), *shard, *saved, *join]
-            )
         full = [f"full-{i}" for i in range(layout.full)]
-        for i, name in enumerate(full):  # the shards after the trainers'
-            shard = ["--data-shard", str((layout.trainers + i) % cfg.data.shards)]
-            seed = ["--seed", str(layout.trainers + i)]
-            procs[name] = spawn(name, ["--role", "full", "--steps", str(layout.steps), *seed, *shard, *join])
         joiners, join_at = [f"joiner-{i}" for i in range(layout.joiners)], []
 
         def start_joiners() -> None:  # join_after_s once every trainer has logged progress: the swarm is running
@@ -273,6 +266,25 @@ def launch_local(
         echo(line)
     echo(f"swarm stopped; per-peer metrics in {out}/<peer>.jsonl, logs in {out}/<peer>.log")
     return max(codes.values(), key=abs)
+
+
+def peer_roles(layout: LocalSwarm, cfg: SwarmConfig, out: Path) -> list[tuple[str, list[str]]]:
+    """(name, role options) of every peer but the joiners, in start order: the stage servers, the trainers, the full
+    peers. The first of them creates the swarm: a server, or with no pipeline the first full peer."""
+    roles = [(name, ["--role", "stage", "--stage", str(stage)]) for name, stage in layout.servers()]
+    # each replica of stage 0 trains once all are listed: the first to start would run its first rounds alone
+    meet = ["--wait-for-replicas", str(layout.trainers + layout.full)]
+    for i in range(layout.trainers):
+        name = f"trainer-{i}"
+        saved = ["--stage-checkpoint", str(stage0_file(out, name))]
+        shard = ["--data-shard", str(i % cfg.data.shards)]  # distinct shards: no two trainers share documents
+        seed = ["--seed", str(i)]
+        roles.append((name, ["--role", "trainer", "--steps", str(layout.steps), *seed, *shard, *saved, *meet]))
+    for i in range(layout.full):  # the shards and seeds after the trainers'
+        shard = ["--data-shard", str((layout.trainers + i) % cfg.data.shards)]
+        seed = ["--seed", str(layout.trainers + i)]
+        roles.append((f"full-{i}", ["--role", "full", "--steps", str(layout.steps), *seed, *shard, *meet]))
+    return roles
 
 
 def stage0_file(out: Path, trainer: str) -> Path:

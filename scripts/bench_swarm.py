@@ -60,9 +60,8 @@ def outer_summary(peers: dict[str, list[dict[str, Any]]], tokens: int) -> dict[s
         r for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"
     ]
     last = [
-        next((r for r in reversed(records) if "outer_round" in r and "event" not in r), {})
-        for records in peers.values()
-    ]  # final counters
+        next((r for r in reversed(records) if r.get("role") and "event" not in r), {}) for records in peers.values()
+    ]  # final counters: the last progress record (a full peer's sums its stages')
     sent, fp32 = sum(r.get("pseudo_grad_bytes", 0) for r in last), sum(r.get("pseudo_grad_fp32_bytes", 0) for r in last)
     rounds: dict[str, int] = {}
     for r in done:
@@ -175,19 +174,26 @@ def run_swarm(
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")
     peers = read_peers(out)
-    trainers = [
-        next(r for r in reversed(peers[f"trainer-{i}"]) if r.get("role") == "trainer") for i in range(layout.trainers)
-    ]
-    last = trainers[0]
-    tokens = sum(t["tokens"] for t in trainers)
+    wall_s = time.perf_counter() - started  # startup and shutdown of every process included
+    joiners = [name for name in peers if name.startswith("joiner-")]
+    return swarm_summary(peers, layout) | {"wall_s": wall_s} | (join_summary(peers[joiners[0]]) if joiners else {})
+
+
+def swarm_summary(peers: dict[str, list[dict[str, Any]]], layout: LocalSwarm) -> dict[str, Any]:
+    """A finished swarm's loss, throughput and traffic from its peers' records. Every replica that trains (trainers,
+    then full peers) counts for tokens; the pipeline's counters are the trainers' (a full peer sends no activations)."""
+    names = [f"trainer-{i}" for i in range(layout.trainers)] + [f"full-{i}" for i in range(layout.full)]
+    last = {name: next(r for r in reversed(peers[name]) if r.get("role") in ("trainer", "full")) for name in names}
+    replicas, trainers = list(last.values()), [last[name] for name in names[: layout.trainers]]
+    tokens = sum(r["tokens"] for r in replicas)
     training = ("activations", "gradients")  # validation traffic is counted apart ("eval"), not per training token
     wire = {kind: sum(t["wire_bytes"][kind] for t in trainers) for kind in training}
     fp32 = {kind: sum(t["fp32_bytes"][kind] for t in trainers) for kind in training}
-    result = {
-        "val_loss": last["val_loss"],  # trainer-0's, through the swarm's current replicas
+    return {
+        "val_loss": replicas[0]["val_loss"],  # trainer-0's (through the swarm's current replicas), else full-0's
+        "val_losses": {name: r.get("val_loss") for name, r in last.items()},
         "tokens": tokens,
-        "tokens_per_s": sum(t["tokens_per_s"] for t in trainers),  # while training, startup excluded
-        "wall_s": time.perf_counter() - started,  # startup and shutdown of every process included
+        "tokens_per_s": sum(r["tokens_per_s"] for r in replicas),  # while training, startup excluded
         "bytes_per_token": {kind: wire[kind] / tokens for kind in training} | {"total": sum(wire.values()) / tokens},
         "fp32_bytes_per_token": {kind: fp32[kind] / tokens for kind in training}
         | {"total": sum(fp32.values()) / tokens},
@@ -206,8 +212,6 @@ def run_swarm(
             [r for i in range(layout.trainers) for r in peers[f"trainer-{i}"] if r.get("role") == "trainer"]
         ),
     }
-    joiners = [name for name in peers if name.startswith("joiner-")]
-    return result | (join_summary(peers[joiners[0]]) if joiners else {})
 
 
 def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[str, Any]:

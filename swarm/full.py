@@ -44,7 +44,7 @@ from swarm.outer.replica import ReplicaSync
 from swarm.outer.transfer import StageState, TransferError
 from swarm.parts import PeerParts, every, until_stopped
 from swarm.recovery.rebuild import save_stage_checkpoint
-from swarm.roles import DataFactory
+from swarm.roles import DataFactory, wait_for_replicas
 from swarm.served_stage import provide_local_state
 from swarm.sim.centralized import evaluate
 
@@ -190,6 +190,7 @@ class FullRole:
         background = [asyncio.create_task(every(cfg.timeouts.announce_period_s, announce))]
         background += [asyncio.create_task(sync.run()) for sync in syncs]
         try:
+            await wait_for_replicas(parts.membership, config.wait_for_replicas, config.wait_for_stages_s)
             meter.state = "training"
             last = await self._loop(full, syncs, batches, val_batches, meter)
             if config.stage_checkpoint is not None:  # as a trainer does: stage 0 outlives the peer

@@ -65,7 +65,9 @@ class PeerConfig:
     steps: int = 100  # trainers: inner steps of stage 0 to run
     trainer: TrainerOptions = field(default_factory=TrainerOptions)
     max_pending: int = 8  # stage servers: requests held at once; more are refused as busy
-    wait_for_stages_s: float = 120.0  # trainers: how long to wait for every stage to have a replica
+    wait_for_stages_s: float = 120.0  # trainers: how long to wait for every stage to have a replica (and for
+    # wait_for_replicas)
+    wait_for_replicas: int = 0  # trainers, full peers: train once this many replicas of stage 0 are listed (itself too)
     rebalance_period_s: float | None = None  # stage servers: seconds between rebalancing checks (± 20%); 0 = never move
     # stage servers: a state file written every checkpoint_every inner steps (0 = never), and loaded on start when the
     # stage has no live replica (rollback); trainers: stage 0's weights, written when training ends
@@ -101,7 +103,14 @@ class PeerConfig:
         for name in ("steps", "max_pending"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("rebalance_period_s", "checkpoint_every", "threads", "wait_for_stages_s", "data_shard"):
+        for name in (
+            "rebalance_period_s",
+            "checkpoint_every",
+            "threads",
+            "wait_for_stages_s",
+            "wait_for_replicas",
+            "data_shard",
+        ):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(name, f"must be non-negative, got {getattr(self, name)}")
         if (problem := device_spec_problem(self.device)) is not None:

@@ -26,7 +26,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
-from swarm.dht.membership import pipeline_replicas
+from swarm.dht.membership import Membership, pipeline_replicas
 from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus, serving
 from swarm.hardware import describe
@@ -312,6 +312,7 @@ class TrainerRole:
         syncer = asyncio.create_task(sync.run())
         try:
             await wait_for_stages(router, cfg.stages.num_stages, config.wait_for_stages_s)
+            await wait_for_replicas(membership, config.wait_for_replicas, config.wait_for_stages_s)
             meter.state = "training"
             last = await trainer.train(batches, steps=config.steps, val_batches=val_batches, on_log=log)
             if config.stage_checkpoint is not None:  # stage 0 outlives the trainer: what a local swarm exports
@@ -339,3 +340,20 @@ async def wait_for_stages(router: Router, num_stages: int, timeout_s: float) -> 
         await asyncio.sleep(0.5)
     if missing:
         logger.warning(f"no server for stages {missing} after {timeout_s:.0f}s: training skips them")
+
+
+async def wait_for_replicas(membership: Membership, count: int, timeout_s: float) -> None:
+    """Start training once ``count`` replicas of stage 0 (trainers and full peers, this one included) are listed, or
+    train on after ``timeout_s``.
+
+    Replicas started together (``swarmloco local``) then meet from their first round: one that starts first would
+    otherwise run its first rounds alone, and the first full peer of a swarm without a pipeline would train alone
+    while the others start.
+    """
+    if count <= 0:  # not asked to wait: not even a look at the DHT
+        return
+    deadline, listed = time.monotonic() + timeout_s, 0
+    while (listed := len(await membership.replicas(EDGE_STAGE))) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    if listed < count:
+        logger.warning(f"{listed} of {count} replicas of stage 0 listed after {timeout_s:.0f}s: training on")

@@ -7,7 +7,9 @@ full peer no microbatch, and a newcomer server takes its stage from the full pee
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,8 @@ from swarm_harness import DATA, swarmloco, tiny_config
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
-from peer.launch import LocalSwarm, local_config
+from peer.launch import LocalSwarm, local_config, peer_roles
+from scripts.bench_swarm import swarm_summary
 from swarm.config import SwarmConfig, TimeoutConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
@@ -28,6 +31,7 @@ from swarm.node import DataFactory, choose_role, stage_loads
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, TrainerOptions
+from swarm.roles import wait_for_replicas
 
 H = 5
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
@@ -185,6 +189,78 @@ def test_local_layout_counts_full_peers_apart_and_rejects_a_negative_count() -> 
         LocalSwarm(full=-1)
 
 
+def test_a_local_swarm_of_full_peers_only_is_created_by_its_first_full_peer(tmp_path: Path) -> None:
+    layout = LocalSwarm(peers=0, trainers=0, stages=2, full=2)
+    assert layout.servers() == []
+    roles = peer_roles(layout, local_config(SwarmConfig(), layout), tmp_path)
+    assert [name for name, _ in roles] == ["full-0", "full-1"]  # full-0 first: it creates the swarm
+    for _, args in roles:  # every replica trains once both are listed; distinct shards
+        assert args[args.index("--role") + 1] == "full" and args[args.index("--wait-for-replicas") + 1] == "2"
+    assert [args[args.index("--data-shard") + 1] for _, args in roles] == ["0", "1"]
+    mixed = peer_roles(LocalSwarm(peers=3, trainers=1, stages=2, full=1), SwarmConfig(), tmp_path)
+    assert [name for name, _ in mixed] == ["stage1-0", "stage2-0", "trainer-0", "full-0"]  # a server creates it
+    assert all(args[args.index("--wait-for-replicas") + 1] == "2" for name, args in mixed if "stage" not in name)
+    with pytest.raises(ValueError, match="a trainer or a full peer"):
+        LocalSwarm(peers=0, trainers=0, full=0)
+    with pytest.raises(ValueError, match="--peers 0"):
+        LocalSwarm(peers=2, trainers=0, stages=2, full=1)  # servers with no trainer would serve nobody
+    with pytest.raises(ValueError, match="servers"):
+        LocalSwarm(peers=1, trainers=1, stages=1, full=1)
+
+
+class ListedReplicas:
+    """A membership whose stage-0 listing grows by one replica per look, up to ``most``."""
+
+    def __init__(self, most: int) -> None:
+        self.most, self.looks = most, 0
+
+    async def replicas(self, stage: int) -> dict[str, StageStatus]:
+        assert stage == 0
+        self.looks += 1
+        return {f"peer{i}": StageStatus() for i in range(min(self.looks, self.most))}
+
+
+def test_a_replica_trains_once_enough_replicas_are_listed_or_after_the_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    membership = ListedReplicas(most=2)
+    asyncio.run(wait_for_replicas(membership, 2, timeout_s=30))  # type: ignore[arg-type]
+    assert membership.looks == 2  # it looked until the second replica was listed, and no longer
+    lonely = ListedReplicas(most=1)
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(wait_for_replicas(lonely, 2, timeout_s=0.6))  # type: ignore[arg-type]
+    assert lonely.looks >= 2 and "1 of 2 replicas of stage 0 listed" in caplog.text  # it gave up, and said so
+
+
+def progress(name: str, role: str, **fields: object) -> list[dict[str, object]]:
+    """A peer's records as bench_swarm reads them: spawned, one done round, the last progress record."""
+    done = {"event": "outer_round", "stage": 0, "outcome": "done", "outer_round": 1, "round_s": 0.5, "contributors": 2}
+    last = {"role": role, "tokens": 1000, "tokens_per_s": 100.0, "val_loss": 2.0 if role == "full" else 3.0}
+    return [{"event": "spawned", "peer": name}, done, last | fields]
+
+
+def test_bench_swarm_summarises_a_swarm_with_full_peers_or_only_full_peers() -> None:
+    pipeline = {  # what a trainer's last progress record carries
+        "wire_bytes": {"activations": 3000, "gradients": 5000},
+        "fp32_bytes": {"activations": 12000, "gradients": 12000},
+        **dict.fromkeys(("hop_failures", "hop_timeouts", "skipped_hops", "resent_inputs", "failed", "cancelled"), 0),
+        **dict(started=10, completed=10),
+    }
+    peers = {
+        "trainer-0": progress("trainer-0", "trainer", pseudo_grad_bytes=100, **pipeline),
+        "full-0": progress("full-0", "full", pseudo_grad_bytes=300),  # its stages' pseudo-gradients, summed
+    }
+    mixed = swarm_summary(peers, LocalSwarm(peers=2, trainers=1, stages=1, full=1))
+    assert mixed["tokens"] == 2000 and mixed["val_losses"] == {"trainer-0": 3.0, "full-0": 2.0}
+    assert mixed["val_loss"] == 3.0  # trainer-0's
+    assert mixed["bytes_per_token"] == {"activations": 1.5, "gradients": 2.5, "total": 4.0}  # per token of both
+    assert mixed["pseudo_grad_bytes_per_token"] == 0.2  # the full peer's count too
+    only_full = {name: progress(name, "full", pseudo_grad_bytes=300) for name in ("full-0", "full-1")}
+    alone = swarm_summary(only_full, LocalSwarm(peers=0, trainers=0, stages=1, full=2))
+    assert alone["tokens"] == 2000 and alone["val_loss"] == 2.0 and alone["bytes_per_token"]["total"] == 0
+    assert alone["pseudo_grad_bytes_per_token"] == 0.3 and alone["microbatches"]["started"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_swarmloco_local_with_a_full_peer_trains_and_lists_it(tmp_path: Path, child_processes: list) -> None:
@@ -202,3 +278,26 @@ def test_swarmloco_local_with_a_full_peer_trains_and_lists_it(tmp_path: Path, ch
     assert max(r["step"] for r in records if r.get("role") == "full") == 20
     stages = {r["stage"] for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"}
     assert stages == {0, 1, 2}  # a replica of every stage
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_swarmloco_local_of_full_peers_only_meets_from_the_first_round(tmp_path: Path, child_processes: list) -> None:
+    toml = tmp_path / "tiny.toml"
+    save_config(tiny_config(stages=2, outer=OuterOptimConfig(method="sparseloco", inner_steps=H)), toml)
+    out = tmp_path / "run"
+    args = ["local", "--config", str(toml), "--peers", "0", "--trainers", "0", "--full", "2", "--stages", "2"]
+    (result,) = swarmloco([*args, "--steps", str(4 * H + 2), "--out", str(out)], children=child_processes)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 trainer(s), 0 stage servers over 2 stages, 2 full peer(s)" in result.stdout
+    rounds: dict[tuple[int, int], list[dict]] = {}
+    for name in ("full-0", "full-1"):
+        for r in map(json.loads, (out / f"{name}.jsonl").read_text().splitlines()):
+            if r.get("event") == "outer_round":
+                rounds.setdefault((r["stage"], r["round"]), []).append(r)
+    # both full peers wait for each other before training (--wait-for-replicas), so neither runs a round alone: every
+    # stage's H-step rounds (4 of them, the last 2 steps before the end) were done by both, with the same weights
+    assert sorted(rounds) == [(stage, k) for stage in range(3) for k in range(4)]
+    for key, records in rounds.items():
+        assert len(records) == 2 and all(r["outcome"] == "done" and r["contributors"] == 2 for r in records), key
+        assert records[0]["global_hash"] == records[1]["global_hash"], key

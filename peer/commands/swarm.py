@@ -164,6 +164,15 @@ def run_cmd(
             "more lets it span steps: faster over slow links, at a quality cost (docs/benchmarks.md).",
         ),
     ] = TrainerOptions().max_staleness,
+    wait_for_replicas: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Trainers and full peers: start training once this many replicas of stage 0 (trainers and full "
+            "peers, this one included) are listed, so replicas started together meet from their first round (at "
+            "most 120 s).",
+        ),
+    ] = 0,
     faults: Annotated[
         str | None,
         typer.Option(help="Tests: PEER@step=N,… — the peer of that --name dies (SIGKILL) at its own inner step N."),
@@ -294,10 +303,15 @@ def export_cmd(
 @user_errors
 def local_cmd(
     peers: Annotated[
-        int, typer.Option(min=2, help="Pipeline peer processes in all (trainers + stage servers; full peers extra).")
+        int,
+        typer.Option(
+            min=0,
+            help="Pipeline peer processes in all (trainers + stage servers; full peers extra; 0 with --trainers 0: "
+            "full peers only).",
+        ),
     ] = 3,
     stages: Annotated[int, typer.Option(min=1, help="Middle stages S.")] = 2,
-    trainers: Annotated[int, typer.Option(min=1, help="How many of the peers are trainers.")] = 1,
+    trainers: Annotated[int, typer.Option(min=0, help="How many of the peers are trainers.")] = 1,
     steps: Annotated[int, typer.Option(min=1, help="Inner steps per trainer.")] = 100,
     config: ConfigOpt = None,
     data: DataOpt = None,
