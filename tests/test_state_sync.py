@@ -19,6 +19,7 @@ import swarm.outer.transfer as state_sync
 import swarm.rpc.blobs as blobs
 from swarm.dht.records import StageStatus
 from swarm.outer.transfer import (
+    RecordBehind,
     StageState,
     StateClaim,
     StateDecoder,
@@ -165,6 +166,26 @@ def test_download_moves_on_to_the_next_replica_until_one_delivers() -> None:
         download([])
 
 
+def test_a_holder_whose_record_lags_its_state_is_refused_for_a_vouched_claim_but_not_blamed() -> None:
+    """A holder that did a round after it last announced serves the later state: not the claimed one (nothing vouches
+    for it), so it is refused, but no strike; a holder serving an earlier round or other weights is blamed."""
+    served = {"ahead": state(round_=10), "behind": state(round_=8), "good": state(round_=9)}
+    claim = StateClaim(round=9, weights_hash=weights_hash(state(round_=9).params), holders=("ahead", "behind", "good"))
+    blamed: list[str] = []
+
+    async def fetch(peer: str, name: str, sink: Sink) -> str:
+        return await feed(pack_state(served[peer]), sink)
+
+    def download(peers: list[str]) -> tuple[str, StageState]:
+        blame = lambda peer, why: blamed.append(peer)
+        return asyncio.run(download_state(fetch, peers, stage=2, template=template(), check=claim.check, blame=blame))
+
+    assert download(["ahead", "behind", "good"])[0] == "good" and blamed == ["behind"]
+    with pytest.raises(TransferError, match="still claims round 9"):
+        download(["ahead"])
+    assert blamed == ["behind"]
+
+
 H5, H6, LIE = "5" * 16, "6" * 16, "f" * 16  # weights hashes
 
 
@@ -205,7 +226,7 @@ def test_a_downloaded_state_must_be_the_claimed_one_and_a_lone_claim_plausible()
     good = state(round_=5)
     claim = StateClaim(round=5, weights_hash=weights_hash(good.params), holders=("a", "b"))
     claim.check(good)
-    with pytest.raises(ValueError, match="round 6, its record claims round 5"):
+    with pytest.raises(RecordBehind, match="round 6, its record still claims round 5"):
         claim.check(state(round_=6))
     with pytest.raises(ValueError, match="its record claims"):
         claim.check(state(round_=5, seed=1))

@@ -77,6 +77,11 @@ class StageState:
 StateCheck = Callable[[StageState], None]  # raises ValueError for a state the downloader must not adopt
 
 
+class RecordBehind(ValueError):
+    """A holder served a later round than its record claims: it did a round after it last announced (records lag by
+    up to an announce period). Refused, since nothing vouches for the later weights, but no sign of a lie: no strike."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StateClaim:
     """Replicas announcing that they hold the global weights ``weights_hash`` after ``round`` outer rounds."""
@@ -91,7 +96,10 @@ class StateClaim:
         return len(self.holders) >= 2 and bool(self.weights_hash)
 
     def check(self, state: StageState) -> None:
-        """ValueError unless ``state`` is exactly the claimed one: its round, and weights that hash as announced."""
+        """ValueError unless ``state`` is exactly the claimed one: its round, and weights that hash as announced
+        (``RecordBehind`` for a later round: the holder's record lags, which is refused but not blamed)."""
+        if state.round > self.round:
+            raise RecordBehind(f"served the state of round {state.round}, its record still claims round {self.round}")
         if state.round != self.round:
             raise ValueError(f"served the state of round {state.round}, its record claims round {self.round}")
         if self.weights_hash and (served := weights_hash(state.params)) != self.weights_hash:
@@ -425,7 +433,8 @@ async def download_state(
     ``fetch(peer, name, sink)`` streams a blob into ``sink`` (a ``StateDecoder``, which decodes it as it arrives)
     and returns once it is whole and hash-checked, or raises ``TransferError``; a stream that does not fit the
     stage (refused as it arrives), or a state that ``check`` refuses (``StateClaim.check``: not the claimed
-    weights), counts as a failed transfer too, and ``blame(peer, why)`` hears of it: the peer sent it.
+    weights), counts as a failed transfer too, and ``blame(peer, why)`` hears of it: the peer sent it (but not of a
+    ``RecordBehind``: a state newer than the holder's record is a lagging record, not a lie).
     """
     failures = []
     for peer in peers:
@@ -435,6 +444,8 @@ async def download_state(
                 await fetch(peer, f"{blob}/{stage}", decoder)
                 state = decoder.result()
                 check(state)
+            except RecordBehind:
+                raise  # its record lags its state: try the next holder, blame nobody
             except ValueError as e:
                 blame(peer, str(e))
                 raise
