@@ -169,7 +169,7 @@ class TrainingHolder:
     val_batches: list[Any] = []
     go = False  # set once every replica has joined: they train side by side, as a stage's replicas do
 
-    def __init__(self, cfg: Any, seed: int, step_size: float = 0.0) -> None:
+    def __init__(self, cfg: Any, seed: int) -> None:
         from swarm_harness import DATA
 
         from peer.data import load_corpus

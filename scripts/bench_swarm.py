@@ -109,13 +109,10 @@ def recompute_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float
         for records in peers.values()
     ]
     backward = sum(r.get("backward", 0) for r in last)
+    per_backward = lambda key: sum(r.get(key, 0) for r in last) / backward if backward else None
     return {
-        "server_stale_recompute_fraction": sum(r.get("stale_recompute", 0) for r in last) / backward
-        if backward
-        else None,
-        "server_stale_recompute_steps_mean": sum(r.get("stale_recompute_steps", 0) for r in last) / backward
-        if backward
-        else None,
+        "server_stale_recompute_fraction": per_backward("stale_recompute"),
+        "server_stale_recompute_steps_mean": per_backward("stale_recompute_steps"),
     }
 
 
