@@ -220,7 +220,9 @@ class ReplicaSync:
             clock=self.clock,
             expected=self._expected(),
             excluded=self.excluded,
-            on_declared=lambda: self.on_log({"event": "outer_declared", "stage": self.stage, "round": key.round}),
+            on_declared=lambda opened_at: self.on_log(
+                {"event": "outer_declared", "stage": self.stage, "round": key.round, "opened_at": opened_at}
+            ),
         )
         if result.outcome == "done" and result.contributors != (self.net.me,) and len(result.contributors) == 1:
             # A leader alone kept its own weights (``apply_alone``): applying its Δ here would not reproduce them

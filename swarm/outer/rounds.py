@@ -220,12 +220,13 @@ async def run_round(
     clock: Callable[[], float],
     expected: Collection[str] | None = None,
     excluded: Callable[[str], bool] = lambda peer: False,
-    on_declared: Callable[[], None] = lambda: None,
+    on_declared: Callable[[float], None] = lambda opened_at: None,
 ) -> RoundResult:
     """Take part in outer round ``key`` with ``payload``; returns the agreed payloads or why there are none.
 
     Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s``
     (at once for an empty set); None waits it out. Peers ``excluded`` (banned) count as not declared.
+    ``on_declared`` is told the declared arrival time once the declaration is stored.
     """
     now = clock()
     declared = await _declarations(net, key, excluded)
@@ -234,7 +235,7 @@ async def run_round(
     opened = now
     board.offer(key, net.me, payload)
     await net.declare(key, opened, opened + timing.max_round_s)
-    on_declared()
+    on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
     waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
     seen = await _arrivals(net, key, opened, waited_for, timing, clock, excluded)
     now = clock()
