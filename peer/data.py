@@ -38,6 +38,9 @@ SUFFIXES = TEXT_SUFFIXES + TABLE_SUFFIXES
 HF_STATE = "state.json"  # Dataset.save_to_disk writes it beside its arrow files
 TEXT_COLUMN = "text"
 VAL_PERCENT = 5  # share of documents held out for validation
+# held-out windows every validation loss is measured on: a count of sequences, not of batches, so the set stays the
+# same whatever the microbatch size (a smaller microbatch makes more, smaller validation batches of the same windows)
+VAL_SEQUENCES = 256
 ROWS_PER_BATCH = 1024  # rows read from a table at once
 DOCS_PER_ENCODE = 256  # documents tokenized in one call
 SEPARATOR = "\n\n"  # between documents
@@ -238,11 +241,16 @@ class Corpus:
             yield self._windows(data, starts, seq_len)
 
     def val_batches(
-        self, *, batch_size: int, seq_len: int, num_batches: int
+        self, *, batch_size: int, seq_len: int, num_sequences: int = VAL_SEQUENCES
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A fixed held-out set: evenly spaced windows over the validation split (same on every peer)."""
+        """A fixed held-out set: ``num_sequences`` evenly spaced windows over the validation split (same on every peer),
+        in batches of ``batch_size`` (rounded up to whole batches, so any batch size dividing the count sees the same
+        windows).
+
+            >>> len(corpus.val_batches(batch_size=4, seq_len=128))  # 64 batches of the 256 default windows
+        """
         data = self._split("val", seq_len)
-        count = batch_size * num_batches
+        count = batch_size * -(-num_sequences // batch_size)
         starts = torch.linspace(0, len(data) - seq_len - 1, count).long()
         return [self._windows(data, starts[i : i + batch_size], seq_len) for i in range(0, count, batch_size)]
 

@@ -40,7 +40,6 @@ from swarm.peer_config import PeerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "swarmloco: join with --initial-peers "
-VAL_BATCHES = 16
 
 
 def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -73,9 +72,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
             f"validation tokens from {corpus.num_documents} documents"
         )
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
-        return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * peer.seed, **kw), corpus.val_batches(
-            num_batches=VAL_BATCHES, **kw
-        )
+        return corpus.sample_batches("train", seed=cfg.train.seed + 1000 * peer.seed, **kw), corpus.val_batches(**kw)
 
     def on_ready(maddrs: list[str]) -> None:
         loopback_last = sorted(maddrs, key=lambda m: "/127.0.0.1/" in m)  # a routable address first

@@ -81,7 +81,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
     def data(cfg: Any, peer_id: str) -> Any:
         corpus = load_corpus([DATA])
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
-        return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_batches=4, **kw)
+        return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_sequences=64, **kw)
 
     outcome: dict[str, Any] = {"banned": "n.a."}
     stop = threading.Event()
@@ -179,7 +179,7 @@ class TrainingHolder:
         corpus = load_corpus([DATA])
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
         self.stream = corpus.sample_batches("train", seed=seed, **kw)
-        TrainingHolder.val_batches = TrainingHolder.val_batches or corpus.val_batches(num_batches=4, **kw)
+        TrainingHolder.val_batches = TrainingHolder.val_batches or corpus.val_batches(num_sequences=64, **kw)
         self.edge, self.middle = (make_replica(cfg, stage, self.steps, with_outer=False) for stage in (0, 1))
         self.module = self.middle.module  # what the outer step syncs
         self.link = Link(*boundary_codecs(cfg))

@@ -34,7 +34,6 @@ from swarm.config import ConfigValue, OuterChoice, SwarmConfig, derive_config, p
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import SimulationConfig, simulate
 
-VAL_BATCHES = 16  # held-out microbatches, the same for every run
 RowOuter = Literal["centralized"] | OuterChoice
 
 
@@ -83,10 +82,13 @@ ROWS: list[Row] = [
     Row(name="sparseloco/lr2", outer="sparseloco", overrides={"outer.sparseloco_lr": 2.0}),
 ]
 
-SEQ64: dict[str, ConfigValue] = {"model.max_seq_len": 64, "stages.num_stages": 2, "train.seq_len": 64}
+# the study's step: one microbatch of 16 per inner step (the swarm's default splits it in four, the same gradient in
+# more calls: the simulator would take longer for the same numbers, and one-process would train on batches of 4)
+STUDY: dict[str, ConfigValue] = {"train.microbatch_size": 16, "train.inner_batch": 16}
+SEQ64: dict[str, ConfigValue] = {"model.max_seq_len": 64, "stages.num_stages": 2, "train.seq_len": 64} | STUDY
 # micro, small and medium differ only in width and depth (sequences of 64, 2 middle stages): the model-size curve
 PRESETS: dict[str, dict[str, ConfigValue]] = {
-    "default": {},
+    "default": STUDY,
     "micro": {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2} | SEQ64,
     "small": {"model.d_model": 64, "model.n_layers": 4} | SEQ64,
     "medium": {"model.d_model": 128, "model.n_layers": 8} | SEQ64,
@@ -121,7 +123,7 @@ def run_one(
 ) -> dict[str, Any]:
     """One training run of ``row`` at K = ``replicas``; the record the JSON keeps."""
     t = cfg.train
-    val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len, num_batches=VAL_BATCHES)
+    val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len)
     tokens = steps * replicas * t.inner_batch * t.seq_len  # the same for every row at this K
     ticks = tokens // (replicas * t.microbatch_size * t.seq_len)  # the simulator's ticks: K microbatches each
     log_every = max(1, ticks // log_points)

@@ -275,8 +275,8 @@ def main() -> int:
     parser.add_argument(
         "--microbatch",
         type=int,
-        help="samples per microbatch (default: the config's, = the inner batch: one per inner step); the trainer's "
-        "window keeps several in flight across steps either way, smaller ones also overlap within a step",
+        help="samples per microbatch (default: the config's, 4 of an inner batch of 16; 16 is one per inner step, the "
+        "synchronous pipeline at --windows 1); the trainer's window keeps several in flight within a step",
     )
     parser.add_argument(
         "-H",

@@ -62,7 +62,7 @@ def run(codec: str, row: dict[str, Any], *, seed: int, args: argparse.Namespace,
         corpus.sample_batches("train", batch_size=t.microbatch_size, seq_len=t.seq_len, seed=seed + 1000 * k)
         for k in range(2)
     ]
-    val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len, num_batches=8)
+    val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len, num_sequences=8 * t.microbatch_size)
     sim = SimulationConfig(replicas=2, tokens=args.tokens, seed=seed, log_every=10**9, **row)
     result = simulate(cfg, sim, streams, val)
     per = result.bytes_per_token

@@ -27,7 +27,6 @@ from peer.data import load_corpus
 from swarm.config import SwarmConfig
 from swarm.sim.simulate import Replica, SimulationConfig, simulate
 
-VAL_BATCHES = 16
 VARIANTS = {"plain": "none", "keep": "sparseloco", "diloco-step": "diloco", "sparseloco-step": "sparseloco"}
 
 
@@ -49,7 +48,7 @@ def run(variant: str, seed: int, tokens: int, inner_steps: int, corpus) -> float
     )
     t = cfg.train
     stream = corpus.sample_batches("train", batch_size=t.microbatch_size, seq_len=t.seq_len, seed=seed)
-    val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len, num_batches=VAL_BATCHES)
+    val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len)
     original = simulate_module.outer_round
     if variant.endswith("-step"):
         simulate_module.outer_round = outer_step_on_own_delta

@@ -38,7 +38,7 @@ import torch
 from compress.codecs import CODEC_NAMES
 from optim.config import OUTER_METHODS, OuterMethod
 from peer.data import load_corpus
-from peer.launch import LOOPBACK, VAL_BATCHES, LocalSwarm, Placement, launch_local, local_config
+from peer.launch import LOOPBACK, LocalSwarm, Placement, launch_local, local_config
 from swarm.config import ConfigValue, SwarmConfig, derive_config, load_config, parse_overrides
 from swarm.sim.centralized import train_centralized
 
@@ -216,7 +216,7 @@ def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[s
     corpus = load_corpus(data)
     kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
     batches = corpus.sample_batches("train", seed=cfg.train.seed, **kw)  # trainer-0's stream
-    val = corpus.val_batches(num_batches=VAL_BATCHES, **kw)
+    val = corpus.val_batches(**kw)
     log: list[dict[str, float]] = []
     cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, total_steps=steps))
     train_centralized(cfg, batches, val, steps=steps, log_every=steps, on_log=log.append)

@@ -54,7 +54,7 @@ AUTHORITY_KEY_BYTES = 32  # an Ed25519 public key, in base64 in authority.pub an
 @dataclass(kw_only=True)
 class TrainConfig:
     seq_len: int = 128  # tokens per sample; at most model.max_seq_len
-    microbatch_size: int = 16  # samples per microbatch
+    microbatch_size: int = 4  # samples per microbatch: several per inner step keep the pipeline full (issue 16)
     inner_batch: int = 16  # samples accumulated per inner optimizer step
     seed: int = 0
     # bf16: forward and backward under autocast, fp32 master weights and optimizer states (``swarm/hardware.py``)

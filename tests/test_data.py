@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.data import (
+    VAL_SEQUENCES,
     DataError,
     Shard,
     decode,
@@ -60,9 +61,9 @@ def test_sampler_streams_are_seeded_and_distinct(tmp_path: Path) -> None:
     assert x1.shape == y1.shape == (4, 16)
     assert torch.equal(x1, x1b) and not torch.equal(x1, x2)
     assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one
-    val = corpus.val_batches(batch_size=2, seq_len=16, num_batches=3)
+    val = corpus.val_batches(batch_size=2, seq_len=16, num_sequences=6)
     assert len(val) == 3 and all(
-        torch.equal(a[0], b[0]) for a, b in zip(val, corpus.val_batches(batch_size=2, seq_len=16, num_batches=3))
+        torch.equal(a[0], b[0]) for a, b in zip(val, corpus.val_batches(batch_size=2, seq_len=16, num_sequences=6))
     )
 
 
@@ -221,3 +222,12 @@ def test_a_local_swarm_gives_each_trainer_its_own_shard() -> None:
     assert local_config(SwarmConfig(), LocalSwarm(peers=3, stages=2, trainers=1)).data.shards == 1
     sharded = SwarmConfig(data=DataConfig(shards=8))
     assert local_config(sharded, LocalSwarm(peers=4, stages=2, trainers=2)).data.shards == 8
+
+
+def test_the_validation_windows_do_not_depend_on_the_microbatch_size(tmp_path: Path) -> None:
+    write_corpus(tmp_path)
+    corpus = load_corpus([tmp_path])
+    windows = {b: torch.cat([x for x, _ in corpus.val_batches(batch_size=b, seq_len=16)]) for b in (4, 16)}
+    assert windows[4].shape == (VAL_SEQUENCES, 16) and torch.equal(windows[4], windows[16])
+    # a batch size that does not divide the count is rounded up to whole batches, never short
+    assert [len(x) for x, _ in corpus.val_batches(batch_size=3, seq_len=16, num_sequences=7)] == [3, 3, 3]

@@ -297,7 +297,7 @@ async def stored_subkeys(dht: DHT, key: str) -> set[bytes]:
 def corpus_batches(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], list[Batch]]:
     corpus = load_corpus([DATA])
     kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
-    return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_batches=1, **kw)
+    return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_sequences=kw["batch_size"], **kw)
 
 
 @pytest.mark.slow

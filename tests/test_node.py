@@ -54,7 +54,9 @@ def batches(data: Sequence[str], seed: int) -> DataFactory:
 
     def make(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], list[Batch]]:
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
-        return corpus.sample_batches("train", seed=seed, **kw), corpus.val_batches(num_batches=2, **kw)
+        return corpus.sample_batches("train", seed=seed, **kw), corpus.val_batches(
+            num_sequences=2 * kw["batch_size"], **kw
+        )
 
     return make
 

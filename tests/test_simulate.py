@@ -41,7 +41,7 @@ def run(
     cfg: SwarmConfig, corpus, *, ticks: int = 8, replicas: int = 2, mode: str = "outer", **sim_options
 ) -> SimulationResult:
     streams = [corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=k) for k in range(replicas)]
-    val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_batches=2)
+    val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_sequences=2 * MICRO)
     sim = SimulationConfig(
         replicas=replicas, mode=mode, tokens=ticks * replicas * MICRO * SEQ, log_every=ticks, **sim_options
     )
@@ -108,7 +108,7 @@ def test_sticky_routing_keeps_each_trainer_on_its_own_replicas(corpus) -> None:
     """Without outer steps, sticky pipelines never share replicas: replica k only learns from trainer k's data."""
     cfg = tiny(outer=OuterOptimConfig(method="none"))
     streams = lambda n: [corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=k) for k in range(n)]
-    val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_batches=2)
+    val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_sequences=2 * MICRO)
     alone = simulate(
         cfg, SimulationConfig(replicas=1, tokens=4 * MICRO * SEQ, log_every=4, routing="sticky"), streams(1), val
     )

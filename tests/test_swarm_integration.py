@@ -64,7 +64,7 @@ def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path
         outer=OuterOptimConfig(method="diloco", inner_steps=10),
         codecs=CodecConfig(pseudo_gradients="fp32"),
     )
-    val = load_corpus([DATA]).val_batches(batch_size=BATCH, seq_len=SEQ, num_batches=16)
+    val = load_corpus([DATA]).val_batches(batch_size=BATCH, seq_len=SEQ, num_sequences=16 * BATCH)
     initial = evaluate(Transformer(cfg.model), val)  # every peer starts from these seeded weights
 
     # launch_local stops its own peers, in a finally

@@ -34,7 +34,6 @@ from swarm.model.sizing import StageFootprint, check_fits
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
 
 CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="A model.pt written by train-local or export.")]
-VAL_BATCHES = 16
 
 
 def fitting_device(spec: str, footprint: StageFootprint) -> torch.device:
@@ -69,7 +68,7 @@ def train_local(
     batches = corpus.sample_batches(
         "train", batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed
     )
-    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
+    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
     out.mkdir(parents=True, exist_ok=True)
     typer.echo(
         f"train-local: {len(corpus.train) / 1e6:.1f}M train / {len(corpus.val) / 1e6:.2f}M val tokens ({tok.kind}) "
@@ -103,7 +102,7 @@ def eval_cmd(
     compute = resolve_device(device)
     model.to(compute)
     corpus = load_corpus(data, tokenizer=tokenizer_for(cfg, tokenizer))
-    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
+    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
     model.eval()
     started = time.perf_counter()
     loss = evaluate(model, val, device=compute, precision=cfg.train.precision)
@@ -223,7 +222,7 @@ def simulate_cmd(
         )
         for k in range(replicas)
     ]
-    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len, num_batches=VAL_BATCHES)
+    val = corpus.val_batches(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
     typer.echo(
         f"simulate: {replicas} replicas × {cfg.stages.num_stages + 1} stages, outer={outer} H={cfg.outer.inner_steps}, "
         f"codecs {cfg.codecs.activations}/{cfg.codecs.gradients}/{cfg.codecs.pseudo_gradients}, "
