@@ -180,7 +180,7 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
                 full.stop()
             trainer.stop()
     # no microbatch ever went to the full peer: it serves no stage RPC, so one would have failed its hop
-    assert trainer_records and all(r["hop_failures"] == 0 and r["hop_timeouts"] == 0 for r in trainer_records)
+    assert trainer_records and all(r["hop_failures"] == 0 for r in trainer_records)
     assert trainer_records[-1]["completed"] > 0
 
 
