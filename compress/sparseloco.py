@@ -276,14 +276,18 @@ def _quantize(values: np.ndarray, tiling: _Tiling) -> tuple[np.ndarray, np.ndarr
 
     A value is "big" when its magnitude is above its group's mean; a and b are the mean
     magnitudes of the small and the big values. Code bit 1 = negative, bit 0 = big. Padding
-    picks enter as zeros; only tiles with fewer than k elements have them.
+    picks enter as zeros; only tiles with fewer than k elements have them. The zeros that fill
+    the last group out to whole groups count in no mean: a 1-D tensor of 64 gains is one group
+    of 64 values, not of 4096 mostly zeros (which made every gain "big" and a a near-zero level).
     """
     mag = tiling.grouped(np.abs(values))  # (G, S)
+    counted = np.full(len(mag), mag.shape[1])  # values per group, the fill of the last one left out
+    counted[-1:] -= mag.size - values.size
     total = mag.sum(axis=1)
-    big = mag * mag.shape[1] > total[:, None]
+    big = mag * counted[:, None] > total[:, None]
     n_big, levels = big.sum(axis=1), np.empty((len(mag), 2), dtype=np.float32)
     levels[:, 1] = (mag * big).sum(axis=1)
-    levels[:, 0] = (total - levels[:, 1]) / np.maximum(mag.shape[1] - n_big, 1)
+    levels[:, 0] = (total - levels[:, 1]) / np.maximum(counted - n_big, 1)
     levels[:, 1] /= np.maximum(n_big, 1)  # 0 when nothing is big, and then unused
     codes = big.reshape(-1, tiling.k)[: len(values)].view(np.uint8) + 2 * np.signbit(values).view(np.uint8)
     return codes, _to_bf16(levels)

@@ -73,6 +73,16 @@ def test_two_bit_values_are_symmetric_sign_magnitude() -> None:
     assert (sparse.values - exact).norm() / exact.norm() < 0.15  # 2 bits on the kept tail
 
 
+def test_a_short_1d_tensor_uses_both_magnitude_levels() -> None:
+    # 64 gains are one scale group of 64 values: the zeros that fill it out to 4096 must not drag its mean to ~0
+    v = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    sparse = CODEC.decode(CODEC.encode("g", v, CODEC.new_state()))
+    small, big = sorted(sparse.values.abs().unique().tolist())
+    mean = v.abs().mean().item()
+    assert small < mean < big and small > 0.2 * mean
+    assert (sparse.to_dense() - v).norm() / v.norm() < 0.5  # one level at the mean magnitude: ~0.6
+
+
 def test_wire_cost_below_a_quarter_bit_per_parameter() -> None:
     x = torch.randn(1024, 768)  # random positions: the worst case for the index coder
     frame = CODEC.encode("w", x, CODEC.new_state())
