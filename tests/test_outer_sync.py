@@ -536,6 +536,26 @@ def test_a_replica_due_for_a_round_others_have_passed_downloads_instead_of_openi
     assert first["event"] == "state_download" and first["reason"] == "behind" and c.round == 2, swarm.events
 
 
+def test_after_a_failed_round_a_replica_waits_for_progress_only_while_a_replica_could_make_it() -> None:
+    swarm = Swarm(sync_config(), ["a", "b", "c"])
+    a, looks = swarm.syncs["a"], []
+    original = a.catch_up
+
+    async def counted() -> bool:
+        looks.append(time.monotonic())
+        return await original()
+
+    a.catch_up = counted  # type: ignore[method-assign]
+    a.outer.round = swarm.syncs["b"].outer.round = 1  # a's round 1 failed; c, listed at 0, cannot get past it first
+    # b is at round 1 and alive, so it may yet get past it: a waits out the bound, looking every announce period
+    assert asyncio.run(a._await_progress(1)) is False and len(looks) > 3
+    looks.clear()
+    swarm.hub.dead.add("b")  # b left: nobody listed at round 1 or later, so a keeps its round after one look
+    assert asyncio.run(a._await_progress(1)) is False and len(looks) == 1
+    for sync in swarm.syncs.values():
+        sync.close()
+
+
 @pytest.mark.parametrize("method", ["diloco", "sparseloco"])
 def test_a_member_left_out_of_the_set_keeps_its_own_progress_for_its_next_round(method: str) -> None:
     # c arrived after the leader's window closed: it applies the leader's set of a's and b's payloads, without its

@@ -432,12 +432,16 @@ class ReplicaSync:
         return expected or (None if self._others else set())
 
     async def _await_progress(self, round_: int) -> bool:
-        """After a late or failed round: wait (bounded) for a replica that got past it, and download its state."""
+        """After a late or failed round: wait (bounded) for a replica that got past it, and download its state; not at
+        all once no other replica is listed at that round or later (the partner left: nobody will get past it without
+        this one, and a full peer would otherwise sit out the whole bound before training on alone)."""
         deadline = time.monotonic() + self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
         while time.monotonic() < deadline:
             await asyncio.sleep(self.cfg.timeouts.announce_period_s)
-            if await self.catch_up():
+            if await self.catch_up():  # it also reads the stage's records into ``_others``
                 return True
+            if not any(status.outer_round >= round_ for status in self._others.values()):
+                break
         logger.warning(f"stage {self.stage}: no replica got past outer round {round_}; keeping it")
         return False
 
