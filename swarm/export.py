@@ -102,7 +102,7 @@ async def download_model(
         except TransferError as e:
             raise ExportError(f"stage {stage}: {e}") from None
         states[stage] = state.params
-        vouched_by = len(claim.holders) if claim.vouched else 1
+        vouched_by = len(claim.holders) if claim.vouched else 0  # 0: one replica's word, as a rebuild's sources count
         meta["stages"][str(stage)] = {
             "peer": peer,
             "outer_round": state.round,

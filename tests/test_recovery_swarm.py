@@ -182,7 +182,7 @@ def test_export_names_the_stages_without_a_replica_and_assembles_the_rest() -> N
     lines: list[str] = []
     sources = export_sources({s: {f"p{s}": StageStatus()} for s in range(4)}, 3)
     model, meta = asyncio.run(download_model(cfg, sources, fetch, on_progress=lines.append))
-    assert meta["stages"]["2"] == {"peer": "p2", "outer_round": 0, "schedule_step": 5, "vouched_by": 1}
+    assert meta["stages"]["2"] == {"peer": "p2", "outer_round": 0, "schedule_step": 5, "vouched_by": 0}
     state = model.state_dict()
     assert torch.equal(state["blocks.1.attn.qkv.weight"], 1.2 * stages[2]["blocks.0.attn.qkv.weight"].detach())
     assert torch.equal(state["embed.weight"], stages[0]["embed.weight"].detach())
