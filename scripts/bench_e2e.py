@@ -56,7 +56,7 @@ class Run:
     outer: OuterChoice = "sparseloco"
     skip: float = 0.0
     window: int | None = None  # the trainers' window cap (--in-flight); 1: the synchronous pipeline; None: the default
-    max_staleness: int | None = None  # inner steps the window may span (None: bench_swarm.window_args' choice)
+    max_staleness: int | None = None  # inner steps the window may span (None: the trainers' default, 0)
 
     @property
     def name(self) -> str:
@@ -306,8 +306,8 @@ def main() -> int:
     parser.add_argument(
         "--max-staleness",
         type=int,
-        help="inner steps the trainers' window may span (default: 0 for window 1, 6 wider); 0 keeps it within an "
-        "inner step, which with --microbatch below the inner batch still overlaps the step's microbatches",
+        help="inner steps the trainers' window may span (default: the trainers', 0: within an inner step, which at a "
+        "microbatch below the inner batch still overlaps the step's microbatches; 6 lets a window of 4 span steps)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
     parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")

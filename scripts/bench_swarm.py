@@ -116,19 +116,13 @@ def recompute_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float
     }
 
 
-WINDOW_STALENESS = 6  # what a window of more than one microbatch may span (the trainers' default keeps it in a step)
-
-
 def window_args(window: int | None, max_staleness: int | None = None) -> list[str]:
-    """The peer options for a trainers' window cap and max staleness (None: the trainers' defaults). Unless
-    ``max_staleness`` is given, a window of one never overlaps inner steps (the synchronous pipeline) and a wider one
-    may span WINDOW_STALENESS steps, as measured in docs/benchmarks.md."""
-    staleness = [] if max_staleness is None else ["--max-staleness", str(max_staleness)]
-    if window is None:
-        return staleness
-    return ["--in-flight", str(window)] + (
-        staleness or ["--max-staleness", str(0 if window == 1 else WINDOW_STALENESS)]
-    )
+    """The peer options for a trainers' window cap and max staleness; None leaves the trainers' default (a cap of 4,
+    staleness 0: the window stays within an inner step)."""
+    return [
+        *([] if window is None else ["--in-flight", str(window)]),
+        *([] if max_staleness is None else ["--max-staleness", str(max_staleness)]),
+    ]
 
 
 def window_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
@@ -278,8 +272,8 @@ def main() -> None:
     parser.add_argument(
         "--max-staleness",
         type=int,
-        help=f"inner steps the trainers' window may span (default: 0 with --in-flight 1, {WINDOW_STALENESS} with a "
-        "wider cap, else the trainers'); 0 keeps the window within an inner step",
+        help="inner steps the trainers' window may span (default: the trainers', 0: the window stays within an inner "
+        "step; 6 lets a window of 4 span steps, at a cost in quality measured in docs/benchmarks.md)",
     )
     parser.add_argument(
         "--set",
