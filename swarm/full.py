@@ -12,12 +12,19 @@ round records, ``swarmloco status`` and the dashboard count it, state downloads 
 take a stage from it (``state/<i>``, ``local/<i>``), but routing and rebalancing never count it as a
 server (``swarm.dht.records.serving``), so no trainer sends it a microbatch.
 
+With ``--serve`` (``PeerConfig.serve``) it also serves stages 1..S to trainers: those records say
+``serves=True`` with its queue, like a stage server's (stage 0 stays the trainers' own). Each is a
+``StageServer`` over the very stage, inner step and compute thread it trains (``StageCompute``): a
+request runs between two of its own microbatches, a served backward accumulates into the stage's
+gradients and counts its samples on the stage's inner step, so a served stage may step (and meet
+its rounds) more often than stage 0. No second copy of the weights.
+
 A full peer trains much faster than a pipeline, and a replica too far ahead meets nobody: the
 others, with too few steps, sit its rounds out and download its state instead of adding theirs.
 So it never runs past a round: while any of its stages is due (H inner steps since its last round
 or download), it waits for that round to be done.
 
-    >>> role = FullRole(parts, data)      # swarm/node.py makes it for ``--role full``
+    >>> role = FullRole(parts, data)      # swarm/node.py makes it for ``--role full`` (``--serve``: parts.config.serve)
     >>> last = await role.run()           # ``config.steps`` inner steps of stage 0 (or until parts.stop)
 """
 
@@ -43,9 +50,11 @@ from swarm.model.transformer import Transformer
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.transfer import StageState, TransferError
 from swarm.parts import PeerParts, every, until_stopped
+from swarm.pipeline.protocol import StageServicer
+from swarm.pipeline.server import StageCompute, StageServer
 from swarm.recovery.rebuild import save_stage_checkpoint
 from swarm.roles import DataFactory, wait_for_replicas
-from swarm.served_stage import provide_local_state
+from swarm.served_stage import provide_local_state, stage_servicer
 from swarm.sim.centralized import evaluate
 
 logger = logging.getLogger(__name__)
@@ -66,6 +75,10 @@ class FullModel:
         self.start_steps = list(start_steps)  # where each stage's lr schedule began (a joiner's: the swarm's point)
         self.tokens = 0  # trained on since the peer started
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="full")
+
+    def compute(self, stage: int) -> StageCompute:
+        """Middle stage ``stage`` as a ``StageServer`` serves it: these weights and inner step, on this compute thread."""
+        return StageCompute(self.stages[stage], self.inners[stage], self._executor)  # type: ignore[arg-type]
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the compute thread: after or before a whole microbatch, never within one."""
@@ -114,24 +127,31 @@ class StageHolder:
         self.module = full.stages[stage]
         self.inner = full.inners[stage]
         self.start_step = full.start_steps[stage]
+        self.server: StageServer | None = None  # with --serve, stages 1..S: the server computing on this stage
 
     @property
     def inner_steps(self) -> int:
         return self.inner.steps
 
     async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
-        """``fn()`` on the compute thread, between microbatches; ``new_weights``: the gradients this stage holds for its
-        next inner step were taken on the old weights, so they are dropped (as a trainer drops its own)."""
+        """``fn()`` on the compute thread, between microbatches and requests; ``new_weights``: the gradients this stage
+        holds for its next inner step were taken on the old weights, so they are dropped (as a trainer drops its own),
+        and forwards served before get no parameter gradient at their backward (as a stage server's)."""
 
         def run() -> T:
             result = fn()
             if new_weights:
                 self.inner.drop()
+                if self.server is not None:
+                    self.server.weights_replaced()
             return result
 
         return await self.full.run(run)
 
-    def status(self) -> StageStatus:
+    def status(self, *, queue: int = 0) -> StageStatus:
+        """Its record: a server's (``queue``: requests held) where it serves the stage, else one routing skips."""
+        if self.server is not None:
+            return self.server.status(queue=queue)
         return StageStatus(inner_steps=self.inner.steps, grad_norm=float(self.inner.grad_norm), serves=False)
 
 
@@ -177,10 +197,12 @@ class FullRole:
             await syncs[stage].adopt(state)
             parts.on_log({"event": "state_download", "stage": stage, "reason": "join", "outer_round": state.round})
         batches, val_batches = await asyncio.to_thread(self.data, cfg, parts.membership.peer_id.to_base58())
+        servicer = await self._serve(full, holders, meter) if config.serve else None
 
         async def announce() -> None:
             for holder, sync in zip(holders, syncs, strict=True):
-                await parts.membership.announce(holder.stage, holder.status().copy(update=sync.status_fields()))
+                status = holder.status(queue=servicer.pending if servicer else 0)
+                await parts.membership.announce(holder.stage, status.copy(update=sync.status_fields()))
             await parts.membership.publish_config()
             status = holders[EDGE_STAGE].status().copy(update=syncs[EDGE_STAGE].status_fields())
             await parts.membership.publish_metrics(
@@ -192,20 +214,40 @@ class FullRole:
         try:
             await wait_for_replicas(parts.membership, config.wait_for_replicas, config.wait_for_stages_s)
             meter.state = "training"
-            last = await self._loop(full, syncs, batches, val_batches, meter)
+            last = await self._loop(full, holders, syncs, batches, val_batches, meter)
             if config.stage_checkpoint is not None:  # as a trainer does: stage 0 outlives the peer
                 await save_stage_checkpoint(config.stage_checkpoint, await syncs[EDGE_STAGE].local_state())
             return last
         finally:
             for task in background:
                 task.cancel()
+            if servicer is not None:
+                await servicer.remove_p2p_handlers(parts.p2p, namespace=cfg.swarm_id)
             full.shutdown()
             for sync in syncs:
                 sync.close()
 
+    async def _serve(self, full: FullModel, holders: list[StageHolder], meter: Meter) -> StageServicer:
+        """Take requests for stages 1..S on the stages it trains (``--serve``); announced as a server from then on."""
+        parts = self.parts
+        for holder in holders[EDGE_STAGE + 1 :]:
+            holder.server = StageServer(
+                parts.cfg,
+                holder.stage,
+                start_step=holder.start_step,
+                device=parts.device,
+                compute=full.compute(holder.stage),
+            )
+        servers = {holder.stage: holder.server for holder in holders if holder.server is not None}
+        servicer = stage_servicer(parts, servers, meter.traffic)
+        await servicer.add_p2p_handlers(parts.p2p, namespace=parts.cfg.swarm_id)
+        parts.on_log({"event": "serves_stages", "stages": sorted(servers)})
+        return servicer
+
     async def _loop(
         self,
         full: FullModel,
+        holders: list[StageHolder],
         syncs: list[ReplicaSync],
         batches: Iterator[Batch],
         val_batches: Sequence[Batch],
@@ -222,7 +264,7 @@ class FullRole:
             losses.append(await full.train_microbatch(*next(batches)))
             if edge.steps >= min(logged + options.log_every, config.steps):
                 logged = edge.steps
-                record = progress(full, syncs, started, losses)
+                record = progress(full, syncs, started, losses, holders)
                 if val_batches and (
                     edge.steps >= config.steps or (options.eval_every and logged % options.eval_every == 0)
                 ):
@@ -237,8 +279,20 @@ def sync_poll_s(syncs: Sequence[ReplicaSync]) -> float:
     return min(sync.poll_s for sync in syncs)
 
 
-def progress(full: FullModel, syncs: Sequence[ReplicaSync], started: float, losses: list[float]) -> dict[str, Any]:
-    """A full peer's progress record: a trainer's fields that apply, and its outer counters summed over its stages."""
+def progress(
+    full: FullModel,
+    syncs: Sequence[ReplicaSync],
+    started: float,
+    losses: list[float],
+    holders: Sequence[StageHolder] = (),
+) -> dict[str, Any]:
+    """A full peer's progress record: a trainer's fields that apply, its outer counters summed over its stages, and
+    (``--serve``) the microbatches it served per stage (backwards done) with each stage's inner steps."""
+    served = {
+        str(h.stage): {"backward": h.server.counters["backward"], "inner_steps": h.inner.steps}
+        for h in holders
+        if h.server is not None
+    }
     elapsed, edge = time.perf_counter() - started, full.inners[EDGE_STAGE]
     counters: Counter[str] = Counter()
     for sync in syncs:
@@ -253,5 +307,6 @@ def progress(full: FullModel, syncs: Sequence[ReplicaSync], started: float, loss
         "lr": edge.lr,
         "grad_norm": edge.grad_norm,
         "outer_rounds": {str(sync.stage): sync.round for sync in syncs},
+        **({"served": served} if served else {}),
         **counters,
     }

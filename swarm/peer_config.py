@@ -43,6 +43,8 @@ _PARSE: dict[str, Callable[[object], object]] = {
 class PeerConfig:
     # auto: what the swarm needs most (``swarm.node.choose_role``; never full); full: the whole model (``swarm/full.py``)
     role: Role = "auto"
+    # full peers: also serve stages 1..S to trainers (RPCs computed on the weights it trains, on its compute thread)
+    serve: bool = False
     stage: int | None = None  # stage servers: the stage to serve; None = the one with fewest replicas
     initial_peers: list[str] = field(default_factory=list)  # none: this peer creates the swarm
     host_maddrs: list[str] = field(default_factory=lambda: list(DEFAULT_HOST_MADDRS))
@@ -93,6 +95,12 @@ class PeerConfig:
             raise ConfigError(
                 "stage",
                 "a trainer holds stage 0, a full peer every stage, --role auto picks its own; --stage is for --role stage",
+            )
+        if self.serve and self.role != "full":
+            raise ConfigError(
+                "serve",
+                f"--serve is for --role full (a full peer that also serves its middle stages), not --role {self.role}: "
+                "a stage server always serves, a trainer never does",
             )
         if self.stage is not None and self.stage < 1:
             raise ConfigError("stage", f"stage servers serve stages 1..S, got stage {self.stage}")

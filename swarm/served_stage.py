@@ -3,7 +3,8 @@
 A ``StageRole`` (``swarm/roles.py``) builds one per stage it serves, a new one after each move: the
 ``StageServer``, its replica sync (``swarm/outer/replica.py``), the stage RPC service, the meter, the
 periodic announcements and checkpoints. ``provide_local_state`` serves a replica's local weights
-(``local/<stage>``), for a stage server's, a trainer's and a full peer's stages alike.
+(``local/<stage>``), for a stage server's, a trainer's and a full peer's stages alike; ``stage_servicer`` builds the
+stage RPC handlers of a stage server's stage and of a serving full peer's (``swarm/full.py``).
 
     >>> served = ServedStage(parts, stage, state, rebuilt=None, recoveries=0); await served.start()
     >>> ...; await served.close(retire=False); parts.on_log(served.record())
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from swarm.dht.metrics import Meter
+from swarm.dht.metrics import Meter, Traffic
 from swarm.hardware import describe
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.service import held_stage
@@ -51,6 +53,22 @@ def provide_local_state(parts: PeerParts, *syncs: ReplicaSync) -> None:
     parts.outer_service.servicer.provide("local", provide)
 
 
+def stage_servicer(parts: PeerParts, servers: Mapping[int, StageServer], traffic: Traffic) -> StageServicer:
+    """The stage RPC handlers of the stages this peer serves (a stage server's one, a full peer's 1..S), their
+    requests and replies counted into ``traffic``; one queue (``pending``) for them all, as they share a thread."""
+    (stage, server), *others = servers.items()
+    credentials = parts.config.credentials
+    return StageServicer(
+        MeteredBackend(server, traffic),
+        stage=stage,
+        max_request_bytes=server.max_request_bytes,
+        max_pending=parts.config.max_pending,
+        stream_timeout_s=parts.cfg.timeouts.rpc_s,
+        verifier=credentials.verifier if credentials else None,
+        other_stages={other: MeteredBackend(backend, traffic) for other, backend in others},
+    )
+
+
 class ServedStage:
     """One stage as this peer serves it, from its first request to a move or the end: server, replica sync, RPC service, meter.
 
@@ -72,14 +90,7 @@ class ServedStage:
         self.sync = parts.outer_service.sync(stage, self.server, parts.on_log)
         self.meter = Meter(role="stage", stage=stage, state="serving", name=config.name, device=describe(parts.device))
         self.meter.recoveries = recoveries
-        self.servicer = StageServicer(
-            MeteredBackend(self.server, self.meter.traffic),
-            stage=stage,
-            max_request_bytes=self.server.max_request_bytes,
-            max_pending=config.max_pending,
-            stream_timeout_s=cfg.timeouts.rpc_s,
-            verifier=config.credentials.verifier if config.credentials else None,
-        )
+        self.servicer = stage_servicer(parts, {stage: self.server}, self.meter.traffic)
         self.started = time.perf_counter()
         self.background: list[asyncio.Task[None]] = []
 

@@ -2,7 +2,8 @@
 
 The records and the router are checked as units; a real swarm of ``Node``s in this process (``node_harness.py``:
 1 trainer, a server per stage of 2, a full peer) trains, meets in every stage's outer rounds, agrees, sends the
-full peer no microbatch, and a newcomer server takes its stage from the full peer alone.
+full peer no microbatch, and a newcomer server takes its stage from the full peer alone; a full peer with
+``--serve`` is a trainer's only path through stages 1..S and still agrees with it in stage 0.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from scripts.bench_swarm import swarm_summary
 from swarm.config import SwarmConfig, TimeoutConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
+from swarm.errors import ConfigError
 from swarm.node import DataFactory, choose_role, stage_loads
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.routing import Router
@@ -182,6 +184,73 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
     # no microbatch ever went to the full peer: it serves no stage RPC, so one would have failed its hop
     assert trainer_records and all(r["hop_failures"] == 0 for r in trainer_records)
     assert trainer_records[-1]["completed"] > 0
+
+
+def test_serve_is_for_full_peers_only_and_the_refusal_names_the_flag() -> None:
+    assert PeerConfig.from_flat({"role": "full", "serve": True}).serve
+    assert not PeerConfig(role="full").serve  # a full peer takes no pipeline traffic unless asked
+    for role in ("trainer", "stage", "auto"):
+        with pytest.raises(ConfigError, match="--serve is for --role full") as error:
+            PeerConfig.from_flat({"role": role, "serve": True})
+        assert error.value.field == "serve", role
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_serving_full_peer_carries_a_trainers_microbatches_through_its_stages_and_still_agrees() -> None:
+    """1 trainer + 1 full peer with --serve, no stage server: the trainer's path is the full peer's stages 1..S."""
+    cfg = full_config(steps=400)
+
+    def peer(role: str, initial: list[str], **options: object) -> BackgroundNode:
+        config = PeerConfig(
+            role=role,  # type: ignore[arg-type]
+            name=role,
+            initial_peers=initial,
+            host_maddrs=LOOPBACK,
+            steps=400,
+            wait_for_replicas=2,  # both train once both are listed: they meet in stage 0 from its first round
+            trainer=TrainerOptions(log_every=5),
+            **options,  # type: ignore[arg-type]
+        )
+        return BackgroundNode(config, cfg if not initial else None, data=batches(seed=len(role)))
+
+    with peer("full", [], serve=True) as full, peer("trainer", full.maddrs) as trainer:
+        served = full.wait(
+            "trainer microbatches completed through the full peer's stages",
+            lambda: (
+                (done := [r for r in trainer.records if r.get("role") == "trainer" and r["completed"] > 0])
+                and (mine := [r for r in full.records if r.get("role") == "full" and r.get("served")])
+                and all(
+                    # served samples count on the stage's inner step: a served stage steps more than stage 0
+                    mine[-1]["served"][str(s)]["backward"] > 0
+                    and mine[-1]["served"][str(s)]["inner_steps"] > mine[-1]["step"]
+                    for s in range(1, NUM_STAGES + 1)
+                )
+                and (done, mine)
+            ),
+            180,
+        )
+        shared = full.wait(
+            "a stage-0 round shared by the full peer and the trainer",
+            lambda: shared_rounds(full, {0: trainer})[0],
+            180,
+        )
+        for mine, theirs in shared:  # the members of a round applied one set: the same global weights
+            assert mine["global_hash"] == theirs["global_hash"], (mine, theirs)
+            assert peer_id(full) in theirs["contributor_ids"], theirs
+
+        # its middle stages are announced as a server's (routing and status count it), stage 0 as a trainer-side replica
+        listed = full.call(lambda node: node.membership.all_replicas())
+        me = full.node.membership.peer_id
+        assert listed[0][me].serves is False
+        assert all(listed[s][me].serves is True for s in range(1, NUM_STAGES + 1))
+        assert set(pipeline_replicas(listed)[1]) == {me}  # the only server of stage 1
+        trainer.stop()
+        full.stop()
+    # every hop went to the full peer (the only server) and none failed
+    trainer_records = [r for r in trainer.records if r.get("role") == "trainer"]
+    assert served[0] and trainer_records[-1]["completed"] > 0
+    assert all(r["hop_failures"] == 0 for r in trainer_records)
 
 
 def test_local_layout_counts_full_peers_apart_and_rejects_a_negative_count() -> None:

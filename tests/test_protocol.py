@@ -172,6 +172,31 @@ def test_servicer_replies_with_errors_and_keeps_serving() -> None:
     asyncio.run(scenario())
 
 
+def test_a_servicer_of_several_stages_sends_each_request_to_its_stages_backend() -> None:
+    """A full peer with --serve: one set of handlers, each request computed by its own stage's backend."""
+
+    class Tagged(EchoBackend):
+        def __init__(self, tag: bytes) -> None:
+            super().__init__()
+            self.tag = tag
+
+        async def forward(self, peer: object, req: Forward) -> bytes:
+            return self.tag + await super().forward(peer, req)
+
+    async def scenario() -> None:
+        servicer = StageServicer(Tagged(b"1:"), stage=1, max_request_bytes=4096, other_stages={2: Tagged(b"2:")})
+        for stage in (1, 2):
+            frame = pack(Forward(mb="m", stage=stage, prev_stage=stage - 1, x=b"x"))
+            assert parse_reply((await servicer.rpc_forward(request(frame), CONTEXT)).metadata) == f"{stage}:x".encode()
+        unheld = pack(Forward(mb="m", stage=3, prev_stage=2, x=b"x"))
+        refusal = reply_of(await servicer.rpc_forward(request(unheld), CONTEXT))
+        assert refusal["error"] == RequestError.INVALID and "1, 2" in refusal["message"]
+        info = msgpack.unpackb((await servicer.rpc_info(runtime_pb2.ExpertUID(uid=""), CONTEXT)).serialized_info)
+        assert set(info["stages"]) == {"1", "2"}
+
+    asyncio.run(scenario())
+
+
 def test_servicer_refuses_requests_beyond_max_pending() -> None:
     async def scenario() -> None:
         backend = EchoBackend()

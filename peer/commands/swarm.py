@@ -71,9 +71,17 @@ def run_cmd(
             help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
             "else a server of the bottleneck stage; never full), trainer (stage 0: data, embedding, loss), stage (a server "
             "of one middle stage) or full (the whole model trained on its own data, one more replica of every stage in "
-            "the outer rounds, sent no microbatches)."
+            "the outer rounds, sent no microbatches unless it gives --serve)."
         ),
     ] = "auto",
+    serve: Annotated[
+        bool,
+        typer.Option(
+            "--serve",
+            help="Full peers: also serve stages 1..S to trainers, on the weights it trains (routing then counts it as "
+            "a server of each); stage 0 stays the trainers' own.",
+        ),
+    ] = False,
     stage: Annotated[
         int | None,
         typer.Option(

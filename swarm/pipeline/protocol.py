@@ -20,7 +20,7 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
 
@@ -141,6 +141,9 @@ class StageBackend(Protocol):
 class StageServicer(GuardedServicer):
     """hivemind P2P handlers of one stage server: forward, backward (unary or streamed) and info.
 
+    A peer has one set of handlers per namespace, so a peer that serves several stages (a full peer with
+    ``--serve``) passes the others' backends as ``other_stages``: each request goes to its stage's backend.
+
     ``verifier`` makes the swarm private: every request must carry a certificate admitting its
     sender (for ``rpc_info``, in the request's ``uid``, its only field). ``limits`` set the
     per-peer rate limit and ban policy; a streamed request must arrive within ``stream_timeout_s``.
@@ -157,8 +160,11 @@ class StageServicer(GuardedServicer):
         limits: PeerLimits | None = None,
         stream_timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        other_stages: Mapping[int, StageBackend] | None = None,
     ) -> None:
-        super().__init__(label=f"stage {stage}", verifier=verifier, limits=limits, clock=clock)
+        self.backends = {stage: backend, **(other_stages or {})}
+        label = f"stage {stage}" if len(self.backends) == 1 else f"stages {', '.join(map(str, sorted(self.backends)))}"
+        super().__init__(label=label, verifier=verifier, limits=limits, clock=clock)
         self.backend, self.stage = backend, stage
         self.max_request_bytes, self.max_pending = max_request_bytes, max_pending
         self.stream_timeout_s = stream_timeout_s
@@ -171,6 +177,8 @@ class StageServicer(GuardedServicer):
         except RequestError as e:
             return runtime_pb2.ExpertInfo(serialized_info=self.refuse(e, context.remote_id))
         info = {**self.backend.info(), "stage": self.stage, "pending": self.pending, "refused": self.refused}
+        if len(self.backends) > 1:  # a peer serving several stages: the first's fields, and each one's
+            info["stages"] = {str(stage): backend.info() for stage, backend in self.backends.items()}
         return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(info, use_bin_type=True))
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -233,9 +241,10 @@ class StageServicer(GuardedServicer):
         """The reply to an admitted request: the backend's frame, or an error (every request gets one)."""
         try:
             request = _check_microbatch(self.open_request(peer, data, kind, max_bytes=self.max_request_bytes))
-            if request.stage != self.stage:
-                raise RequestError(RequestError.INVALID, f"this server holds stage {self.stage}, not {request.stage}")
-            call = self.backend.forward if kind is Forward else self.backend.backward
+            if (backend := self.backends.get(request.stage)) is None:
+                held = ", ".join(map(str, sorted(self.backends)))
+                raise RequestError(RequestError.INVALID, f"this server holds stage {held}, not {request.stage}")
+            call = backend.forward if kind is Forward else backend.backward
             return _reply(await call(peer, request))
         except Exception as e:  # refuse() tells the sender's faults from ours
             return self.refuse(e, peer)

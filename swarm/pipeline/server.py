@@ -35,7 +35,7 @@ from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.hardware import CPU, compute_precision
-from swarm.model.stages import build_stage
+from swarm.model.stages import MiddleStage, build_stage
 from swarm.model.step import InnerStep, add_gradients, stage_forward, stage_gradients
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.metering import BusyTime
@@ -107,8 +107,22 @@ class ActivationCache:
         return entry.x.nbytes + tokens
 
 
+@dataclass(frozen=True)
+class StageCompute:
+    """A middle stage's weights, inner step and compute thread when another owner trains them too (a full peer that
+    serves, ``swarm/full.py``): requests then compute on those, between the owner's own calls on that thread."""
+
+    module: MiddleStage
+    inner: InnerStep
+    executor: ThreadPoolExecutor
+
+
 class StageServer:
-    """The ``StageBackend`` of one middle stage (see ``swarm/pipeline/protocol.py``)."""
+    """The ``StageBackend`` of one middle stage (see ``swarm/pipeline/protocol.py``).
+
+    It builds the stage, its inner step and its compute thread, unless given them (``compute``): then the weights it
+    serves are its owner's, and ``start_step`` and ``lr_scale`` are the owner's inner step's business.
+    """
 
     def __init__(
         self,
@@ -121,19 +135,24 @@ class StageServer:
         clock: Callable[[], float] = time.perf_counter,
         busy_window_s: float = 30.0,
         device: torch.device = CPU,
+        compute: StageCompute | None = None,
     ) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
         self.device = device  # weights, gradients and optimizer states; frames are decoded on the CPU and moved here
-        self.module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
-        self.inner = InnerStep(
-            self.module.parameters(),
-            cfg.inner,
-            inner_batch=cfg.train.inner_batch,
-            start_step=start_step,
-            lr_scale=lr_scale,
-        )
+        self._owns_compute = compute is None  # its thread is shut down with the server; an owner's is the owner's
+        if compute is None:
+            module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
+            inner = InnerStep(
+                module.parameters(),
+                cfg.inner,
+                inner_batch=cfg.train.inner_batch,
+                start_step=start_step,
+                lr_scale=lr_scale,
+            )
+            compute = StageCompute(module, inner, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}"))
+        self.module, self.inner, self._executor = compute.module, compute.inner, compute.executor
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
         # the codecs it accepts; it replies in the request's own (the trainer chose it for their link)
@@ -151,7 +170,6 @@ class StageServer:
         self.busy = BusyTime(window_s=busy_window_s, clock=clock)  # forward + backward compute over wall time
         self.counters: Counter[str] = Counter()
         self.from_stage: Counter[int] = Counter()  # training inputs by the stage they came from: the paths seen
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
         self.weights_epoch = (
             0  # outer installs and downloads so far: forwards from before one get no parameter gradient
         )
@@ -242,13 +260,19 @@ class StageServer:
         def run() -> T:
             result = fn()
             if new_weights:
-                self.weights_epoch += 1
+                self.weights_replaced()
             return result
 
         return (await self._run(run))[0]
 
+    def weights_replaced(self) -> None:
+        """An outer install or a download replaced the weights (on the compute thread): the backwards of forwards
+        served before it add no parameter gradient (``stale_backward``)."""
+        self.weights_epoch += 1
+
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._owns_compute:
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _decode_input(self, frame: bytes) -> tuple[Codec, torch.Tensor, torch.Tensor | None]:
         codec, x, tokens = self.act_codecs.decode(frame, limits=self.limits)
