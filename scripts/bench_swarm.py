@@ -265,6 +265,9 @@ def main() -> None:
         help="repeat with train.seed 0..N-1 (data order, routing) and report mean and spread",
     )
     parser.add_argument(
+        "--first-seed", type=int, default=0, help="the first train.seed of --seeds (more seeds of an earlier run)"
+    )
+    parser.add_argument(
         "--in-flight",
         type=int,
         help="the trainers' microbatch window cap (default: the trainers'); 1 is the synchronous pipeline",
@@ -308,7 +311,7 @@ def main() -> None:
         parser.error(str(e))
     results = [
         measure(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed)), layout, args)
-        for seed in range(args.seeds)
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
     ]
     if args.seeds > 1:
         print_seeds(results)
