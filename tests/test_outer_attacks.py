@@ -307,7 +307,7 @@ def test_an_export_and_a_rebuild_take_no_weights_from_replicas_announcing_the_vo
                 "a and b at rest on one state",
                 lambda: not a.sync.due and not b.sync.due and a.sync.status_fields() == b.sync.status_fields(),
                 60,
-                lambda: (a.sync.status_fields(), b.sync.status_fields()),
+                lambda: (a.sync.status_fields(), b.sync.status_fields(), a.events[-6:], b.events[-6:]),
             )
             honest = a.sync.status_fields()
             liars = []
