@@ -284,7 +284,7 @@ def progress(
     syncs: Sequence[ReplicaSync],
     started: float,
     losses: list[float],
-    holders: Sequence[StageHolder] = (),
+    holders: Sequence[StageHolder],
 ) -> dict[str, Any]:
     """A full peer's progress record: a trainer's fields that apply, its outer counters summed over its stages, and
     (``--serve``) the microbatches it served per stage (backwards done) with each stage's inner steps."""

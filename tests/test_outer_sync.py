@@ -459,6 +459,19 @@ class Swarm:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def count_catch_ups(sync: ReplicaSync) -> list[float]:
+    """The times of ``sync``'s looks at the stage's records (``catch_up``), appended as they happen."""
+    looks: list[float] = []
+    original = sync.catch_up
+
+    async def counted() -> bool:
+        looks.append(time.monotonic())
+        return await original()
+
+    sync.catch_up = counted  # type: ignore[method-assign]
+    return looks
+
+
 def test_replicas_stepping_at_different_paces_hold_identical_global_weights_after_every_round() -> None:
     swarm = Swarm(sync_config(), ["a", "b", "c"])
 
@@ -505,14 +518,7 @@ def test_a_replica_due_for_a_round_others_have_passed_downloads_instead_of_openi
     )
     swarm = Swarm(cfg, ["a", "b", "c"])
     c = swarm.syncs["c"]
-    checks = []
-    original = c.catch_up
-
-    async def counted() -> bool:
-        checks.append(time.monotonic())
-        return await original()
-
-    c.catch_up = counted  # type: ignore[method-assign]
+    checks = count_catch_ups(c)
 
     async def scenario() -> None:
         task = asyncio.create_task(c.run())
@@ -538,14 +544,8 @@ def test_a_replica_due_for_a_round_others_have_passed_downloads_instead_of_openi
 
 def test_after_a_failed_round_a_replica_waits_for_progress_only_while_a_replica_could_make_it() -> None:
     swarm = Swarm(sync_config(), ["a", "b", "c"])
-    a, looks = swarm.syncs["a"], []
-    original = a.catch_up
-
-    async def counted() -> bool:
-        looks.append(time.monotonic())
-        return await original()
-
-    a.catch_up = counted  # type: ignore[method-assign]
+    a = swarm.syncs["a"]
+    looks = count_catch_ups(a)
     a.outer.round = swarm.syncs["b"].outer.round = 1  # a's round 1 failed; c, listed at 0, cannot get past it first
     # b is at round 1 and alive, so it may yet get past it: a waits out the bound, looking every announce period
     assert asyncio.run(a._await_progress(1)) is False and len(looks) > 3
