@@ -263,8 +263,8 @@ class OnlyOk:
             raise AccessDenied("missing", f"{peer} has no certificate")
 
 
-def serve(servicer: BlobServicer, blobs: dict[str, bytes]) -> BlobServicer:
-    async def provide(name: str) -> bytes:
+def serve(servicer: BlobServicer, blobs: dict[str, bytes | bytearray]) -> BlobServicer:
+    async def provide(name: str) -> bytes | bytearray:
         if name == "state/hang":
             await asyncio.sleep(3600)
         if name not in blobs:
@@ -293,7 +293,10 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
 
     async def body(peers: list[P2P]) -> None:
         honest, liar, private, me = peers
-        await serve(BlobServicer(), {"state/2": good}).add_p2p_handlers(honest, namespace="t")
+        # "state/relayed": a blob this peer fetched and hands on, as a round's leader does (a bytearray)
+        await serve(BlobServicer(), {"state/2": good, "state/relayed": bytearray(good)}).add_p2p_handlers(
+            honest, namespace="t"
+        )
         await BlobServicer().add_p2p_handlers(
             liar, wrapper=serve(LyingServicer(), {"state/2": good}), namespace="t"
         )  # under BlobServicer's names
@@ -303,6 +306,7 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
 
         assert await fetch(honest.peer_id, "state/2") == good
         assert client.received_bytes == len(good)
+        assert await fetch(honest.peer_id, "state/relayed") == good
         for name, problem in [("state/9", "no blob"), ("../etc", "name"), ("other/1", "nothing is served")]:
             with pytest.raises(TransferError, match=problem):
                 await fetch(honest.peer_id, name)

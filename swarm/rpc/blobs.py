@@ -161,7 +161,9 @@ class BlobServicer(GuardedServicer):
         try:
             async for chunk in blob.chunks:
                 for start in range(0, len(chunk), CHUNK_BYTES):
-                    piece = chunk[start : start + CHUNK_BYTES]
+                    # bytes for protobuf: a relayed blob is the bytearray it arrived in (``fetch``), which protobuf
+                    # refuses, and the stream would end after its header
+                    piece = bytes(chunk[start : start + CHUNK_BYTES])
                     digest.update(piece)
                     sent += len(piece)
                     yield runtime_pb2.ExpertResponse(metadata=piece)
