@@ -22,6 +22,7 @@ from compress.errors import ConfigError
 # a codec, or "adaptive": per link, from bf16 to int4 by the link's measured throughput (compress/adaptive.py)
 BoundaryCodecName = Literal[CodecName, "adaptive"]
 
+FullBoundaries = Literal["none", "compressed"]
 SPARSELOCO_CHUNK = 4096  # the SparseLoCo codec's chunks are 64×64 tiles
 
 
@@ -62,6 +63,10 @@ def check_non_negative(section: object, *names: str) -> None:
 class CodecConfig:
     activations: BoundaryCodecName = "int8"  # forward activations between stages
     gradients: BoundaryCodecName = "int8"  # activation-gradients on the way back
+    # a full replica's own stage boundaries (``swarm/full.py``): "none", handed over in memory (selective compression:
+    # only the pipelined replicas' links are compressed); "compressed", through the two codecs above as if they crossed a
+    # wire (every replica compressed alike, what selective compression is compared against)
+    full_boundaries: FullBoundaries = "none"
     pseudo_gradients: PseudoGradientCodecName = (
         "sparseloco"  # outer-step exchange (sparseloco needs outer.method = sparseloco)
     )

@@ -173,8 +173,8 @@ class TrainingHolder:
         from swarm_harness import DATA
 
         from peer.data import load_corpus
-        from swarm.pipeline.boundary import boundary_codecs
-        from swarm.sim.simulate import Link, make_replica
+        from swarm.pipeline.boundary import Link, boundary_codecs
+        from swarm.sim.simulate import make_replica
 
         corpus = load_corpus([DATA])
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)

@@ -8,9 +8,10 @@ is (b) with the full replica's boundaries compressed as well, as if every replic
 Bytes are the pipelined replicas' activation traffic and everyone's pseudo-gradients; a full replica sends no
 activations.
 
-With ``--real`` the rows (a), (b), (c) run as real local swarms instead (``swarmloco local``, processes on loopback, one
+With ``--real`` the rows run as real local swarms instead (``swarmloco local``, processes on loopback, one
 seed, the codecs in ``--codecs``): (a) 2 trainers and 2 servers of every middle stage, (b) 1 trainer, 1 server per
-stage and 1 full peer, (c) 2 full peers and no pipeline; the small model (docs/data/small-model.toml) with
+stage and 1 full peer (b*: its boundaries coded with ``codecs.full_boundaries = "compressed"``), (c) 2 full peers and
+no pipeline; the small model (docs/data/small-model.toml) with
 ``--stages`` middle stages. Every replica trains ``--steps`` inner steps, so each row trains on the same tokens.
 Besides each replica's validation loss and the bytes per token by kind, the peers' round records say how many of
 every stage's outer rounds had both replicas' pseudo-gradients (and the full peer's), and whether the replicas logged
@@ -46,16 +47,22 @@ from swarm.sim.simulate import SimulationConfig, simulate  # noqa: E402
 SMALL_MODEL = Path(__file__).resolve().parents[1] / "docs" / "data" / "small-model.toml"
 REPLICAS = 2  # of every stage, in every row
 
-ROWS: dict[str, dict[str, Any]] = {  # name: (full replicas of 2, compress the full one's boundaries too)
-    "a: 2 pipelined": {"full": 0, "compress_full": False},
-    "b: 1 full + 1 pipelined": {"full": 1, "compress_full": False},
-    "b*: as b, full compressed too": {"full": 1, "compress_full": True},
-    "c: 2 full": {"full": 2, "compress_full": False},
+ROWS: dict[str, dict[str, Any]] = {  # name: full replicas of 2, codecs.full_boundaries (the full ones' own boundaries)
+    "a: 2 pipelined": {"full": 0, "full_boundaries": "none"},
+    "b: 1 full + 1 pipelined": {"full": 1, "full_boundaries": "none"},
+    "b*: as b, full compressed too": {"full": 1, "full_boundaries": "compressed"},
+    "c: 2 full": {"full": 2, "full_boundaries": "none"},
 }
 
 
 def run(codec: str, row: dict[str, Any], *, seed: int, args: argparse.Namespace, corpus: Any) -> dict[str, Any]:
-    overrides = {**PRESETS["small"], "codecs.activations": codec, "outer.inner_steps": args.h, "train.seed": seed}
+    overrides = {
+        **PRESETS["small"],
+        "codecs.activations": codec,
+        "codecs.full_boundaries": row["full_boundaries"],
+        "outer.inner_steps": args.h,
+        "train.seed": seed,
+    }
     cfg = derive_config(SwarmConfig(), overrides, outer="sparseloco")
     t = cfg.train
     streams = [
@@ -63,7 +70,7 @@ def run(codec: str, row: dict[str, Any], *, seed: int, args: argparse.Namespace,
         for k in range(2)
     ]
     val = corpus.val_batches(batch_size=t.microbatch_size, seq_len=t.seq_len, num_sequences=8 * t.microbatch_size)
-    sim = SimulationConfig(replicas=2, tokens=args.tokens, seed=seed, log_every=10**9, **row)
+    sim = SimulationConfig(replicas=2, tokens=args.tokens, seed=seed, log_every=10**9, full=row["full"])
     result = simulate(cfg, sim, streams, val)
     per = result.bytes_per_token
     return {
@@ -130,15 +137,17 @@ def round_evidence(peers: dict[str, list[dict[str, Any]]], names: dict[str, str]
     }
 
 
-def real_config(layout: LocalSwarm, codec: str, args: argparse.Namespace) -> SwarmConfig:
-    """The row's swarm config: ``--config`` with the layout's stages and shards, SparseLoCo every ``--h`` steps."""
-    return bench_config(local_config(load_config(args.config), layout), "sparseloco", args.h, codec)
+def real_config(layout: LocalSwarm, row: dict[str, Any], codec: str, args: argparse.Namespace) -> SwarmConfig:
+    """The row's swarm config: ``--config`` with the layout's stages and shards, SparseLoCo every ``--h`` steps, the
+    row's ``codecs.full_boundaries``."""
+    cfg = bench_config(local_config(load_config(args.config), layout), "sparseloco", args.h, codec)
+    return derive_config(cfg, {"codecs.full_boundaries": row["full_boundaries"]})
 
 
 def run_real(name: str, row: dict[str, Any], codec: str, args: argparse.Namespace) -> dict[str, Any]:
     """One row as a real local swarm: its replicas' validation losses, bytes per token by kind, and round evidence."""
     layout = real_layout(row, stages=args.stages, steps=args.steps)
-    cfg = real_config(layout, codec, args)
+    cfg = real_config(layout, row, codec, args)
     with tempfile.TemporaryDirectory(prefix="bench-full-peers-") as tmp:
         out = args.out / f"{codec}-{name.split(':')[0]}" if args.out else Path(tmp)
         swarm = run_swarm(cfg, layout, args.data, out)
@@ -199,8 +208,6 @@ def main_real(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for codec in args.codecs:
         for name, row in ROWS.items():
-            if row["compress_full"]:  # a full peer has no boundaries in a real swarm
-                continue
             results.append(run_real(name, row, codec, args))
             print_real(results[-1])
     return results

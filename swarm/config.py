@@ -104,6 +104,7 @@ HASHED_ONLY_IF_SET: dict[str, object] = {
     "train.precision": "fp32",
     "data": dataclasses.asdict(DataConfig()),
     "outer.warm_start_steps": 0,
+    "codecs.full_boundaries": "none",
 }
 
 

@@ -3,7 +3,10 @@
 It builds the seeded ``Transformer`` once and cuts it into its stages (``split_model``: the edge and
 every middle stage, sharing its parameters), runs each microbatch through all of them in order in
 one process (``run_microbatch``, as the centralized baseline does) and steps each stage with its own
-``InnerStep``, so its gradient clipping is the swarm's per-stage clipping. No activation leaves it.
+``InnerStep``, so its gradient clipping is the swarm's per-stage clipping. No activation leaves it; its boundaries are
+handed over in memory, uncompressed, unless the swarm's ``codecs.full_boundaries`` is "compressed" (then they go
+through the boundary codecs as a pipelined hop's would: every replica compressed alike, the comparison that shows
+what compressing only the pipelined replicas saves).
 
 For the outer step it is a replica of stages 0..S like any trainer or stage server: one
 ``ReplicaSync`` per stage (``swarm/outer/replica.py``), each over a ``StageHolder``, with the swarm's
@@ -45,11 +48,12 @@ from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
 from swarm.hardware import compute_precision, describe
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, split_model
-from swarm.model.step import Batch, InnerStep, run_microbatch
+from swarm.model.step import Batch, InnerStep, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.transfer import StageState, TransferError
 from swarm.parts import PeerParts, every, until_stopped
+from swarm.pipeline.boundary import full_replica_link
 from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageCompute, StageServer
 from swarm.recovery.rebuild import save_stage_checkpoint
@@ -74,6 +78,8 @@ class FullModel:
         ]
         self.start_steps = list(start_steps)  # where each stage's lr schedule began (a joiner's: the swarm's point)
         self.tokens = 0  # trained on since the peer started
+        # its boundaries stay in memory, unless the swarm compresses every replica's (``codecs.full_boundaries``)
+        self.link = full_replica_link(cfg, device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="full")
 
     def compute(self, stage: int) -> StageCompute:
@@ -110,6 +116,7 @@ class FullModel:
                 middles,  # type: ignore[arg-type]
                 (inputs.to(self.device), targets.to(self.device)),
                 inner_batch=self.cfg.train.inner_batch,
+                send=self.link.send if self.link else no_wire,
             )
         for inner in self.inners:  # stages hold disjoint parameters: each clips and steps its own
             inner.add(inputs.shape[0])

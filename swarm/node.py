@@ -12,8 +12,8 @@ private swarm follows the authority's newest signed revocation list while it run
 Every replica takes part in its stage's outer rounds (``swarm/outer/replica.py``). A peer that joins a
 running swarm first downloads its stage's current state from a live replica, so it starts at the
 stage's round and weights without pausing anyone. ``role="auto"`` (``choose_role``) takes the role
-the swarm needs most: a server for a stage nobody serves, else a trainer if there is none, else a
-server of the bottleneck stage; it never picks a full peer (``--role full`` only). Stage servers rebalance (SWARM) and rebuild lost stages (CheckFree);
+the swarm needs most: a server for a stage nobody serves, else a trainer if there is none, else a full
+peer if the whole model fits and every stage has servers to spare, else a server of the bottleneck stage. Stage servers rebalance (SWARM) and rebuild lost stages (CheckFree);
 with ``stage_checkpoint`` a server also writes its stage state every ``checkpoint_every`` inner
 steps, and one started on a stage with no live replica loads that file instead (rollback).
 
@@ -41,7 +41,7 @@ from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, check_access, pick_stage, pipeline_replicas
-from swarm.dht.records import StageStatus
+from swarm.dht.records import StageStatus, serving
 from swarm.dht.revocations import RevocationFollower
 from swarm.dht.start import start_dht
 from swarm.faults import kill_this_peer, wait_for_step
@@ -142,9 +142,14 @@ class Node:
                 device=device,
             )
             replicas = pipeline_replicas(await membership.all_replicas())  # full peers serve no path
-            role, stage = (
-                choose_role(replicas, cfg.stages.num_stages) if config.role == "auto" else (config.role, config.stage)
-            )
+            if config.role == "auto":
+                whole = StageFootprint.whole_model(cfg, outer=True).total_bytes <= available_memory(device)
+                role, stage = choose_role(
+                    replicas, cfg.stages.num_stages, whole_model_fits=whole and self.data is not None
+                )
+                logger.info(f"--role auto: {role}" + (f" of stage {stage}" if role == "stage" else ""))
+            else:
+                role, stage = config.role, config.stage
             if reachability.mode == "client" and role == "stage":  # it only calls out: nobody could call it
                 role, stage = "trainer", None
             if role == "stage":
@@ -235,16 +240,21 @@ class Node:
         self.dht = None
 
 
-def choose_role(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> tuple[str, int]:
+def choose_role(
+    replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int, *, whole_model_fits: bool = False
+) -> tuple[str, int]:
     """``--role auto``: (role, stage) this swarm needs most, in this order.
 
     1. A middle stage nobody serves is a hole in every path: serve it (the lowest such stage).
     2. With no trainer nothing trains: become one (stage 0).
-    3. Otherwise serve the bottleneck, the stage with the least total throughput (SWARM's rule for newcomers).
+    3. A peer that holds the whole model (``whole_model_fits``) in a pipeline that needs no more servers (``pipeline_is_served``:
+       every middle stage has ``FULL_AFTER_SERVERS`` servers and none has requests waiting) becomes a full peer:
+       one more server would sit idle, one more whole-model replica trains on its own data, sends no activations, and
+       holds a copy of every stage that a lost stage is downloaded from instead of rebuilt.
+    4. Otherwise serve the bottleneck, the stage with the least total throughput (SWARM's rule for newcomers).
 
-    It never picks ``full`` (``--role full`` asks for it): whether one more whole-model replica helps the swarm more than
-    one more server of its bottleneck depends on data and bandwidth it cannot see. ``replicas`` are the pipeline's
-    (``pipeline_replicas``): a full peer neither fills a hole in the paths nor drives them as a trainer.
+    ``replicas`` are the pipeline's (``pipeline_replicas``): a full peer neither fills a hole in the paths nor drives
+    them as a trainer.
     """
     loads = stage_loads(replicas, num_stages)
     empty = [stage for stage, servers in loads.items() if not servers]
@@ -252,7 +262,23 @@ def choose_role(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int)
         return "stage", empty[0]
     if not replicas.get(EDGE_STAGE):
         return "trainer", EDGE_STAGE
+    if whole_model_fits and pipeline_is_served(replicas, num_stages):
+        return "full", EDGE_STAGE
     try:
         return "stage", choose_stage_for_newcomer(loads)
     except ValueError:  # a server caught mid-move is listed in two stages: count replicas instead
         return "stage", pick_stage(replicas)
+
+
+FULL_AFTER_SERVERS = (
+    2  # servers per middle stage before ``--role auto`` prefers a full peer: one may fail, paths still run
+)
+
+
+def pipeline_is_served(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> bool:
+    """Every middle stage has ``FULL_AFTER_SERVERS`` servers and no server has a request waiting (a record's queue counts
+    the request running too): one more server would add capacity nobody is asking for."""
+    servers = [serving(replicas.get(stage, {})) for stage in range(1, num_stages + 1)]
+    return all(
+        len(stage) >= FULL_AFTER_SERVERS and all(status.queue <= 1 for status in stage.values()) for stage in servers
+    )

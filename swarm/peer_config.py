@@ -41,7 +41,7 @@ _PARSE: dict[str, Callable[[object], object]] = {
 
 @dataclass(kw_only=True)
 class PeerConfig:
-    # auto: what the swarm needs most (``swarm.node.choose_role``; never full); full: the whole model (``swarm/full.py``)
+    # auto: what the swarm needs most (``swarm.node.choose_role``); full: the whole model (``swarm/full.py``)
     role: Role = "auto"
     # full peers: also serve stages 1..S to trainers (RPCs computed on the weights it trains, on its compute thread)
     serve: bool = False

@@ -9,6 +9,7 @@ full peer no microbatch, and a newcomer server takes its stage from the full pee
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from node_harness import LOOPBACK, BackgroundNode
 from pydantic.v1 import ValidationError
 from swarm_harness import DATA, swarmloco, tiny_config
@@ -30,6 +32,7 @@ from swarm.config import SwarmConfig, TimeoutConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.errors import ConfigError
+from swarm.full import FullModel
 from swarm.node import DataFactory, choose_role, stage_loads
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.routing import Router
@@ -73,6 +76,46 @@ def test_a_full_peers_record_is_never_routed_to_nor_counted_as_a_server() -> Non
         0,
     )
     assert PeerMetrics(role="full", stage=0, state="training", step=3, version=3).role == "full"
+
+
+def test_role_auto_picks_a_full_peer_only_where_the_whole_model_fits_and_the_pipeline_has_servers_to_spare() -> None:
+    trainer, a, b, c, d = (Peer(name) for name in "tabcd")
+    idle = StageStatus(queue=1, samples_per_s=10.0)  # the request it is running: nothing waits
+    spare = {0: {trainer: StageStatus()}, 1: {a: idle, b: idle}, 2: {c: idle, d: idle}}
+    assert choose_role(spare, 2, whole_model_fits=True) == ("full", 0)
+    assert choose_role(spare, 2) == ("stage", 1)  # the whole model does not fit: the bottleneck (a tie: stage 1)
+    waiting = {**spare, 2: {c: idle, d: StageStatus(queue=3, samples_per_s=5.0)}}  # requests wait: a server is needed
+    assert choose_role(waiting, 2, whole_model_fits=True) == ("stage", 2)
+    lone = {**spare, 2: {c: idle}}  # one server of stage 2: lose it and every path has a hole
+    assert choose_role(lone, 2, whole_model_fits=True) == ("stage", 2)
+    # a hole and a missing trainer still come first; a full peer's own records are no server
+    assert choose_role({**spare, 2: {}}, 2, whole_model_fits=True) == ("stage", 2)
+    assert choose_role({**spare, 0: {}}, 2, whole_model_fits=True) == ("trainer", 0)
+    with_full = {**spare, 2: {c: idle, d: StageStatus(serves=False)}}
+    assert choose_role(pipeline_replicas(with_full), 2, whole_model_fits=True) == ("stage", 2)
+
+
+def test_a_full_replicas_own_boundaries_are_coded_only_when_the_swarm_says_so() -> None:
+    corpus = load_corpus([DATA])
+    cfg = full_config(10)
+    inputs, targets = next(corpus.sample_batches("train", seed=0, batch_size=4, seq_len=cfg.train.seq_len))
+
+    def one_microbatch(full_boundaries: str) -> tuple[FullModel, float]:
+        codecs = dataclasses.replace(cfg.codecs, full_boundaries=full_boundaries)
+        full = FullModel(dataclasses.replace(cfg, codecs=codecs), start_steps=[0] * 3, device=torch.device("cpu"))
+        try:
+            return full, full._train(inputs, targets)
+        finally:
+            full.shutdown()
+
+    in_memory, exact = one_microbatch("none")
+    coded, lossy = one_microbatch("compressed")
+    assert in_memory.link is None and coded.link is not None
+    # the embedding and each middle stage's output go through int8 forward, each gradient back: nothing crosses a wire
+    assert coded.link.messages == {"activations": NUM_STAGES + 1, "activation_gradients": NUM_STAGES + 1}
+    assert lossy != exact and abs(lossy - exact) < 0.05 * exact  # int8's rounding, nothing more
+    grads = lambda full: torch.cat([p.grad.flatten() for p in full.model.parameters() if p.grad is not None])
+    assert not torch.equal(grads(in_memory), grads(coded))
     with pytest.raises(ValidationError):
         PeerMetrics(role="oracle", stage=0, state="training", step=3, version=3)
 

@@ -69,7 +69,8 @@ def run_cmd(
         str,
         typer.Option(
             help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
-            "else a server of the bottleneck stage; never full), trainer (stage 0: data, embedding, loss), stage (a server "
+            "else full if the whole model fits and every stage has two idle servers, else a server of the bottleneck "
+            "stage), trainer (stage 0: data, embedding, loss), stage (a server "
             "of one middle stage) or full (the whole model trained on its own data, one more replica of every stage in "
             "the outer rounds, sent no microbatches unless it gives --serve)."
         ),

@@ -1,12 +1,20 @@
-"""The swarm's activation and activation-gradient codecs, built from its config."""
+"""The swarm's activation and activation-gradient codecs, built from its config, and ``Link``: a boundary in one process.
+
+>>> link = Link(*boundary_codecs(cfg))   # what a pipelined hop does to a tensor, its bytes counted by kind
+>>> full_replica_link(cfg, device)        # a full replica's own boundaries: None (in memory) unless compressed
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from collections import Counter
 
 import torch
 
 from compress.adaptive import ADAPTIVE, ADAPTIVE_LADDER, ADAPTIVE_START, Ladder
 from compress.codecs import Codec, Kind, get_codec
 from swarm.config import SwarmConfig
+from swarm.hardware import CPU
 from swarm.model.transformer import subspace_basis
 
 
@@ -36,3 +44,32 @@ def _ladder(name: str, kind: Kind, basis: torch.Tensor | None, table: torch.Tens
         [get_codec(n, basis=basis, table=table, kind=kind) for n in names],
         start=names.index(prefix + ADAPTIVE_START),
     )
+
+
+class Link:
+    """Encodes and decodes a tensor exactly as a peer would, counting the wire bytes by kind."""
+
+    def __init__(self, forward: Codec, backward: Codec, *, device: torch.device = CPU) -> None:
+        self.codecs = {"activations": forward, "activation_gradients": backward}
+        self.device = device  # frames are decoded on the CPU, as a peer does, and moved here
+        self.bytes: Counter[str] = Counter()
+        self.messages: Counter[str] = Counter()
+
+    def send(self, kind: str, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        frame = self.codecs[kind].encode(x.detach(), tokens=tokens)
+        self.bytes[kind] += len(frame)
+        self.messages[kind] += 1
+        return self.codecs[kind].decode(frame).to(self.device)
+
+
+def fp32_boundaries(cfg: SwarmConfig) -> SwarmConfig:
+    """``cfg`` with uncompressed boundaries: a full replica hands tensors from stage to stage in its own memory."""
+    return dataclasses.replace(cfg, codecs=dataclasses.replace(cfg.codecs, activations="fp32", gradients="fp32"))
+
+
+def full_replica_link(cfg: SwarmConfig, device: torch.device = CPU) -> Link | None:
+    """How a full replica hands tensors between its own stages (``codecs.full_boundaries``): None, in memory (the
+    default: only pipelined replicas' links are compressed), or a ``Link`` through the swarm's boundary codecs."""
+    if cfg.codecs.full_boundaries == "none":
+        return None
+    return Link(*boundary_codecs(cfg), device=device)

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from compress.codecs import Codec
 from optim.noloco import NoLoCo, partners
 from optim.outer import OuterOptimizer, build_outer_optimizer
 from swarm.config import SwarmConfig
@@ -31,7 +29,7 @@ from swarm.errors import ConfigError
 from swarm.hardware import CPU, Precision, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
 from swarm.model.step import InnerStep, run_microbatch
-from swarm.pipeline.boundary import boundary_codecs
+from swarm.pipeline.boundary import Link, boundary_codecs, fp32_boundaries, full_replica_link
 from swarm.pipeline.routing import sample_path
 from swarm.sim.centralized import Batch, evaluate
 
@@ -52,10 +50,7 @@ class SimulationConfig:
     log_every: int = 25  # ticks
     # replicas 0..full-1 are full peers (``swarm/full.py``): trainer k runs the whole model on its own copies k of
     # every stage, every stage in order, with no wire between them; the others are pipelined among themselves
-    full: int = 0
-    compress_full: bool = (
-        False  # a full replica's boundaries go through the codecs too (what selective compression saves)
-    )
+    full: int = 0  # how a full replica's boundaries are coded: the swarm config's ``codecs.full_boundaries``
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -100,27 +95,6 @@ class SimulationResult:
     def bytes_per_token(self) -> dict[str, float]:
         per = {kind: self.bytes_by_kind.get(kind, 0) / self.tokens for kind in BYTE_KINDS}
         return per | {"total": sum(per.values())}
-
-
-class Link:
-    """Encodes and decodes a tensor exactly as a peer would, counting the wire bytes by kind."""
-
-    def __init__(self, forward: Codec, backward: Codec, *, device: torch.device = CPU) -> None:
-        self.codecs = {"activations": forward, "activation_gradients": backward}
-        self.device = device  # frames are decoded on the CPU, as a peer does, and moved here
-        self.bytes: Counter[str] = Counter()
-        self.messages: Counter[str] = Counter()
-
-    def send(self, kind: str, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        frame = self.codecs[kind].encode(x.detach(), tokens=tokens)
-        self.bytes[kind] += len(frame)
-        self.messages[kind] += 1
-        return self.codecs[kind].decode(frame).to(self.device)
-
-
-def fp32_boundaries(cfg: SwarmConfig) -> SwarmConfig:
-    """``cfg`` with uncompressed boundaries: a full replica hands tensors from stage to stage in its own memory."""
-    return replace(cfg, codecs=replace(cfg.codecs, activations="fp32", gradients="fp32"))
 
 
 def make_replica(
@@ -210,9 +184,8 @@ def simulate(
     inner_steps = max(1, ticks // ticks_per_step)
     replicas = {s: [make_replica(cfg, s, inner_steps, with_outer, device) for _ in range(K)] for s in range(S + 1)}
     link = Link(*boundary_codecs(cfg), device=device)
-    # a full replica's boundaries are in its own memory: no bytes cross a wire (its link's bytes are not counted);
-    # uncompressed, unless the run compresses them too (what selective compression is compared against)
-    full_link = Link(*boundary_codecs(cfg if sim.compress_full else fp32_boundaries(cfg)), device=device)
+    # a full replica's boundaries are in its own memory: no bytes cross a wire (its link's bytes are not counted)
+    full_link = full_replica_link(cfg, device) or Link(*boundary_codecs(fp32_boundaries(cfg)), device=device)
     pipelined = list(range(sim.full, K))  # the replicas a pipelined trainer's hops choose among
     skipped = outer_rounds = 0
     log: list[dict[str, float]] = []
