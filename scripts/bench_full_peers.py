@@ -237,7 +237,7 @@ def main() -> None:
         try:  # every row's layout and config, before any swarm starts
             for codec in args.codecs:
                 for row in ROWS.values():
-                    real_config(real_layout(row, stages=args.stages, steps=args.steps), codec, args)
+                    real_config(real_layout(row, stages=args.stages, steps=args.steps), row, codec, args)
         except ValueError as e:  # ConfigError is one
             parser.error(str(e))
         write_json(args, main_real(args))

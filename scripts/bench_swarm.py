@@ -102,8 +102,9 @@ def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | No
 
 
 def recompute_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | None]:
-    """Over every stage server's backwards: the share recomputed on weights an inner step has moved since their
-    forward (the servers keep no stash of older weights), and the inner steps between, on average over all."""
+    """Over every stage server's backwards: the share differentiated at a stashed copy of the weights their forward ran
+    on (inner steps moved them in between), the share recomputed on moved weights (older than the stash keeps), and
+    the inner steps between, on average over all."""
     last = [
         next((r for r in reversed(records) if r.get("role") == "stage" and "backward" in r), {})
         for records in peers.values()
@@ -111,6 +112,7 @@ def recompute_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float
     backward = sum(r.get("backward", 0) for r in last)
     per_backward = lambda key: sum(r.get(key, 0) for r in last) / backward if backward else None
     return {
+        "server_stashed_backward_fraction": per_backward("stashed_backward"),
         "server_stale_recompute_fraction": per_backward("stale_recompute"),
         "server_stale_recompute_steps_mean": per_backward("stale_recompute_steps"),
     }
@@ -389,7 +391,8 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
         f"outer    {cfg.outer.method} H={cfg.outer.inner_steps}: rounds {swarm['outer_rounds']}  median {swarm['round_s'] or 0:.2f}s  "
         f"{swarm['pseudo_grad_bytes_per_token']:.3f} pseudo-grad B/token (fp32 would be {swarm['fp32_pseudo_grad_bytes_per_token']:.1f})"
         f"  window {swarm['window_mean'] or 0:.2f}, staleness {swarm['staleness_mean'] or 0:.2f} (trainers), "
-        f"{swarm['server_stale_recompute_steps_mean'] or 0:.2f} steps (servers' recompute)"
+        f"{swarm['server_stale_recompute_steps_mean'] or 0:.2f} steps (servers' recompute), "
+        f"{swarm['server_stashed_backward_fraction'] or 0:.2f} of backwards on stashed weights"
         + (
             f"  joiner: {swarm['join_role']} of stage {swarm['join_stage']}, serving {swarm['join_s']:.1f}s after start"
             if swarm.get("join_s")

@@ -18,6 +18,7 @@ from swarm.hardware import CPU, compute_precision, resolve_device
 from swarm.model.sizing import (
     GIB,
     OUTER_BYTES_PER_PARAMETER,
+    STASH_BYTES_PER_PARAMETER,
     TRAINING_BYTES_PER_PARAMETER,
     StageDoesNotFit,
     StageFootprint,
@@ -80,7 +81,9 @@ def test_the_footprint_grows_with_the_outer_state_and_shrinks_with_bf16_activati
     diloco = StageFootprint.of(derive_config(cfg, outer="diloco"), 1)
     ddp = StageFootprint.of(derive_config(cfg, outer="ddp"), 1)
     bf16 = StageFootprint.of(derive_config(cfg, {"train.precision": "bf16"}, outer="diloco"), 1)
-    assert diloco.training_bytes == TRAINING_BYTES_PER_PARAMETER * diloco.parameters
+    assert diloco.training_bytes == (TRAINING_BYTES_PER_PARAMETER + STASH_BYTES_PER_PARAMETER) * diloco.parameters
+    edge = StageFootprint.of(derive_config(cfg, outer="diloco"), 0)  # a trainer keeps no stash
+    assert edge.training_bytes == TRAINING_BYTES_PER_PARAMETER * edge.parameters
     assert diloco.outer_bytes == OUTER_BYTES_PER_PARAMETER * diloco.parameters
     assert ddp.outer_bytes == 0 and bf16.activation_bytes < diloco.activation_bytes
     assert "stage 1: 42.5M parameters" in diloco.describe()

@@ -4,6 +4,7 @@ gradients, and the trainer driving servers through the same envelope (including 
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from compress.errors import BadMagic, LimitExceeded
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Traffic
 from swarm.model.stages import build_stage
+from swarm.model.step import stage_gradients
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import (
     Backward,
@@ -36,7 +38,7 @@ from swarm.pipeline.protocol import (
     unpack,
 )
 from swarm.pipeline.routing import PathConfig, Router
-from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer
+from swarm.pipeline.server import STASHED_STEPS, ActivationCache, CacheEntry, StageServer
 from swarm.pipeline.trainer import Trainer, TrainerOptions
 from swarm.sim.centralized import evaluate, train_centralized
 
@@ -283,21 +285,45 @@ def test_a_backward_across_an_outer_install_goes_back_without_touching_the_new_w
     asyncio.run(scenario())
 
 
-def test_a_backward_recomputed_after_an_inner_step_since_its_forward_is_counted_with_the_steps_between() -> None:
-    """Two microbatches per inner step, five forwarded at step 0: "a" and "b" come back first (step 1), "c" and "d"
-    are recomputed one step on (step 2), "late" two steps on; none of it is refused or left out."""
+def test_a_backward_after_inner_steps_since_its_forward_differentiates_the_weights_its_forward_ran_on() -> None:
+    """Two microbatches per inner step, six forwarded at step 0: "a" and "b" come back first (step 1), "c" and "d"
+    one step on (step 2), "late" two steps on: each is differentiated at step 0's weights, exactly as a copy of those
+    weights would be. Then "e" and "f" make step 3, and the stash (the last two steps' weights) lets step 0's go:
+    "ancient" is recomputed on weights three steps on, and counted. None of it is refused or left out."""
 
     async def scenario() -> None:
         server, codec = StageServer(tiny(), 1), get_codec("fp32")
-        assert server.cfg.train.inner_batch == 2 * B
-        x, g = torch.randn(B, T, D), torch.randn(B, T, D)
-        for mb in ("late", "a", "b", "c", "d"):
-            await server.forward("p", Forward(mb=mb, stage=1, prev_stage=0, x=codec.encode(x)))
-        for mb in ("a", "b", "c", "d", "late"):
-            await server.backward("p", Backward(mb=mb, stage=1, grad=codec.encode(g)))
-        assert server.inner_steps == 2 and server.inner.samples == B  # "late" waits for the next step
-        assert server.counters["stale_recompute"] == 3 and server.counters["stale_recompute_steps"] == 1 + 1 + 2
-        assert server.counters["backward"] == 5 and server.counters["stale_backward"] == 0
+        assert server.cfg.train.inner_batch == 2 * B and STASHED_STEPS == 2
+        at_step_0 = copy.deepcopy(server.module)
+        xs = {mb: torch.randn(B, T, D) for mb in ("ancient", "late", "a", "b", "c", "d", "e", "f")}
+        g = torch.randn(B, T, D)
+        forward = lambda mb: server.forward("p", Forward(mb=mb, stage=1, prev_stage=0, x=codec.encode(xs[mb])))
+        backward = lambda mb: server.backward("p", Backward(mb=mb, stage=1, grad=codec.encode(g)))
+        for mb in ("ancient", "late", "a", "b", "c", "d"):
+            await forward(mb)
+        for mb in ("a", "b", "c", "d"):
+            await backward(mb)
+        assert server.inner_steps == 2 and server.inner.samples == 0 and len(server.stash) == 2
+
+        # "late": the input gradient and the parameter gradients of step 0's weights, not of today's
+        returned = codec.decode(await backward("late"))
+        expected_x, expected = stage_gradients(at_step_0, xs["late"], g)
+        assert torch.allclose(returned, expected_x, atol=1e-6)
+        held = [p.grad for p in server.module.parameters() if p.requires_grad]
+        assert all(torch.allclose(h, e, atol=1e-6) for h, e in zip(held, expected, strict=True) if e is not None)
+        _, today = stage_gradients(server.module, xs["late"], g)
+        assert not all(torch.allclose(h, t, atol=1e-6) for h, t in zip(held, today, strict=True) if t is not None)
+
+        assert server.counters["stashed_backward"] == 3 and server.counters["stale_recompute"] == 0  # c, d, late
+
+        for mb in ("e", "f"):  # each back on the weights it ran on ("e" and "late" make step 3)
+            await forward(mb)
+            await backward(mb)
+        assert server.inner_steps == 3 and server.stash.get(0) is None
+        await backward("ancient")
+        assert server.counters["stale_recompute"] == 1 and server.counters["stale_recompute_steps"] == 3
+        assert server.counters["stashed_backward"] == 3
+        assert server.counters["backward"] == 8 and server.counters["stale_backward"] == 0
         server.shutdown()
 
     asyncio.run(scenario())
@@ -409,7 +435,8 @@ def test_failed_replicas_are_retried_elsewhere_and_nothing_is_lost() -> None:
     real_backward = net.backward
 
     async def stage2_dies_after_forward(peer: str, req: Backward, *, timeout: float) -> bytes:
-        net.dead.add("2a") if req.stage == 2 and req.x is None else None
+        # 2a dies between a forward it served and that microbatch's backward (whichever replica routing chose first)
+        net.dead.add("2a") if peer == "2a" and req.x is None else None
         return await real_backward(peer, req, timeout=timeout)
 
     net.servers["2b"] = StageServer(cfg, 2)

@@ -3,7 +3,8 @@
 Counts are exact (``tests/test_model.py`` checks them against the built modules). The memory estimate
 is an upper bound of what a peer holds for one stage while it trains:
 
-- fp32 weights, their gradients and AdamW's two moments: 16 bytes per parameter;
+- fp32 weights, their gradients and AdamW's two moments: 16 bytes per parameter; on a middle stage also the stage
+  server's stash of the weights of its last two inner steps (``WeightStash``), 8 more;
 - the outer step's state: the global weights of the last round and the outer momentum (DiLoCo, NoLoCo) or
   the error-feedback buffer (SparseLoCo), 8 bytes per parameter, and during a round the snapshot of the local
   weights, the installed target and the pseudo-gradient, 12 more (none without an outer step);
@@ -17,7 +18,7 @@ is an upper bound of what a peer holds for one stage while it trains:
     >>> stage_parameters(ModelConfig(preset="125m"), num_stages=2, stage=1)  # blocks 0-5 of 12
     42467328
     >>> print(StageFootprint.of(cfg, stage=1).describe())
-    stage 1: 42.5M parameters, needs ≈ 3.52 GiB (weights, gradients, AdamW 0.63 GiB; outer state 0.79 GiB; activations 1.59 GiB; the process 0.50 GiB)
+    stage 1: 42.5M parameters, needs ≈ 2.64 GiB (weights, gradients, AdamW 0.95 GiB; outer state 0.79 GiB; activations 0.40 GiB; the process 0.50 GiB)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
+STASH_BYTES_PER_PARAMETER = 4 * 2  # a middle stage's server: fp32 copies of its last 2 inner steps' weights
 OUTER_BYTES_PER_PARAMETER = 8 + 12  # fp32 global weights + momentum or error buffer; in a round: snapshot, target, Δ
 RUNTIME_BYTES = GIB // 2  # measured: a tiny-model peer's peak RSS is ~0.45 GB (docs/benchmarks.md, bench_scale)
 
@@ -76,7 +78,7 @@ def activation_bytes(cfg: SwarmConfig, stage: int) -> int:
 class StageFootprint:
     what: str  # "stage 2", or "the whole model"
     parameters: int
-    training_bytes: int  # weights, gradients, AdamW moments
+    training_bytes: int  # weights, gradients, AdamW moments (and a middle stage's weight stash)
     outer_bytes: int
     activation_bytes: int
     runtime_bytes: int = RUNTIME_BYTES
@@ -85,7 +87,8 @@ class StageFootprint:
     def of(cls, cfg: SwarmConfig, stage: int) -> StageFootprint:
         params = stage_parameters(cfg.model, cfg.stages.num_stages, stage)
         outer = OUTER_BYTES_PER_PARAMETER * params if cfg.outer.method != "none" else 0
-        return cls(f"stage {stage}", params, TRAINING_BYTES_PER_PARAMETER * params, outer, activation_bytes(cfg, stage))
+        per_parameter = TRAINING_BYTES_PER_PARAMETER + (STASH_BYTES_PER_PARAMETER if stage != EDGE_STAGE else 0)
+        return cls(f"stage {stage}", params, per_parameter * params, outer, activation_bytes(cfg, stage))
 
     @classmethod
     def whole_model(cls, cfg: SwarmConfig, *, outer: bool = False) -> StageFootprint:

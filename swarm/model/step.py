@@ -31,7 +31,7 @@ adds its samples (right after its own backward, or after the whole microbatch) c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -109,18 +109,24 @@ def trainable(stage: nn.Module) -> list[nn.Parameter]:
 
 
 def stage_gradients(
-    stage: MiddleStage, x: torch.Tensor, grad: torch.Tensor
+    stage: MiddleStage, x: torch.Tensor, grad: torch.Tensor, *, weights: Mapping[str, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Step 4 recomputed from ``x``, held apart: the gradient w.r.t. ``x`` and this microbatch's parameter
     gradients (in ``trainable(stage)`` order, None where unused), not yet accumulated.
 
     A stage server screens them before ``add_gradients`` counts them, so one bad microbatch
-    cannot poison the gradients the others accumulated.
+    cannot poison the gradients the others accumulated. ``weights`` (trainable parameters by name) are the values
+    to differentiate at instead of the stage's current ones: a stashed copy of the weights the forward ran on.
     """
     x = x.detach().requires_grad_()
-    params = trainable(stage)
+    if weights is None:
+        params, run = trainable(stage), stage
+    else:
+        names = [name for name, p in stage.named_parameters() if p.requires_grad]  # trainable(stage)'s order
+        params = [weights[name].detach().requires_grad_() for name in names]
+        run = lambda x: torch.func.functional_call(stage, dict(zip(names, params, strict=True)), (x,))
     with torch.enable_grad():
-        grad_x, *grads = torch.autograd.grad(stage(x), [x, *params], grad, allow_unused=True)
+        grad_x, *grads = torch.autograd.grad(run(x), [x, *params], grad, allow_unused=True)
     return grad_x, grads
 
 
@@ -196,6 +202,8 @@ class InnerStep:
         self.steps = 0  # taken by this copy
         self.skipped = 0  # steps skipped for a non-finite gradient norm (their gradients dropped)
         self.grad_norm = 0.0  # before clipping, at the last step taken: always finite (records refuse NaN)
+        # called with ``steps`` just before a step moves the weights (a stage server stashes them: ``WeightStash``)
+        self.before_step: list[Callable[[int], None]] = []
 
     def add(self, samples: int, *, step_when_due: bool = True) -> bool:
         """Count ``samples`` whose (loss-weighted) gradients were just accumulated; step once an inner batch is in
@@ -210,6 +218,8 @@ class InnerStep:
 
     def step(self) -> bool:
         """Clip, step, advance the schedule and zero the gradients now; False if a non-finite norm skipped the step."""
+        for hook in self.before_step:
+            hook(self.steps)
         norm = clip_and_step(self.optimizer, self.scheduler, self.grad_clip)
         self.samples = 0
         if not math.isfinite(norm):

@@ -2,7 +2,8 @@
 
 Forward keeps the decoded input in a cache bounded by count and bytes, and each calling peer to a
 share of it; backward recomputes the stage from that input (or from an input the trainer resends
-when the entry is gone), so no autograd graph waits in memory between the two calls. Each
+when the entry is gone), so no autograd graph waits in memory between the two calls; if inner steps moved
+the weights in between, it differentiates a stashed copy of the weights the forward ran on (``WeightStash``). Each
 microbatch's parameter gradients are screened before they accumulate: a non-finite norm, or one
 far above the recent ones, is an invalid request (a strike against its sender), and the others'
 gradients stay as they were. An inner AdamW step is taken every ``train.inner_batch`` samples. All
@@ -43,6 +44,7 @@ from swarm.pipeline.protocol import Backward, Forward, Reply, RequestError
 
 T = TypeVar("T")
 FRAME_SLACK_BYTES = 64 << 10  # frame header, codec metadata and token ids on top of fp32 values
+STASHED_STEPS = 2  # weight copies a server keeps for backwards whose forward ran before its last inner steps
 
 
 @dataclass
@@ -52,6 +54,42 @@ class CacheEntry:
     forward_s: float  # compute time of the forward, counted into the throughput at backward
     weights: int  # the server's weights epoch the forward ran on (``StageServer.weights_epoch``)
     inner_step: int | None = None  # the server's inner steps when the forward ran; None: unknown (a resent input)
+
+
+class WeightStash:
+    """Copies of a stage's trainable weights from before its last ``keep`` inner steps, by the step count they had.
+
+    A backward recomputes its forward from the cached input. If inner steps (other microbatches' samples) moved the
+    weights in between, the recompute would differentiate weights the forward's output never came from; with the
+    copy the backward differentiates the weights its forward ran on, and the gradient goes into the current weights
+    (PipeDream's weight stashing). A copy is taken only when a forward on the current weights waits for its backward;
+    a backward older than ``keep`` steps is recomputed on the current weights and counted (``stale_recompute``).
+    Memory: up to ``keep`` fp32 copies of the stage's weights (``swarm/model/sizing.py`` counts them).
+
+        >>> stash = WeightStash(keep=2); inner.before_step.append(lambda step: stash.take(step, module))
+        >>> stash.get(entry.inner_step)  # the weights that forward ran on, or None
+    """
+
+    def __init__(self, *, keep: int = 2) -> None:
+        self.keep = keep
+        self._copies: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+
+    def take(self, step: int, module: torch.nn.Module) -> None:
+        """Copy ``module``'s trainable weights as they are at inner step ``step`` (about to move)."""
+        with torch.no_grad():
+            self._copies[step] = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+        self._copies.move_to_end(step)
+        while len(self._copies) > self.keep:
+            self._copies.popitem(last=False)
+
+    def get(self, step: int) -> dict[str, torch.Tensor] | None:
+        return self._copies.get(step)
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+    def __len__(self) -> int:
+        return len(self._copies)
 
 
 class ActivationCache:
@@ -173,6 +211,8 @@ class StageServer:
         self.weights_epoch = (
             0  # outer installs and downloads so far: forwards from before one get no parameter gradient
         )
+        self.stash = WeightStash(keep=STASHED_STEPS)  # the weights pending forwards ran on, across inner steps
+        self.inner.before_step.append(self._stash_weights)
 
     async def forward(self, peer: PeerID, request: Forward) -> Reply:
         taken = self.clock()
@@ -267,8 +307,14 @@ class StageServer:
 
     def weights_replaced(self) -> None:
         """An outer install or a download replaced the weights (on the compute thread): the backwards of forwards
-        served before it add no parameter gradient (``stale_backward``)."""
+        served before it add no parameter gradient (``stale_backward``), so their stashed weights are of no use."""
         self.weights_epoch += 1
+        self.stash.clear()
+
+    def _stash_weights(self, step: int) -> None:
+        """Before an inner step (on the compute thread): keep the weights if a forward on them awaits its backward."""
+        if len(self.cache):
+            self.stash.take(step, self.module)
 
     def shutdown(self) -> None:
         if self._owns_compute:
@@ -315,8 +361,10 @@ class StageServer:
 
     def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor) -> torch.Tensor:
         x = entry.x
+        moved = entry.inner_step is not None and entry.inner_step < self.inner_steps  # inner steps since its forward
+        stashed = self.stash.get(entry.inner_step) if moved else None  # type: ignore[arg-type]
         with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
-            grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device))
+            grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device), weights=stashed)
         norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
         refusal = self.screen.refusal(norm) or (None if all_finite(grad_x) else "the input gradient is not finite")
         if refusal is not None:  # the sender's gradient would poison the batch: refused before it counts
@@ -325,11 +373,14 @@ class StageServer:
             self.counters["stale_backward"] += 1
             return grad_x
         self.screen.accept(norm)
-        if entry.inner_step is not None and entry.inner_step < self.inner_steps:
-            # recomputed on weights an inner step (other microbatches' samples) has moved since its forward: the
-            # gradient is of weights its output never came from; counted, with the steps between (no weight stash)
+        if moved and stashed is not None:  # differentiated at the stashed weights its forward ran on
+            self.counters["stashed_backward"] += 1
+        elif moved:
+            # recomputed on weights an inner step (other microbatches' samples) has moved since its forward, and
+            # older than the stash keeps: the gradient is of weights its output never came from; counted, with the
+            # steps between
             self.counters["stale_recompute"] += 1
-            self.counters["stale_recompute_steps"] += self.inner_steps - entry.inner_step
+            self.counters["stale_recompute_steps"] += self.inner_steps - entry.inner_step  # type: ignore[operator]
         add_gradients(self.module, grads)
         self.inner.add(x.shape[0])  # step 6
         return grad_x  # (B, T, d)
