@@ -12,6 +12,7 @@ round time = a + b·n, and projects a group round against NoLoCo-style pairs to 
 
     python3 scripts/bench_rounds.py                                  # n = 2 4 8, diloco; table and projection
     python3 scripts/bench_rounds.py --sizes 2 4 8 --methods diloco sparseloco --json docs/data/rounds.json
+    python3 scripts/bench_rounds.py --replot docs/data/rounds.json docs/data/rounds-8-window5s.json --plot docs/data/rounds.png
 """
 
 from __future__ import annotations
@@ -184,6 +185,53 @@ def project(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+PROJECTED_SIZES = (2, 4, 8, 16, 32, 100, 316, 1000)
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Two panels: the measured median round time against n (each run, by method and window) with the fitted line
+    carried to 1,000; and what one replica receives per round in a group round ((n − 1) payloads) against a NoLoCo
+    pair (one partner payload of Δ and θ: 2 payloads), for each method's measured payload."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, bytes_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in sorted({r["method"] for r in runs}):
+        mine = [r for r in runs if r["method"] == method]
+        for window in sorted({r["matchmaking_window_s"] for r in mine}):
+            done = [r for r in mine if r["matchmaking_window_s"] == window and r["median_round_s"] is not None]
+            if done:
+                time_ax.plot(
+                    [r["n"] for r in done],
+                    [r["median_round_s"] for r in done],
+                    "o",
+                    label=f"{method}, {window:g} s window",
+                )
+        fitted = [r for r in mine if r["median_round_s"] is not None and r["matchmaking_window_s"] == 1.0]
+        if len(fitted) >= 2:
+            a, b = fit_line([float(r["n"]) for r in fitted], [r["median_round_s"] for r in fitted])
+            time_ax.plot(
+                PROJECTED_SIZES, [a + b * n for n in PROJECTED_SIZES], "--", label=f"{method} fit: {a:.2f} + {b:.3f}·n"
+            )
+        payload = statistics.median(r["payload_bytes"] for r in mine)
+        bytes_ax.plot(PROJECTED_SIZES, [(n - 1) * payload for n in PROJECTED_SIZES], label=f"{method} group round")
+        bytes_ax.plot(PROJECTED_SIZES, [2 * payload for _ in PROJECTED_SIZES], ":", label=f"{method} NoLoCo pair")
+    time_ax.set(xscale="log", yscale="log", xlabel="replicas of the stage (n)", ylabel="median round (s)")
+    time_ax.set_title("outer-round time (loopback, tiny stage; n = 8 at 1 s: no round of all 8)", fontsize=9)
+    bytes_ax.set(
+        xscale="log", yscale="log", xlabel="replicas of the stage (n)", ylabel="bytes received per replica-round"
+    )
+    bytes_ax.set_title("received per round: group all-gather against a pair", fontsize=9)
+    for ax in (time_ax, bytes_ax):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def table(runs: list[dict[str, Any]], projection: dict[str, Any]) -> str:
     head = (
         "| n | method | rounds (min per replica, all n) | median round s | median group / contributors | "
@@ -229,10 +277,20 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds of rounds at most per (n, method)")
     parser.add_argument("--window-s", type=float, help="matchmaking window in seconds (default: the tests' 1 s)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--plot", type=Path, metavar="PATH.png", help="plot round time and bytes against n (matplotlib)"
+    )
+    parser.add_argument("--replot", type=Path, nargs="+", metavar="JSON", help="plot earlier runs' JSON, run nothing")
     parser.add_argument("--one", nargs=2, metavar=("N", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(group_run(int(args.one[0]), args.one[1], args.rounds, args.timeout, args.window_s)))
+        return
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot PATH.png")
+        plot([run for path in args.replot for run in json.loads(path.read_text())["runs"]], args.plot)
+        print(f"wrote {args.plot}")
         return
     runs = []
     for method in args.methods:
@@ -253,6 +311,8 @@ def main() -> None:
         doc = {"load_average": [round(x, 2) for x in load], "runs": runs, "projection": projection}
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.plot:
+        plot(runs, args.plot)
 
 
 if __name__ == "__main__":
