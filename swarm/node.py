@@ -270,9 +270,8 @@ def choose_role(
         return "stage", pick_stage(replicas)
 
 
-FULL_AFTER_SERVERS = (
-    2  # servers per middle stage before ``--role auto`` prefers a full peer: one may fail, paths still run
-)
+# servers per middle stage before ``--role auto`` prefers a full peer: one may fail and the paths still run
+FULL_AFTER_SERVERS = 2
 
 
 def pipeline_is_served(replicas: dict[int, dict[PeerID, StageStatus]], num_stages: int) -> bool:
