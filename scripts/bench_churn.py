@@ -9,6 +9,7 @@ come from the peers' own counts (``dht_stores`` in the metrics of their JSONL re
 
     python3 scripts/bench_churn.py                                   # 16 peers, a kill every 20 s for 300 s
     python3 scripts/bench_churn.py --peers 8 --duration 120 --json docs/data/churn.json
+    python3 scripts/bench_churn.py --replot docs/data/churn-2026-11-24.json --plot docs/data/churn.png   # per-peer RSS, CPU
 """
 
 from __future__ import annotations
@@ -311,6 +312,36 @@ def print_table(result: dict[str, Any]) -> None:
     )
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per peer, by role: peak and mean RSS (process, DHT process and p2pd) and CPU share, with the swarm's DHT
+    stores per second in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    peers = sorted(result["per_peer"], key=lambda p: (p["role"], p["peer"]))
+    names, xs = [p["peer"] for p in peers], range(len(peers))
+    colour = {"stage": "tab:blue", "trainer": "tab:orange", "full": "tab:green"}
+    fig, (rss_ax, cpu_ax) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    rss_ax.bar(xs, [p["peak_rss_mb"] for p in peers], color=[colour.get(p["role"], "grey") for p in peers], alpha=0.4)
+    rss_ax.bar(xs, [p["mean_rss_mb"] for p in peers], color=[colour.get(p["role"], "grey") for p in peers])
+    rss_ax.set(ylabel="RSS MB (mean; peak light)")
+    cpu_ax.bar(xs, [p["cpu_percent"] for p in peers], color=[colour.get(p["role"], "grey") for p in peers])
+    cpu_ax.set(ylabel="CPU % of one core")
+    cpu_ax.set_xticks(list(xs), names, rotation=70, fontsize=7)
+    stores = result["dht_stores"]
+    rss_ax.set_title(
+        f"{result['peers']} peers, a kill every {result['kill_every_s']:g} s for {result['duration_s']:g} s on "
+        f"{result['cpus']} cores: DHT stores {stores['swarm_per_s']:.1f}/s for the swarm, "
+        f"{stores['per_peer_median_per_s']:.2f}/s per peer (blue stage servers, orange trainers, grey killed while joining)",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=16)
@@ -320,7 +351,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="peer logs and metrics (default: a temporary directory)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, metavar="PATH.png", help="plot per-peer RSS and CPU (matplotlib)")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="plot an earlier run's JSON, run nothing")
     args = parser.parse_args()
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot PATH.png")
+        plot(json.loads(args.replot.read_text()), args.plot)
+        print(f"wrote {args.plot}")
+        return
     out = (args.out or Path(tempfile.mkdtemp(prefix="churn-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     save_config(tiny_config(stages=2, steps=STEPS), out / "swarm.toml")
@@ -335,6 +374,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":
