@@ -82,8 +82,8 @@ class WeightStash:
         while len(self._copies) > self.keep:
             self._copies.popitem(last=False)
 
-    def get(self, step: int) -> dict[str, torch.Tensor] | None:
-        return self._copies.get(step)
+    def get(self, step: int | None) -> dict[str, torch.Tensor] | None:
+        return None if step is None else self._copies.get(step)
 
     def clear(self) -> None:
         self._copies.clear()
@@ -361,8 +361,8 @@ class StageServer:
 
     def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor) -> torch.Tensor:
         x = entry.x
-        moved = entry.inner_step is not None and entry.inner_step < self.inner_steps  # inner steps since its forward
-        stashed = self.stash.get(entry.inner_step) if moved else None  # type: ignore[arg-type]
+        moved_steps = 0 if entry.inner_step is None else self.inner_steps - entry.inner_step  # since its forward
+        stashed = self.stash.get(entry.inner_step) if moved_steps else None
         with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
             grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device), weights=stashed)
         norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
@@ -373,14 +373,14 @@ class StageServer:
             self.counters["stale_backward"] += 1
             return grad_x
         self.screen.accept(norm)
-        if moved and stashed is not None:  # differentiated at the stashed weights its forward ran on
+        if stashed is not None:  # differentiated at the stashed weights its forward ran on
             self.counters["stashed_backward"] += 1
-        elif moved:
+        elif moved_steps:
             # recomputed on weights an inner step (other microbatches' samples) has moved since its forward, and
             # older than the stash keeps: the gradient is of weights its output never came from; counted, with the
             # steps between
             self.counters["stale_recompute"] += 1
-            self.counters["stale_recompute_steps"] += self.inner_steps - entry.inner_step  # type: ignore[operator]
+            self.counters["stale_recompute_steps"] += moved_steps
         add_gradients(self.module, grads)
         self.inner.add(x.shape[0])  # step 6
         return grad_x  # (B, T, d)

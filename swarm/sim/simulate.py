@@ -50,7 +50,7 @@ class SimulationConfig:
     log_every: int = 25  # ticks
     # replicas 0..full-1 are full peers (``swarm/full.py``): trainer k runs the whole model on its own copies k of
     # every stage, every stage in order, with no wire between them; the others are pipelined among themselves
-    full: int = 0  # how a full replica's boundaries are coded: the swarm config's ``codecs.full_boundaries``
+    full: int = 0  # (their own boundaries are coded as the swarm config's ``codecs.full_boundaries`` says)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
