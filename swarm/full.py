@@ -207,7 +207,9 @@ class FullRole:
         servicer = await self._serve(full, holders, meter) if config.serve else None
 
         async def announce() -> None:
-            for holder, sync in zip(holders, syncs, strict=True):
+            # Stage 0 last: a peer that sees this one's stage-0 record (``wait_for_replicas``) then finds it listed on
+            # every stage, so no first round of a later stage finds nobody listed and closes its window at once.
+            for holder, sync in reversed(list(zip(holders, syncs, strict=True))):
                 status = holder.status(queue=servicer.pending if servicer else 0)
                 await parts.membership.announce(holder.stage, status.copy(update=sync.status_fields()))
             await parts.membership.publish_config()
