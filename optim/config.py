@@ -26,13 +26,13 @@ def _check_unit_interval(section: object, name: str, *, closed: bool) -> None:
 class InnerOptimConfig:
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio · lr``."""
 
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    weight_decay: float = 0.1
-    warmup_steps: int = 30
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
+    beta1: float = 0.9  # AdamW β1
+    beta2: float = 0.95  # AdamW β2
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    warmup_steps: int = 30  # inner steps of linear warmup to lr
     total_steps: int = 1000  # length of the cosine schedule in inner steps
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the cosine decays to min_lr_ratio · lr
     grad_clip: float = 1.0  # max global grad norm per stage; 0 disables
 
     def __post_init__(self) -> None:
@@ -47,7 +47,7 @@ class InnerOptimConfig:
 class OuterOptimConfig:
     """How replicas of a stage agree every ``inner_steps`` (H) inner steps."""
 
-    method: OuterMethod = "sparseloco"
+    method: OuterMethod = "sparseloco"  # the outer step: none (replicas never sync), DiLoCo, SparseLoCo or NoLoCo
     # H. 10: SparseLoCo's pseudo-gradients stay >1000× below per-step fp32 gradients at K = 2, and the
     # gap to data-parallel training roughly halves against H = 20 (docs/benchmarks.md, "Convergence")
     inner_steps: int = 10
@@ -58,7 +58,7 @@ class OuterOptimConfig:
     sparseloco_lr: float = 1.0  # SGD on the aggregated sparse pseudo-gradient
     sparseloco_momentum: float = 0.0  # Nesterov; 0: plain SGD (the SparseLoCo paper's α = 1 step)
     noloco_lr: float = 0.7  # NoLoCo: heavy-ball SGD on mean(Δ) plus the pull towards the partner's weights
-    noloco_momentum: float = 0.5
+    noloco_momentum: float = 0.5  # NoLoCo: the heavy-ball momentum
     # a warm start: replicas meet after every inner step for their first ``warm_start_steps`` steps, then every H
     warm_start_steps: int = 0
 

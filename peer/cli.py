@@ -5,17 +5,48 @@ $ swarmloco eval --checkpoint runs/baseline/model.pt
 $ swarmloco sample --checkpoint runs/baseline/model.pt --prompt "def " --tokens 200
 $ swarmloco export --initial-peers /ip4/…/p2p/12D3… -o model.pt   # the model of a running swarm
 $ swarmloco export --checkpoint runs/baseline/model.pt --format hf -o model-hf   # a folder transformers loads
+$ swarmloco config show --config swarm.toml   # the effective config, each field's meaning commented
+$ swarmloco --version
 
 The commands live in peer/commands/; importing them registers them on ``app`` (peer/cli_common.py),
 in the order ``swarmloco --help`` lists them.
 """
 
+import importlib.metadata
 import sys
+from typing import Annotated
+
+import typer
 
 from peer.cli_common import app
-from peer.commands import dashboard, one_process, private_swarm, swarm, tokenizer  # noqa: F401  (their decorators register the commands)
+from peer.commands import config, dashboard, one_process, private_swarm, swarm, tokenizer  # noqa: F401  (their decorators register the commands)
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "version"]
+DISTRIBUTION = "swarmloco"
+
+
+def version() -> str:
+    """The installed swarmloco's version; "unknown" when run from a source tree that was never installed."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def print_version(given: bool) -> None:
+    if given:
+        typer.echo(f"{DISTRIBUTION} {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=print_version, help="Print swarmloco's version and exit."),
+    ] = False,
+) -> None:
+    """The options before any command (the app's help is ``app``'s own, in peer/cli_common.py)."""
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ The commands live in peer/commands/ and register on ``app`` when peer.cli import
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -13,6 +14,7 @@ import typer
 
 from peer import logs
 from peer.data import DataError
+from peer.progress import elapsed_and_eta
 from peer.tokenizer import Tokenizer, TokenizerError, config_and_tokenizer
 from swarm.config import SwarmConfig, load_config
 from swarm.errors import ConfigError
@@ -62,6 +64,7 @@ LogLevelOpt = Annotated[
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger(__name__)
 USER_ERRORS = (ConfigError, DataError, CheckpointError, StageDoesNotFit, TokenizerError)
 
 
@@ -84,6 +87,11 @@ def user_errors(fn: F) -> F:
         except (typer.Exit, typer.Abort):
             raise
         except Exception as e:
+            # a path the user gave that cannot be used (a file where a folder must be, no permission); an OSError
+            # about no path (a refused connection, a busy port) is a bug or the network's and keeps its traceback
+            if isinstance(e, OSError) and e.filename is not None:
+                logger.debug("%s failed on a path", fn.__name__, exc_info=True)  # the traceback, for --log-level debug
+                fail(path_error(e))
             if not isinstance(e, swarm_user_errors()):
                 raise
             fail(str(e))
@@ -96,6 +104,16 @@ def user_errors(fn: F) -> F:
     wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), level])  # type: ignore[attr-defined]
     wrapper.__annotations__ = {**fn.__annotations__, "log_level": LogLevelOpt}
     return wrapper  # type: ignore[return-value]
+
+
+def path_error(e: OSError) -> str:
+    """An OSError about a path (a missing folder, a file where a folder must be, no permission) as one line."""
+    reason = e.strerror or type(e).__name__
+    if isinstance(e, FileExistsError) and Path(e.filename).exists() and not Path(e.filename).is_dir():
+        return f"cannot create {e.filename}: a file of that name exists where a folder is needed"
+    if e.filename2 is not None:
+        return f"cannot move {e.filename} to {e.filename2}: {reason}"
+    return f"cannot access {e.filename}: {reason}"
 
 
 def swarm_user_errors() -> tuple[type[Exception], ...]:
@@ -113,7 +131,8 @@ def progress_line(step: int, total: int, record: dict[str, float]) -> str:
     tok_s = record["tokens"] / max(record["elapsed_s"], 1e-9)
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  train {record['train_loss']:.3f}  "
-        f"val {record['val_loss']:.3f}  {tok_s / 1000:.1f}k tok/s  {record['elapsed_s']:.0f}s"
+        f"val {record['val_loss']:.3f}  {tok_s / 1000:.1f}k tok/s  "
+        f"{elapsed_and_eta(record['elapsed_s'], done=step, total=total)}"
     )
 
 

@@ -17,10 +17,12 @@ the validation documents and its own shard's training documents only.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import itertools
 import json
+import re
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,6 +47,13 @@ ROWS_PER_BATCH = 1024  # rows read from a table at once
 DOCS_PER_ENCODE = 256  # documents tokenized in one call
 SEPARATOR = "\n\n"  # between documents
 EXCLUDED_STDLIB_DIRS = {"site-packages", "test", "tests", "__pycache__"}
+# A text file's first TEXT_SNIFF_BYTES decide whether it is text: refused if more than BINARY_SHARE of them are not
+# valid UTF-8 or are control bytes (random bytes: about half; text in UTF-8: none; latin-1 prose: a few percent)
+TEXT_SNIFF_BYTES = 64 << 10
+BINARY_SHARE = 0.10
+# an invalid UTF-8 byte (as surrogateescape decodes it) or a control character text does not hold (tab, newlines,
+# vertical tab, form feed and escape are text)
+NOT_TEXT = re.compile("[\udc80-\udcff\x00-\x08\x0e-\x1a\x1c-\x1f\x7f]")
 
 
 class DataError(ValueError):
@@ -158,7 +167,7 @@ def iter_documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
         elif path.suffix in TABLE_SUFFIXES:
             texts = table_texts(path)
         else:
-            yield Document(relative, read_file(path).decode("utf-8", errors="replace"))
+            yield Document(relative, read_text(path))
             continue
         for row, text in enumerate(texts):
             yield Document(f"{relative}#{row}", text)
@@ -171,8 +180,30 @@ def read_file(path: Path) -> bytes:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
 
 
+def read_text(path: Path) -> str:
+    """A text file's content, decoded as UTF-8 (a stray invalid byte replaced); DataError if it is not text."""
+    data = read_file(path)
+    check_text(path, data)
+    return data.decode("utf-8", errors="replace")
+
+
+def check_text(path: Path, data: bytes) -> None:
+    """Refuse binary content (random bytes, a model, an archive, UTF-16 text) from the first bytes only, so large
+    corpora cost nothing more: the share of them that are not valid UTF-8 or are control bytes."""
+    prefix = data[:TEXT_SNIFF_BYTES]
+    # incremental and not final: a character cut by the prefix's end is held back, not counted as invalid
+    text = codecs.getincrementaldecoder("utf-8")("surrogateescape").decode(prefix, final=len(data) <= len(prefix))
+    bad = len(NOT_TEXT.findall(text))
+    if bad > BINARY_SHARE * len(prefix):
+        first = "first 64 KiB" if len(data) > TEXT_SNIFF_BYTES else f"{len(prefix)} bytes"
+        raise DataError(
+            f"{path} does not look like text: {bad / len(prefix):.0%} of its {first} are not valid UTF-8 or are "
+            f"control bytes; pass UTF-8 text, .jsonl, parquet or arrow files"
+        )
+
+
 def jsonl_texts(path: Path) -> Iterator[str]:
-    for n, line in enumerate(read_file(path).decode("utf-8", errors="replace").splitlines(), 1):
+    for n, line in enumerate(read_text(path).splitlines(), 1):
         if line.strip():
             try:
                 yield str(json.loads(line)[TEXT_COLUMN])

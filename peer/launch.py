@@ -32,6 +32,7 @@ import torch
 
 from peer import logs
 from peer.data import Shard, load_corpus, resolve_paths
+from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
 from swarm.config import SwarmConfig, load_config, save_config
 from swarm.model.stages import StagesConfig
@@ -117,7 +118,7 @@ def progress_line(record: dict[str, Any], steps: int) -> str:
     )
     return (
         f"[{record['peer']}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
-        f"{pipeline}{record['elapsed_s']:.0f}s"
+        f"{pipeline}{elapsed_and_eta(record['elapsed_s'], done=record['step'], total=steps)}"
     )
 
 

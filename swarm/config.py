@@ -10,19 +10,24 @@ in ``__post_init__`` and raises ``ConfigError`` with the field relative to itsel
 ``from_dict`` prefixes each enclosing section, so errors name the full dotted path.
 
     >>> cfg = SwarmConfig()
-    >>> save_config(cfg, "swarm.toml"); assert load_config("swarm.toml") == cfg
+    >>> save_config(cfg, "swarm.toml"); assert load_config("swarm.toml") == cfg  # each field's meaning commented above it
     >>> cfg.hash()  # '3f9c…' (16 hex digits)
     >>> derive_config(cfg, {"codecs.activations": "subspace"}, outer="ddp").model.subspace_rank  # 16 = d_model / 8
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import dataclasses
 import functools
 import hashlib
+import inspect
+import io
 import json
 import re
+import textwrap
+import tokenize
 import tomllib
 import types
 import typing
@@ -56,7 +61,7 @@ class TrainConfig:
     seq_len: int = 128  # tokens per sample; at most model.max_seq_len
     microbatch_size: int = 4  # samples per microbatch: several per inner step keep the pipeline full (issue 16)
     inner_batch: int = 16  # samples accumulated per inner optimizer step
-    seed: int = 0
+    seed: int = 0  # seeds the order trainers sample their data in (each offsets it by its --seed)
     # bf16: forward and backward under autocast, fp32 master weights and optimizer states (``swarm/hardware.py``)
     precision: Precision = "fp32"
 
@@ -110,7 +115,7 @@ HASHED_ONLY_IF_SET: dict[str, object] = {
 
 @dataclass(kw_only=True)
 class SwarmConfig:
-    name: str = "swarmloco"
+    name: str = "swarmloco"  # letters, digits, '-' and '_'; the swarm id is <name>-<hash of this config>
     authority: str = ""  # a private swarm's authority (authority.pub, base64); "" for a public swarm
     model: ModelConfig = field(default_factory=ModelConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
@@ -335,9 +340,80 @@ def load_config(path: str | Path) -> SwarmConfig:
     return config_from_dict(data)
 
 
-def dumps_config(cfg: SwarmConfig) -> str:
-    return tomli_w.dumps(cfg.to_dict())
+def dumps_config(cfg: SwarmConfig, *, commented: bool = False) -> str:
+    """The config as TOML: bare (the DHT's config record), or ``commented``, each section's and field's meaning above it
+    (``class_docs``), a ``Literal`` field's choices too: what swarm.toml holds and ``swarmloco config show`` prints.
+    Either loads back (``load_config``) as ``cfg``."""
+    if not commented:
+        return tomli_w.dumps(cfg.to_dict())
+    lines = _comment(
+        f"swarmloco swarm config. Every peer of swarm {cfg.swarm_id} runs it: the id is the name and a hash of the "
+        "fields below, so a peer with any other value is in another swarm. A field left out takes its default "
+        "(`swarmloco config show` prints them all)."
+    )
+    lines.append("")
+    _commented_table(cfg, (), lines)
+    return "\n".join(lines) + "\n"
 
 
 def save_config(cfg: SwarmConfig, path: str | Path) -> None:
-    Path(path).write_text(dumps_config(cfg))
+    """Write ``cfg`` to ``path`` as commented TOML (``dumps_config``)."""
+    Path(path).write_text(dumps_config(cfg, commented=True))
+
+
+@functools.cache
+def class_docs(cls: type) -> tuple[str, dict[str, str]]:
+    """The meaning of config section ``cls`` (its docstring) and of each of its fields: the comment lines right above the
+    field and the comment on its own line(s), read from the source (the one place they are written; Python gives
+    dataclass fields no docstrings). ("", {}) where the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return "", {}
+    comments: dict[int, tuple[str, bool]] = {}  # line -> (text, whether the comment is all its line holds)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            alone = not token.line[: token.start[1]].strip()
+            comments[token.start[0]] = (token.string.lstrip("#").strip(), alone)
+    (node,) = ast.parse(source).body
+    assert isinstance(node, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for statement in node.body:
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+            continue
+        above, line = [], statement.lineno - 1
+        while line in comments and comments[line][1]:
+            above.insert(0, comments[line][0])
+            line -= 1
+        end = statement.end_lineno or statement.lineno
+        beside = [comments[n][0] for n in range(statement.lineno, end + 1) if n in comments]
+        if text := " ".join(above + beside):
+            docs[statement.target.id] = text
+    return " ".join((ast.get_docstring(node) or "").split()), docs
+
+
+def _commented_table(section: object, path: tuple[str, ...], lines: list[str]) -> None:
+    """Append dataclass ``section`` (at ``path`` in the tree) as TOML, each field's meaning above it: its own fields
+    first, then its sections (TOML puts a table's keys before its sub-tables)."""
+    cls = type(section)
+    doc, docs = class_docs(cls)
+    hints = typing.get_type_hints(cls)
+    if path:
+        lines += ["", *_comment(doc), f"[{'.'.join(path)}]"]
+    sections = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            sections.append((f.name, value))
+            continue
+        lines += _comment(docs.get(f.name, ""))
+        if typing.get_origin(hints[f.name]) is Literal:
+            lines += _comment(f"one of: {', '.join(map(str, get_args(hints[f.name])))}")
+        lines.append(tomli_w.dumps({f.name: value}).rstrip("\n"))
+    for name, value in sections:
+        _commented_table(value, (*path, name), lines)
+
+
+def _comment(text: str, width: int = 100) -> list[str]:
+    """``text`` as TOML comment lines (its ``code`` spans in Markdown's single backticks)."""
+    return [f"# {line}" for line in textwrap.wrap(text.replace("``", "`"), width - 2)]

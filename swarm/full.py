@@ -52,7 +52,7 @@ from swarm.model.step import Batch, InnerStep, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.transfer import StageState, TransferError
-from swarm.parts import PeerParts, every, until_stopped
+from swarm.parts import PeerParts, every, publish_metrics, until_stopped
 from swarm.pipeline.boundary import full_replica_link
 from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageCompute, StageServer
@@ -214,9 +214,7 @@ class FullRole:
                 await parts.membership.announce(holder.stage, status.copy(update=sync.status_fields()))
             await parts.membership.publish_config()
             status = holders[EDGE_STAGE].status().copy(update=syncs[EDGE_STAGE].status_fields())
-            await parts.membership.publish_metrics(
-                meter.sample(status, tokens=full.tokens, dht_stores=parts.membership.stores)
-            )
+            await publish_metrics(parts, meter.sample(status, tokens=full.tokens, dht_stores=parts.membership.stores))
 
         background = [asyncio.create_task(every(cfg.timeouts.announce_period_s, announce))]
         background += [asyncio.create_task(sync.run()) for sync in syncs]
@@ -279,7 +277,7 @@ class FullRole:
                 ):
                     record["val_loss"] = await full.evaluate(val_batches)
                 meter.observe(record)
-                self.parts.on_log({**record, "metrics": meter.last and meter.last.dict()})
+                self.parts.on_log(record)
                 losses = []
         return record
 

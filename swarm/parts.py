@@ -17,6 +17,7 @@ from hivemind.p2p import P2P
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
+from swarm.dht.records import PeerMetrics
 from swarm.outer.service import OuterService
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import StageClient
@@ -40,6 +41,13 @@ class PeerParts:
     ready: Callable[[], None]  # the role takes calls now (the node tells its caller once)
     stop: asyncio.Event
     device: torch.device  # where this peer computes (``PeerConfig.device`` resolved)
+
+
+async def publish_metrics(parts: PeerParts, metrics: PeerMetrics) -> None:
+    """Publish the peer's metrics record to the DHT, then log it (a ``metrics`` event, the record under ``"metrics"``):
+    its JSONL file holds each record the dashboard read, when it was published."""
+    await parts.membership.publish_metrics(metrics)
+    parts.on_log({"event": "metrics", "metrics": metrics.dict()})
 
 
 async def until_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:

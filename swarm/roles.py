@@ -33,7 +33,7 @@ from swarm.hardware import describe
 from swarm.model.stages import EDGE_STAGE
 from swarm.outer.replica import Holder
 from swarm.outer.transfer import StageState, TransferError
-from swarm.parts import PeerParts, every, until_stopped
+from swarm.parts import PeerParts, every, publish_metrics, until_stopped
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, Trainer
 from swarm.recovery.checkfree import NoRecoverySource
@@ -299,14 +299,13 @@ class TrainerRole:
             status = trainer.status().copy(update=sync.status_fields())
             await membership.announce(EDGE_STAGE, status)
             await membership.publish_config()
-            await membership.publish_metrics(
-                meter.sample(status, tokens=trainer.tokens, bans=banned, dht_stores=membership.stores)
+            await publish_metrics(
+                self.parts, meter.sample(status, tokens=trainer.tokens, bans=banned, dht_stores=membership.stores)
             )
 
         def log(record: dict[str, Any]) -> None:
             meter.observe(record)
-            # the record published last
-            self.parts.on_log({**record, **sync.info(), "metrics": meter.last and meter.last.dict()})
+            self.parts.on_log({**record, **sync.info()})
 
         refresher = asyncio.create_task(every(cfg.timeouts.announce_period_s, refresh))
         syncer = asyncio.create_task(sync.run())

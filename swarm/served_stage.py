@@ -22,7 +22,7 @@ from swarm.hardware import describe
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.service import held_stage
 from swarm.outer.transfer import StageState, stream_state, weights_hash
-from swarm.parts import PeerParts, every
+from swarm.parts import PeerParts, every, publish_metrics
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageServer
@@ -145,15 +145,16 @@ class ServedStage:
         await membership.publish_config()
         microbatch_tokens = self.parts.cfg.train.microbatch_size * self.parts.cfg.train.seq_len
         busy_recent, _ = server.busy.fractions()
-        await membership.publish_metrics(
+        await publish_metrics(
+            self.parts,
             self.meter.sample(
                 status,
                 tokens=server.counters["backward"] * microbatch_tokens,
                 busy_fraction=busy_recent,
                 dht_stores=membership.stores,
-            )
+            ),
         )
-        self.parts.on_log({**self.record(), "metrics": self.meter.last.dict()})
+        self.parts.on_log(self.record())
 
     async def checkpoints(self) -> None:
         """Write the stage's local weights to the checkpoint file every ``checkpoint_every`` inner steps (the rollback baseline)."""

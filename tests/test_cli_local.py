@@ -9,6 +9,8 @@ from swarm_harness import swarmloco, tiny_config
 
 from optim.config import OuterOptimConfig
 from swarm.config import save_config
+from swarm.model.transformer import Transformer
+from swarm.recovery.checkpoint import save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,40 @@ def test_user_errors_are_one_clear_line(args: list[str], message: str, child_pro
     (result,) = swarmloco(args, children=child_processes)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_binary_data_corrupt_checkpoints_and_unusable_paths_are_one_clear_line(
+    tmp_path: Path, child_processes: list
+) -> None:
+    noise = bytes(range(256)) * 1000  # NUL and control bytes, invalid UTF-8
+    for name in ("random.bin", "random.txt"):
+        (tmp_path / name).write_bytes(noise)
+    (tmp_path / "bad.pt").write_text("garbage\n")
+    a_file = tmp_path / "a-file"  # where a folder must be
+    a_file.write_text("")
+    cfg = tiny_config()
+    save_checkpoint(tmp_path / "model.pt", cfg, Transformer(cfg.model))
+    cases = {
+        "does not look like text": ["train-local", "--data", str(tmp_path / "random.bin"), "--steps", "1"],
+        f"{tmp_path / 'random.txt'} does not look like text": [
+            "train-local", "--data", str(tmp_path / "random.txt"), "--steps", "1", "--out", str(tmp_path / "o"),
+        ],
+        f"{tmp_path / 'bad.pt'} is not a swarmloco checkpoint (not a torch archive)": [
+            "eval", "--checkpoint", str(tmp_path / "bad.pt"),
+        ],
+        f"cannot access {a_file}": ["swarm", "create", "--name", "x", "--out", str(a_file / "x")],
+        f"cannot access {a_file}/x: Not a directory": [
+            "train-local", "--out", str(a_file / "x"), "--steps", "1",
+        ],
+        f"cannot create {a_file}: a file of that name exists where a folder is needed": [
+            "export", "--checkpoint", str(tmp_path / "model.pt"), "--out", str(a_file / "m.pt"),
+        ],
+    }  # fmt: skip
+    for (message, args), result in zip(cases.items(), swarmloco(*cases.values(), children=child_processes)):
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(errors) == 1, (args, result.stderr)
+        assert message in errors[0], (args, result.stderr)
+        assert "Traceback" not in result.stderr and "weights_only" not in result.stderr
 
 
 def test_help_lists_the_commands(child_processes: list) -> None:

@@ -1,6 +1,7 @@
 """Byte tokenizer, corpus loading, the train/validation split and the batch sampler."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from peer.data import (
     VAL_SEQUENCES,
     DataError,
     Shard,
+    check_text,
     decode,
     default_corpus_paths,
     encode,
@@ -108,6 +110,49 @@ def test_default_corpus_is_the_stdlib_source() -> None:
     paths = default_corpus_paths()
     assert len(paths) > 100 and all(p.suffix == ".py" for p in paths)
     assert not any("site-packages" in p.parts for p in paths)
+
+
+def random_bytes(size: int) -> bytes:
+    return (
+        torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size)).to(torch.uint8).numpy().tobytes()
+    )
+
+
+@pytest.mark.parametrize(
+    "name,content",
+    [
+        ("random.bin", random_bytes(200_000)),  # a file given by name is read whatever its suffix
+        ("random.txt", random_bytes(200_000)),
+        ("small.txt", random_bytes(3000)),
+        ("no-nul.md", bytes(b for b in random_bytes(100_000) if b)),  # not caught by NUL bytes alone
+        ("utf16.txt", ("naïve café 日本語\n" * 500).encode("utf-16")),
+        ("records.jsonl", random_bytes(100_000)),
+    ],
+)
+def test_binary_files_are_refused_naming_the_file(tmp_path: Path, name: str, content: bytes) -> None:
+    (tmp_path / name).write_bytes(content)
+    write_corpus(tmp_path)  # good files beside it do not hide it
+    for spec in (tmp_path / name, tmp_path):
+        if spec == tmp_path and name.endswith(".bin"):
+            continue  # a folder is searched for text suffixes only: random.bin is not read
+        message = rf"{re.escape(str(tmp_path / name))} does not look like text: \d+% of its .* not valid UTF-8"
+        with pytest.raises(DataError, match=message):
+            load_corpus([spec])
+
+
+def test_text_in_any_language_and_stray_invalid_bytes_are_accepted(tmp_path: Path) -> None:
+    (tmp_path / "intl.txt").write_text("naïve café 日本語 Ελληνικά — ✓\tdone\x0c\n" * 2000, encoding="utf-8")
+    # a character cut by the 64 KiB prefix's end, and a stray latin-1 byte, are not binary
+    (tmp_path / "cut.md").write_bytes(b"a" * (64 * 1024 - 1) + "日本語".encode() * 100 + b"caf\xe9\n" * 10)
+    corpus = load_corpus([tmp_path])
+    assert "日本語 Ελληνικά" in all_text(corpus) and "caf\ufffd" in all_text(corpus)
+
+
+def test_real_text_corpora_look_like_text() -> None:
+    vim_docs = Path("/usr/share/vim/vim90/doc")
+    paths = default_corpus_paths() + (sorted(vim_docs.glob("*.txt")) if vim_docs.is_dir() else [])
+    for path in paths:
+        check_text(path, path.read_bytes())
 
 
 def write_parquet(path: Path, texts: list[str], *, rows_per_group: int) -> None:

@@ -207,9 +207,10 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
                 listed = full.call(lambda node: node.membership.all_replicas())
                 me = full.node.membership.peer_id
                 assert all(me in listed[s] and listed[s][me].serves is False for s in range(NUM_STAGES + 1))
-                # what it published (a progress record logged before the first publish carries no metrics yet)
-                published = [r["metrics"] for r in full.records if r.get("role") == "full" and r["metrics"]]
+                # what it published, logged as it published it; its progress records carry no copy
+                published = [r["metrics"] for r in full.records if r.get("event") == "metrics"]
                 assert published and published[-1]["role"] == "full"
+                assert not any("metrics" in r for r in full.records if r.get("role") == "full")
 
                 trainer_records = [r for r in trainer.records if r.get("role") == "trainer"]
 

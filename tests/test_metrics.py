@@ -6,6 +6,7 @@ import asyncio
 import math
 import pickle
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from hivemind.dht.protocol import DHTProtocol
@@ -21,6 +22,7 @@ from swarm.dht.membership import Membership, metrics_key, stage_validator
 from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.process import SwarmDHT
 from swarm.dht.records import MAX_KINDS, PROTOCOL_VERSION, STATES, PeerMetrics, RecoveryClaim, StageStatus
+from swarm.parts import publish_metrics
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
 
@@ -286,3 +288,17 @@ def test_a_peer_name_the_record_cannot_carry_is_refused_when_the_peer_is_configu
     for bad in ("with space", "x" * 65, "-dash", "naïve", ""):
         with pytest.raises(ConfigError, match="letters, digits"):
             PeerConfig(name=bad)
+
+
+def test_a_published_record_is_logged_as_it_is_published() -> None:
+    """The JSONL file holds each metrics record the peer published (a ``metrics`` event), not a stale copy in its
+    progress records."""
+    published, logged = [], []
+
+    async def publish(metrics: PeerMetrics) -> None:
+        published.append(metrics)
+
+    parts = SimpleNamespace(membership=SimpleNamespace(publish_metrics=publish), on_log=logged.append)
+    record = Meter(role="stage", stage=1, state="serving").sample(StageStatus(inner_steps=3), tokens=100)
+    asyncio.run(publish_metrics(parts, record))  # type: ignore[arg-type]
+    assert published == [record] and logged == [{"event": "metrics", "metrics": record.dict()}]

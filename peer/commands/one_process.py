@@ -27,11 +27,13 @@ from peer.cli_common import (
 )
 from peer.config_options import ConfigOption, ConfigOverrides, config_options
 from peer.data import decode, encode, load_corpus
+from peer.progress import elapsed_and_eta
 from peer.tokenizer import tokenizer_for
 from swarm.config import OuterChoice, derive_config
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageFootprint, check_fits
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
+from swarm.sim.simulate import Routing
 
 CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="A model.pt written by train-local or export.")]
 
@@ -186,13 +188,13 @@ def simulate_cmd(
     outer: Annotated[
         OuterChoice,
         typer.Option(
-            help="ddp (fp32 gradient all-reduce every step), diloco, sparseloco, or none (replicas never sync)."
+            help="ddp: an fp32 gradient all-reduce every step; none: replicas never sync; else the outer step's method."
         ),
     ] = "sparseloco",
     overrides: ConfigOverrides = None,
     tokens: Annotated[int, typer.Option(min=1, help="Training tokens over all trainers.")] = 400_000,
     routing: Annotated[
-        str, typer.Option(help="random: any replica per hop (SWARM); sticky: trainer k always uses replica k.")
+        Routing, typer.Option(help="random: any replica per hop (SWARM); sticky: trainer k always uses replica k.")
     ] = "random",
     seed: int = 0,
     log_every: Annotated[int, typer.Option(min=1, help="Log every N ticks (one microbatch per trainer).")] = 25,
@@ -232,7 +234,8 @@ def simulate_cmd(
     def on_log(record: dict[str, float]) -> None:
         typer.echo(
             f"tick {int(record['tick'])}  tokens {int(record['tokens'])}  train {record['train_loss']:.3f}  "
-            f"val {record['val_loss']:.3f}  {record['bytes_per_token']:.1f} B/token  {record['elapsed_s']:.0f}s"
+            f"val {record['val_loss']:.3f}  {record['bytes_per_token']:.1f} B/token  "
+            f"{elapsed_and_eta(record['elapsed_s'], done=record['tokens'], total=tokens)}"
         )
 
     result = simulate(cfg, sim, streams, val, on_log=on_log, device=resolve_device(device))

@@ -30,6 +30,7 @@ from peer.cli_common import (
 from peer.export import ExportFormat
 from swarm.config import SwarmConfig
 from swarm.dht.reachability import ReachabilityMode
+from swarm.peer_config import Role
 from swarm.pipeline.trainer import TrainerOptions
 
 CredentialsOpt = Annotated[
@@ -66,7 +67,7 @@ RevocationsOpt = Annotated[
 @user_errors
 def run_cmd(
     role: Annotated[
-        str,
+        Role,
         typer.Option(
             help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
             "else full if the whole model fits and every stage has two idle servers, else a server of the bottleneck "

@@ -3,8 +3,9 @@
 Each peer stores a ``PeerMetrics`` (schema in ``swarm/dht/records.py``) under ``{swarm_id}/metrics`` with its own subkey (peer id +
 owner marker, as stage records), so one DHT get returns every live peer's latest numbers
 (``Membership.metrics``), a record is schema-checked by every DHT node that stores it, and it
-expires with its peer. ``swarmloco dashboard`` (``peer/dashboard/``) draws them; each peer also logs the record it
-published last with its JSONL lines (under ``"metrics"``), so the file and the dashboard agree.
+expires with its peer. ``swarmloco dashboard`` (``peer/dashboard/``) draws them; each peer also logs every record it
+publishes to its JSONL file, as it publishes it (a ``metrics`` event, ``swarm.parts.publish_metrics``), so the file
+and the dashboard agree.
 
 Counters are cumulative (tokens, bytes, recoveries, DHT stores) so a reader that misses a record loses nothing;
 tokens/s is a rate over the last period. Bytes are wire frames by kind, counted once into the peer's

@@ -44,17 +44,17 @@ class ModelConfig:
     # the shape's name: a preset fills the fields of PRESETS[preset] that a config leaves out (``preset_defaults``);
     # afterwards it is derived from those fields (the preset they match, else "custom"), so it never lies about the shape
     preset: Preset = "tiny"
-    vocab_size: int = 256  # byte-level tokenizer
-    d_model: int = 128
-    n_layers: int = 8
-    n_heads: int = 4
+    vocab_size: int = 256  # token ids: 256 for the byte tokenizer, a BPE tokenizer's own size otherwise
+    d_model: int = 128  # width of the residual stream
+    n_layers: int = 8  # transformer blocks, split among the middle stages
+    n_heads: int = 4  # attention heads: each d_model / n_heads wide, an even width (RoPE)
     ffn_mult: float = 8 / 3  # SwiGLU hidden = round_up(ffn_mult * d_model, 16)
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    max_seq_len: int = 128  # the longest sequence the model takes (its RoPE table)
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     subspace_rank: int = 0  # k; 0 = unconstrained residual stream
     subspace_seed: int = 1234  # seeds U and T; part of the swarm identity
-    init_seed: int = 0
+    init_seed: int = 0  # seeds the initial weights: every replica of a stage starts alike
 
     def __post_init__(self) -> None:
         check_choices(self)

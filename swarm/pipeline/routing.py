@@ -46,9 +46,9 @@ class PathConfig:
     CheckFree+ relies on happen in a fraction ≈ max_swaps·swap_prob/(S−1) of microbatches each.
     """
 
-    skip_ratio: float = 0.0
-    max_swaps: int = 0
-    swap_prob: float = 0.5
+    skip_ratio: float = 0.0  # r: a path leaves out this fraction of the middle stages
+    max_swaps: int = 0  # swap slots per path: adjacent stages it may visit in swapped order
+    swap_prob: float = 0.5  # the chance that each swap slot is used
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.skip_ratio < 1.0:

@@ -82,13 +82,16 @@ def train_centralized(
             tokens += inputs.numel()
         if step % log_every == 0 or step == steps:
             model.eval()
-            on_log(
+            val_loss = evaluate(model, val_batches, device=device, precision=precision)
+            elapsed = time.perf_counter() - start
+            on_log(  # a swarm trainer's progress record has these fields too (docs/architecture.md, "Metrics files")
                 {
                     "step": step,
                     "tokens": tokens,
                     "train_loss": sum(losses) / len(losses),
-                    "val_loss": evaluate(model, val_batches, device=device, precision=precision),
-                    "elapsed_s": time.perf_counter() - start,
+                    "val_loss": val_loss,
+                    "elapsed_s": elapsed,
+                    "tokens_per_s": tokens / max(elapsed, 1e-9),
                     "lr": inner.lr,
                 }
             )

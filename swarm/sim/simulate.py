@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -34,7 +35,8 @@ from swarm.pipeline.routing import sample_path
 from swarm.sim.centralized import Batch, evaluate
 
 MODES = ("ddp", "outer")
-ROUTINGS = ("random", "sticky")
+Routing = Literal["random", "sticky"]  # random: SWARM, any replica per hop; sticky: trainer k always uses replica k
+ROUTINGS: tuple[Routing, ...] = get_args(Routing)
 BYTE_KINDS = ("activations", "activation_gradients", "pseudo_gradients", "gradients")
 
 
@@ -42,9 +44,7 @@ BYTE_KINDS = ("activations", "activation_gradients", "pseudo_gradients", "gradie
 class SimulationConfig:
     replicas: int = 2  # K, per stage (and K trainers)
     mode: str = "outer"  # outer: DiLoCo/SparseLoCo per the swarm config; ddp: fp32 gradient all-reduce every tick
-    routing: str = (
-        "random"  # random: SWARM, any replica per hop; sticky: trainer k always uses replica k (DiLoCo's own pipelines)
-    )
+    routing: Routing = "random"  # sticky: each trainer its own pipeline, as DiLoCo's
     tokens: int = 500_000  # training tokens over all trainers
     seed: int = 0
     log_every: int = 25  # ticks
