@@ -185,7 +185,7 @@ class TrainingHolder:
         self.link = Link(*boundary_codecs(cfg))
         self.inner_steps = self.start_step = 0
 
-    async def exclusive(self, fn: Any, *, new_weights: bool = False) -> Any:
+    async def exclusive(self, fn: Any, *, change: str = "none") -> Any:
         return fn()  # inner steps run on the event loop too: nothing overlaps
 
     def train(self) -> None:

@@ -48,7 +48,7 @@ from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
 from swarm.hardware import compute_precision, describe
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, split_model
-from swarm.model.step import Batch, InnerStep, no_wire, run_microbatch
+from swarm.model.step import Batch, InnerStep, WeightChange, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.transfer import StageState, TransferError
@@ -140,17 +140,16 @@ class StageHolder:
     def inner_steps(self) -> int:
         return self.inner.steps
 
-    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
-        """``fn()`` on the compute thread, between microbatches and requests; ``new_weights``: the gradients this stage
-        holds for its next inner step were taken on the old weights, so they are dropped (as a trainer drops its own),
-        and forwards served before get no parameter gradient at their backward (as a stage server's)."""
+    async def exclusive(self, fn: Callable[[], T], *, change: WeightChange = "none") -> T:
+        """``fn()`` on the compute thread, between microbatches and requests, changing the weights as ``change`` says:
+        after a replacement the gradients this stage holds for its next inner step are dropped (as a trainer drops
+        its own), and forwards served before get no parameter gradient at their backward (as a stage server's); after
+        a move both keep theirs."""
 
         def run() -> T:
-            result = fn()
-            if new_weights:
+            result = fn() if self.server is None else self.server.change_weights(fn, change)
+            if change == "replaced":
                 self.inner.drop()
-                if self.server is not None:
-                    self.server.weights_replaced()
             return result
 
         return await self.full.run(run)

@@ -68,7 +68,7 @@ class StageHolder:
         self.inner_steps = self.start_step = 0
         self.step_size, self.rng = step_size, torch.Generator().manual_seed(seed)
 
-    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
+    async def exclusive(self, fn: Callable[[], T], *, change: str = "none") -> T:
         return fn()
 
     @torch.no_grad()

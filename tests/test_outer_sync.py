@@ -390,7 +390,7 @@ class FakeReplica:
         self.inner_steps = self.start_step = 0
         self.rng = torch.Generator().manual_seed(seed)
 
-    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
+    async def exclusive(self, fn: Callable[[], T], *, change: str = "none") -> T:
         return fn()
 
     @torch.no_grad()

@@ -266,14 +266,42 @@ def test_activation_cache_is_bounded_by_count_and_bytes() -> None:
     assert cache.pop("p", "big") is not None and cache.nbytes == 0 and len(cache) == 0
 
 
-def test_a_backward_across_an_outer_install_goes_back_without_touching_the_new_weights_gradients() -> None:
+def test_a_backward_across_an_outer_install_keeps_the_gradients_of_the_weights_its_forward_ran_on() -> None:
+    """An outer install moves the weights between a forward and its backward: the backward differentiates the
+    weights the forward ran on (stashed at the install) and its gradients accumulate into the moved weights."""
+
+    async def scenario() -> None:
+        server, codec = StageServer(tiny(), 1), get_codec("fp32")
+        before_install = copy.deepcopy(server.module)
+        x, g = torch.randn(B, T, D), torch.randn(B, T, D)
+        await server.forward("p", Forward(mb="before", stage=1, prev_stage=0, x=codec.encode(x)))
+
+        @torch.no_grad()
+        def install() -> None:  # an outer round's move: θ ← θ + (θ_global − θ_snapshot)
+            for p in server.module.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+
+        await server.exclusive(install, change="moved")
+        returned = codec.decode(await server.backward("p", Backward(mb="before", stage=1, grad=codec.encode(g))))
+        expected_x, expected = stage_gradients(before_install, x, g)
+        assert torch.allclose(returned, expected_x, atol=1e-6)
+        held = [p.grad for p in server.module.parameters() if p.requires_grad]
+        assert all(torch.allclose(h, e, atol=1e-6) for h, e in zip(held, expected, strict=True) if e is not None)
+        assert server.inner.samples == B and server.counters["stashed_backward"] == 1
+        assert server.counters["stale_backward"] == 0
+        server.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_backward_across_a_download_goes_back_without_touching_the_new_weights_gradients() -> None:
     async def scenario() -> None:
         server, codec = StageServer(tiny(), 1), get_codec("fp32")
         x, g = torch.randn(B, T, D), torch.randn(B, T, D)
         for mb in ("before", "after"):
             await server.forward("p", Forward(mb=mb, stage=1, prev_stage=0, x=codec.encode(x)))
-            if mb == "before":  # the install lands between this forward and its backward
-                await server.exclusive(lambda: None, new_weights=True)
+            if mb == "before":  # the download replaces the weights between this forward and its backward
+                await server.exclusive(lambda: None, change="replaced")
         stale = await server.backward("p", Backward(mb="before", stage=1, grad=codec.encode(g)))
         assert codec.decode(stale).shape == x.shape  # the microbatch goes on upstream
         assert server.counters["stale_backward"] == 1 and server.inner.samples == 0
@@ -319,7 +347,7 @@ def test_a_backward_after_inner_steps_since_its_forward_differentiates_the_weigh
         for mb in ("e", "f"):  # each back on the weights it ran on ("e" and "late" make step 3)
             await forward(mb)
             await backward(mb)
-        assert server.inner_steps == 3 and server.stash.get(0) is None
+        assert server.inner_steps == 3 and server.stash.get((0, 0)) is None
         await backward("ancient")
         assert server.counters["stale_recompute"] == 1 and server.counters["stale_recompute_steps"] == 3
         assert server.counters["stashed_backward"] == 3

@@ -250,9 +250,13 @@ def test_a_microbatch_overtaken_past_max_staleness_is_dropped_and_counted() -> N
     assert_accounted(trainer)
 
 
-def test_an_outer_install_drops_the_gradients_of_microbatches_begun_on_the_old_weights() -> None:
-    """The outer round's install (here ``ReplicaSync.adopt``, as a download does) falls on an inner-step boundary:
-    the gradient held for the next step and every microbatch in flight are dropped; training goes on after it."""
+@pytest.mark.parametrize("change", ["moved", "replaced"])
+def test_a_download_drops_the_gradients_of_microbatches_begun_on_the_old_weights_and_an_install_keeps_them(
+    change: str,
+) -> None:
+    """A download (``ReplicaSync.adopt``) falls on an inner-step boundary: the gradient held for the next step and
+    every microbatch in flight are dropped; an outer round's install only moves the weights, and keeps them all.
+    Training goes on after either."""
     cfg = config(steps=6, microbatches_per_step=2)
     frozen, blocked = asyncio.Event(), set()
 
@@ -274,15 +278,23 @@ def test_an_outer_install_drops_the_gradients_of_microbatches_begun_on_the_old_w
         )
         held = trainer.inner.samples // BATCH
         weights = await snapshot_weights(trainer)
-        await sync.adopt(StageState(stage=EDGE_STAGE, round=1, schedule_step=1, params=weights, optimizer=None))
-        assert trainer.inner.samples == 0 and all(p.grad is None for p in trainer.module.parameters())
+        if change == "replaced":
+            await sync.adopt(StageState(stage=EDGE_STAGE, round=1, schedule_step=1, params=weights, optimizer=None))
+            assert trainer.inner.samples == 0 and all(p.grad is None for p in trainer.module.parameters())
+        else:  # a move as the install's swap makes: every weight changes, the held gradient stays
+            moved = {name: w + 0.01 for name, w in weights.items()}
+            await trainer.exclusive(lambda: trainer.module.load_state_dict(moved, strict=False), change="moved")
+            assert trainer.inner.samples == held * BATCH
         in_flight = len(blocked)
         frozen.set()
         return held, in_flight, await training
 
     held, in_flight, record = run(trainer, stage, scenario())
-    assert held == 1 and record["round_dropped"] == held + in_flight
-    assert record["stale_dropped"] == 0 and trainer.inner_steps == 6 and sync.round == 1
+    assert held == 1 and in_flight >= 2
+    assert record["round_dropped"] == (held + in_flight if change == "replaced" else 0)
+    assert record["stale_dropped"] == 0 and trainer.inner_steps == 6 and sync.round == (change == "replaced")
+    # the kept ones need no recompute: 6 steps of 2 microbatches, plus each dropped one again
+    assert record["completed"] == 6 * 2 + record["round_dropped"], record
     assert record["tokens"] == 6 * 2 * BATCH * SEQ  # the dropped ones' tokens, the held one's too, trained nothing
     assert_accounted(trainer)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -40,6 +41,13 @@ from optim.config import InnerOptimConfig
 from optim.inner import clip_and_step, make_inner_optimizer
 from swarm.model.stages import EdgeStage, MiddleStage
 from swarm.model.transformer import loss_fn
+
+# How a stage copy's weights change outside its inner steps (``Holder.exclusive``). "moved": an outer round's install,
+# θ ← θ + (θ_global − θ_snapshot), keeps the progress made since the snapshot, so the gradients of work begun before
+# it still apply, one move stale, as a microbatch in flight across an inner step is (a stage server differentiates
+# the weights that work's forward ran on, stashed). "replaced": a download; the old weights are gone and the
+# gradients of work begun on them are dropped.
+WeightChange = Literal["none", "moved", "replaced"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
 # what the receiver of a tensor gets: (kind "activations" | "activation_gradients", tensor, token ids) → decoded tensor

@@ -20,9 +20,10 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   weights (``OuterOptimizer.apply_alone``), so a replica alone in its stage never loses progress.
 - **Install.** Training goes on during the exchange, so the new local weights are the round's
   global weights plus the progress made since the snapshot: θ ← θ + (θ_global − θ_snapshot),
-  swapped in at a moment when no microbatch is between its forward and its backward (a stage
-  server waits for one; a trainer drops the stage-0 gradients of its microbatches begun before, and
-  those it held for its next inner step, so the install falls on an inner-step boundary). The
+  swapped in between two computations. Work begun before keeps its gradients, one move stale (a
+  stage server differentiates the weights its forward ran on, stashed; a trainer adds the stage-0
+  gradients of microbatches in flight and those it holds for its next inner step), as a download's
+  replacement does not (``swarm/model/step.py`` ``WeightChange``). The
   global weights (held by the outer optimizer, served to newcomers, hashed into ``global_hash``)
   are bitwise identical on every member of the round.
 - **Accountability.** The outer optimizer reports whose Δ it dropped or clipped (non-finite, far
@@ -60,6 +61,7 @@ import torch
 from optim.outer import Screening, build_outer_optimizer
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
+from swarm.model.step import WeightChange
 from swarm.outer.rounds import (
     Board,
     GroupNetwork,
@@ -103,10 +105,11 @@ class Holder(Protocol):
     inner_steps: int  # taken by this process
     start_step: int  # where this process started on the lr schedule
 
-    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
-        """``fn()`` on the compute thread: no inner step or request runs at the same time. ``new_weights``: ``fn``
-        replaces the weights, so gradients of work begun on the old ones must not cross it (a trainer drops them;
-        a stage server leaves out the parameter gradients of forwards served before it)."""
+    async def exclusive(self, fn: Callable[[], T], *, change: WeightChange = "none") -> T:
+        """``fn()`` on the compute thread: no inner step or request runs at the same time. ``change``: how ``fn``
+        changes the weights (``swarm/model/step.py``): work begun before a move keeps its gradients, work begun
+        before a replacement does not (a trainer drops them; a stage server leaves out the parameter gradients of
+        forwards served before it)."""
 
 
 async def snapshot_weights(holder: Holder) -> dict[str, torch.Tensor]:
@@ -317,7 +320,7 @@ class ReplicaSync:
             for name, p in self.params.items():
                 p.copy_(state.params[name])
 
-        await self.holder.exclusive(load_local, new_weights=True)
+        await self.holder.exclusive(load_local, change="replaced")
         self.synced_at = self.holder.inner_steps
         self.global_hash = weights_hash(state.params) if self.outer else ""
 
@@ -389,8 +392,9 @@ class ReplicaSync:
             for name, p in self.params.items():
                 p.add_(target[name] - snapshot[name])  # the new global weights + the progress made during the exchange
 
-        # work begun on the old weights must not cross the swap: each holder leaves out its gradients (new_weights)
-        await self.holder.exclusive(swap, new_weights=True)
+        # the swap moves the weights and keeps this replica's progress: work begun before it keeps its gradients, and a
+        # stage server differentiates the weights such work's forward ran on
+        await self.holder.exclusive(swap, change="moved")
         return screening
 
     def _disowned(self, peer: str, status: StageStatus) -> bool:

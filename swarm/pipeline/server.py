@@ -37,7 +37,7 @@ from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import MiddleStage, build_stage
-from swarm.model.step import InnerStep, add_gradients, stage_forward, stage_gradients
+from swarm.model.step import InnerStep, WeightChange, add_gradients, stage_forward, stage_gradients
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.metering import BusyTime
 from swarm.pipeline.protocol import Backward, Forward, Reply, RequestError
@@ -56,34 +56,37 @@ class CacheEntry:
     inner_step: int | None = None  # the server's inner steps when the forward ran; None: unknown (a resent input)
 
 
+WeightsAt = tuple[int, int]  # (weights epoch, inner steps): which weights a forward ran on
+
+
 class WeightStash:
-    """Copies of a stage's trainable weights from before its last ``keep`` inner steps, by the step count they had.
+    """Copies of a stage's trainable weights from before its last ``keep`` moves, by the (epoch, step) they had.
 
-    A backward recomputes its forward from the cached input. If inner steps (other microbatches' samples) moved the
-    weights in between, the recompute would differentiate weights the forward's output never came from; with the
-    copy the backward differentiates the weights its forward ran on, and the gradient goes into the current weights
-    (PipeDream's weight stashing). A copy is taken only when a forward on the current weights waits for its backward;
-    a backward older than ``keep`` steps is recomputed on the current weights and counted (``stale_recompute``).
-    Memory: up to ``keep`` fp32 copies of the stage's weights (``swarm/model/sizing.py`` counts them).
+    A backward recomputes its forward from the cached input. If inner steps (other microbatches' samples) or an outer
+    round's install moved the weights in between, the recompute would differentiate weights the forward's output never
+    came from; with the copy the backward differentiates the weights its forward ran on, and the gradient goes into
+    the current weights (PipeDream's weight stashing). A copy is taken only when a forward on the current weights
+    waits for its backward; a backward older than ``keep`` moves is recomputed on the current weights and counted
+    (``stale_recompute``). Memory: up to ``keep`` fp32 copies of the stage's weights (``swarm/model/sizing.py``).
 
-        >>> stash = WeightStash(keep=2); inner.before_step.append(lambda step: stash.take(step, module))
-        >>> stash.get(entry.inner_step)  # the weights that forward ran on, or None
+        >>> stash = WeightStash(keep=2); inner.before_step.append(lambda step: stash.take((epoch, step), module))
+        >>> stash.get((entry.weights, entry.inner_step))  # the weights that forward ran on, or None
     """
 
     def __init__(self, *, keep: int = 2) -> None:
         self.keep = keep
-        self._copies: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._copies: OrderedDict[WeightsAt, dict[str, torch.Tensor]] = OrderedDict()
 
-    def take(self, step: int, module: torch.nn.Module) -> None:
-        """Copy ``module``'s trainable weights as they are at inner step ``step`` (about to move)."""
+    def take(self, at: WeightsAt, module: torch.nn.Module) -> None:
+        """Copy ``module``'s trainable weights as they are at ``at`` (about to move)."""
         with torch.no_grad():
-            self._copies[step] = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
-        self._copies.move_to_end(step)
+            self._copies[at] = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+        self._copies.move_to_end(at)
         while len(self._copies) > self.keep:
             self._copies.popitem(last=False)
 
-    def get(self, step: int | None) -> dict[str, torch.Tensor] | None:
-        return None if step is None else self._copies.get(step)
+    def get(self, at: WeightsAt | None) -> dict[str, torch.Tensor] | None:
+        return None if at is None else self._copies.get(at)
 
     def clear(self) -> None:
         self._copies.clear()
@@ -208,9 +211,7 @@ class StageServer:
         self.busy = BusyTime(window_s=busy_window_s, clock=clock)  # forward + backward compute over wall time
         self.counters: Counter[str] = Counter()
         self.from_stage: Counter[int] = Counter()  # training inputs by the stage they came from: the paths seen
-        self.weights_epoch = (
-            0  # outer installs and downloads so far: forwards from before one get no parameter gradient
-        )
+        self.weights_epoch = 0  # outer installs and downloads so far (``change_weights``)
         self.stash = WeightStash(keep=STASHED_STEPS)  # the weights pending forwards ran on, across inner steps
         self.inner.before_step.append(self._stash_weights)
 
@@ -288,33 +289,32 @@ class StageServer:
             grad_norm=float(self.inner.grad_norm),
         )
 
-    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
-        """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install).
+    async def exclusive(self, fn: Callable[[], T], *, change: WeightChange = "none") -> T:
+        """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install), which
+        changes the weights as ``change`` says (``change_weights``)."""
+        return (await self._run(self.change_weights, fn, change))[0]
 
-        ``new_weights``: ``fn`` replaces the weights. Forwards served before it have their backward recomputed on
-        the new weights, which differ from the ones their output came from (SparseLoCo's jumps make that matter):
-        their input gradient still goes back, so the microbatch goes on, but their parameter gradients are left
-        out (``stale_backward``). Waiting for no forward to be pending instead never ends under a trainer's window.
+    def change_weights(self, fn: Callable[[], T], change: WeightChange) -> T:
+        """``fn()``, which changes the weights as ``change`` says (on the compute thread, between requests).
+
+        "moved" (an outer install): forwards served before it still get their parameter gradients at their backward,
+        differentiated at the weights they ran on (stashed now if any awaits its backward); waiting for no forward to
+        be pending instead never ends under a trainer's window. "replaced" (a download): their input gradient still
+        goes back, so the microbatch goes on, but their parameter gradients are left out (``stale_backward``).
         """
-
-        def run() -> T:
-            result = fn()
-            if new_weights:
-                self.weights_replaced()
-            return result
-
-        return (await self._run(run))[0]
-
-    def weights_replaced(self) -> None:
-        """An outer install or a download replaced the weights (on the compute thread): the backwards of forwards
-        served before it add no parameter gradient (``stale_backward``), so their stashed weights are of no use."""
-        self.weights_epoch += 1
-        self.stash.clear()
+        if change == "moved" and len(self.cache):
+            self.stash.take((self.weights_epoch, self.inner_steps), self.module)
+        result = fn()
+        if change != "none":
+            self.weights_epoch += 1
+        if change == "replaced":
+            self.stash.clear()  # forwards on the old weights get no parameter gradient: their copies are of no use
+        return result
 
     def _stash_weights(self, step: int) -> None:
         """Before an inner step (on the compute thread): keep the weights if a forward on them awaits its backward."""
         if len(self.cache):
-            self.stash.take(step, self.module)
+            self.stash.take((self.weights_epoch, step), self.module)
 
     def shutdown(self) -> None:
         if self._owns_compute:
@@ -362,20 +362,23 @@ class StageServer:
     def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor) -> torch.Tensor:
         x = entry.x
         moved_steps = 0 if entry.inner_step is None else self.inner_steps - entry.inner_step  # since its forward
-        stashed = self.stash.get(entry.inner_step) if moved_steps else None
+        moved = moved_steps or entry.weights != self.weights_epoch  # by inner steps or an outer install
+        stashed = self.stash.get((entry.weights, entry.inner_step)) if moved and entry.inner_step is not None else None
         with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
             grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device), weights=stashed)
         norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
         refusal = self.screen.refusal(norm) or (None if all_finite(grad_x) else "the input gradient is not finite")
         if refusal is not None:  # the sender's gradient would poison the batch: refused before it counts
             raise RequestError(RequestError.INVALID, f"microbatch gradient refused: {refusal}")
-        if entry.weights != self.weights_epoch:  # its forward ran on weights an outer install has since replaced
+        if (
+            entry.weights != self.weights_epoch and stashed is None
+        ):  # its forward's weights are gone (a download, or old)
             self.counters["stale_backward"] += 1
             return grad_x
         self.screen.accept(norm)
         if stashed is not None:  # differentiated at the stashed weights its forward ran on
             self.counters["stashed_backward"] += 1
-        elif moved_steps:
+        elif moved:
             # recomputed on weights an inner step (other microbatches' samples) has moved since its forward, and
             # older than the stash keeps: the gradient is of weights its output never came from; counted, with the
             # steps between

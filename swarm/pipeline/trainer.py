@@ -9,7 +9,8 @@ round trip × delivery rate, up to ``in_flight``) and never holds microbatches t
 than ``max_staleness`` inner steps after their forward began; stage 0 accumulates each
 microbatch's gradients when it lands and steps every ``inner_batch`` samples, as stage servers do.
 One that lands too stale anyway (overtaken by later ones: a retry, a slow replica), or that began
-before an outer round installed new weights, has its stage-0 gradients dropped and counted. A
+on weights a download has since replaced, has its stage-0 gradients dropped and counted; an outer
+round's install only moves the weights, and what began before it lands as usual. A
 hop that fails is retried on another replica; a stage with no live replica is skipped on the way
 forward. On the way back a lost forward input is resent (stateless recompute). Every microbatch
 ends as completed or failed, and every failure is counted, so none is lost silently. Each frame goes in the codec
@@ -51,7 +52,7 @@ from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
-from swarm.model.step import InnerStep, add_gradients, embed, embed_backward, head_gradients
+from swarm.model.step import InnerStep, WeightChange, add_gradients, embed, embed_backward, head_gradients
 from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
@@ -61,8 +62,8 @@ logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
 T = TypeVar("T")
 # microbatches: started = completed + failed + cancelled (on shutdown) + in flight; of the completed, those whose
-# stage-0 gradients were dropped: landed more than max_staleness inner steps after their start, or began before an
-# outer round installed new weights (with those landed since the last inner step); hops: failed attempts (retried
+# stage-0 gradients were dropped: landed more than max_staleness inner steps after their start, or began before a
+# download replaced the weights (with those landed since the last inner step; the name is older); hops: failed attempts (retried
 # elsewhere), timeouts, stages skipped on the way forward, inputs resent for a backward
 COUNTERS = (
     "started",
@@ -177,7 +178,7 @@ class Departure:
     """What a training microbatch is stamped with when it starts, to judge it when it lands."""
 
     inner_steps: int  # stage 0's steps then: its staleness is the steps taken before it lands
-    weights: int  # stage 0's weights epoch then (``Trainer.exclusive(new_weights=True)`` starts a new one)
+    weights: int  # stage 0's weights epoch then (``Trainer.exclusive(change="replaced")`` starts a new one)
     at: float  # perf_counter then
     delivered: int  # microbatches landed before it started (``Window.delivered``)
 
@@ -273,11 +274,11 @@ class Trainer:
         self.traffic = traffic or Traffic()  # frame bytes by kind and direction: the peer's metrics publish it
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
         # tokens of the training microbatches whose stage-0 gradients were taken on landing and not dropped since by
-        # an install (``_drop_held_gradients``): counted on the edge thread, with the gradients
+        # a download (``_drop_held_gradients``): counted on the edge thread, with the gradients
         self.tokens = 0
         self.window = Window(self.options.in_flight)
         self.staleness: list[int] = []  # of the microbatches landed since the last progress record
-        self._weights_epoch = 0  # new weights installed from outside (an outer round, a download)
+        self._weights_epoch = 0  # weights replaced from outside (a download)
         self._landed_since_step = 0  # microbatches whose gradients stage 0 holds, not yet stepped
         self._held_tokens = 0  # their tokens
         self._ids = itertools.count()
@@ -551,7 +552,7 @@ class Trainer:
         self, departure: Departure, h0: torch.Tensor, grad: torch.Tensor, head_grads: list[torch.Tensor | None]
     ) -> int:
         """A microbatch's stage-0 gradients (and its tokens) join the inner step (step 3's held part, 5 and 6), unless
-        it landed more than ``max_staleness`` steps after its start or began on weights an outer round has since
+        it landed more than ``max_staleness`` steps after its start or began on weights a download has since
         replaced (dropped and counted). Its staleness."""
         staleness = self.inner_steps - departure.inner_steps
         if departure.weights != self._weights_epoch:
@@ -573,7 +574,7 @@ class Trainer:
         return staleness
 
     def _drop_held_gradients(self) -> None:
-        """New weights from outside: the gradients held for the next inner step were computed on the old ones."""
+        """Weights replaced from outside: the gradients held for the next inner step were computed on the old ones."""
         self.counters["round_dropped"] += self._landed_since_step
         self.tokens -= self._held_tokens  # trained nothing: the run's tokens stay those of the inner steps taken
         self._landed_since_step = self._held_tokens = 0
@@ -589,21 +590,23 @@ class Trainer:
         """The stage this trainer holds (what the outer step exchanges)."""
         return self.edge
 
-    async def exclusive(self, fn: Callable[[], T], *, new_weights: bool = False) -> T:
+    async def exclusive(self, fn: Callable[[], T], *, change: WeightChange = "none") -> T:
         """``fn()`` on the edge thread, between microbatch computations (the outer step's snapshot and weight install).
 
-        ``new_weights``: ``fn`` replaces the weights (an outer round's install, a download). The round then falls on an
-        inner-step boundary: the gradients held for the next step, and those of every microbatch in flight (begun on
-        the old weights), are dropped and counted (``round_dropped``), so none crosses it."""
-        if not new_weights:
+        ``change="replaced"`` (a download): the gradients held for the next step, and those of every microbatch in
+        flight (begun on the old weights), are dropped and counted (``round_dropped``), so none crosses it.
+        ``"moved"`` (an outer round's install) keeps them: the move keeps this replica's progress, so they are one
+        move stale, no more than across an inner step. Dropping them cost a microbatch per round, recomputed, while
+        the stage servers had already stepped on it (their rounds ran ~4% ahead of stage 0's)."""
+        if change != "replaced":
             return await self._run(fn)
 
-        def install() -> T:
+        def replace() -> T:
             result = fn()
             self._drop_held_gradients()
             return result
 
-        return await self._run(install)
+        return await self._run(replace)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
