@@ -599,8 +599,12 @@ def test_an_idle_replica_catches_up_by_state_download() -> None:
     asyncio.run(swarm.run({"a": 0.03, "b": 0.03}, c_downloaded_round_2, 60))  # c takes no step: it never joins a round
     downloads = [e for e in swarm.events if e["event"] == "state_download"]
     assert [e for e in downloads if e["peer"] == "c" and e["reason"] == "behind"]
-    hash_at = {e["outer_round"]: e["global_hash"] for e in swarm.rounds()}
-    assert all(hash_at[e["outer_round"]] == e["global_hash"] for e in downloads if e["outer_round"] in hash_at)
+    # every download holds the weights some replica reached in that round (under load a and b may split a round
+    # for a while, each with its own weights, before one adopts the other's: either copy is a real round's)
+    hashes_at: dict[int, set[str]] = {}
+    for e in swarm.rounds():
+        hashes_at.setdefault(e["outer_round"], set()).add(e["global_hash"])
+    assert all(e["global_hash"] in hashes_at[e["outer_round"]] for e in downloads if e["outer_round"] in hashes_at)
     assert max(e["outer_round"] for e in downloads if e["peer"] == "c") >= 2
 
 
