@@ -2,8 +2,9 @@
 
 A stage's state is what a replica needs to take part from the next round on: the global weights,
 the outer optimizer's state, the round number and the inner step count on the lr schedule. It
-travels as a ``torch.save`` archive read back with ``weights_only=True`` (no code runs on load),
-and every tensor is checked against the receiver's own stage (names, shapes, finite values).
+travels as a stream of its own (``STATE_FORMAT``): a magic line, a msgpack header of names and shapes, then every
+tensor's little-endian float32 values, so nothing on the wire is unpickled and no code runs on load; the receiver
+checks every tensor against its own stage (names, shapes, finite values) as the bytes arrive (``StateDecoder``).
 
 No single peer can make another adopt a state. Replicas announce the ``(outer_round, global_hash)``
 they hold in their stage records (the hash every member of a round publishes after applying it),
