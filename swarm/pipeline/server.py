@@ -362,7 +362,7 @@ class StageServer:
     def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor) -> torch.Tensor:
         x = entry.x
         moved_steps = 0 if entry.inner_step is None else self.inner_steps - entry.inner_step  # since its forward
-        moved = moved_steps or entry.weights != self.weights_epoch  # by inner steps or an outer install
+        moved = moved_steps > 0 or entry.weights != self.weights_epoch  # by inner steps or an outer install
         stashed = self.stash.get((entry.weights, entry.inner_step)) if moved and entry.inner_step is not None else None
         with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
             grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device), weights=stashed)
