@@ -60,6 +60,9 @@ from types import FrameType
 from typing import Any
 
 SUBNET = ipaddress.ip_network("10.77.0.0/24")
+# for labs whose peers must look public to libp2p: go-libp2p announces circuits only through a relay's public
+# addresses. 11.0.0.0/8 is neither private nor reserved; the lab's namespaces have no route out, so nothing leaves
+PUBLIC_SUBNET = ipaddress.ip_network("11.77.0.0/24")
 NAME_ROOT = "slab"
 OWNED_NAME = re.compile(rf"^{NAME_ROOT}(\d+)-")  # slab<owner pid>-…, the default prefix
 PROBE_PORT = 5201
@@ -176,7 +179,8 @@ class WanLab:
     0) is the round-trip delay host i's link adds, half of it on the way out and half on the way
     back, a quarter in each direction of host i's link (see the module's docstring). ``prefix``
     names the namespaces (``{prefix}hub``, ``{prefix}p{i}``); leftovers with the same prefix are
-    removed first, so give each concurrent lab its own. Host i has address ``SUBNET[i + 1]``.
+    removed first, so give each concurrent lab its own. Host i has address ``subnet[i + 1]`` (default
+    ``SUBNET``, private; ``PUBLIC_SUBNET`` where libp2p must take the hosts for public ones).
     """
 
     def __init__(
@@ -186,9 +190,10 @@ class WanLab:
         rtts_ms: Sequence[float] | None = None,
         prefix: str | None = None,
         grace_s: float = 5.0,
+        subnet: ipaddress.IPv4Network = SUBNET,
     ) -> None:
-        if not 1 <= len(caps_mbit) <= SUBNET.num_addresses - 3:
-            raise ValueError(f"a lab has 1 to {SUBNET.num_addresses - 3} hosts, got {len(caps_mbit)}")
+        if not 1 <= len(caps_mbit) <= subnet.num_addresses - 3:
+            raise ValueError(f"a lab has 1 to {subnet.num_addresses - 3} hosts, got {len(caps_mbit)}")
         for cap in caps_mbit:
             check_cap(cap)
         rtts_ms = [0.0] * len(caps_mbit) if rtts_ms is None else list(rtts_ms)
@@ -201,9 +206,10 @@ class WanLab:
             raise ValueError(f"prefix {self.prefix!r}: use up to 64 letters, digits, '_', '.', '-'")
         self.hub = f"{self.prefix}hub"
         self.hosts = [
-            Host(index=i, netns=f"{self.prefix}p{i}", address=str(SUBNET[i + 1]), cap_mbit=cap, rtt_ms=rtt)
+            Host(index=i, netns=f"{self.prefix}p{i}", address=str(subnet[i + 1]), cap_mbit=cap, rtt_ms=rtt)
             for i, (cap, rtt) in enumerate(zip(caps_mbit, rtts_ms, strict=True))
         ]
+        self.subnet = subnet
         self.grace_s = grace_s
         self._no_inbound: set[int] = set()  # hosts behind a firewall that lets no connection in
         self._procs: list[subprocess.Popen] = []
@@ -238,7 +244,7 @@ class WanLab:
             sh("ip", "-n", host.netns, "link", "set", "lo", "up")  # hivemind's daemon listens on loopback
             port = f"p{host.index}"  # the bridge end; the host's end is eth0 in its namespace
             sh("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
-            sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/{SUBNET.prefixlen}", "dev", "eth0")
+            sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/{self.subnet.prefixlen}", "dev", "eth0")
             sh("ip", "-n", host.netns, "link", "set", "eth0", "up")
             if host.rtt_ms > 0:
                 self._delay(host)

@@ -41,6 +41,8 @@ from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, check_access, pick_stage, pipeline_replicas
+from swarm.dht.process import SwarmDHT
+from swarm.dht.reachability import RELAY_WAIT_S, wait_for_circuit
 from swarm.dht.records import StageStatus, serving
 from swarm.dht.revocations import RevocationFollower
 from swarm.dht.start import start_dht
@@ -90,6 +92,7 @@ class Node:
         self.revocations: RevocationFollower | None = None  # private swarms: follows the authority's newest list
         self.role: StageRole | TrainerRole | FullRole | None = None
         self.maddrs: list[str] = []  # where others join through, once ready
+        self._said_ready = False
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()
         self._running = self._crashed = False
@@ -113,6 +116,8 @@ class Node:
             identity_path=str(config.identity) if config.identity else None,
             reachability=reachability,
         )
+        if reachability.behind_nat:
+            await self._say_how_others_reach_it(dht)
         try:
             self.membership = membership = Membership(dht)
             self.cfg = cfg = await membership.join(self.cfg, create=not config.initial_peers, name=config.swarm_name)
@@ -208,9 +213,24 @@ class Node:
         self._crashed = True
         self._stop.set()
 
+    @staticmethod
+    async def _say_how_others_reach_it(dht: SwarmDHT) -> None:
+        circuits = await wait_for_circuit(dht)
+        if circuits:
+            logger.info(f"reachable through a relay at {circuits[0]}")
+        else:
+            logger.warning(
+                f"no relay slot after {RELAY_WAIT_S:g} s: only peers this one has called can call it back "
+                "(a relay must be an initial peer with a public address)"
+            )
+
     def _ready(self) -> None:
-        if not self.maddrs and self.dht is not None:
-            self.maddrs = [str(maddr) for maddr in self.dht.get_visible_maddrs()]
+        if not self._said_ready and self.dht is not None:
+            self._said_ready = True
+            try:
+                self.maddrs = [str(maddr) for maddr in self.dht.get_visible_maddrs()]
+            except ValueError:  # behind NAT before its relay slot is reserved, p2pd announces no address at all
+                logger.info("no address of its own yet: reached through a relay once its slot there is reserved")
             self.on_ready(self.maddrs)
 
     def _fault_step(self) -> int | None:

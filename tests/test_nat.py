@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import P2P
 from swarm_harness import DATA, records, tiny_config
 
-from peer.launch import LocalSwarm, Placement, launch_local
-from scripts.wanlab import WanLab, unsupported_reason
+from peer.launch import READY_PREFIX, LocalSwarm, Placement, launch_local
+from scripts.wanlab import PUBLIC_SUBNET, WanLab, unsupported_reason
 from swarm.config import TimeoutConfig
-from swarm.dht.reachability import Reachability, choose_reachability
+from swarm.dht.reachability import Reachability, choose_reachability, use_static_relays
 from swarm.errors import ConfigError
 from swarm.peer_config import PeerConfig
 
@@ -66,11 +67,13 @@ def test_a_client_cannot_be_a_stage_server() -> None:
 @pytest.mark.skipif(unsupported_reason() is not None, reason=unsupported_reason() or "")
 def test_peers_behind_a_firewall_serve_and_train_in_the_wan_lab(tmp_path: Path) -> None:
     """Hosts 1 and 3 let no connection in (their SYN-ACKs are dropped): the stage server there (--reachability relay)
-    joins and serves stage 1, and the trainer there (--reachability client) still trains to its last step. The two of them cannot reach each other without a working relay circuit, which the test
-    does not require (README: Behind NAT, known limit)."""
+    reserves a slot on its initial peer, announces a /p2p-circuit address and serves stage 1; the trainer there
+    (--reachability client) trains to its last step, calling both servers of stage 1 — the one behind the other
+    firewall only through the relay, since neither of the two accepts a connection. The lab's addresses look public
+    (``PUBLIC_SUBNET``): libp2p builds circuit addresses from a relay's public addresses only."""
     cfg = tiny_config(timeouts=TimeoutConfig(announce_period_s=1.0))
-    layout = LocalSwarm(peers=4, stages=1, trainers=2, steps=12)
-    with WanLab(caps_mbit=[None] * 4, prefix="slabtest-nat-") as lab:
+    layout = LocalSwarm(peers=4, stages=1, trainers=2, steps=60)  # several announces: every server gets listed
+    with WanLab(caps_mbit=[None] * 4, prefix="slabtest-nat-", subnet=PUBLIC_SUBNET) as lab:
         for host in (1, 3):
             lab.block_inbound(host)
         where = {"stage1-0": (0, ()), "stage1-1": (1, ("--reachability", "relay"))}
@@ -89,8 +92,19 @@ def test_peers_behind_a_firewall_serve_and_train_in_the_wan_lab(tmp_path: Path) 
     assert "reachability: public" in logs["stage1-0"]
     for trainer in ("trainer-0", "trainer-1"):
         assert records(tmp_path, trainer)[-1]["step"] == layout.steps, logs[trainer][-3000:]
-    # it joined and served as a replica of stage 1 (its records are a stage server's). Whether a trainer called it,
-    # and so whether it got as far as an outer round before the 12 steps ended, is a matter of timing without a
-    # relay circuit (it was 0 in one suite run of five): not asserted
     behind_firewall = [r for r in records(tmp_path, "stage1-1") if r.get("role") == "stage"]
     assert behind_firewall and "stage1-1: stage of swarm ready" in logs["stage1-1"], logs["stage1-1"][-3000:]
+    (joined,) = [line for line in logs["stage1-1"].splitlines() if line.startswith(READY_PREFIX)]
+    relay = f"/ip4/{lab.hosts[0].address}/tcp/"
+    assert relay in joined and "/p2p-circuit/p2p/" in joined, joined  # its address: a circuit through host 0's peer
+    server_id = joined.rsplit("/p2p/", 1)[1]
+    links = records(tmp_path, "trainer-1")[-1]["links"]  # per server called: what the completed calls measured
+    assert server_id in links and links[server_id]["bytes_per_s"] > 0, (server_id, links)
+    assert behind_firewall[-1]["backward"] > 0
+
+
+def test_a_peer_behind_nat_takes_its_trusted_relays_as_static_relays() -> None:
+    """hivemind never turns p2pd's relay discovery off, and with it on p2pd reserves no relay slot for 3 minutes."""
+    use_static_relays()
+    assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=PUBLIC_PEER)
+    assert not any(arg.startswith("-relayDiscovery") for arg in P2P._make_process_args("p2pd", autoRelay=False))

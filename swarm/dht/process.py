@@ -39,6 +39,7 @@ from swarm.dht.identity import (
     identity_peer_id,
     load_identity_key,
 )
+from swarm.dht.reachability import use_static_relays
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_DEATH_SIGNAL = signal.SIGUSR2  # not SIGTERM: Linux also sends it when the thread that started the DHT ends
@@ -81,6 +82,8 @@ class SwarmDHT(DHT):
         signal.signal(PARENT_DEATH_SIGNAL, lambda *_: wake.set())
         set_parent_death_signal(PARENT_DEATH_SIGNAL)
         threading.Thread(target=self._watch, args=(wake, stop), name="dht-lifeline", daemon=True).start()
+        if self.kwargs.get("trusted_relays"):  # behind NAT: its daemon takes a slot on a relay at once
+            use_static_relays()
         super().run()
 
     def _watch(self, wake: threading.Event, stop: threading.Event) -> None:
