@@ -320,14 +320,18 @@ def parse_args() -> argparse.Namespace:
         "--corpus", nargs="+", metavar="PATH", help="text files or folders (default: the stdlib sources)"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--replot", metavar="JSON", help="only draw --plot from the records of an earlier --json")
+    parser.add_argument(
+        "--replot",
+        nargs="+",
+        metavar="JSON",
+        help="train nothing: merge the records of earlier --json files (e.g. rows run in parallel), print their table,"
+        " and write --json / draw --plot from them",
+    )
     parser.add_argument("--json", help="write args, per-run records and the summary here (rewritten after every run)")
     parser.add_argument(
         "--plot", metavar="PATH.png", help="plot val loss against tokens and bytes sent (needs matplotlib)"
     )
     args = parser.parse_args()
-    if args.replot and not args.plot:
-        parser.error("--replot needs --plot PATH.png")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after hours of training
         parser.error("--plot needs matplotlib, which is not installed: `pip install matplotlib`, or leave --plot out")
     if min(args.replicas) < 1 or args.steps < 1 or args.seeds < 1 or args.log_points < 1 or args.h < 0:
@@ -337,9 +341,16 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.replot:  # draw a finished study's curves again, without training
-        with open(args.replot) as f:
-            plot(json.load(f)["records"], args.plot)
+    if args.replot:  # a finished study (or rows of it run in parallel) again, without training
+        records = []
+        for path in args.replot:
+            with open(path) as f:
+                records += json.load(f)["records"]
+        print_table(summarize(records))
+        if args.json:
+            write_json(args.json, args, records)
+        if args.plot:
+            plot(records, args.plot)
         return
     torch.set_num_threads(args.threads)
     try:
