@@ -9,28 +9,19 @@ $ swarmloco config show --config swarm.toml   # the effective config, each field
 $ swarmloco --version
 
 The commands live in peer/commands/; importing them registers them on ``app`` (peer/cli_common.py),
-in the order ``swarmloco --help`` lists them.
+in the order ``swarmloco --help`` lists them. The console script is ``peer/entry.py``'s ``main``, which answers
+``--version`` without importing them.
 """
 
-import importlib.metadata
-import sys
 from typing import Annotated
 
 import typer
 
 from peer.cli_common import app
 from peer.commands import config, dashboard, one_process, private_swarm, swarm, tokenizer  # noqa: F401  (their decorators register the commands)
+from peer.entry import DISTRIBUTION, main, version
 
 __all__ = ["app", "main", "version"]
-DISTRIBUTION = "swarmloco"
-
-
-def version() -> str:
-    """The installed swarmloco's version; "unknown" when run from a source tree that was never installed."""
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def print_version(given: bool) -> None:
@@ -47,11 +38,3 @@ def root(
     ] = False,
 ) -> None:
     """The options before any command (the app's help is ``app``'s own, in peer/cli_common.py)."""
-
-
-def main() -> None:
-    app(prog_name="swarmloco")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,6 +3,8 @@ config, the form ``swarm create`` writes), the choices of Literal options in --h
 
 import dataclasses
 import importlib.metadata
+import subprocess
+import sys
 import tomllib
 import typing
 from pathlib import Path
@@ -27,6 +29,14 @@ def swarmloco(*args: str) -> Result:
 
 def test_version_is_the_installed_distributions() -> None:
     assert swarmloco("--version").output == f"swarmloco {importlib.metadata.version('swarmloco')}\n"
+
+
+def test_the_console_script_answers_version_without_loading_torch() -> None:
+    """``swarmloco --version`` took ~4 s when the script imported every command (and torch and hivemind) first."""
+    check = "import sys; from peer.entry import main; main(); assert 'torch' not in sys.modules, 'torch was imported'"
+    done = subprocess.run([sys.executable, "-c", check, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"swarmloco {importlib.metadata.version('swarmloco')}\n"
 
 
 def test_config_show_prints_the_default_commented_and_it_loads_back() -> None:
