@@ -38,10 +38,17 @@ def corpus():
 
 
 def run(
-    cfg: SwarmConfig, corpus, *, ticks: int = 8, replicas: int = 2, mode: str = "outer", **sim_options
+    cfg: SwarmConfig,
+    corpus,
+    *,
+    ticks: int = 8,
+    replicas: int = 2,
+    mode: str = "outer",
+    val_sequences: int = 2 * MICRO,
+    **sim_options,
 ) -> SimulationResult:
     streams = [corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=k) for k in range(replicas)]
-    val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_sequences=2 * MICRO)
+    val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_sequences=val_sequences)
     sim = SimulationConfig(
         replicas=replicas, mode=mode, tokens=ticks * replicas * MICRO * SEQ, log_every=ticks, **sim_options
     )
@@ -185,6 +192,34 @@ def test_averaging_every_step_tracks_data_parallel_training(corpus) -> None:
     )
     assert every_step.outer_rounds == 24 and all_replicas_agree(every_step.replicas)
     assert every_step.val_loss < 1.03 * ddp.val_loss < 0.9 * 5.55  # both learned (ln 256 at initialisation)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_the_gap_to_data_parallel_training_at_fixed_h_narrows_as_tokens_grow(corpus, method: str) -> None:
+    """K = 4 replicas of one middle stage, H = 5: the outer method's loss over ddp's falls from 50 to 200 inner steps.
+
+    Each run fits its lr schedule to its own length, as the benchmarks do. docs/benchmarks.md ("The gap against tokens
+    at ≥1000×") measures the same at 8M tokens; here: DiLoCo 1.12 → 1.04, SparseLoCo 1.26 → 1.18 (seed 0)."""
+    cfg = tiny(
+        stages=StagesConfig(num_stages=1),
+        model=dataclasses.replace(tiny().model, n_layers=2),
+        outer=OuterOptimConfig(method=method, inner_steps=5),
+        codecs=CodecConfig(
+            activations="fp32",
+            gradients="fp32",
+            pseudo_gradients="fp32" if method == "diloco" else "sparseloco",
+            topk=8,
+        ),
+    )
+    ratios = []
+    for ticks in (50, 200):
+        ddp = run(cfg, corpus, ticks=ticks, replicas=4, mode="ddp", val_sequences=64)
+        outer = run(cfg, corpus, ticks=ticks, replicas=4, val_sequences=64)
+        assert outer.outer_rounds == ticks // 5 and ddp.val_loss < 0.9 * 5.55  # it met every H steps; ddp learned
+        ratios.append(outer.val_loss / ddp.val_loss)
+    assert ratios[1] < ratios[0] - 0.03, ratios
 
 
 def test_noloco_pairs_replicas_without_forcing_them_equal(corpus) -> None:
