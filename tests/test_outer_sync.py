@@ -547,7 +547,7 @@ def test_after_a_failed_round_a_replica_waits_for_progress_only_while_a_replica_
     a = swarm.syncs["a"]
     looks = count_catch_ups(a)
     a.outer.round = swarm.syncs["b"].outer.round = 1  # a's round 1 failed; c, listed at 0, cannot get past it first
-    # b is at round 1 and alive, so it may yet get past it: a waits out the bound, looking every announce period
+    # b is at round 1 and alive, so it may yet get past it: a waits out the bound, looking again and again
     assert asyncio.run(a._await_progress(1)) is False and len(looks) > 3
     looks.clear()
     swarm.hub.dead.add("b")  # b left: nobody listed at round 1 or later, so a keeps its round after one look

@@ -87,6 +87,7 @@ from swarm.rpc.blobs import BlobStream, TransferError
 from swarm.rpc.defences import PeerGuard, PeerLimits
 
 logger = logging.getLogger(__name__)
+PROGRESS_POLL_S = 0.5  # how often a late or failed replica looks for one that got past its round
 # Two offences within an hour (a Δ dropped or clipped, a withheld commit, a false state) keep a peer out of this
 # replica's rounds and downloads for an hour: one may be bad luck (a diverged replica, a dropped link), a repeat is not.
 OUTER_PEER_LIMITS = PeerLimits(strikes=2, strike_window_s=3600.0, ban_s=3600.0)
@@ -440,8 +441,11 @@ class ReplicaSync:
         all once no other replica is listed at that round or later (the partner left: nobody will get past it without
         this one, and a full peer would otherwise sit out the whole bound before training on alone)."""
         deadline = time.monotonic() + self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
+        # Look often, not once per announce period: a replica left out of a set sleeping a whole period (5 s) before
+        # its first look took as long as the leader's next window, arrived just after it closed, was late again, and
+        # so on — 22 rounds in a row of a 2-replica stage in one 8M-token run (docs/benchmarks.md, "At 8M tokens").
         while time.monotonic() < deadline:
-            await asyncio.sleep(self.cfg.timeouts.announce_period_s)
+            await asyncio.sleep(min(PROGRESS_POLL_S, self.cfg.timeouts.announce_period_s))
             if await self.catch_up():  # it also reads the stage's records into ``_others``
                 return True
             if not any(status.outer_round >= round_ for status in self._others.values()):
