@@ -42,7 +42,7 @@ from hivemind.p2p import PeerID
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership, check_access, pick_stage, pipeline_replicas
 from swarm.dht.process import SwarmDHT
-from swarm.dht.reachability import RELAY_WAIT_S, wait_for_circuit
+from swarm.dht.reachability import RELAY_WAIT_S, visible_maddrs, wait_for_circuit
 from swarm.dht.records import StageStatus, serving
 from swarm.dht.revocations import RevocationFollower
 from swarm.dht.start import start_dht
@@ -226,11 +226,8 @@ class Node:
 
     def _ready(self) -> None:
         if not self._said_ready and self.dht is not None:
-            self._said_ready = True
-            try:
-                self.maddrs = [str(maddr) for maddr in self.dht.get_visible_maddrs()]
-            except ValueError:  # behind NAT before its relay slot is reserved, p2pd announces no address at all
-                logger.info("no address of its own yet: reached through a relay once its slot there is reserved")
+            self._said_ready = True  # once: behind NAT with no relay slot the addresses may be none
+            self.maddrs = visible_maddrs(self.dht)
             self.on_ready(self.maddrs)
 
     def _fault_step(self) -> int | None:

@@ -109,15 +109,21 @@ RELAY_WAIT_S = 15.0  # a static relay slot is reserved within a second of joinin
 CIRCUIT = "/p2p-circuit"
 
 
+def visible_maddrs(dht: DHT, *, latest: bool = False) -> list[str]:
+    """The addresses p2pd announces for this peer; [] where it announces none (hivemind raises then): a peer behind
+    NAT has none of its own until its first relay slot is reserved."""
+    try:
+        return [str(maddr) for maddr in dht.get_visible_maddrs(latest=latest)]
+    except ValueError:
+        return []
+
+
 async def wait_for_circuit(dht: DHT, timeout_s: float = RELAY_WAIT_S, poll_s: float = 0.25) -> list[str]:
     """This peer's relayed addresses (``…/p2p/<relay>/p2p-circuit/p2p/<itself>``) once p2pd announces one; [] if
     none within ``timeout_s`` (no initial peer was a public relay, or none let it reserve a slot)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:  # until its first reservation a peer behind NAT announces no address at all: hivemind raises
-            maddrs = [str(m) for m in await asyncio.to_thread(dht.get_visible_maddrs, True)]
-        except ValueError:
-            maddrs = []
+        maddrs = await asyncio.to_thread(visible_maddrs, dht, latest=True)
         circuits = [m for m in maddrs if CIRCUIT in m]
         if circuits or time.monotonic() >= deadline:
             return circuits
