@@ -8,7 +8,7 @@ Layout (little-endian)::
 
 ``meta`` holds a codec's small parameters (scales, ranks), stored as is. ``payload`` is the
 codec's body, zstd-compressed when flag bit 0 is set (``body_len`` is its decompressed size),
-stored raw otherwise (when zstd does not make it smaller). The crc32 covers every byte of the
+stored raw otherwise (when zstd does not make it 1% smaller). The crc32 covers every byte of the
 frame except its own field.
 
 Decoding checks the cheap things first and bounds every declared size against ``WireLimits``
@@ -51,6 +51,9 @@ _HEADER = struct.Struct("<4sBBBBBIIII")
 _CRC_OFFSET = _HEADER.size - 4
 _FLAG_ZSTD = 1
 _ZSTD_LEVEL = 1  # cheap; level 3 shrinks SparseLoCo's index planes by under 1%
+# A body zstd shrinks by less than this is sent raw: a raw body is decoded as a view of the received frame, while a
+# compressed one costs a second buffer (a dense whole-stage outer payload would be held twice to save its names).
+_ZSTD_MIN_SAVING = 0.01
 
 # wire code of a tensor dtype = its position here (never reorder: old frames depend on it)
 DTYPES = (
@@ -78,6 +81,7 @@ class CodecId(IntEnum):
     SUBSPACE = 6  # activations: k values per token + token ids; meta names the inner codec
     SUBSPACE_GRAD = 7  # activation-gradients: the k-dim projection Uᵀg only
     SPARSELOCO = 8
+    OUTER_PAYLOAD = 9  # a replica's whole pseudo-gradient for one round: its parameters' frames, one zstd stream
 
 
 @dataclass(kw_only=True)
@@ -135,7 +139,7 @@ class Frame:
     dtype: torch.dtype  # dtype of the tensor the sender encoded
     shape: tuple[int, ...]
     meta: bytes
-    body: bytes  # decompressed
+    body: bytes | memoryview  # decompressed; a view of the received frame where it was sent raw
 
     @property
     def numel(self) -> int:
@@ -156,7 +160,7 @@ def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple
     if not 0 <= codec_id < 256 or max(len(meta), len(body)) >= 2**32:
         raise ValueError(f"codec id {codec_id} or sizes (meta {len(meta)}, body {len(body)}) out of range")
     payload, flags = _zstd()[0].compress(body), _FLAG_ZSTD
-    if len(payload) >= len(body):
+    if len(payload) > len(body) * (1 - _ZSTD_MIN_SAVING):
         payload, flags = body, 0
     tail = struct.pack(f"<{len(shape)}I", *shape) + meta
     header = _HEADER.pack(
@@ -218,7 +222,7 @@ def decode_frame(
         raise ShapeMismatch(f"frame of {len(data)} bytes is longer than the {total} its header declares")
     if zlib.crc32(data[_CRC_OFFSET + 4 :], zlib.crc32(data[:_CRC_OFFSET])) != crc:
         raise ChecksumMismatch("frame checksum does not match its contents")
-    payload = bytes(data[shape_end + meta_len :])
+    payload = data[shape_end + meta_len :]  # a view: a raw body is not copied
     body = _decompress(payload, body_len) if flags & _FLAG_ZSTD else payload
     if len(body) != body_len:
         raise ShapeMismatch(f"body holds {len(body)} bytes, header declares {body_len}")
@@ -242,7 +246,7 @@ def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     return _thread_local.zstd
 
 
-def _decompress(payload: bytes, body_len: int) -> bytes:
+def _decompress(payload: bytes | memoryview, body_len: int) -> bytes:
     # The zstd frame must declare its size; one-shot decompression then allocates exactly that
     # (already bounded) size and fails if the content would be larger.
     try:

@@ -35,8 +35,9 @@ import torch
 
 from compress.codecs import Codec, get_codec
 from compress.config import CodecConfig
-from compress.errors import WireError
+from compress.errors import MalformedFrame, WireError
 from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
+from compress.wire import CodecId, WireLimits, decode_frame, encode_frame
 from optim.config import OuterOptimConfig
 
 logger = logging.getLogger(__name__)
@@ -53,10 +54,12 @@ OWN_NORM_HISTORY = 8  # rounds of this replica's own ‖Δ‖ it screens the oth
 # speeds or through warm-up differ by 25× and more (seen in tests/test_swarm_outer.py); a ×1000 Δ does not pass.
 OWN_NORM_RATIO = 100.0
 
-# payload = header, then per parameter: entry header, name (utf-8), codec frame
-_HEADER = struct.Struct("<4sQI")  # magic, round, number of parameters
+# A payload is one wire frame (CodecId.OUTER_PAYLOAD) whose body is a header, then per parameter: entry header,
+# name (utf-8), codec frame. The wire layer zstd-compresses that body as one stream: the names and the parameters'
+# frame headers repeat from tensor to tensor, and one stream codes them at a quarter of their size (a SparseLoCo
+# payload of the small model's middle stage: 6,791 → 5,149 bytes, docs/benchmarks.md).
+_HEADER = struct.Struct("<QI")  # round, number of parameters
 _ENTRY = struct.Struct("<HI")  # name length, frame length
-_MAGIC = b"SLOX"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,21 +79,32 @@ class _Screened(Generic[Part]):
     clipped: dict[int, float]
 
 
+def max_payload_bytes(params: NamedTensors) -> int:
+    """The most bytes one member's payload for ``params`` may take, encoded or decoded: 8 per parameter (NoLoCo sends
+    Δ and the weights in fp32, the densest payload) and room for the names and headers."""
+    return 8 * sum(p.numel() for p in params.values()) + (1 << 20)
+
+
 def _pack(round_: int, frames: Mapping[str, bytes]) -> bytes:
-    out = [_HEADER.pack(_MAGIC, round_, len(frames))]
+    out = [_HEADER.pack(round_, len(frames))]
     for name, frame in frames.items():
         encoded = name.encode()
         out += [_ENTRY.pack(len(encoded), len(frame)), encoded, frame]
-    return b"".join(out)
+    body = b"".join(out)
+    return encode_frame(CodecId.OUTER_PAYLOAD, body, dtype=torch.uint8, shape=(len(body),))
 
 
-def _unpack(payload: bytes) -> tuple[int, dict[str, bytes]]:
-    """Split a payload into (round, {name: frame}); every length is checked against the buffer."""
+def _unpack(data: bytes, *, max_bytes: int) -> tuple[int, dict[str, bytes]]:
+    """Split a payload into (round, {name: frame}); its body may hold at most ``max_bytes`` once decompressed (checked
+    before decompressing), and every length inside is checked against the body."""
+    limits = WireLimits(max_frame_bytes=max_bytes, max_body_bytes=max_bytes, max_elements=max_bytes, max_ndim=1)
+    frame = decode_frame(data, limits=limits)
+    if frame.codec_id != CodecId.OUTER_PAYLOAD:
+        raise MalformedFrame(f"an outer payload is a frame of codec {int(CodecId.OUTER_PAYLOAD)}, got {frame.codec_id}")
+    payload = frame.body
     if len(payload) < _HEADER.size:
         raise WireError(f"outer payload of {len(payload)} bytes is shorter than its header")
-    magic, round_, count = _HEADER.unpack_from(payload)
-    if magic != _MAGIC:
-        raise WireError(f"outer payload has bad magic {magic!r}")
+    round_, count = _HEADER.unpack_from(payload)
     frames: dict[str, bytes] = {}
     view = memoryview(payload)  # frames are views: decoding a whole-stage payload copies no second stage
     offset = _HEADER.size
@@ -102,7 +116,7 @@ def _unpack(payload: bytes) -> tuple[int, dict[str, bytes]]:
         end = offset + name_len + frame_len
         if end > len(payload):
             raise WireError("outer payload truncated inside an entry")
-        name = payload[offset : offset + name_len].decode(errors="replace")
+        name = bytes(payload[offset : offset + name_len]).decode(errors="replace")
         frames[name] = view[offset + name_len : end]
         offset = end
     if offset != len(payload):
@@ -308,7 +322,7 @@ class OuterOptimizer(ABC, Generic[Part]):
         return {name: self._scale(part, factor) for name, part in member.items()}
 
     def _decode_member(self, payload: bytes) -> dict[str, Part]:
-        round_, frames = _unpack(payload)
+        round_, frames = _unpack(payload, max_bytes=max_payload_bytes(self._global))
         if round_ != self.round:
             raise ValueError(f"payload is for round {round_}, not {self.round}")
         if list(frames) != list(self._global):

@@ -289,7 +289,7 @@ def memory_bomb_run(attack: str | None) -> dict[str, Any]:
     from compress.config import CodecConfig
     from compress.wire import CodecId, decode_frame
     from optim.config import OuterOptimConfig
-    from optim.outer import _pack, _unpack, build_outer_optimizer
+    from optim.outer import _pack, _unpack, build_outer_optimizer, max_payload_bytes
 
     peaks, dropped, equal = {}, 0, True
     for method in ("sparseloco", "diloco"):
@@ -300,7 +300,7 @@ def memory_bomb_run(attack: str | None) -> dict[str, Any]:
         opt = build_outer_optimizer(start, OuterOptimConfig(method=method), codecs)
         payloads = [reference.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
         if attack:
-            round_, frames = _unpack(payloads[0])
+            round_, frames = _unpack(payloads[0], max_bytes=max_payload_bytes(start))
             if method == "sparseloco":
                 shape = (1, 64 << 20)
                 meta = decode_frame(frames["w"]).meta

@@ -20,7 +20,16 @@ from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor
 from compress.wire import MAGIC, VERSION, CodecId, decode_frame, encode_frame
 from optim.config import OuterOptimConfig
-from optim.outer import DiLoCo, NamedTensors, OuterOptimizer, SparseLoCo, _pack, _unpack, build_outer_optimizer
+from optim.outer import (
+    DiLoCo,
+    NamedTensors,
+    OuterOptimizer,
+    SparseLoCo,
+    _pack,
+    _unpack,
+    build_outer_optimizer,
+    max_payload_bytes,
+)
 
 
 def params(**values: list[float]) -> dict[str, torch.Tensor]:
@@ -363,7 +372,7 @@ def test_a_frame_declaring_a_huge_shape_is_refused_from_its_header_in_bounded_me
     start = {"w": torch.randn(64, 64)}
     clean, dirty = build_outer_optimizer(start, cfg, codecs), build_outer_optimizer(start, cfg, codecs)
     payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
-    round_, frames = _unpack(payloads[0])
+    round_, frames = _unpack(payloads[0], max_bytes=max_payload_bytes(start))
     if method == "sparseloco":  # (1, 64M): 18 KB on the wire, 3.4 GB to decode, said issue 20
         shape = (1, 64 << 20)
         bomb = bomb_frame(
@@ -385,6 +394,34 @@ def test_a_frame_declaring_a_huge_shape_is_refused_from_its_header_in_bounded_me
     assert f"frame declares shape {shape}, the receiver expects (64, 64)" in caplog.text
     assert peak < 4 << 20  # decoding the bomb would hold its whole body: 64 MiB or more
     assert torch.equal(dirty.global_params["w"], clean.global_params["w"])
+
+
+def test_a_payload_declaring_a_body_over_the_stages_bound_is_refused_before_decompressing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    start = {"w": torch.randn(64, 64)}
+    clean, dirty = (build_outer_optimizer(start, OuterOptimConfig(), CodecConfig()) for _ in range(2))
+    payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
+    bound = max_payload_bytes(start)  # 8 bytes per parameter and 1 MiB
+    hostile = bomb_frame(CodecId.OUTER_PAYLOAD, (16,), b"", bound + 1)  # its shape field lies
+    assert len(hostile) < 4 << 10
+    clean.apply(payloads, {"w": start["w"].clone()})
+    with caplog.at_level(logging.WARNING, logger="optim.outer"):
+        assert dirty.apply([*payloads, hostile], {"w": start["w"].clone()}).dropped.keys() == {2}
+    assert f"body of {bound + 1} bytes is over the limit of {bound}" in caplog.text
+    assert torch.equal(dirty.global_params["w"], clean.global_params["w"])
+
+
+def test_a_payload_codes_its_parameters_names_and_frame_headers_as_one_stream() -> None:
+    torch.manual_seed(0)
+    stage = {f"blocks.{i}.{kind}.weight": torch.randn(64, 64) for i in range(4) for kind in ("attn", "ffn", "out")}
+    opt = build_outer_optimizer(stage, OuterOptimConfig(), CodecConfig())
+    payload = opt.make_payload({name: w - 1e-3 * torch.randn(64, 64) ** 3 for name, w in stage.items()})
+    round_, frames = _unpack(payload, max_bytes=max_payload_bytes(stage))
+    # one frame per parameter would send every name, entry and frame header apart
+    assert round_ == 0 and list(frames) == list(stage)
+    apart = sum(len(name) + len(frame) + 6 for name, frame in frames.items()) + 12
+    assert len(payload) < 0.9 * apart, (len(payload), apart)
 
 
 def test_no_usable_payload_leaves_everything_in_place(caplog: pytest.LogCaptureFixture) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from optim.outer import max_payload_bytes
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.records import StageStatus
@@ -78,9 +79,7 @@ class OuterService:
         """The outer step of ``holder``, whose state this peer serves from now on: instead of the stage it held before
         (a server that moved), or ``alongside`` the others (a full peer holds every stage)."""
         params = dict(holder.module.named_parameters())
-        net = P2PGroupNetwork(
-            self.membership, self.client, max_payload_bytes=8 * sum(p.numel() for p in params.values()) + (1 << 20)
-        )
+        net = P2PGroupNetwork(self.membership, self.client, max_payload_bytes=max_payload_bytes(params))
         sync = ReplicaSync(
             self.cfg,
             stage,
