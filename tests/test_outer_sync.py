@@ -364,6 +364,39 @@ def test_malformed_commits_are_transfer_errors(blob: bytes) -> None:
         parse_commit(blob)
 
 
+def test_a_retry_that_meets_the_commit_of_its_earlier_try_is_late_and_blames_nobody() -> None:
+    # Seen in an 8M-token run: b lost a's commit in transit, tried the round again with a new payload, met a's commit
+    # of its first try and took it for a lie — a second strike that banned an honest a for the rest of the run.
+    hub, both = Hub(), frozenset({"a", "b"})
+    for name in both:
+        hub.join(name)
+
+    class LosesTheFirstCommit(MemoryNet):
+        lost = False
+
+        async def fetch(self, peer: str, name: str, timeout: float) -> bytes:
+            if name.endswith("commit") and not self.lost:
+                self.lost = True
+                raise TransferError(f"{peer} ended the stream before its header")
+            return await super().fetch(peer, name, timeout)
+
+    async def scenario() -> tuple[RoundResult, RoundResult, RoundResult]:
+        clock, b_net = asyncio.get_running_loop().time, LosesTheFirstCommit(hub, "b")
+        a_result, b_result = await asyncio.gather(
+            run_round(MemoryNet(hub, "a"), hub.boards["a"], KEY, b"a's payload", TIMING, clock=clock, expected=both),
+            run_round(b_net, hub.boards["b"], KEY, b"b's payload", TIMING, clock=clock, expected=both),
+        )
+        retry = await run_round(
+            b_net, hub.boards["b"], KEY, b"b's payload, made again", TIMING, clock=clock, expected=both
+        )
+        return a_result, b_result, retry
+
+    (a_result, b_result, retry), _ = in_virtual_time(scenario())
+    assert a_result.outcome == "done" and a_result.contributors == ("a", "b")
+    assert b_result.outcome == "failed" and "ended the stream" in b_result.reason
+    assert retry.outcome == "late" and retry.leader == "a" and "earlier try" in retry.reason, retry
+
+
 def test_round_timing_is_validated() -> None:
     with pytest.raises(ValueError):
         RoundTiming(window_s=0, timeout_s=1)
@@ -552,6 +585,18 @@ def test_after_a_failed_round_a_replica_waits_for_progress_only_while_a_replica_
     looks.clear()
     swarm.hub.dead.add("b")  # b left: nobody listed at round 1 or later, so a keeps its round after one look
     assert asyncio.run(a._await_progress(1)) is False and len(looks) == 1
+    for sync in swarm.syncs.values():
+        sync.close()
+
+
+def test_after_a_failed_round_a_replica_waits_for_its_leader_whose_record_lags() -> None:
+    swarm = Swarm(sync_config(), ["a", "b"])
+    a = swarm.syncs["a"]
+    looks = count_catch_ups(a)
+    a.outer.round = 1  # a's round 1 failed; b, listed at round 0, cannot get past it first: one look
+    assert asyncio.run(a._await_progress(1)) is False and len(looks) == 1
+    looks.clear()  # but if b led that round, it has likely finished it, and its record is older than that
+    assert asyncio.run(a._await_progress(1, leader="b")) is False and len(looks) > 3
     for sync in swarm.syncs.values():
         sync.close()
 

@@ -254,7 +254,7 @@ class ReplicaSync:
                 # it served its payload moments ago, then no (or a false) commit: gone, or stalling the round
                 self.strike(result.leader, result.reason)
             await self._on_thread(self.outer.discard_payload)  # the next payload carries this round's Δ again
-            if not await self._await_progress(key.round):
+            if not await self._await_progress(key.round, leader=result.leader):
                 self.synced_at = steps  # nobody got past this round: try it again after another H steps
         self.on_log(
             {
@@ -436,10 +436,12 @@ class ReplicaSync:
         expected = {peer for peer in {*self._last_group, *current} if peer != self.net.me and not self.excluded(peer)}
         return expected or (None if self._others else set())
 
-    async def _await_progress(self, round_: int) -> bool:
+    async def _await_progress(self, round_: int, *, leader: str | None = None) -> bool:
         """After a late or failed round: wait (bounded) for a replica that got past it, and download its state; not at
         all once no other replica is listed at that round or later (the partner left: nobody will get past it without
-        this one, and a full peer would otherwise sit out the whole bound before training on alone)."""
+        this one, and a full peer would otherwise sit out the whole bound before training on alone) — unless the
+        round's ``leader``, another replica, is still listed: it has likely finished that round, and its record, written
+        once per announce period, may not show it yet."""
         deadline = time.monotonic() + self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
         # Look often, not once per announce period: a replica left out of a set sleeping a whole period (5 s) before
         # its first look took as long as the leader's next window, arrived just after it closed, was late again, and
@@ -448,7 +450,9 @@ class ReplicaSync:
             await asyncio.sleep(min(PROGRESS_POLL_S, self.cfg.timeouts.announce_period_s))
             if await self.catch_up():  # it also reads the stage's records into ``_others``
                 return True
-            if not any(status.outer_round >= round_ for status in self._others.values()):
+            # (a leader whose record lags broke this off at once, and the retry met the leader's old commit: in an
+            # 8M-token run, that second failure banned an honest partner and split the stage for the rest of the run)
+            if leader not in self._others and not any(s.outer_round >= round_ for s in self._others.values()):
                 break
         logger.warning(f"stage {self.stage}: no replica got past outer round {round_}; keeping it")
         return False
