@@ -72,6 +72,14 @@ def test_strikes_within_the_window_ban_then_the_ban_expires() -> None:
     assert not guard.strike("a"), "strikes start over after a ban"
 
 
+def test_a_pardon_takes_back_the_latest_strike_but_not_a_ban() -> None:
+    guard = PeerGuard(PeerLimits(strikes=2), Clock())
+    assert not guard.pardon("a")  # nothing to take back
+    assert not guard.strike("a") and guard.pardon("a")
+    assert not guard.strike("a"), "the pardoned strike no longer counts towards a ban"
+    assert guard.strike("a") and not guard.pardon("a") and guard.banned_for("a") > 0
+
+
 def test_the_table_is_bounded_and_a_knocking_banned_peer_stays_banned() -> None:
     clock = Clock()
     guard = PeerGuard(PeerLimits(strikes=1, max_peers=3), clock)

@@ -397,6 +397,25 @@ def test_a_retry_that_meets_the_commit_of_its_earlier_try_is_late_and_blames_nob
     assert retry.outcome == "late" and retry.leader == "a" and "earlier try" in retry.reason, retry
 
 
+def test_a_leader_whose_commit_was_lost_is_acquitted_when_it_next_leads_a_round_with_this_replica() -> None:
+    swarm = Swarm(sync_config(), ["a", "b"])
+    a = swarm.syncs["a"]
+    lost = RoundResult(outcome="failed", group=("a", "b"), leader="b", reason="no usable commit from leader b")
+    done = RoundResult(outcome="done", payloads=(b"", b""), contributors=("a", "b"), group=("a", "b"), leader="b")
+    for _ in range(OUTER_PEER_LIMITS.strikes - 1):  # streams lost in transit, each followed by a round b led with a
+        a.strike("b", lost.reason)
+        a._unproven.add("b")
+        a._acquit(done)
+    a.strike("b", lost.reason)
+    assert not a.excluded("b"), "strikes taken back count towards no ban"
+    a._unproven.add("b")
+    a._acquit(dataclasses.replace(done, contributors=("b",)))  # a round of b's without a: no proof, no pardon
+    a.strike("b", lost.reason)
+    assert a.excluded("b"), "a leader that withholds its commits round after round is banned"
+    for sync in swarm.syncs.values():
+        sync.close()
+
+
 def test_round_timing_is_validated() -> None:
     with pytest.raises(ValueError):
         RoundTiming(window_s=0, timeout_s=1)

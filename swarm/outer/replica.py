@@ -156,6 +156,7 @@ class ReplicaSync:
         self._changes = 0  # changes of the outer state (global weights, optimizer, round): a served stream's version
         self._last_group: tuple[str, ...] = ()  # contributors of the last round done
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
+        self._unproven: set[str] = set()  # leaders struck for a commit that never came, until they lead a round with me
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
 
     @property
@@ -247,12 +248,15 @@ class ReplicaSync:
             )
             if screening is not None:
                 self._hold_to_account(result, screening)
+            self._acquit(result)
             self.synced_at, self._last_group = steps, result.contributors
             self.round_s.append(time.perf_counter() - started)
         else:
             if result.outcome == "failed" and result.leader not in (None, self.net.me):
-                # it served its payload moments ago, then no (or a false) commit: gone, or stalling the round
+                # it served its payload moments ago, then no (or a false) commit: gone, or stalling the round —
+                # or a stream lost in transit (about once per 8M-token run on loopback), which looks the same
                 self.strike(result.leader, result.reason)
+                self._unproven.add(result.leader)
             await self._on_thread(self.outer.discard_payload)  # the next payload carries this round's Δ again
             if not await self._await_progress(key.round, leader=result.leader):
                 self.synced_at = steps  # nobody got past this round: try it again after another H steps
@@ -423,6 +427,18 @@ class ReplicaSync:
             sender = result.contributors[index]
             if sender != self.net.me and sender not in result.relayed:
                 self.strike(sender, f"its pseudo-gradient for round {self.round - 1}: {why}")
+
+    def _acquit(self, result: RoundResult) -> None:
+        """Take back the strike of a leader whose commit never came, once it leads a round that this replica completes
+        with it: a staller withholds its commits round after round and is banned at its second strike, while two
+        streams lost in transit an hour apart would otherwise ban an honest partner and split the stage for an hour."""
+        leader = result.leader
+        if leader in self._unproven and leader != self.net.me and self.net.me in result.contributors:
+            self._unproven.discard(leader)
+            if self.guard.pardon(leader):
+                logger.info(
+                    f"stage {self.stage}: {leader} led round {self.round - 1} with this replica: strike taken back"
+                )
 
     def _expected(self) -> set[str] | None:
         """Whom the window waits for: the last round's members and every replica the records show at this round or one

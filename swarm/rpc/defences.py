@@ -78,6 +78,14 @@ class PeerGuard:
         state.banned_until = now + self.limits.ban_s
         return True
 
+    def pardon(self, peer: Hashable) -> bool:
+        """Take back the peer's latest strike (a ban stays); True if there was one to take back."""
+        state = self._peers.get(peer)
+        if state is None or not state.strikes:
+            return False
+        state.strikes.pop()
+        return True
+
     def __len__(self) -> int:
         return len(self._peers)
 
