@@ -56,8 +56,9 @@ OWN_NORM_RATIO = 100.0
 
 # A payload is one wire frame (CodecId.OUTER_PAYLOAD) whose body is a header, then per parameter: entry header,
 # name (utf-8), codec frame. The wire layer zstd-compresses that body as one stream: the names and the parameters'
-# frame headers repeat from tensor to tensor, and one stream codes them at a quarter of their size (a SparseLoCo
-# payload of the small model's middle stage: 6,791 → 5,149 bytes, docs/benchmarks.md).
+# frame headers repeat from tensor to tensor, and one stream codes them once (a SparseLoCo payload of the small
+# model's middle stage in a real swarm: a median 6,818 → 5,186 bytes per round; docs/benchmarks.md, "Outer payloads
+# as one stream").
 _HEADER = struct.Struct("<QI")  # round, number of parameters
 _ENTRY = struct.Struct("<HI")  # name length, frame length
 

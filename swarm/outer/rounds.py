@@ -146,18 +146,20 @@ class Board:
         self._commits: dict[RoundKey, bytes | None] = {}  # None: this peer does not lead that round
         self._decided: dict[RoundKey, asyncio.Event] = {}
         self._offered_at: dict[RoundKey, float] = {}
-        self._digests: dict[RoundKey, dict[str, set[bytes]]] = {}  # of every payload offered per owner, retries too
+        self._own_tries: dict[RoundKey, set[bytes]] = {}  # digests of this peer's own payloads per round, retries too
 
     def offer(self, key: RoundKey, owner: str, payload: bytes) -> None:
         self._forget_old()
         self._offered_at.setdefault(key, self.clock())
         self._payloads.setdefault(key, {})[owner] = payload
-        self._digests.setdefault(key, {}).setdefault(owner, set()).add(digest(payload))
 
-    def offered(self, key: RoundKey, owner: str) -> set[bytes]:
-        """The digests of every payload offered for ``key`` by ``owner`` (a replica that tried a round again offered a
-        new one each time)."""
-        return self._digests.get(key, {}).get(owner, set())
+    def earlier_tries(self, key: RoundKey, mine: bytes) -> set[bytes]:
+        """Record ``mine``, the digest of this peer's payload for ``key``; returns those of its payloads for ``key``
+        before it (a replica that tries a round again makes a new payload each time)."""
+        tries = self._own_tries.setdefault(key, set())
+        earlier = tries - {mine}
+        tries.add(mine)
+        return earlier
 
     def commit(self, key: RoundKey, entries: list[tuple[str, bytes]] | None) -> None:
         """Publish the agreed (owner, digest) list of a round this peer leads; None: it does not lead it."""
@@ -190,7 +192,7 @@ class Board:
 
     def _forget_old(self) -> None:
         for key in [k for k, t in self._offered_at.items() if self.clock() - t > self.retention_s]:
-            for table in (self._payloads, self._commits, self._decided, self._offered_at, self._digests):
+            for table in (self._payloads, self._commits, self._decided, self._offered_at, self._own_tries):
                 table.pop(key, None)
 
 
@@ -240,8 +242,9 @@ async def run_round(
     if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
         return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
     opened = now
-    earlier = board.offered(key, net.me) - {digest(payload)}  # this replica's payloads of earlier tries of the round
     board.offer(key, net.me, payload)
+    mine = digest(payload)
+    earlier = board.earlier_tries(key, mine)
     await net.declare(key, opened, opened + timing.max_round_s)
     on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
     waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
@@ -285,7 +288,7 @@ async def run_round(
                         leader=leader,
                         reason=f"the leader's set of {key} holds this replica's payload of an earlier try",
                     )
-                if owner == net.me and wanted != digest(payload):
+                if owner == net.me and wanted != mine:
                     raise TransferError("the leader's commit holds another payload as this replica's own")
                 if owner not in got or digest(got[owner]) != wanted:
                     got[owner] = await net.fetch(leader, key.blob(f"payload/{owner}"), timing.timeout_s)
