@@ -134,6 +134,7 @@ class OuterOptimizer(ABC, Generic[Part]):
     """
 
     replicas_agree: ClassVar[bool] = True  # after a round every replica holds the same global weights (not NoLoCo)
+    pairwise: ClassVar[bool] = False  # its live rounds swap payloads in pairs (``run_pair_round``), no all-gather
 
     def __init__(
         self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]

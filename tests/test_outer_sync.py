@@ -28,6 +28,7 @@ from swarm.outer.rounds import (
     RoundTiming,
     digest,
     parse_commit,
+    run_pair_round,
     run_round,
     window_opening,
 )
@@ -38,6 +39,7 @@ T = TypeVar("T")
 
 TIMING = RoundTiming(window_s=0.3, timeout_s=0.4, settle_s=0.05)
 KEY = RoundKey(stage=1, round=3)
+Exchange = Callable[..., Awaitable[RoundResult]]  # run_round or run_pair_round
 
 
 class Hub:
@@ -49,6 +51,7 @@ class Hub:
         self.dead: set[str] = set()
         self.cut: set[tuple[str, str]] = set()  # (fetcher, peer): that fetch fails
         self.slow: set[str] = set()  # peers that never answer (the fetch times out)
+        self.fetches: list[tuple[str, str, str]] = []  # (fetcher, peer, blob name) of every fetch tried
 
     def join(self, me: str) -> None:
         self.boards[me] = Board(retention_s=60.0, clock=time.monotonic)
@@ -65,6 +68,7 @@ class MemoryNet:
         return dict(self.hub.declared.get(key, {}))
 
     async def fetch(self, peer: str, name: str, timeout: float) -> bytes:
+        self.hub.fetches.append((self.me, peer, name))
         if peer in self.hub.dead or (self.me, peer) in self.hub.cut:
             raise TransferError(f"{peer} is unreachable")
 
@@ -116,10 +120,10 @@ def in_virtual_time(work: Awaitable[T]) -> tuple[T, float]:
 
 
 async def member(
-    hub: Hub, name: str, delay: float, expected: frozenset[str] | None, timing: RoundTiming
+    hub: Hub, name: str, delay: float, expected: frozenset[str] | None, timing: RoundTiming, exchange: Exchange
 ) -> RoundResult:
     await asyncio.sleep(delay)
-    return await run_round(
+    return await exchange(
         MemoryNet(hub, name),
         hub.boards[name],
         KEY,
@@ -136,10 +140,12 @@ def play(
     kill: dict[str, float] | None = None,
     expected: dict[str, frozenset[str]] | None = None,
     timing: RoundTiming = TIMING,
+    exchange: Exchange = run_round,
 ) -> tuple[dict[str, RoundResult | None], float]:
     """Run every member in virtual time (``VirtualClockLoop``); ``kill`` = {name: after seconds}: that member dies (its
-    task is cancelled). The results (None for the dead) and the seconds the whole round took."""
-    return in_virtual_time(_play(hub, delays, kill, expected, timing))
+    task is cancelled). The results (None for the dead) and the seconds the whole round took. ``exchange``: the group
+    round (``run_round``) or NoLoCo's pairs (``run_pair_round``)."""
+    return in_virtual_time(_play(hub, delays, kill, expected, timing, exchange))
 
 
 async def _play(
@@ -148,11 +154,12 @@ async def _play(
     kill: dict[str, float] | None,
     expected: dict[str, frozenset[str]] | None,
     timing: RoundTiming,
+    exchange: Exchange,
 ) -> dict[str, RoundResult | None]:
     for name in delays:
         hub.join(name)
     tasks = {
-        name: asyncio.create_task(member(hub, name, delay, (expected or {}).get(name), timing))
+        name: asyncio.create_task(member(hub, name, delay, (expected or {}).get(name), timing, exchange))
         for name, delay in delays.items()
     }
 
@@ -274,6 +281,42 @@ def test_when_the_leader_withholds_its_commit_the_others_fail_the_round_within_t
     results, took_s = play(hub, {"a": 0.0, "b": 0.0, "c": 0.0}, kill={"a": 2.0})
     assert results["b"].outcome == results["c"].outcome == "failed" and "leader a" in results["b"].reason
     assert took_s < TIMING.max_round_s + 0.5
+
+
+@pytest.mark.parametrize("count", [4, 5])
+def test_a_pair_round_fetches_only_the_partners_payload_and_pairs_are_mutual(count: int) -> None:
+    hub, names = Hub(), [f"p{i}" for i in range(count)]
+    results, _ = play(hub, dict.fromkeys(names, 0.0), exchange=run_pair_round)
+    pairs = {r.contributors for r in results.values()}
+    assert all(r.outcome == "done" and r.leader is None for r in results.values())
+    # every member is in exactly one pair (one triple when odd), and its partner's result names the same pair
+    assert sorted(len(pair) for pair in pairs) == ([2, 2] if count == 4 else [2, 3])
+    assert sorted(name for pair in pairs for name in pair) == names
+    for name, r in results.items():
+        assert name in r.contributors and r.payloads == tuple(f"payload of {n}".encode() for n in r.contributors)
+        assert r.received == len(r.contributors) - 1 and r.group == tuple(names)
+    # one payload transfer per member (two in the triple), no commit: the group round makes count·(count−1) and more
+    assert sorted(name for _, _, name in hub.fetches) == sorted(
+        KEY.blob(f"payload/{peer}") for pair in pairs for peer in pair for _ in range(len(pair) - 1)
+    )
+    # the next round pairs them differently: gossip reaches every replica through partners of partners
+    later = play(Hub(), dict.fromkeys(names, 0.0), exchange=functools.partial(_pair_round_at, round_=KEY.round + 1))
+    assert {r.contributors for r in later[0].values()} != pairs
+
+
+async def _pair_round_at(net: MemoryNet, board: Board, key: RoundKey, *args, round_: int, **kwargs) -> RoundResult:
+    return await run_pair_round(net, board, dataclasses.replace(key, round=round_), *args, **kwargs)
+
+
+def test_a_pair_round_whose_partner_dies_is_done_alone_within_the_bound() -> None:
+    names = ["p0", "p1", "p2", "p3"]
+    results, _ = play(Hub(), dict.fromkeys(names, 0.0), exchange=run_pair_round)
+    victim = next(name for name in names if name != "p0" and name in results["p0"].contributors)  # p0's partner
+    results, took_s = play(Hub(), dict.fromkeys(names, 0.0), kill={victim: 0.1}, exchange=run_pair_round)
+    assert results["p0"].outcome == "done" and results["p0"].contributors == ("p0",) and results["p0"].received == 0
+    assert took_s < TIMING.max_round_s
+    others = [r for name, r in results.items() if name not in ("p0", victim)]
+    assert all(len(r.contributors) == 2 for r in others)  # the other pair is untouched
 
 
 @settings(deadline=None, max_examples=20)
@@ -541,6 +584,26 @@ def test_replicas_stepping_at_different_paces_hold_identical_global_weights_afte
     assert len(by_round) >= 3, swarm.events
     assert all(len(hashes) == 1 for hashes in by_round.values()), by_round
     assert sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6  # most rounds had everyone
+
+
+def test_noloco_replicas_swap_payloads_with_one_partner_per_round_never_the_whole_group() -> None:
+    names = ["a", "b", "c", "d"]
+    swarm = Swarm(sync_config("noloco"), names)
+
+    def four_paired_rounds_each() -> bool:
+        return all(sum(e["peer"] == n and e["contributors"] == 2 for e in swarm.rounds()) >= 4 for n in names)
+
+    asyncio.run(swarm.run(dict.fromkeys(names, 0.03), four_paired_rounds_each, 60))
+    for name in names:
+        mine = [e for e in swarm.rounds() if e["peer"] == name]
+        assert all(e["contributors"] <= 3 and e["leader"] is None for e in mine), mine  # a pair, or a triple
+        partners_met = {p for e in mine for p in e["contributor_ids"] if p != name}
+        assert len(partners_met) >= 2, mine  # rounds pair them differently
+        payload_bytes = max(e["received_bytes"] for e in mine)
+        assert all(e["received_bytes"] <= payload_bytes * (e["contributors"] - 1) for e in mine)
+    assert not any(name.endswith("commit") for _, _, name in swarm.hub.fetches)
+    for sync in swarm.syncs.values():
+        sync.close()
 
 
 def test_a_round_waits_for_every_replica_at_its_round_or_one_behind_not_only_its_last_group() -> None:

@@ -7,6 +7,7 @@ seconds apart; the ``child_processes`` fixture stops every peer whatever happens
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -124,6 +125,42 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
 
     groups = assert_groups_agree(swarm, [*trainers, "stage1-a"])
     assert sum(len(members) == 3 for (stage, _, _), members in groups.items() if stage == 0) >= 2, groups
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_noloco_trainers_swap_payloads_in_pairs_without_a_leader(tmp_path: Path, child_processes: list) -> None:
+    # four replicas of stage 0: a group round would have each fetch three payloads and follow a leader's commit
+    trainers = [f"trainer-{i}" for i in range(4)]
+    cfg = dataclasses.replace(
+        outer_config(stages=1, steps=200),
+        outer=OuterOptimConfig(method="noloco", inner_steps=H),
+        codecs=CodecConfig(pseudo_gradients="fp32"),
+    )
+    swarm = Swarm(tmp_path, cfg, child_processes)
+    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
+    swarm.ready("stage1-a")
+    for i, name in enumerate(trainers):
+        swarm.spawn(name, "--role", "trainer", "--steps", "200", "--seed", str(i), "--data", DATA)
+    for name in trainers:
+        swarm.ready(name)
+
+    swarm.wait(
+        "three paired rounds of every trainer",
+        lambda: all(sum(r["contributors"] == 2 for r in swarm.rounds(n)) >= 3 for n in trainers),
+        150,
+    )
+    for name in trainers:
+        done = [r for r in swarm.rounds(name) if r["stage"] == 0]
+        assert all(r["leader"] is None and r["contributors"] <= 3 for r in done), done  # a pair, or a triple
+        paired = [r for r in done if r["contributors"] == 2]
+        # one payload received per paired round: the partner's, never the other two replicas'
+        sizes = [r["received_bytes"] for r in paired]
+        assert 0 < max(sizes) < 1.5 * min(sizes), paired
+    for name in trainers:
+        last = swarm.finish(name)
+        assert last["step"] == 200 and last["failed"] == 0, last
+    swarm.stop("stage1-a")
 
 
 @pytest.mark.slow

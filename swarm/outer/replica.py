@@ -16,6 +16,8 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   replica alone in its stage does not wait at all. A replica due for a round that the records show
   others have passed downloads their state instead of opening it: a stale half of the stage that
   met on its own would stay apart for good.
+- **With whom.** DiLoCo and SparseLoCo all-gather over the round's group and apply the leader's set
+  (``run_round``); NoLoCo swaps payloads with one partner (``run_pair_round``) and never forces replicas equal.
 - **Alone.** A round nobody else joined changes no weight: the snapshot becomes the global
   weights (``OuterOptimizer.apply_alone``), so a replica alone in its stage never loses progress.
 - **Install.** Training goes on during the exchange, so the new local weights are the round's
@@ -69,6 +71,7 @@ from swarm.outer.rounds import (
     RoundResult,
     RoundTiming,
     plausible_arrivals,
+    run_pair_round,
     run_round,
     window_opening,
 )
@@ -216,7 +219,8 @@ class ReplicaSync:
         snapshot = await snapshot_weights(self.holder)
         payload = await self._on_thread(self.outer.make_payload, snapshot)
         started = time.perf_counter()
-        result = await run_round(
+        exchange = run_pair_round if self.outer.pairwise else run_round  # NoLoCo swaps with one partner
+        result = await exchange(
             self.net,
             self.board,
             key,

@@ -1,4 +1,5 @@
-"""The outer step over the network: the replicas of a stage meet for a round, all-gather their pseudo-gradients, agree on the set.
+"""The outer step over the network: the replicas of a stage meet for a round, all-gather their pseudo-gradients, agree on the set
+(or, for NoLoCo, swap them in pairs).
 
 Round r of stage s, for each replica that takes part (``run_round``; the network is passed in):
 
@@ -27,6 +28,9 @@ Round r of stage s, for each replica that takes part (``run_round``; the network
    no commit (the leader died) ends the round as *failed* and catches up by state download; if no
    replica got further, everyone keeps round r and tries again later.
 
+NoLoCo's round (``run_pair_round``) shares step 1, then each member fetches only its partner's payload
+(pairs drawn from the group by the round number): one transfer per member, no leader, no commit.
+
 Peers the caller bans (``excluded``) count as not declared: they join no group and lead none.
 Every wait is bounded (``RoundTiming.max_round_s``): a round never hangs. Views of the DHT can
 still differ in rare races, and a replica that closes its window early can lead a smaller group
@@ -49,6 +53,7 @@ from typing import Protocol
 
 import msgpack
 
+from optim.noloco import partners
 from swarm.config import TimeoutConfig
 from swarm.dht.membership import Membership
 from swarm.rpc.blobs import BlobClient, TransferError
@@ -237,26 +242,12 @@ async def run_round(
     (at once for an empty set); None waits it out. Peers ``excluded`` (banned) count as not declared.
     ``on_declared`` is told the declared arrival time once the declaration is stored.
     """
-    now = clock()
-    declared = await _declarations(net, key, excluded)
-    if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
-        return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
-    opened = now
-    board.offer(key, net.me, payload)
     mine = digest(payload)
-    earlier = board.earlier_tries(key, mine)
-    await net.declare(key, opened, opened + timing.max_round_s)
-    on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
-    waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
-    seen = await _arrivals(net, key, opened, waited_for, timing, clock, excluded)
-    now = clock()
-    close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
-    group = tuple(
-        sorted(peer for peer, arrived in [*plausible_arrivals(seen, now, timing), (net.me, opened)] if arrived <= close)
-    )
-    if net.me not in group:
-        return RoundResult(outcome="late", group=group, reason=f"arrived after the window of {key} closed")
-
+    earlier = board.earlier_tries(key, mine)  # recorded even if late: a leader may have taken what this peer offered
+    met = await _meet(net, board, key, payload, timing, clock, expected, excluded, on_declared)
+    if isinstance(met, RoundResult):
+        return met
+    group, arrived = met
     others = [peer for peer in group if peer != net.me]
     fetched = await asyncio.gather(
         *(_fetch_or_none(net, peer, key.blob(f"payload/{peer}"), timing.timeout_s) for peer in others)
@@ -268,7 +259,6 @@ async def run_round(
 
     # The first to arrive leads (a late arrival that joined takes its set), of those whose payload came: one that serves
     # none (gone, or declared only to stall the round) leads nothing.
-    arrived = seen | {net.me: opened}
     leader = min(got, key=lambda peer: (arrived[peer], peer))
     relayed: set[str] = set()  # contributors whose payload this member has only the leader's word for
     if leader == net.me:
@@ -315,6 +305,87 @@ async def run_round(
         received=len(received),
         received_bytes=sum(map(len, received)),
     )
+
+
+async def run_pair_round(
+    net: GroupNetwork,
+    board: Board,
+    key: RoundKey,
+    payload: bytes,
+    timing: RoundTiming,
+    *,
+    clock: Callable[[], float],
+    expected: Collection[str] | None = None,
+    excluded: Callable[[str], bool] = lambda peer: False,
+    on_declared: Callable[[float], None] = lambda opened_at: None,
+) -> RoundResult:
+    """NoLoCo's round: meet as ``run_round`` does, then fetch the payload of this member's partner only.
+
+    The group (sorted peer ids) is cut into pairs, a triple when odd, by ``noloco.partners`` seeded
+    with the round number, so members that saw the same group pair the same way without another
+    message. One transfer per member (two in a triple) instead of K − 1, no leader, no commit, and
+    nobody waits on anyone's gather: a member whose partner's payload does not come applies its
+    round alone. Members are never forced equal (gossip), so a pairing that differs between two
+    members' views of the group (a DHT race) costs nothing but an uneven pair.
+
+        >>> result = await run_pair_round(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)
+        >>> result.contributors                                   # ("12D3…a", "12D3…c"): me and my partner
+    """
+    met = await _meet(net, board, key, payload, timing, clock, expected, excluded, on_declared)
+    if isinstance(met, RoundResult):
+        return met
+    group, _ = met
+    board.commit(key, None)  # no commit in a pair round: a request for one is answered at once
+    me = group.index(net.me)
+    pair = next(indices for indices in partners(len(group), key.round) if me in indices)
+    others = [group[i] for i in sorted(pair) if i != me]
+    fetched = await asyncio.gather(
+        *(_fetch_or_none(net, peer, key.blob(f"payload/{peer}"), timing.timeout_s) for peer in others)
+    )
+    got = {net.me: payload} | {peer: data for peer, data in zip(others, fetched) if data is not None}
+    received = [data for data in fetched if data is not None]
+    contributors = tuple(sorted(got))
+    return RoundResult(
+        outcome="done",
+        payloads=tuple(got[peer] for peer in contributors),
+        contributors=contributors,
+        group=group,
+        received=len(received),
+        received_bytes=sum(map(len, received)),
+    )
+
+
+async def _meet(
+    net: GroupNetwork,
+    board: Board,
+    key: RoundKey,
+    payload: bytes,
+    timing: RoundTiming,
+    clock: Callable[[], float],
+    expected: Collection[str] | None,
+    excluded: Callable[[str], bool],
+    on_declared: Callable[[float], None],
+) -> tuple[tuple[str, ...], dict[str, float]] | RoundResult:
+    """Matchmaking (step 1): offer ``payload``, declare, wait out the window. The group (sorted, this peer in it) and
+    every member's declared arrival, or a late ``RoundResult``."""
+    now = clock()
+    declared = await _declarations(net, key, excluded)
+    if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
+        return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
+    opened = now
+    board.offer(key, net.me, payload)
+    await net.declare(key, opened, opened + timing.max_round_s)
+    on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
+    waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
+    seen = await _arrivals(net, key, opened, waited_for, timing, clock, excluded)
+    now = clock()
+    close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
+    group = tuple(
+        sorted(peer for peer, arrived in [*plausible_arrivals(seen, now, timing), (net.me, opened)] if arrived <= close)
+    )
+    if net.me not in group:
+        return RoundResult(outcome="late", group=group, reason=f"arrived after the window of {key} closed")
+    return group, seen | {net.me: opened}
 
 
 def window_opening(arrivals: Mapping[str, float], *, own: float, now: float, timing: RoundTiming) -> float:
