@@ -14,7 +14,7 @@ so no round ever needs the whole group, and its cost per replica does not grow w
 Pairs are drawn by ``partners`` (shuffled by the round number), so every member of a round computes
 the same pairing without another message. In a live swarm the round pairs the members of its group
 (sorted peer ids) and each fetches its partner's payload only (``swarm/outer/rounds.py``
-``run_pair_round``: one transfer per member, no leader, no commit); ``apply`` then gets exactly the
+``run_round(pairs=True)``: one transfer per member, no leader, no commit); ``apply`` then gets exactly the
 pair's payloads. The in-process simulator hands ``apply`` the whole group's payloads and it picks the
 pair from them (sorted by their bytes), counting only the pair's transfers.
 
@@ -67,7 +67,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
     """Pairwise gossip outer step: Δ through ``codec``, outer weights in fp32, heavy-ball SGD (lr 0.7, momentum 0.5)."""
 
     replicas_agree = False  # each keeps its own outer weights; the pull towards partners brings them together
-    pairwise = True  # a live round fetches the partner's payload only (swarm/outer/rounds.py, run_pair_round)
+    pairwise = True  # a live round fetches the partner's payload only (swarm/outer/rounds.py, run_round(pairs=True))
 
     def __init__(self, params: NamedTensors, *, lr: float = 0.7, momentum: float = 0.5, codec: Codec) -> None:
         super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum))

@@ -58,6 +58,12 @@ ROWS: list[Row] = [
         outer="sparseloco",
         overrides={"outer.sparseloco_lr": 0.7, "outer.sparseloco_momentum": 0.9},
     ),
+    # Nesterov with the default's long-run step (lr / (1 − momentum) = 1): momentum smooths Δ across rounds
+    Row(
+        name="sparseloco/nesterov0.5",
+        outer="sparseloco",
+        overrides={"outer.sparseloco_lr": 0.5, "outer.sparseloco_momentum": 0.5},
+    ),
     Row(name="noloco", outer="noloco"),
     Row(name="diloco/lr2", outer="diloco", overrides=AVERAGE | {"outer.diloco_lr": 2.0}),
     Row(name="diloco/avg/inner-lr×2", outer="diloco", overrides=AVERAGE | {"inner.lr": 6e-3}),

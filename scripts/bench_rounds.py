@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the replicas are the tests' own helpers
 
 PROJECT_TO = (16, 100, 1000)
+PAIRWISE = ("noloco",)  # methods whose live round swaps payloads in pairs (``run_round(pairs=True)``)
 LINK_MBIT = 100.0  # the projection's per-replica download link
 
 
@@ -87,11 +88,7 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
         before = {id(r.peer.membership): Counter(reads.get(id(r.peer.membership), {})) for r in replicas}
 
         def full(i: int) -> list[dict[str, Any]]:
-            return [
-                e
-                for e in replicas[i].events[marks[i] :]
-                if e["event"] == "outer_round" and e["outcome"] == "done" and e["contributors"] == n
-            ]
+            return [e for e in replicas[i].events[marks[i] :] if e["event"] == "outer_round" and met_all(e, n, method)]
 
         async with stopping(*replicas):
             began = time.perf_counter()
@@ -101,7 +98,7 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
             events = [e for i, r in enumerate(replicas) for e in r.events[marks[i] :] if e["event"] == "outer_round"]
             after = {id(r.peer.membership): Counter(reads.get(id(r.peer.membership), {})) for r in replicas}
         done = [e for e in events if e["outcome"] == "done"]
-        together = [e for e in done if e["contributors"] == n]
+        together = [e for e in done if met_all(e, n, method)]
         dht = Counter()
         for key in after:
             dht.update(after[key] - before[key])
@@ -133,6 +130,16 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
         Membership._read = original_read  # type: ignore[method-assign]
 
 
+def met_all(event: dict[str, Any], n: int, method: str) -> bool:
+    """A round done with all n: in the group round every member contributed; in NoLoCo's every member met and this one
+    swapped with its partner (2 contributors, 3 in the odd one out's triple)."""
+    if event["outcome"] != "done":
+        return False
+    if method in PAIRWISE:
+        return event["group"] == n and event["contributors"] >= min(2, n)
+    return event["contributors"] == n
+
+
 # ---- the projection -------------------------------------------------------------------------------------------------
 
 
@@ -147,7 +154,10 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def project(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per method: fits of round time and DHT records read against n, and a group round vs pairs at 16, 100, 1,000."""
     out: dict[str, Any] = {}
-    for method in sorted({r["method"] for r in runs}):
+    measured_pairs = [
+        r["median_received_bytes"] for r in runs if r["method"] in PAIRWISE and r["median_received_bytes"]
+    ]
+    for method in sorted({r["method"] for r in runs} - set(PAIRWISE)):
         ok = [r for r in runs if r["method"] == method and r["median_round_s"] is not None]
         if len(ok) < 2:
             continue
@@ -160,7 +170,8 @@ def project(runs: list[dict[str, Any]]) -> dict[str, Any]:
         rows = []
         for n in PROJECT_TO:
             group_bytes = (n - 1) * per_peer
-            pair_bytes = 2 * payload  # NoLoCo: one partner's payload of Δ and θ, each the size of a DiLoCo payload
+            # NoLoCo: one partner's payload of Δ and θ, each the size of a DiLoCo payload (measured when a run has one)
+            pair_bytes = statistics.median(measured_pairs) if measured_pairs and method == "diloco" else 2 * payload
             rows.append(
                 {
                     "n": n,
@@ -215,6 +226,12 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
             time_ax.plot(
                 PROJECTED_SIZES, [a + b * n for n in PROJECTED_SIZES], "--", label=f"{method} fit: {a:.2f} + {b:.3f}·n"
             )
+        if method in PAIRWISE:  # measured: what one replica received per round of all n
+            paired = [r for r in mine if r["median_received_bytes"]]
+            bytes_ax.plot(
+                [r["n"] for r in paired], [r["median_received_bytes"] for r in paired], "s", label=f"{method}, measured"
+            )
+            continue
         payload = statistics.median(r["payload_bytes"] for r in mine)
         bytes_ax.plot(PROJECTED_SIZES, [(n - 1) * payload for n in PROJECTED_SIZES], label=f"{method} group round")
         bytes_ax.plot(PROJECTED_SIZES, [2 * payload for _ in PROJECTED_SIZES], ":", label=f"{method} NoLoCo pair")
@@ -272,7 +289,7 @@ def table(runs: list[dict[str, Any]], projection: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--methods", nargs="+", default=["diloco"], choices=["diloco", "sparseloco"])
+    parser.add_argument("--methods", nargs="+", default=["diloco"], choices=["diloco", "sparseloco", *PAIRWISE])
     parser.add_argument("--rounds", type=int, default=5, help="rounds of all n together per replica")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds of rounds at most per (n, method)")
     parser.add_argument("--window-s", type=float, help="matchmaking window in seconds (default: the tests' 1 s)")

@@ -28,7 +28,6 @@ from swarm.outer.rounds import (
     RoundTiming,
     digest,
     parse_commit,
-    run_pair_round,
     run_round,
     window_opening,
 )
@@ -39,7 +38,8 @@ T = TypeVar("T")
 
 TIMING = RoundTiming(window_s=0.3, timeout_s=0.4, settle_s=0.05)
 KEY = RoundKey(stage=1, round=3)
-Exchange = Callable[..., Awaitable[RoundResult]]  # run_round or run_pair_round
+Exchange = Callable[..., Awaitable[RoundResult]]  # run_round, or NoLoCo's PAIRS
+PAIRS = functools.partial(run_round, pairs=True)
 
 
 class Hub:
@@ -144,7 +144,7 @@ def play(
 ) -> tuple[dict[str, RoundResult | None], float]:
     """Run every member in virtual time (``VirtualClockLoop``); ``kill`` = {name: after seconds}: that member dies (its
     task is cancelled). The results (None for the dead) and the seconds the whole round took. ``exchange``: the group
-    round (``run_round``) or NoLoCo's pairs (``run_pair_round``)."""
+    round (``run_round``) or NoLoCo's pairs (``PAIRS``)."""
     return in_virtual_time(_play(hub, delays, kill, expected, timing, exchange))
 
 
@@ -286,7 +286,7 @@ def test_when_the_leader_withholds_its_commit_the_others_fail_the_round_within_t
 @pytest.mark.parametrize("count", [4, 5])
 def test_a_pair_round_fetches_only_the_partners_payload_and_pairs_are_mutual(count: int) -> None:
     hub, names = Hub(), [f"p{i}" for i in range(count)]
-    results, _ = play(hub, dict.fromkeys(names, 0.0), exchange=run_pair_round)
+    results, _ = play(hub, dict.fromkeys(names, 0.0), exchange=PAIRS)
     pairs = {r.contributors for r in results.values()}
     assert all(r.outcome == "done" and r.leader is None for r in results.values())
     # every member is in exactly one pair (one triple when odd), and its partner's result names the same pair
@@ -305,14 +305,14 @@ def test_a_pair_round_fetches_only_the_partners_payload_and_pairs_are_mutual(cou
 
 
 async def _pair_round_at(net: MemoryNet, board: Board, key: RoundKey, *args, round_: int, **kwargs) -> RoundResult:
-    return await run_pair_round(net, board, dataclasses.replace(key, round=round_), *args, **kwargs)
+    return await PAIRS(net, board, dataclasses.replace(key, round=round_), *args, **kwargs)
 
 
 def test_a_pair_round_whose_partner_dies_is_done_alone_within_the_bound() -> None:
     names = ["p0", "p1", "p2", "p3"]
-    results, _ = play(Hub(), dict.fromkeys(names, 0.0), exchange=run_pair_round)
+    results, _ = play(Hub(), dict.fromkeys(names, 0.0), exchange=PAIRS)
     victim = next(name for name in names if name != "p0" and name in results["p0"].contributors)  # p0's partner
-    results, took_s = play(Hub(), dict.fromkeys(names, 0.0), kill={victim: 0.1}, exchange=run_pair_round)
+    results, took_s = play(Hub(), dict.fromkeys(names, 0.0), kill={victim: 0.1}, exchange=PAIRS)
     assert results["p0"].outcome == "done" and results["p0"].contributors == ("p0",) and results["p0"].received == 0
     assert took_s < TIMING.max_round_s
     others = [r for name, r in results.items() if name not in ("p0", victim)]

@@ -38,6 +38,16 @@ def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
     )
 
 
+def start_trainers_behind_one_server(swarm: Swarm, trainers: list[str], *, steps: int) -> None:
+    """One server of stage 1 (``stage1-a``), then ``trainers`` (seeds 0, 1, …), each ready before this returns."""
+    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
+    swarm.ready("stage1-a")
+    for i, name in enumerate(trainers):
+        swarm.spawn(name, "--role", "trainer", "--steps", str(steps), "--seed", str(i), "--data", DATA)
+    for name in trainers:
+        swarm.ready(name)
+
+
 def assert_groups_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int, str], list[str]]:
     """The members of every group (stage, round, leader) applied the same set: identical global weights.
 
@@ -76,12 +86,7 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
         f"trainer-{i}" for i in range(3)
     ]  # the replicas of stage 0: each steps on its own data, so all take part
     swarm = Swarm(tmp_path, outer_config(stages=1, steps=300), child_processes)
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
-    swarm.ready("stage1-a")
-    for i, name in enumerate(trainers):
-        swarm.spawn(name, "--role", "trainer", "--steps", "300", "--seed", str(i), "--data", DATA)
-    for name in trainers:
-        swarm.ready(name)
+    start_trainers_behind_one_server(swarm, trainers, steps=300)
 
     swarm.wait(
         "two full rounds of the trainers",
@@ -138,12 +143,7 @@ def test_noloco_trainers_swap_payloads_in_pairs_without_a_leader(tmp_path: Path,
         codecs=CodecConfig(pseudo_gradients="fp32"),
     )
     swarm = Swarm(tmp_path, cfg, child_processes)
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
-    swarm.ready("stage1-a")
-    for i, name in enumerate(trainers):
-        swarm.spawn(name, "--role", "trainer", "--steps", "200", "--seed", str(i), "--data", DATA)
-    for name in trainers:
-        swarm.ready(name)
+    start_trainers_behind_one_server(swarm, trainers, steps=200)
 
     swarm.wait(
         "three paired rounds of every trainer",

@@ -17,7 +17,7 @@ instant: to snapshot them and to install a round's result. Requests keep being s
   others have passed downloads their state instead of opening it: a stale half of the stage that
   met on its own would stay apart for good.
 - **With whom.** DiLoCo and SparseLoCo all-gather over the round's group and apply the leader's set
-  (``run_round``); NoLoCo swaps payloads with one partner (``run_pair_round``) and never forces replicas equal.
+  (``run_round``); NoLoCo swaps payloads with one partner (``run_round(pairs=True)``) and never forces replicas equal.
 - **Alone.** A round nobody else joined changes no weight: the snapshot becomes the global
   weights (``OuterOptimizer.apply_alone``), so a replica alone in its stage never loses progress.
 - **Install.** Training goes on during the exchange, so the new local weights are the round's
@@ -71,7 +71,6 @@ from swarm.outer.rounds import (
     RoundResult,
     RoundTiming,
     plausible_arrivals,
-    run_pair_round,
     run_round,
     window_opening,
 )
@@ -219,8 +218,7 @@ class ReplicaSync:
         snapshot = await snapshot_weights(self.holder)
         payload = await self._on_thread(self.outer.make_payload, snapshot)
         started = time.perf_counter()
-        exchange = run_pair_round if self.outer.pairwise else run_round  # NoLoCo swaps with one partner
-        result = await exchange(
+        result = await run_round(
             self.net,
             self.board,
             key,
@@ -229,6 +227,7 @@ class ReplicaSync:
             clock=self.clock,
             expected=self._expected(),
             excluded=self.excluded,
+            pairs=self.outer.pairwise,  # NoLoCo swaps with one partner
             on_declared=lambda opened_at: self.on_log(
                 {"event": "outer_declared", "stage": self.stage, "round": key.round, "opened_at": opened_at}
             ),

@@ -28,7 +28,7 @@ Round r of stage s, for each replica that takes part (``run_round``; the network
    no commit (the leader died) ends the round as *failed* and catches up by state download; if no
    replica got further, everyone keeps round r and tries again later.
 
-NoLoCo's round (``run_pair_round``) shares step 1, then each member fetches only its partner's payload
+NoLoCo's round (``pairs=True``) shares step 1, then each member fetches only its partner's payload
 (pairs drawn from the group by the round number): one transfer per member, no leader, no commit.
 
 Peers the caller bans (``excluded``) count as not declared: they join no group and lead none.
@@ -235,12 +235,14 @@ async def run_round(
     expected: Collection[str] | None = None,
     excluded: Callable[[str], bool] = lambda peer: False,
     on_declared: Callable[[float], None] = lambda opened_at: None,
+    pairs: bool = False,
 ) -> RoundResult:
     """Take part in outer round ``key`` with ``payload``; returns the agreed payloads or why there are none.
 
     Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s``
     (at once for an empty set); None waits it out. Peers ``excluded`` (banned) count as not declared.
-    ``on_declared`` is told the declared arrival time once the declaration is stored.
+    ``on_declared`` is told the declared arrival time once the declaration is stored. ``pairs``: NoLoCo's
+    round, which swaps payloads with one partner (``_swap_in_pairs``) instead of the group's all-gather.
     """
     mine = digest(payload)
     earlier = board.earlier_tries(key, mine)  # recorded even if late: a leader may have taken what this peer offered
@@ -248,6 +250,8 @@ async def run_round(
     if isinstance(met, RoundResult):
         return met
     group, arrived = met
+    if pairs:
+        return await _swap_in_pairs(net, board, key, payload, group, timing)
     others = [peer for peer in group if peer != net.me]
     fetched = await asyncio.gather(
         *(_fetch_or_none(net, peer, key.blob(f"payload/{peer}"), timing.timeout_s) for peer in others)
@@ -307,19 +311,10 @@ async def run_round(
     )
 
 
-async def run_pair_round(
-    net: GroupNetwork,
-    board: Board,
-    key: RoundKey,
-    payload: bytes,
-    timing: RoundTiming,
-    *,
-    clock: Callable[[], float],
-    expected: Collection[str] | None = None,
-    excluded: Callable[[str], bool] = lambda peer: False,
-    on_declared: Callable[[float], None] = lambda opened_at: None,
+async def _swap_in_pairs(
+    net: GroupNetwork, board: Board, key: RoundKey, payload: bytes, group: tuple[str, ...], timing: RoundTiming
 ) -> RoundResult:
-    """NoLoCo's round: meet as ``run_round`` does, then fetch the payload of this member's partner only.
+    """NoLoCo's exchange, after the matchmaking: fetch the payload of this member's partner only.
 
     The group (sorted peer ids) is cut into pairs, a triple when odd, by ``noloco.partners`` seeded
     with the round number, so members that saw the same group pair the same way without another
@@ -328,13 +323,9 @@ async def run_pair_round(
     round alone. Members are never forced equal (gossip), so a pairing that differs between two
     members' views of the group (a DHT race) costs nothing but an uneven pair.
 
-        >>> result = await run_pair_round(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)
+        >>> result = await run_round(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time, pairs=True)
         >>> result.contributors                                   # ("12D3…a", "12D3…c"): me and my partner
     """
-    met = await _meet(net, board, key, payload, timing, clock, expected, excluded, on_declared)
-    if isinstance(met, RoundResult):
-        return met
-    group, _ = met
     board.commit(key, None)  # no commit in a pair round: a request for one is answered at once
     me = group.index(net.me)
     pair = next(indices for indices in partners(len(group), key.round) if me in indices)
