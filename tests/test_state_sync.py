@@ -33,7 +33,7 @@ from swarm.outer.transfer import (
     weights_hash,
 )
 from swarm.rpc.auth import AccessDenied
-from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
+from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, StreamCut, TransferError, feed
 
 
 def template() -> dict[str, torch.Tensor]:
@@ -255,6 +255,22 @@ class LyingServicer(BlobServicer):
             yield message
 
 
+class CuttingServicer(BlobServicer):
+    """Ends its first ``cuts`` streams early, as a stream lost in transit looks: before the header, or after it."""
+
+    def __init__(self, cuts: int, *, after_header: bool = False) -> None:
+        super().__init__()
+        self.cuts, self.after_header, self.requests = cuts, after_header, 0
+
+    async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]
+        self.requests += 1
+        messages = [message async for message in super().rpc_blob(request, context)]
+        if self.requests <= self.cuts:
+            messages = messages[:1] if self.after_header else []
+        for message in messages:
+            yield message
+
+
 class OnlyOk:
     """A verifier that admits requests carrying the certificate b"ok"."""
 
@@ -336,6 +352,28 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
         )  # the corrupted transfer was retried elsewhere
 
     asyncio.run(with_peers(4, body))
+
+
+@pytest.mark.parametrize("after_header", [False, True])
+def test_a_fetch_whose_stream_ends_early_asks_once_more(after_header: bool) -> None:
+    good = pack_state(state(round_=4))
+
+    async def body(peers: list[P2P]) -> None:
+        once, always, me = peers
+        cut_once, cut_always = (
+            CuttingServicer(1, after_header=after_header),
+            CuttingServicer(9, after_header=after_header),
+        )
+        await BlobServicer().add_p2p_handlers(once, wrapper=serve(cut_once, {"state/2": good}), namespace="t")
+        await BlobServicer().add_p2p_handlers(always, wrapper=serve(cut_always, {"state/2": good}), namespace="t")
+        client = BlobClient(me, namespace="t")
+        assert await client.fetch(once.peer_id, "state/2", timeout=10, max_bytes=1 << 20) == good
+        assert cut_once.requests == 2
+        with pytest.raises(StreamCut, match="ended after 0" if after_header else "before its header"):
+            await client.fetch(always.peer_id, "state/2", timeout=10, max_bytes=1 << 20)
+        assert cut_always.requests == 2  # once more, not until the timeout
+
+    asyncio.run(with_peers(3, body))
 
 
 # ---- a stage state streamed between two real peers: exact, refused when wrong, bounded in memory ----
