@@ -32,7 +32,7 @@ import torch
 from peer.data import Corpus, load_corpus
 from swarm.config import ConfigValue, OuterChoice, SwarmConfig, derive_config, parse_overrides
 from swarm.sim.centralized import train_centralized
-from swarm.sim.simulate import SimulationConfig, simulate
+from swarm.sim.simulate import Routing, SimulationConfig, simulate
 
 RowOuter = Literal["centralized"] | OuterChoice
 
@@ -42,6 +42,7 @@ class Row:
     name: str
     outer: RowOuter  # centralized: one process; ddp: gradient all-reduce every step; else the outer method
     overrides: Mapping[str, ConfigValue] = field(default_factory=dict)  # dotted config paths, via derive_config
+    routing: Routing = "random"  # random: SWARM, any replica per hop; sticky: trainer k always uses replicas k
 
 
 AVERAGE = {"outer.diloco_lr": 1.0, "outer.diloco_momentum": 0.0}  # the outer step is the plain replica mean
@@ -72,6 +73,7 @@ ROWS: list[Row] = [
     Row(name="diloco/avg/H5", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 5}),
     Row(name="diloco/avg/H10", outer="diloco", overrides=AVERAGE | {"outer.inner_steps": 10}),
     Row(name="sparseloco/H10", outer="sparseloco", overrides={"outer.inner_steps": 10}),
+    Row(name="sparseloco/sticky", outer="sparseloco", routing="sticky"),  # no replica mixing between rounds
     Row(name="sparseloco/H50", outer="sparseloco", overrides={"outer.inner_steps": 50}),
     Row(name="sparseloco/k128", outer="sparseloco", overrides={"codecs.topk": 128}),  # 3.1% density
     Row(name="sparseloco/H10/k128", outer="sparseloco", overrides={"outer.inner_steps": 10, "codecs.topk": 128}),
@@ -180,7 +182,12 @@ def run_simulated(
         for k in range(replicas)
     ]
     sim = SimulationConfig(
-        replicas=replicas, mode="ddp" if row.outer == "ddp" else "outer", tokens=tokens, seed=seed, log_every=log_every
+        replicas=replicas,
+        mode="ddp" if row.outer == "ddp" else "outer",
+        routing=row.routing,
+        tokens=tokens,
+        seed=seed,
+        log_every=log_every,
     )
     result = simulate(cfg, sim, streams, val)
     return {
