@@ -317,6 +317,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per row and K (0..N-1)")
     parser.add_argument(
+        "--first-seed", type=int, default=0, help="start the seeds here (seeds run in parallel, merged with --replot)"
+    )
+    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -347,8 +350,17 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after hours of training
         parser.error("--plot needs matplotlib, which is not installed: `pip install matplotlib`, or leave --plot out")
-    if min(args.replicas) < 1 or args.steps < 1 or args.seeds < 1 or args.log_points < 1 or args.h < 0:
-        parser.error("--replicas, --steps, --seeds and --log-points must be positive, --h non-negative")
+    if (
+        min(args.replicas) < 1
+        or args.steps < 1
+        or args.seeds < 1
+        or args.log_points < 1
+        or args.h < 0
+        or args.first_seed < 0
+    ):
+        parser.error(
+            "--replicas, --steps, --seeds and --log-points must be positive, --h and --first-seed non-negative"
+        )
     return args
 
 
@@ -374,7 +386,8 @@ def main() -> None:
     rows = [r for r in ROWS if not args.only or r.name in args.only]
     if not rows:
         raise SystemExit(f"no row matches --only {' '.join(args.only)}; rows: {', '.join(r.name for r in ROWS)}")
-    plan = [(row, k, seed) for k in args.replicas for row in rows for seed in range(args.seeds)]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    plan = [(row, k, seed) for k in args.replicas for row in rows for seed in seeds]
     records: list[dict[str, Any]] = []
     for i, (row, k, seed) in enumerate(plan, 1):
         cfg = row_config(base, row, codec=args.codec, h=args.h, seed=seed)
