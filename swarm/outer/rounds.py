@@ -244,14 +244,15 @@ async def run_round(
     ``on_declared`` is told the declared arrival time once the declaration is stored. ``pairs``: NoLoCo's
     round, which swaps payloads with one partner (``_swap_in_pairs``) instead of the group's all-gather.
     """
+    if pairs:  # no leader, no commit: nothing to hash, no earlier try to recognise
+        met = await _meet(net, board, key, payload, timing, clock, expected, excluded, on_declared)
+        return met if isinstance(met, RoundResult) else await _swap_in_pairs(net, board, key, payload, met[0], timing)
     mine = digest(payload)
     earlier = board.earlier_tries(key, mine)  # recorded even if late: a leader may have taken what this peer offered
     met = await _meet(net, board, key, payload, timing, clock, expected, excluded, on_declared)
     if isinstance(met, RoundResult):
         return met
     group, arrived = met
-    if pairs:
-        return await _swap_in_pairs(net, board, key, payload, group, timing)
     others = [peer for peer in group if peer != net.me]
     fetched = await asyncio.gather(
         *(_fetch_or_none(net, peer, key.blob(f"payload/{peer}"), timing.timeout_s) for peer in others)
