@@ -11,6 +11,7 @@ per token against ddp's fp32 gradient bytes per token ("pg reduction").
     python scripts/bench_convergence.py --preset small --steps 500 --replicas 2 4 --seeds 3 \\
         --json bench-convergence.json --plot bench-convergence.png
     python scripts/bench_convergence.py --steps 500 --only ddp sparseloco   # the default model
+    python scripts/bench_convergence.py --steps 2000 --replicas 2 --seeds 2 --only ddp sparseloco --jobs 4  # in parallel
 
 Edit ``ROWS`` to change the study: each row is an outer method and dotted config overrides.
 """
@@ -18,12 +19,14 @@ Edit ``ROWS`` to change the study: each row is an outer method and dotted config
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import importlib.util
 import json
+import multiprocessing
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -81,6 +84,7 @@ ROWS: list[Row] = [
     Row(name="diloco/warm50", outer="diloco", overrides={"outer.warm_start_steps": 50}),
     Row(name="sparseloco/warm20", outer="sparseloco", overrides={"outer.warm_start_steps": 20}),
     Row(name="sparseloco/warm50", outer="sparseloco", overrides={"outer.warm_start_steps": 50}),
+    Row(name="sparseloco/warm100", outer="sparseloco", overrides={"outer.warm_start_steps": 100}),
     # SparseLoCo's error feedback: β of the buffer, and the outer step's size on the aggregated sparse Δ
     Row(name="sparseloco/ef0.9", outer="sparseloco", overrides={"codecs.error_decay": 0.9}),
     Row(name="sparseloco/ef0.99", outer="sparseloco", overrides={"codecs.error_decay": 0.99}),
@@ -88,6 +92,11 @@ ROWS: list[Row] = [
     Row(name="sparseloco/lr1.5", outer="sparseloco", overrides={"outer.sparseloco_lr": 1.5}),
     Row(name="sparseloco/lr0.7", outer="sparseloco", overrides={"outer.sparseloco_lr": 0.7}),
     Row(name="sparseloco/lr2", outer="sparseloco", overrides={"outer.sparseloco_lr": 2.0}),
+    # the inner AdamW against K: its peak lr and its warm-up (30 steps by default)
+    Row(name="sparseloco/inner-lr×2", outer="sparseloco", overrides={"inner.lr": 6e-3}),
+    Row(name="sparseloco/inner-lr÷2", outer="sparseloco", overrides={"inner.lr": 1.5e-3}),
+    Row(name="sparseloco/warmup10", outer="sparseloco", overrides={"inner.warmup_steps": 10}),
+    Row(name="sparseloco/warmup100", outer="sparseloco", overrides={"inner.warmup_steps": 100}),
 ]
 
 # the study's step: one microbatch of 16 per inner step (the swarm's default splits it in four, the same gradient in
@@ -301,6 +310,51 @@ def write_json(path: str, args: argparse.Namespace, records: list[dict[str, Any]
         json.dump({"args": vars(args), "records": records, "summary": summarize(records)}, f, indent=1)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One run of the study: a row at K replicas with one seed."""
+
+    row: Row
+    replicas: int
+    seed: int
+
+
+_corpus: Corpus | None = None  # one per process: loaded by run_plan, or by each worker's initializer
+
+
+def _start_worker(threads: int, corpus_paths: list[str] | None) -> None:
+    global _corpus
+    torch.set_num_threads(threads)
+    _corpus = load_corpus(corpus_paths)
+
+
+def _run_planned(index: int, run: Planned, base: SwarmConfig, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    assert _corpus is not None, "the corpus is loaded before any run"
+    cfg = row_config(base, run.row, codec=args.codec, h=args.h, seed=run.seed)
+    return index, run_one(
+        run.row, cfg, _corpus, replicas=run.replicas, steps=args.steps, seed=run.seed, log_points=args.log_points
+    )
+
+
+def run_plan(plan: list[Planned], base: SwarmConfig, args: argparse.Namespace) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(plan index, record) of every run, as each finishes: in order here, or ``--jobs`` at once in worker processes."""
+    if args.jobs == 1:
+        _start_worker(args.threads, args.corpus)
+        for i, run in enumerate(plan):
+            yield _run_planned(i, run, base, args)
+        return
+    # spawn, not fork: a forked child would inherit torch's thread pool state from the parent
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=min(args.jobs, len(plan)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(args.threads, args.corpus),
+    ) as pool:
+        futures = [pool.submit(_run_planned, i, run, base, args) for i, run in enumerate(plan)]
+        for future in concurrent.futures.as_completed(futures):
+            yield future.result()
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -335,7 +389,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--corpus", nargs="+", metavar="PATH", help="text files or folders (default: the stdlib sources)"
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (per run)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once, each in its own process with --threads threads (a run is deterministic per seed: the"
+        " results do not depend on it)",
+    )
     parser.add_argument(
         "--replot",
         nargs="+",
@@ -357,9 +418,12 @@ def parse_args() -> argparse.Namespace:
         or args.log_points < 1
         or args.h < 0
         or args.first_seed < 0
+        or args.jobs < 1
+        or args.threads < 1
     ):
         parser.error(
-            "--replicas, --steps, --seeds and --log-points must be positive, --h and --first-seed non-negative"
+            "--replicas, --steps, --seeds, --log-points, --jobs and --threads must be positive,"
+            " --h and --first-seed non-negative"
         )
     return args
 
@@ -377,29 +441,26 @@ def main() -> None:
         if args.plot:
             plot(records, args.plot)
         return
-    torch.set_num_threads(args.threads)
     try:
         base = derive_config(SwarmConfig(), PRESETS[args.preset] | parse_overrides(args.set))
     except ValueError as e:  # a malformed pair, an unknown field, a value the config refuses
         raise SystemExit(f"--set: {e}") from None
-    corpus = load_corpus(args.corpus)
     rows = [r for r in ROWS if not args.only or r.name in args.only]
     if not rows:
         raise SystemExit(f"no row matches --only {' '.join(args.only)}; rows: {', '.join(r.name for r in ROWS)}")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    plan = [(row, k, seed) for k in args.replicas for row in rows for seed in seeds]
-    records: list[dict[str, Any]] = []
-    for i, (row, k, seed) in enumerate(plan, 1):
-        cfg = row_config(base, row, codec=args.codec, h=args.h, seed=seed)
-        rec = run_one(row, cfg, corpus, replicas=k, steps=args.steps, seed=seed, log_points=args.log_points)
-        records.append(rec)
+    plan = [Planned(row, k, seed) for k in args.replicas for row in rows for seed in seeds]
+    done: dict[int, dict[str, Any]] = {}  # plan index → record; the JSON keeps plan order whatever finishes first
+    for n, (i, rec) in enumerate(run_plan(plan, base, args), 1):
+        done[i] = rec
         print(
-            f"[{i}/{len(plan)}] {row.name:<22} K={k} seed={seed} val {rec['val_loss']:.4f} "
+            f"[{n}/{len(plan)}] {rec['row']:<22} K={rec['K']} seed={rec['seed']} val {rec['val_loss']:.4f} "
             f"pg {per_token(rec, 'pseudo_gradients'):.3f} B/tok  {rec['tokens']} tokens  {rec['wall_s']:.0f}s",
             flush=True,
         )
         if args.json:  # a long study interrupted keeps what it measured
-            write_json(args.json, args, records)
+            write_json(args.json, args, [done[j] for j in sorted(done)])
+    records = [done[j] for j in sorted(done)]
     print_table(summarize(records))
     if args.json:
         print(f"wrote {args.json}")
