@@ -229,3 +229,34 @@ def test_noloco_pairs_replicas_without_forcing_them_equal(corpus) -> None:
     fp32_pair_payload = 2 * 4 * sum(p.numel() for p in result.replicas[1][0].module.parameters())  # Δ and θ
     assert result.bytes_by_kind["pseudo_gradients"] > 10 * 4 * fp32_pair_payload  # 10 rounds × 4 replicas × 1 partner
     assert result.log[-1]["val_loss"] < 4.0
+
+
+@pytest.mark.timeout(300)  # three spawned workers import torch first
+def test_the_convergence_study_gives_the_same_records_in_worker_processes() -> None:
+    """``bench_convergence.py --jobs``: runs in spawned workers, finishing in any order, give the records one process
+    gives, each at its plan index."""
+    import argparse
+
+    from scripts.bench_convergence import PRESETS, ROWS, Planned, run_plan
+    from swarm.config import derive_config
+
+    base = derive_config(SwarmConfig(), PRESETS["micro"])
+    rows = [r for r in ROWS if r.name in ("ddp", "sparseloco")]
+    plan = [Planned(row, 2, seed) for row in rows for seed in (0, 1)]
+    options = dict(
+        codec="fp32",
+        h=2,
+        steps=3,
+        log_points=1,
+        threads=1,
+        corpus=[str(Path(sysconfig.get_paths()["stdlib"]) / "json")],
+    )
+    alone = dict(run_plan(plan, base, argparse.Namespace(jobs=1, **options)))
+    parallel = dict(run_plan(plan, base, argparse.Namespace(jobs=3, **options)))
+    assert sorted(parallel) == sorted(alone) == list(range(len(plan)))
+    for i, run in enumerate(plan):
+        assert (
+            (parallel[i]["row"], parallel[i]["seed"]) == (alone[i]["row"], alone[i]["seed"]) == (run.row.name, run.seed)
+        )
+        assert [r["val_loss"] for r in parallel[i]["log"]] == [r["val_loss"] for r in alone[i]["log"]]
+    assert alone[0]["val_loss"] != alone[1]["val_loss"]  # the seeds differ: a mix-up of records would show
