@@ -55,7 +55,9 @@ def bench_config(steps: int, outer_every: int) -> SwarmConfig:
     # Outer step: plain averaging of the replicas every H steps (DiLoCo with outer lr 1, no momentum, fp32): it keeps stage 1's
     # two replicas in agreement and leaves a stage with one replica exactly as plain training would
     outer = (
-        OuterOptimConfig(method="diloco", inner_steps=outer_every, diloco_lr=1.0, diloco_momentum=0.0)
+        OuterOptimConfig(
+            warm_start_steps=0, method="diloco", inner_steps=outer_every, diloco_lr=1.0, diloco_momentum=0.0
+        )
         if outer_every
         else OuterOptimConfig(method="none")
     )

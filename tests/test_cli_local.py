@@ -15,7 +15,9 @@ from swarm.recovery.checkpoint import save_checkpoint
 
 @pytest.fixture(scope="module")
 def tiny_toml(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = tiny_config(stages=2, inner={"lr": 1e-2}, outer=OuterOptimConfig(method="sparseloco", inner_steps=10))
+    cfg = tiny_config(
+        stages=2, inner={"lr": 1e-2}, outer=OuterOptimConfig(warm_start_steps=0, method="sparseloco", inner_steps=10)
+    )
     path = tmp_path_factory.mktemp("cfg") / "tiny.toml"
     save_config(cfg, path)
     return path

@@ -124,7 +124,7 @@ def full_config(steps: int) -> SwarmConfig:
     return tiny_config(
         stages=NUM_STAGES,
         steps=steps,
-        outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
+        outer=OuterOptimConfig(warm_start_steps=0, method="sparseloco", inner_steps=H),
         codecs=CodecConfig(pseudo_gradients="sparseloco"),
         timeouts=TIMEOUTS,
     )
@@ -389,7 +389,9 @@ def run_local(tmp_path: Path, layout: list[str], children: list) -> tuple[subpro
     """``swarmloco local`` with ``layout`` on the tiny 2-stage model (SparseLoCo every H steps); its result (asserted
     successful) and output folder."""
     toml, out = tmp_path / "tiny.toml", tmp_path / "run"
-    save_config(tiny_config(stages=2, outer=OuterOptimConfig(method="sparseloco", inner_steps=H)), toml)
+    save_config(
+        tiny_config(stages=2, outer=OuterOptimConfig(warm_start_steps=0, method="sparseloco", inner_steps=H)), toml
+    )
     (result,) = swarmloco(["local", "--config", str(toml), *layout, "--out", str(out)], children=children)
     assert result.returncode == 0, result.stdout + result.stderr
     return result, out

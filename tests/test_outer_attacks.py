@@ -48,7 +48,7 @@ STEP_EVERY_S = 0.1  # one inner step of every replica: a round every 0.3 s or so
 def outer_config(method: str = "diloco", *, stages: int = 1) -> SwarmConfig:
     return tiny_config(
         stages=stages,
-        outer=OuterOptimConfig(method=method, inner_steps=3),
+        outer=OuterOptimConfig(warm_start_steps=0, method=method, inner_steps=3),
         codecs=CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"),
         timeouts=TIMEOUTS,
     )

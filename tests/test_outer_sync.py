@@ -471,7 +471,7 @@ def test_round_timing_is_validated() -> None:
 def sync_config(method: str = "diloco", **outer: float) -> SwarmConfig:
     return SwarmConfig(
         timeouts=TimeoutConfig(rpc_s=0.5, matchmaking_s=0.5, announce_period_s=0.1, record_ttl_s=1.0),
-        outer=OuterOptimConfig(method=method, inner_steps=3, **outer),
+        outer=OuterOptimConfig(warm_start_steps=0, method=method, inner_steps=3, **outer),
         codecs=CodecConfig(pseudo_gradients="sparseloco" if method == "sparseloco" else "fp32"),
     )
 

@@ -27,7 +27,7 @@ def tiny(**changes) -> SwarmConfig:
         train={"seq_len": SEQ, "microbatch_size": MICRO, "inner_batch": MICRO},
         inner={"lr": 1e-2, "warmup_steps": 2},
         codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients="fp32"),
-        outer=OuterOptimConfig(method="diloco", inner_steps=3),
+        outer=OuterOptimConfig(warm_start_steps=0, method="diloco", inner_steps=3),
     )
     return dataclasses.replace(base, **changes)
 
@@ -72,7 +72,7 @@ def all_replicas_agree(replicas: dict) -> bool:
 @pytest.mark.parametrize("method,pseudo", [("diloco", "fp32"), ("diloco", "fp16"), ("sparseloco", "sparseloco")])
 def test_replicas_agree_after_the_final_outer_round(corpus, method: str, pseudo: str) -> None:
     cfg = tiny(
-        outer=OuterOptimConfig(method=method, inner_steps=3),
+        outer=OuterOptimConfig(warm_start_steps=0, method=method, inner_steps=3),
         codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients=pseudo),
     )
     result = run(cfg, corpus, ticks=7)  # rounds at ticks 3, 6 and the final 7
@@ -186,7 +186,11 @@ def test_averaging_every_step_tracks_data_parallel_training(corpus) -> None:
     """H = 1 with a plain average (outer lr 1, no momentum) trains as well as averaging gradients every step (within 3%)."""
     ddp = run(tiny(outer=OuterOptimConfig(method="none")), corpus, ticks=24, mode="ddp")
     every_step = run(
-        tiny(outer=OuterOptimConfig(method="diloco", inner_steps=1, diloco_lr=1.0, diloco_momentum=0.0)),
+        tiny(
+            outer=OuterOptimConfig(
+                warm_start_steps=0, method="diloco", inner_steps=1, diloco_lr=1.0, diloco_momentum=0.0
+            )
+        ),
         corpus,
         ticks=24,
     )
@@ -205,7 +209,7 @@ def test_the_gap_to_data_parallel_training_at_fixed_h_narrows_as_tokens_grow(cor
     cfg = tiny(
         stages=StagesConfig(num_stages=1),
         model=dataclasses.replace(tiny().model, n_layers=2),
-        outer=OuterOptimConfig(method=method, inner_steps=5),
+        outer=OuterOptimConfig(warm_start_steps=0, method=method, inner_steps=5),
         codecs=CodecConfig(
             activations="fp32",
             gradients="fp32",
@@ -223,7 +227,7 @@ def test_the_gap_to_data_parallel_training_at_fixed_h_narrows_as_tokens_grow(cor
 
 
 def test_noloco_pairs_replicas_without_forcing_them_equal(corpus) -> None:
-    cfg = tiny(outer=OuterOptimConfig(method="noloco", inner_steps=3))
+    cfg = tiny(outer=OuterOptimConfig(warm_start_steps=0, method="noloco", inner_steps=3))
     result = run(cfg, corpus, ticks=30, replicas=4)
     assert result.outer_rounds == 10 and not all_replicas_agree(result.replicas)
     fp32_pair_payload = 2 * 4 * sum(p.numel() for p in result.replicas[1][0].module.parameters())  # Δ and θ

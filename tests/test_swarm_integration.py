@@ -61,7 +61,7 @@ def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path
     # steps are too few to learn through that (docs/benchmarks.md, the convergence curves)
     cfg = dataclasses.replace(
         swarm_config(stages=2, steps=30),
-        outer=OuterOptimConfig(method="diloco", inner_steps=10),
+        outer=OuterOptimConfig(warm_start_steps=0, method="diloco", inner_steps=10),
         codecs=CodecConfig(pseudo_gradients="fp32"),
     )
     val = load_corpus([DATA]).val_batches(batch_size=BATCH, seq_len=SEQ, num_sequences=16 * BATCH)

@@ -32,7 +32,7 @@ def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
     return tiny_config(
         stages=stages,
         steps=steps,
-        outer=OuterOptimConfig(method="sparseloco", inner_steps=H),
+        outer=OuterOptimConfig(warm_start_steps=0, method="sparseloco", inner_steps=H),
         codecs=CodecConfig(pseudo_gradients="sparseloco"),
         timeouts=TIMEOUTS,
     )
@@ -139,7 +139,7 @@ def test_noloco_trainers_swap_payloads_in_pairs_without_a_leader(tmp_path: Path,
     trainers = [f"trainer-{i}" for i in range(4)]
     cfg = dataclasses.replace(
         outer_config(stages=1, steps=200),
-        outer=OuterOptimConfig(method="noloco", inner_steps=H),
+        outer=OuterOptimConfig(warm_start_steps=0, method="noloco", inner_steps=H),
         codecs=CodecConfig(pseudo_gradients="fp32"),
     )
     swarm = Swarm(tmp_path, cfg, child_processes)
