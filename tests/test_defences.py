@@ -186,6 +186,24 @@ def test_a_peer_over_its_rate_is_told_busy_without_a_strike(server: StageServer)
     assert servicer.guard.banned_for("eager") == 0.0  # busy is not misbehaviour
 
 
+def test_requests_for_a_stage_the_server_left_are_refused_without_a_strike(server: StageServer) -> None:
+    """A server that moved from stage 2 to 1 (the rebalancer) keeps getting stage-2 requests from trainers whose view of
+    the DHT lags; they are told to ask another peer, and never banned for it (a ban locked a trainer out of the rebuilt
+    stage for 300 s)."""
+    servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, limits=PeerLimits(strikes=2))
+    stale = runtime_pb2.ExpertRequest(
+        metadata=pack(Forward(mb="m", stage=2, prev_stage=1, x=FP32.encode(torch.randn(B, T, D))))
+    )
+
+    async def scenario() -> list[RemoteError]:
+        return [parse_error(await servicer.rpc_forward(stale, context("trainer"))) for _ in range(5)]
+
+    refusals = asyncio.run(scenario())
+    assert {e.code for e in refusals} == {RequestError.NOT_FOUND} and "holds stage 1, not 2" in refusals[0].message
+    assert servicer.guard.banned_for("trainer") == 0.0 and servicer.bans == 0
+    assert error_of(asyncio.run(servicer.rpc_forward(forward(torch.randn(B, T, D)), context("trainer")))) is None
+
+
 def test_streams_of_empty_chunks_or_stalled_streams_are_cut_off(server: StageServer) -> None:
     servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes, stream_timeout_s=0.2)
 

@@ -242,8 +242,12 @@ class StageServicer(GuardedServicer):
         try:
             request = _check_microbatch(self.open_request(peer, data, kind, max_bytes=self.max_request_bytes))
             if (backend := self.backends.get(request.stage)) is None:
+                # not the sender's fault: a server that moved to another stage keeps getting its old stage's requests
+                # until every trainer's view of the DHT has caught up, and a strike for each would ban them all
                 held = ", ".join(map(str, sorted(self.backends)))
-                raise RequestError(RequestError.INVALID, f"this server holds stage {held}, not {request.stage}")
+                raise RequestError(
+                    RequestError.NOT_FOUND, f"this server holds stage {held}, not {request.stage} (it may have moved)"
+                )
             call = backend.forward if kind is Forward else backend.backward
             return _reply(await call(peer, request))
         except Exception as e:  # refuse() tells the sender's faults from ours
