@@ -177,7 +177,6 @@ async def _probe_server(cfg: SwarmConfig, dht: DHT, server: PeerID, monkeypatch:
             msgpack.packb({"mb": "a", "stage": True, "prev_stage": 0, "x": fp32.encode(x)}),
         ),
         "bad microbatch id": (stub.rpc_forward, pack(Forward(mb="a b\n", stage=1, prev_stage=0, x=fp32.encode(x)))),
-        "another stage": (stub.rpc_forward, pack(Forward(mb="a", stage=2, prev_stage=0, x=fp32.encode(x)))),
         "NaN activations": (
             stub.rpc_forward,
             pack(Forward(mb="a", stage=1, prev_stage=0, x=fp32.encode(torch.full_like(x, math.nan)))),
@@ -197,6 +196,12 @@ async def _probe_server(cfg: SwarmConfig, dht: DHT, server: PeerID, monkeypatch:
     for what, (method, payload) in bad_requests.items():
         reply = msgpack.unpackb((await method(runtime_pb2.ExpertRequest(metadata=payload), timeout=10)).metadata)
         assert reply.get("error") == RequestError.INVALID, (what, reply)
+    # another stage's request is no fault of the sender's (a server the rebalancer moved gets them): not_found, no strike
+    another_stage = pack(Forward(mb="a", stage=2, prev_stage=0, x=fp32.encode(x)))
+    reply = msgpack.unpackb(
+        (await stub.rpc_forward(runtime_pb2.ExpertRequest(metadata=another_stage), timeout=10)).metadata
+    )
+    assert reply.get("error") == RequestError.NOT_FOUND, reply
 
     with pytest.raises(RemoteError) as refused:  # a backward the server has no input for
         await client.backward(server, Backward(mb="never-sent", stage=1, grad=fp32.encode(x)), timeout=10)
@@ -221,4 +226,4 @@ async def _probe_server(cfg: SwarmConfig, dht: DHT, server: PeerID, monkeypatch:
         await client.forward(server, Forward(mb="huge", stage=1, prev_stage=0, x=bytes(8 << 20)), timeout=10)
 
     info = await client.info(server, timeout=10)
-    assert info["refused"] == len(bad_requests) + 2 and info["forward"] == 2 and info["backward"] == 1, info
+    assert info["refused"] == len(bad_requests) + 3 and info["forward"] == 2 and info["backward"] == 1, info
