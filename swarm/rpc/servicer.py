@@ -70,9 +70,7 @@ class RequestError(Exception):
     BUSY = "busy"  # too many requests held, or this peer is over its rate: try another replica
     DENIED = "denied"  # private swarm: no valid certificate for the calling peer
     BANNED = "banned"  # the calling peer sent too much invalid data; refused for a while
-    NOT_FOUND = (
-        "not_found"  # (blobs) nothing by that name here, or not in time; (stages) not this stage: ask another peer
-    )
+    NOT_FOUND = "not_found"  # no such blob here (or not in time), or not a stage this server holds: ask another peer
     CACHE_MISS = "cache_miss"  # (stage RPC) backward without the forward input: resend it
     INTERNAL = "internal"  # the server failed: try another replica
     UNREACHABLE = "unreachable"  # (client side) the call did not get through: try another replica
