@@ -178,6 +178,19 @@ def frame_codec_id(data: bytes) -> int | None:
     return memoryview(data).cast("B")[5]
 
 
+def raw_frame_bytes(data: bytes) -> int | None:
+    """The bytes of a frame like this one (same codec, shape and metadata) with its body stored raw, from the header
+    alone: the most a reply coded like this request can take, which decides how the reply travels. None where there is
+    no header to read.
+
+    >>> raw_frame_bytes(encode_frame(CodecId.INT8, bytes(1 << 20), dtype=torch.float32, shape=(1 << 20,)))  # 1048605
+    """
+    if frame_codec_id(data) is None:
+        return None
+    _, _, _, _, _, ndim, meta_len, body_len, _, _ = _HEADER.unpack_from(data)
+    return header_bytes(ndim) + meta_len + body_len
+
+
 def decode_frame(
     data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, expected_shape: tuple[int, ...] | None = None
 ) -> Frame:

@@ -35,6 +35,7 @@ from peer.data import Shard, load_corpus, resolve_paths
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
 from swarm.config import SwarmConfig, load_config, save_config
+from swarm.hardware import peak_gpu_memory
 from swarm.model.stages import StagesConfig
 from swarm.node import Node
 from swarm.peer_config import PeerConfig
@@ -89,6 +90,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         # peak_rss_mb: the process' high-water mark so far (ru_maxrss is in KiB on Linux)
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         record = {"time": time.time(), "peer": name, **record, "peak_rss_mb": round(peak_rss_mb, 1)}
+        record |= peak_gpu_memory()  # peak_gpu_mb, once this process has used CUDA
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()

@@ -203,7 +203,7 @@ def test_a_replica_busy_with_other_trainers_work_gets_less_until_its_queue_drain
     drained = Counter(picks(balancer, 40, task_size=16))
     assert drained["a"] >= 25, drained  # a catches up on the picks b took meanwhile
     balancer.update_queues({"a": 50, "b": 0}, task_size=16)
-    balancer.report_failure("a")  # banned with a backlog of 5 s in its key, then readmitted at the heap's minimum
+    balancer.report_failure("a", "unreachable: test")  # banned with a backlog of 5 s in its key, then readmitted at the heap's minimum
     clock.now += 60
     assert "a" in balancer.live_peers()  # readmitted
     balancer.update_queues({"a": 0, "b": 0}, task_size=16)  # the backlog its new key never had is not taken off
@@ -226,7 +226,7 @@ def test_vanished_peer_is_never_chosen():
     balancer.update_peers(["a", "c"])
     assert set(picks(balancer, 50)) == {"a", "c"}
     balancer.report_success("b", samples=1, seconds=1)  # a late report about a forgotten peer is ignored
-    balancer.report_failure("b")
+    balancer.report_failure("b", "unreachable: test")
     assert set(picks(balancer, 50)) == {"a", "c"}
 
 
@@ -234,14 +234,14 @@ def test_failure_bans_with_doubling_backoff_reset_by_success():
     balancer, clock = make_balancer(["a", "b"])
     for ban_s in [15.0, 30.0, 60.0]:
         banned_at = clock.now
-        balancer.report_failure("a")
-        balancer.report_failure("a")  # a second in-flight RPC failing does not double the ban
+        balancer.report_failure("a", "unreachable: test")
+        balancer.report_failure("a", "unreachable: test")  # a second in-flight RPC failing does not double the ban
         clock.now = banned_at + ban_s - 0.1
         assert "a" not in picks(balancer, 20) and balancer.live_peers() == ["b"]
         clock.now = banned_at + ban_s
         assert "a" in picks(balancer, 2)  # back at the heap's minimum: retried at once
     balancer.report_success("a", samples=1, seconds=1)
-    balancer.report_failure("a")
+    balancer.report_failure("a", "unreachable: test")
     clock.now += 15.0
     assert "a" in picks(balancer, 2)
 
@@ -260,10 +260,24 @@ def test_no_live_replica():
     with pytest.raises(NoLiveReplica):
         make_balancer([])[0].choose()
     balancer, _ = make_balancer(["a", "b"])
-    balancer.report_failure("a")
-    balancer.report_failure("b")
+    balancer.report_failure("a", "unreachable: test")
+    balancer.report_failure("b", "unreachable: test")
     with pytest.raises(NoLiveReplica):
         balancer.choose()
+
+
+def test_no_live_replica_names_each_excluded_server_with_the_last_error_that_excluded_it():
+    balancer, _ = make_balancer(["a", "b", "c"])
+    balancer.report_failure("a", "unreachable: P2PDaemonError: connection refused")
+    balancer.report_timeout("b", seconds=30, reason="no reply within rpc_s = 30 s")
+    with pytest.raises(NoLiveReplica) as error:
+        balancer.choose(exclude={"b", "c"})
+    assert str(error.value) == (
+        "no live replica among 3 known (3 excluded): "
+        "a: banned 15 s more, last error: unreachable: P2PDaemonError: connection refused; "
+        "b: tried for this call, last error: no reply within rpc_s = 30 s; "
+        "c: tried for this call, last error: none"
+    )
 
 
 def test_exclude_skips_tried_peers_and_keeps_their_place():
@@ -286,7 +300,7 @@ def test_router_routes_around_dead_stages():
     router.update(3, ["a3"])
     assert router.live_stages() == [1, 3]
     assert router.draw_path(PathConfig()) == [1, 3]  # stage 2 has no replica: skipped
-    router.report_failure(3, "a3")
+    router.report_failure(3, "a3", "unreachable: test")
     assert router.live_stages() == [1] and router.draw_path(PathConfig()) == [1]
     with pytest.raises(NoLiveReplica):
         router.choose(3)

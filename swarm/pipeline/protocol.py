@@ -2,7 +2,9 @@
 
 A request or reply is a msgpack dict carried in the ``metadata`` bytes of hivemind's own
 ``ExpertRequest`` / ``ExpertResponse``; the tensors inside are compress/ wire frames, opaque here.
-A payload above ``MAX_UNARY_PAYLOAD_SIZE`` travels as a stream of chunks. The servicer is a
+A call travels as a stream of chunks, both ways, when its request or the reply it can get is too
+large for one unary message (``needs_stream``); a unary reply that would not fit anyway is refused
+by the server as ``too_large`` and asked again by stream (docs/architecture.md, "Frames of any size"). The servicer is a
 ``GuardedServicer`` (``swarm/rpc/servicer.py``): the envelope, the certificate of a private swarm,
 the per-peer rate limit and ban, and the error reply are the ones every service has. On top, it
 checks the microbatch id and the stage, bounds how many requests a server holds, and counts a bad
@@ -17,6 +19,7 @@ computes lives behind ``StageBackend`` (``swarm/pipeline/server.py``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 import time
@@ -26,10 +29,11 @@ from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads s
 
 import msgpack
 from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 
 from compress.errors import WireError
+from compress.wire import DEFAULT_LIMITS, raw_frame_bytes
 from swarm.rpc.admission import Credentials
 from swarm.rpc.auth import Certificate, CertificateVerifier
 from swarm.rpc.defences import PeerLimits
@@ -44,7 +48,21 @@ from swarm.rpc.servicer import (  # RemoteError, RequestError: the stage RPC's c
     remote_error,
 )
 
+logger = logging.getLogger(__name__)
+
 MICROBATCH_ID = re.compile(r"[\w.:/-]{1,128}")  # e.g. "mb17"; servers key inputs by (caller peer id, microbatch id)
+# The largest unary reply a server sends. hivemind's persistent connection carries one message of at most
+# DEFAULT_MAX_MSG_SIZE (4 MiB) with its envelopes, and drops a larger unary reply without a word (1.1.12's oversize
+# branch builds its error with a field the protobuf lacks, so not even an error arrives and the caller times out).
+# 64 KiB below it leaves room for those envelopes; hivemind's own request bound, MAX_UNARY_PAYLOAD_SIZE, is 2 MiB.
+MAX_UNARY_REPLY_BYTES = DEFAULT_MAX_MSG_SIZE - (64 << 10)
+REPLY_SLACK_BYTES = 4 << 10  # a reply's envelope around its frame: the msgpack map and the server's timings
+# A streamed call's server says "still on it" this often while the request waits and computes; its caller gives up
+# after its timeout (``rpc_s``) of silence, or after MAX_STREAM_CALL_TIMEOUTS timeouts in all (a server that only ever
+# keeps the call alive is as good as hung). A stage of the 20m preset at 16 × 1024 tokens computes a backward for
+# over a minute on two CPU cores: a hop's time is the work's, which a fixed deadline cannot know.
+KEEPALIVE_S = 5.0
+MAX_STREAM_CALL_TIMEOUTS = 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +84,19 @@ class Backward:
 
 def pack(message: Forward | Backward, certificate: bytes | None = None) -> bytes:
     return pack_envelope(message, certificate)
+
+
+def max_reply_bytes(message: Forward | Backward) -> int:
+    """The most a reply to ``message`` can take: a server replies in the codec and shape of the frame it was sent (the
+    activations of a forward, the gradient of a backward), so its reply is at most that frame with its body stored
+    raw (zstd may shrink the request far more than the reply: an embedding's int8 codes are few distinct rows)."""
+    frame = message.x if isinstance(message, Forward) else message.grad
+    return (raw_frame_bytes(frame) or len(frame)) + REPLY_SLACK_BYTES
+
+
+def needs_stream(payload: bytes, message: Forward | Backward) -> bool:
+    """Whether a call must go by stream: its request is over hivemind's unary bound, or the reply it can get is."""
+    return len(payload) > MAX_UNARY_PAYLOAD_SIZE or max_reply_bytes(message) > MAX_UNARY_REPLY_BYTES
 
 
 def unpack(data: bytes, kind: type[Forward] | type[Backward], *, max_bytes: int) -> Forward | Backward:
@@ -202,6 +233,22 @@ class StageServicer(GuardedServicer):
     async def _serve_stream(
         self, kind: type[Forward] | type[Backward], requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: PeerID
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A streamed call: the request in chunks, then keep-alives (empty messages, every ``KEEPALIVE_S`` while the
+        request waits and computes: a big microbatch on a CPU computes for longer than ``rpc_s``), then the reply."""
+        answer = asyncio.ensure_future(self._answer_stream(kind, requests, peer))
+        try:
+            while not answer.done():
+                await asyncio.wait([answer], timeout=KEEPALIVE_S)
+                if not answer.done():
+                    yield runtime_pb2.ExpertResponse(metadata=b"")
+            for part in _chunks(answer.result()):
+                yield runtime_pb2.ExpertResponse(metadata=part)
+        finally:
+            answer.cancel()  # the caller left: nothing is waiting for the reply
+
+    async def _answer_stream(
+        self, kind: type[Forward] | type[Backward], requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: PeerID
+    ) -> bytes:
         try:
             self._admit(peer)
             self.pending += 1  # a stream holds its slot while it arrives: slow streams cannot pile up
@@ -209,17 +256,15 @@ class StageServicer(GuardedServicer):
                 data = await asyncio.wait_for(
                     receive_stream(requests, max_bytes=self.max_request_bytes), self.stream_timeout_s
                 )
-                reply = await self._handle(kind, data, peer)
+                return await self._handle(kind, data, peer)
             finally:
                 self.pending -= 1
         except RequestError as e:
-            reply = self.refuse(e, peer)
+            return self.refuse(e, peer)
         except TimeoutError:
-            reply = self.refuse(
+            return self.refuse(
                 RequestError(RequestError.INVALID, f"streamed request took over {self.stream_timeout_s:.0f} s"), peer
             )
-        for part in _chunks(reply):
-            yield runtime_pb2.ExpertResponse(metadata=part)
 
     async def _serve(self, kind: type[Forward] | type[Backward], data: bytes, peer: PeerID) -> bytes:
         try:
@@ -228,9 +273,17 @@ class StageServicer(GuardedServicer):
             return self.refuse(e, peer)
         self.pending += 1
         try:
-            return await self._handle(kind, data, peer)
+            reply = await self._handle(kind, data, peer)
         finally:
             self.pending -= 1
+        if len(reply) > MAX_UNARY_REPLY_BYTES:  # hivemind would drop it unsaid: say so, both here and to the caller
+            message = (
+                f"a {kind.__name__.lower()} reply of {len(reply)} bytes is over the unary limit of "
+                f"{MAX_UNARY_REPLY_BYTES} bytes; ask by stream"
+            )
+            logger.warning(f"{self.label}: {message} (to {peer})")
+            return self.refuse(RequestError(RequestError.TOO_LARGE, message), peer)
+        return reply
 
     def _admit(self, peer: PeerID) -> None:
         self.screen(peer)
@@ -272,10 +325,10 @@ class StageClient:
         self._expires_at = 0
 
     async def forward(self, peer: PeerID, request: Forward, *, timeout: float) -> Reply:
-        return await self._call(peer, "forward", pack(request, self.certificate()), timeout)
+        return await self._call(peer, request, timeout)
 
     async def backward(self, peer: PeerID, request: Backward, *, timeout: float) -> Reply:
-        return await self._call(peer, "backward", pack(request, self.certificate()), timeout)
+        return await self._call(peer, request, timeout)
 
     async def info(self, peer: PeerID, *, timeout: float) -> dict[str, Any]:
         stub = StageServicer.get_stub(self.p2p, peer, namespace=self.namespace)
@@ -294,23 +347,55 @@ class StageClient:
             self._expires_at = Certificate.decode(self._certificate).expires_at
         return self._certificate
 
-    async def _call(self, peer: PeerID, method: str, payload: bytes, timeout: float) -> Reply:
+    async def _call(self, peer: PeerID, request: Forward | Backward, timeout: float) -> Reply:
         stub = StageServicer.get_stub(self.p2p, peer, namespace=self.namespace)
+        method, payload = type(request).__name__.lower(), pack(request, self.certificate())
+        max_reply = max_reply_bytes(request)
+        deadline = time.monotonic() + MAX_STREAM_CALL_TIMEOUTS * timeout  # a unary call has ``timeout`` in all
         try:
-            if len(payload) <= MAX_UNARY_PAYLOAD_SIZE:
-                reply = await getattr(stub, f"rpc_{method}")(
-                    runtime_pb2.ExpertRequest(metadata=payload), timeout=timeout
-                )
-                return parse_reply(reply.metadata)
-            return await asyncio.wait_for(self._call_stream(stub, method, payload), timeout)
+            if not needs_stream(payload, request):
+                try:
+                    reply = await getattr(stub, f"rpc_{method}")(
+                        runtime_pb2.ExpertRequest(metadata=payload), timeout=timeout
+                    )
+                    return parse_reply(reply.metadata)
+                except RemoteError as e:
+                    if e.code != RequestError.TOO_LARGE:
+                        raise
+                    # a reply larger than its request's frame foretold (a server of another release): once more, by
+                    # stream, bounded by what the server said it holds
+                    max_reply = max(max_reply, _said_size(e.message))
+            stream = self._call_stream(stub, method, payload, max_reply, idle_s=timeout)
+            return await asyncio.wait_for(stream, max(deadline - time.monotonic(), 0.0))
         except TRANSPORT_ERRORS as e:
             raise RemoteError(RequestError.UNREACHABLE, f"{type(e).__name__}: {e}") from None
 
     @staticmethod
-    async def _call_stream(stub: Any, method: str, payload: bytes) -> Reply:
+    async def _call_stream(stub: Any, method: str, payload: bytes, max_reply: int, idle_s: float) -> Reply:
         async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
             for part in _chunks(payload):
                 yield runtime_pb2.ExpertRequest(metadata=part)
 
         replies = await getattr(stub, f"rpc_{method}_stream")(requests())
-        return parse_reply(b"".join([reply.metadata async for reply in replies]))
+        try:
+            return parse_reply(await _receive_reply(replies, max_bytes=max_reply, idle_s=idle_s))
+        finally:
+            await replies.aclose()
+
+
+async def _receive_reply(replies: AsyncIterator[runtime_pb2.ExpertResponse], *, max_bytes: int, idle_s: float) -> bytes:
+    """A streamed reply, reassembled: keep-alives (empty messages) are skipped, ``idle_s`` of silence is a timeout
+    (``TimeoutError``), and reading stops at ``max_bytes`` (the most this call's reply can take)."""
+    data = bytearray()
+    while (message := await asyncio.wait_for(anext(replies, None), idle_s)) is not None:
+        if len(data) + len(message.metadata) > max_bytes:
+            raise RemoteError(RequestError.INTERNAL, f"streamed reply over the {max_bytes} bytes its request allows")
+        data += message.metadata
+    return bytes(data)
+
+
+def _said_size(message: str) -> int:
+    """The reply size a ``too_large`` refusal names ("a forward reply of N bytes …"), capped at what any frame of the
+    swarm's default wire limits can take; 0 if it names none."""
+    found = re.search(r"reply of (\d+) bytes", message)
+    return min(int(found.group(1)), DEFAULT_LIMITS.max_frame_bytes + REPLY_SLACK_BYTES) if found else 0

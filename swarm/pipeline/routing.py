@@ -121,6 +121,7 @@ class _Replica:
     warmed_up: bool = False  # its first success timed the dial and first allocations, not its throughput
     failures: int = 0  # consecutive failures; the next ban lasts BAN_S · 2^(failures − 1)
     banned_until: float | None = None
+    last_error: str | None = None  # what its last failed or timed-out call said: why a trainer may be without it
 
     @property
     def samples_per_sec(self) -> float | None:
@@ -177,13 +178,31 @@ class StageBalancer:
             skipped.append(heapq.heappop(self._heap))
         try:
             if not self._heap:
-                raise NoLiveReplica(f"no live replica among {len(self._replicas)} known ({len(skipped)} excluded)")
+                raise NoLiveReplica(self._why_none(exclude))
             load, _, peer = self._heap[0]
             heapq.heapreplace(self._heap, (load + task_size / self.samples_per_sec(peer), self._rng.random(), peer))
             return peer
         finally:
             for entry in skipped:
                 heapq.heappush(self._heap, entry)
+
+    def _why_none(self, exclude: Container[Peer]) -> str:
+        """Why no replica can be chosen: each known one, tried for this call or banned, with the last error it gave."""
+        now, reasons = self._clock(), []
+        for peer, replica in self._replicas.items():
+            state = (
+                f"banned {replica.banned_until - now:.0f} s more"
+                if replica.banned_until is not None
+                else "tried for this call"
+                if peer in exclude
+                else "available"
+            )
+            reasons.append(f"{peer}: {state}, last error: {replica.last_error or 'none'}")
+        unavailable = sum(1 for peer, r in self._replicas.items() if peer in exclude or r.banned_until is not None)
+        listed = "; ".join(reasons)
+        return f"no live replica among {len(self._replicas)} known ({unavailable} excluded)" + (
+            f": {listed}" if listed else ""
+        )
 
     def samples_per_sec(self, peer: Peer) -> float:
         """Measured throughput, or the median of the measured replicas (a default if none is)."""
@@ -223,18 +242,24 @@ class StageBalancer:
         replica.log_rate += weight * (math.log(max(samples, 1e-9) / max(seconds, 1e-9)) - replica.log_rate)
         replica.samples += 1
 
-    def report_timeout(self, peer: Peer, seconds: float) -> None:
-        """The peer did not answer within ``seconds``: charge it that time, as if it had been busy."""
+    def report_timeout(self, peer: Peer, seconds: float, reason: str | None = None) -> None:
+        """The peer did not answer within ``seconds`` (or answered ``reason``, a refusal that is no fault of its own):
+        charge it that time, as if it had been busy."""
+        if (replica := self._replicas.get(peer)) is not None:
+            replica.last_error = reason or f"no reply within {seconds:.1f} s"
         for i, (load, tie, listed) in enumerate(self._heap):
             if listed == peer:
                 self._heap[i] = (load + seconds, tie, peer)
                 heapq.heapify(self._heap)
                 return
 
-    def report_failure(self, peer: Peer) -> None:
-        """Ban the peer for 15 s, doubling per consecutive failure (a success resets the count)."""
+    def report_failure(self, peer: Peer, reason: str) -> None:
+        """Ban the peer for 15 s, doubling per consecutive failure (a success resets the count); ``reason``: the error,
+        named when no replica is left (``NoLiveReplica``)."""
         self._readmit_expired()
         replica = self._replicas.get(peer)
+        if replica is not None:
+            replica.last_error = reason
         if replica is None or replica.banned_until is not None:
             return  # already banned: this failure comes from an RPC sent before the ban
         replica.failures += 1
@@ -291,11 +316,11 @@ class Router:
     def report_success(self, stage: int, peer: Peer, samples: float, seconds: float) -> None:
         self.balancers[stage].report_success(peer, samples, seconds)
 
-    def report_timeout(self, stage: int, peer: Peer, seconds: float) -> None:
-        self.balancers[stage].report_timeout(peer, seconds)
+    def report_timeout(self, stage: int, peer: Peer, seconds: float, reason: str | None = None) -> None:
+        self.balancers[stage].report_timeout(peer, seconds, reason)
 
-    def report_failure(self, stage: int, peer: Peer) -> None:
-        self.balancers[stage].report_failure(peer)
+    def report_failure(self, stage: int, peer: Peer, reason: str) -> None:
+        self.balancers[stage].report_failure(peer, reason)
 
     def live_stages(self) -> list[int]:
         """Middle stages with at least one replica that is not banned."""

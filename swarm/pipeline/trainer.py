@@ -475,7 +475,7 @@ class Trainer:
             reply_codec, value, tokens = self.codecs.ladders[kind].decode(out, expected_shape=mb.shape)
         except TimeoutError:
             self.counters["hop_timeouts"] += 1
-            self.router.report_timeout(stage, peer, timeout)
+            self.router.report_timeout(stage, peer, timeout, reason=f"no reply within rpc_s = {timeout:g} s")
             return None
         except RemoteError as e:
             if e.code == RequestError.CACHE_MISS:
@@ -485,14 +485,14 @@ class Trainer:
             # take, a frame it could not read): this trainer's fault, not the server's. Either way charge it the
             # time (a server refusing everything falls behind in the routing) but do not ban it.
             if e.code in (RequestError.BUSY, RequestError.INVALID):
-                self.router.report_timeout(stage, peer, time.perf_counter() - started)
+                self.router.report_timeout(stage, peer, time.perf_counter() - started, reason=str(e))
             else:
-                self.router.report_failure(stage, peer)
+                self.router.report_failure(stage, peer, reason=str(e))
             logger.info(f"stage {stage} peer {peer}: {e}")
             return None
         except WireError as e:  # the reply does not decode
             self.counters["hop_failures"] += 1
-            self.router.report_failure(stage, peer)
+            self.router.report_failure(stage, peer, reason=f"unreadable reply: {type(e).__name__}: {e}")
             logger.info(f"stage {stage} peer {peer}: call failed: {type(e).__name__}: {e}")
             return None
         elapsed = time.perf_counter() - started

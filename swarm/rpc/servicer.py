@@ -73,6 +73,7 @@ class RequestError(Exception):
     NOT_FOUND = "not_found"  # no such blob here (or not in time), or not a stage this server holds: ask another peer
     CACHE_MISS = "cache_miss"  # (stage RPC) backward without the forward input: resend it
     INTERNAL = "internal"  # the server failed: try another replica
+    TOO_LARGE = "too_large"  # (stage RPC) the reply cannot go as one unary message: ask again by stream
     UNREACHABLE = "unreachable"  # (client side) the call did not get through: try another replica
 
     def __init__(self, code: str, message: str) -> None:
