@@ -65,6 +65,15 @@ def available_memory(device: torch.device) -> int:
     return _system_available_memory()
 
 
+def peak_gpu_memory() -> dict[str, float]:
+    """For a metrics record: ``peak_gpu_mb``, the most memory this process has held in CUDA tensors so far
+    (``torch.cuda.max_memory_allocated``, over its GPUs); empty while it has not used CUDA."""
+    if not torch.cuda.is_initialized():
+        return {}
+    peak = sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
+    return {"peak_gpu_mb": round(peak / 2**20, 1)}
+
+
 def _system_available_memory() -> int:
     try:
         with open("/proc/meminfo") as meminfo:  # MemAvailable counts reclaimable cache, unlike free pages

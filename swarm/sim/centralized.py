@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from swarm.config import SwarmConfig
-from swarm.hardware import CPU, Precision, compute_precision
+from swarm.hardware import CPU, Precision, compute_precision, peak_gpu_memory
 from swarm.model.stages import split_model
 from swarm.model.step import InnerStep, run_microbatch
 from swarm.model.transformer import Transformer, loss_fn
@@ -63,7 +63,7 @@ def train_centralized(
     model = Transformer(cfg.model).to(device)
     precision = cfg.train.precision
     inner = InnerStep(model.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
-    tokens, start = 0, time.perf_counter()
+    tokens, start, eval_s = 0, time.perf_counter(), 0.0
     for step in range(1, steps + 1):
         model.train()
         losses = []
@@ -82,7 +82,9 @@ def train_centralized(
             tokens += inputs.numel()
         if step % log_every == 0 or step == steps:
             model.eval()
+            eval_start = time.perf_counter()
             val_loss = evaluate(model, val_batches, device=device, precision=precision)
+            eval_s += time.perf_counter() - eval_start
             elapsed = time.perf_counter() - start
             on_log(  # a swarm trainer's progress record has these fields too (docs/architecture.md, "Metrics files")
                 {
@@ -93,6 +95,8 @@ def train_centralized(
                     "elapsed_s": elapsed,
                     "tokens_per_s": tokens / max(elapsed, 1e-9),
                     "lr": inner.lr,
+                    "eval_s": eval_s,  # of elapsed_s, the validation passes': train time is the rest
+                    **peak_gpu_memory(),
                 }
             )
     return model
