@@ -22,6 +22,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -233,6 +234,10 @@ def launch_local(
         f"logs and metrics in {out}"
     )
     procs: dict[str, subprocess.Popen] = {}
+    # SIGTERM (a `timeout`, a service manager) must stop the peers too, as Ctrl-C does: its default action ends this
+    # process without the ``finally`` below, and every peer went on running as an orphan
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         (first, first_args), *others = peer_roles(layout, cfg, out)  # the first creates the swarm, the others join it
         procs[first] = spawn(first, [*first_args, "--config", str(out / "swarm.toml")])
@@ -266,6 +271,10 @@ def launch_local(
         echo(line)
     echo(f"swarm stopped; per-peer metrics in {out}/<peer>.jsonl, logs in {out}/<peer>.log")
     return max(codes.values(), key=abs)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def peer_roles(layout: LocalSwarm, cfg: SwarmConfig, out: Path) -> list[tuple[str, list[str]]]:

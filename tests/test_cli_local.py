@@ -1,11 +1,13 @@
 """End to end through the CLI in subprocesses: train-local, eval, sample, and clear errors."""
 
 import json
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from swarm_harness import swarmloco, tiny_config
+from swarm_harness import descendants, swarmloco, tiny_config, wait_until
 
 from optim.config import OuterOptimConfig
 from swarm.config import save_config
@@ -152,3 +154,44 @@ def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_
     # and the same model as a Hugging Face LLaMA folder (tests/test_hf_export.py checks such folders' logits)
     assert f"Hugging Face folder: {out / 'model-hf'}" in result.stdout
     assert sorted(p.name for p in (out / "model-hf").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_local_swarm_sent_sigterm_stops_every_peer_it_started(
+    tiny_toml: Path, tmp_path: Path, child_processes: list
+) -> None:
+    """A `timeout` or a service manager stops `swarmloco local` with SIGTERM: no peer may outlive it (they did)."""
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "peer",
+            "local",
+            "--config",
+            str(tiny_toml),
+            "--steps",
+            "100000",
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    child_processes.append(launcher)
+    trainer = tmp_path / "trainer-0.jsonl"
+    wait_until("the trainer to log", lambda: trainer.exists() and '"step"' in trainer.read_text(), 120)
+    peers = descendants(launcher.pid)
+    assert len(peers) >= 3
+    launcher.send_signal(signal.SIGTERM)  # to the launcher alone, not its process group
+    assert launcher.wait(timeout=60) != 0
+    wait_until("every peer to exit", lambda: not [pid for pid in peers if running(pid)], 30)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, exited and waiting for its parent to reap it, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
