@@ -36,6 +36,28 @@ def lr_factor(step: int, cfg: InnerOptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class Schedule:
+    """The lr multiplier of an optimizer that starts at inner step ``start_step`` of the swarm's schedule (LambdaLR's
+    lambda), which logs a warning once when the steps pass the cosine's end: from there lr stays at its floor, which
+    a run longer than ``total_steps`` probably did not mean."""
+
+    def __init__(self, cfg: InnerOptimConfig, start_step: int) -> None:
+        self.cfg, self.start_step, self.warned = cfg, start_step, False
+
+    def __call__(self, step: int) -> float:
+        # LambdaLR asks for the factor of the next step after each step: past the end once a step has been taken there
+        step += self.start_step
+        if step > self.cfg.total_steps and not self.warned:
+            self.warned = True
+            logger.warning(
+                "the cosine schedule ended at step %d; lr stays at min_lr_ratio·lr = %.3g; set [inner] total_steps "
+                "to the run's length",
+                self.cfg.total_steps,
+                self.cfg.min_lr_ratio * self.cfg.lr,
+            )
+        return lr_factor(step, self.cfg)
+
+
 def make_inner_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: InnerOptimConfig, *, lr_scale: float = 1.0, start_step: int = 0
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
@@ -51,7 +73,7 @@ def make_inner_optimizer(
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr * lr_scale, betas=(cfg.beta1, cfg.beta2))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(start_step + step, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, Schedule(cfg, start_step))
     return opt, sched
 
 

@@ -35,7 +35,7 @@ from peer import logs
 from peer.data import Shard, load_corpus, resolve_paths
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
-from swarm.config import SwarmConfig, load_config, save_config
+from swarm.config import SwarmConfig, follow_run, load_config, save_config
 from swarm.hardware import peak_gpu_memory
 from swarm.model.stages import StagesConfig
 from swarm.node import Node
@@ -179,14 +179,13 @@ class Placement:
 LOOPBACK = Placement()
 
 
-def local_config(base: SwarmConfig, layout: LocalSwarm) -> SwarmConfig:
-    """``base`` with the layout's stages and steps; several trainers (and full peers) get a data shard each unless
-    ``base`` shards."""
+def local_config(base: SwarmConfig, layout: LocalSwarm, *, schedule_set: bool = False) -> SwarmConfig:
+    """``base`` with the layout's stages and steps (the cosine schedule as long as the run unless ``schedule_set``: the
+    config sets ``inner.total_steps``); several trainers (and full peers) get a data shard each unless ``base`` shards."""
     shards = layout.trainers + layout.full if base.data.shards == 1 else base.data.shards
     return dataclasses.replace(
-        base,
+        follow_run(base, layout.steps, schedule_set=schedule_set),
         stages=StagesConfig(num_stages=layout.stages),
-        inner=dataclasses.replace(base.inner, total_steps=layout.steps),
         data=dataclasses.replace(base.data, shards=shards),
     )
 
@@ -203,18 +202,20 @@ def launch_local(
     ready_timeout_s: float = 120.0,
     place: Callable[[str], Placement] = lambda name: LOOPBACK,
     export: bool = True,
+    schedule_set: bool = False,
 ) -> int:
     """Run a whole swarm until its trainers finish; 0 if every trainer succeeded.
 
     With several trainers, each reads its own data shard (``local_config``); ``tokenizer`` is the file the config
-    names, handed to every peer. Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
+    names, handed to every peer; ``schedule_set``: the config sets ``inner.total_steps``, which the run then keeps
+    (else it is the run's steps). Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
     peers run in ``out``, so every path handed to them is made absolute first. With ``export``, the
     model is saved to ``out/model.pt`` before the servers stop: stage 0 as the first trainer left it
     (each trainer writes ``out/<name>.stage0``), the middle stages from their live servers.
     """
     out = out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = local_config(config or SwarmConfig(), layout)
+    cfg = local_config(config or SwarmConfig(), layout, schedule_set=schedule_set)
     save_config(cfg, out / "swarm.toml")
     common = ["--out", str(out), "--threads", "1", "--log-level", logs.current_level(), *extra_args]
     for spec in data or ():

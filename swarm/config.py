@@ -43,7 +43,7 @@ from optim.config import InnerOptimConfig, OuterMethod, OuterOptimConfig
 from swarm.errors import ConfigError
 from swarm.hardware import Precision
 from swarm.model.stages import StagesConfig
-from swarm.model.transformer import PRESETS, ModelConfig
+from swarm.model.transformer import PRESET_INNER, PRESETS, ModelConfig
 from swarm.pipeline.routing import PathConfig
 
 ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
@@ -111,6 +111,11 @@ HASHED_ONLY_IF_SET: dict[str, object] = {
     "outer.warm_start_steps": 0,
     "codecs.full_boundaries": "none",
 }
+
+
+# fields a run derives unless the config sets them (``follow_run``): the commented TOML writes them commented out while
+# they hold their default, so a file that `swarmloco config show` printed leaves them to the run (and loads back alike)
+LEFT_TO_THE_RUN = frozenset({"inner.total_steps"})
 
 
 @dataclass(kw_only=True)
@@ -192,6 +197,7 @@ def derive_config(
     """``base`` with dotted-path ``overrides`` set and the rules that keep a config whole applied; validated once, as a whole.
 
     The rules (every front end — CLI, launcher, benchmarks — derives its configs here):
+    - ``model.preset``: the preset's shape and inner optimizer (``preset_fields``) replace the base's;
     - ``outer``: the outer method, where "ddp" means method "none" (the simulator all-reduces gradients instead);
     - ``codecs.gradients`` follows an overridden ``codecs.activations`` unless overridden itself;
     - ``codecs.pseudo_gradients`` is "sparseloco" under SparseLoCo; DiLoCo cannot send "sparseloco" and gets "fp32";
@@ -206,9 +212,11 @@ def derive_config(
     if outer is not None:
         overrides["outer.method"] = "none" if outer == "ddp" else outer
     data = base.to_dict()
-    if "model.preset" in overrides:  # a new preset brings its whole shape, except the fields overridden beside it
-        shape = PRESETS.get(str(overrides["model.preset"]), {})
-        data["model"].update({k: v for k, v in shape.items() if f"model.{k}" not in overrides})
+    if (
+        "model.preset" in overrides
+    ):  # a new preset brings its whole shape and inner optimizer, except what is overridden
+        for section, fields in preset_fields(overrides["model.preset"]).items():
+            data[section].update(fields)  # the overrides are set below, over these
     for path, value in overrides.items():
         _set_field(data, path, value)
     sections = _fields_from_dict(SwarmConfig, data, "")  # every section built and checked; the whole is checked below
@@ -218,6 +226,36 @@ def derive_config(
         typing.cast(OuterOptimConfig, sections["outer"]).method,
     )
     return SwarmConfig(**sections)  # type: ignore[arg-type]
+
+
+def preset_fields(preset: object) -> dict[str, dict[str, Any]]:
+    """What naming model preset ``preset`` brings, by section: its shape (``PRESETS``) and its inner optimizer's defaults
+    (``PRESET_INNER``); nothing for a name that is no preset ("custom", or a wrong one ``ModelConfig`` then refuses).
+
+        >>> preset_fields("125m")["inner"]  # {'lr': 0.0006, 'warmup_steps': 100}
+    """
+    if not isinstance(preset, str) or preset not in PRESETS:
+        return {}
+    return {"model": PRESETS[preset], "inner": PRESET_INNER[preset]}
+
+
+def follow_run(cfg: SwarmConfig, steps: int, *, schedule_set: bool) -> SwarmConfig:
+    """``cfg`` for a run of ``steps`` inner steps (``local``, ``train-local``): its cosine schedule as long as the run,
+    unless the config sets ``inner.total_steps`` itself (``schedule_set``; ``sets_field`` reads that in a file)."""
+    return cfg if schedule_set else derive_config(cfg, {"inner.total_steps": steps})
+
+
+def sets_field(path: str | Path | None, field: str) -> bool:
+    """Whether the config file at ``path`` (None: the built-in config, which sets nothing) gives dotted ``field`` itself,
+    rather than leaving it to its default, its preset or the run."""
+    if path is None:
+        return False
+    table: object = tomllib.loads(Path(path).read_text())
+    for name in field.split("."):
+        if not isinstance(table, dict) or name not in table:
+            return False
+        table = table[name]
+    return True
 
 
 def parse_overrides(pairs: Iterable[str]) -> dict[str, ConfigValue]:
@@ -292,8 +330,10 @@ def _fields_from_dict(cls: type, data: dict[str, Any], path: str) -> dict[str, o
     """The checked constructor arguments of dataclass ``cls`` from ``data``: sections built, leaves type- and choice-checked."""
     if not isinstance(data, dict):
         raise ConfigError(path or "<root>", f"expected a table, got {type(data).__name__}")
-    if cls is ModelConfig:
-        data = ModelConfig.preset_defaults(data)
+    if cls is SwarmConfig and isinstance(data.get("model"), dict):  # a named preset fills the fields left out
+        for section, fields in preset_fields(data["model"].get("preset")).items():
+            if isinstance(data.get(section, {}), dict):  # not a table: its own check says so
+                data = {**data, section: {**fields, **data.get(section, {})}}
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
@@ -409,7 +449,9 @@ def _commented_table(section: object, path: tuple[str, ...], lines: list[str]) -
         lines += _comment(docs.get(f.name, ""))
         if typing.get_origin(hints[f.name]) is Literal:
             lines += _comment(f"one of: {', '.join(map(str, get_args(hints[f.name])))}")
-        lines.append(tomli_w.dumps({f.name: value}).rstrip("\n"))
+        line = tomli_w.dumps({f.name: value}).rstrip("\n")
+        left_to_run = ".".join((*path, f.name)) in LEFT_TO_THE_RUN and value == f.default
+        lines.append(f"# {line}" if left_to_run else line)
     for name, value in sections:
         _commented_table(value, (*path, name), lines)
 

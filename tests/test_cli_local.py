@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 from swarm_harness import descendants, swarmloco, tiny_config, wait_until
+from typer.testing import CliRunner
 
 from optim.config import OuterOptimConfig
-from swarm.config import save_config
+from peer.launch import LocalSwarm, local_config
+from swarm.config import SwarmConfig, save_config
 from swarm.model.transformer import Transformer
-from swarm.recovery.checkpoint import save_checkpoint
+from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,45 @@ def test_train_local_writes_metrics_with_falling_validation_loss(trained: Path) 
     assert {"step", "tokens", "train_loss", "val_loss", "elapsed_s"} <= set(records[0])
     assert records[-1]["tokens"] == 60 * 8 * 64
     assert records[-1]["val_loss"] < records[0]["val_loss"] < 5.55  # ln(256): uniform over bytes
+
+
+def test_train_local_s_schedule_follows_steps_unless_the_config_sets_it(
+    trained: Path, tiny_toml: Path, tmp_path: Path, child_processes: list
+) -> None:
+    """The fixture's file leaves total_steps at its default (commented out), so its 60 steps are the schedule; a file
+    that sets a shorter one keeps it, and the run warns once when its steps pass it."""
+    assert load_checkpoint(trained / "model.pt")[0].inner.total_steps == 60
+    pinned = tmp_path / "pinned.toml"
+    pinned.write_text(tiny_toml.read_text().replace("# total_steps = 1000", "total_steps = 5"))
+    (result,) = swarmloco(
+        ["train-local", "--config", str(pinned), "--steps", "8", "--log-every", "8", "--out", str(tmp_path / "o")],
+        children=child_processes,
+    )
+    assert result.returncode == 0, result.stderr
+    assert load_checkpoint(tmp_path / "o" / "model.pt")[0].inner.total_steps == 5
+    assert (result.stdout + result.stderr).count("the cosine schedule ended at step 5") == 1, result.stderr
+
+
+def test_local_s_schedule_follows_steps_unless_the_config_sets_it(
+    tiny_toml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, the swarm itself not started: what ``swarmloco local`` hands the launcher."""
+    import peer.launch
+    from peer.cli import app
+
+    launched: list[SwarmConfig] = []
+
+    def launch(layout: LocalSwarm, *, config: SwarmConfig, schedule_set: bool, **kwargs: object) -> int:
+        launched.append(local_config(config, layout, schedule_set=schedule_set))
+        return 0
+
+    monkeypatch.setattr(peer.launch, "launch_local", launch)
+    pinned = tmp_path / "pinned.toml"
+    pinned.write_text(tiny_toml.read_text().replace("# total_steps = 1000", "total_steps = 5"))
+    for path in (tiny_toml, pinned):
+        result = CliRunner().invoke(app, ["local", "--config", str(path), "--steps", "40", "--out", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+    assert [cfg.inner.total_steps for cfg in launched] == [40, 5]
 
 
 def test_eval_and_sample_load_the_checkpoint(trained: Path, child_processes: list) -> None:

@@ -9,27 +9,31 @@ from typing import Annotated, Literal
 import pytest
 import torch
 import typer
+from swarm_harness import DEFAULT_SWARM_HASH
 from typer.testing import CliRunner
 
 from compress.codecs import CODEC_NAMES, get_codec
 from compress.config import CodecConfig
 from compress.errors import ConfigError as CompressConfigError
-from optim.config import OUTER_METHODS, OuterMethod, OuterOptimConfig
+from optim.config import OUTER_METHODS, InnerOptimConfig, OuterMethod, OuterOptimConfig
 from peer.commands.one_process import SIMULATE_CONFIG_OPTIONS
 from peer.config_options import ConfigOverrides, config_options
 from swarm.config import (
     OuterChoice,
     SwarmConfig,
+    class_docs,
     config_from_dict,
     derive_config,
     dumps_config,
+    follow_run,
     from_dict,
     load_config,
     parse_overrides,
     save_config,
+    sets_field,
 )
 from swarm.errors import ConfigError
-from swarm.model.transformer import ModelConfig
+from swarm.model.transformer import PRESET_INNER, PRESETS, ModelConfig
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
@@ -304,3 +308,62 @@ def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, mo
     assert ddp.outer.method == "none" and ddp == row_config(
         base, Row(name="run", outer="ddp"), codec=codec, h=h, seed=0
     )
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_preset_brings_its_inner_optimizer_and_a_field_the_config_sets_wins(preset: str) -> None:
+    brought = PRESET_INNER[preset]
+    from_file = config_from_dict({"model": {"preset": preset}})
+    assert {k: getattr(from_file.inner, k) for k in brought} == brought
+    from_cli = derive_config(SwarmConfig(), {"model.preset": preset})
+    assert from_cli == from_file
+    own = config_from_dict({"model": {"preset": preset}, "inner": {"lr": 5e-5}})
+    assert (own.inner.lr, own.inner.warmup_steps) == (5e-5, brought["warmup_steps"])
+    cli_own = derive_config(SwarmConfig(), {"model.preset": preset, "inner.warmup_steps": 7})
+    assert (cli_own.inner.lr, cli_own.inner.warmup_steps) == (brought["lr"], 7)
+    # a new preset replaces the old one's optimizer as it replaces its shape; a file written from it loads back alike
+    assert derive_config(from_cli, {"model.preset": "tiny"}) == SwarmConfig()
+    assert config_from_dict(from_cli.to_dict()) == from_cli
+
+
+def test_the_tiny_preset_s_optimizer_is_the_default_so_swarms_keep_their_ids() -> None:
+    assert {k: getattr(InnerOptimConfig(), k) for k in PRESET_INNER["tiny"]} == PRESET_INNER["tiny"]
+    assert config_from_dict({"model": {"preset": "tiny"}}).hash() == SwarmConfig().hash() == DEFAULT_SWARM_HASH
+    assert config_from_dict({"model": {"d_model": 384, "n_layers": 12, "n_heads": 6, "max_seq_len": 1024}}).inner == (
+        InnerOptimConfig()
+    ), "only a named preset brings an optimizer: a shape that matches one keeps the defaults (and its swarm id)"
+    assert (
+        config_from_dict({"model": {"preset": "20m"}}).hash()
+        != derive_config(SwarmConfig(), {"model.preset": "20m", "inner.lr": 3e-3, "inner.warmup_steps": 30}).hash()
+    )
+
+
+def test_config_show_cites_each_preset_s_lr_and_warm_up() -> None:
+    _, docs = class_docs(InnerOptimConfig)
+    for preset, fields in PRESET_INNER.items():
+        assert f"{preset} {fields['lr']:.0e}".replace("e-0", "e-") in docs["lr"], (preset, docs["lr"])
+        assert f"{preset} {fields['warmup_steps']}" in docs["warmup_steps"], (preset, docs["warmup_steps"])
+    shown = dumps_config(derive_config(SwarmConfig(), {"model.preset": "125m"}), commented=True)
+    assert "lr = 0.0006" in shown and "GPT-3 Small" in shown and "Pythia" in shown and "TinyLlama" in shown
+
+
+def test_the_schedule_follows_the_run_unless_the_config_sets_it(tmp_path: Path) -> None:
+    from peer.launch import LocalSwarm, local_config
+
+    assert follow_run(SwarmConfig(), 250, schedule_set=False).inner.total_steps == 250
+    assert follow_run(SwarmConfig(), 250, schedule_set=True) == SwarmConfig()
+    layout = LocalSwarm(peers=3, stages=2, steps=40)
+    assert local_config(SwarmConfig(), layout).inner.total_steps == 40
+    assert local_config(SwarmConfig(), layout, schedule_set=True).inner.total_steps == 1000
+    sparse, pinned, printed = tmp_path / "sparse.toml", tmp_path / "pinned.toml", tmp_path / "printed.toml"
+    sparse.write_text('[model]\npreset = "20m"\n[inner]\nlr = 1e-3\n')
+    pinned.write_text("[inner]\ntotal_steps = 1000\n")
+    assert not sets_field(None, "inner.total_steps") and not sets_field(sparse, "inner.total_steps")
+    assert sets_field(pinned, "inner.total_steps") and sets_field(sparse, "inner.lr")
+    # what `config show` prints leaves the schedule to the run while it holds the default, and loads back the same
+    save_config(SwarmConfig(), printed)
+    assert "# total_steps = 1000" in printed.read_text() and not sets_field(printed, "inner.total_steps")
+    assert load_config(printed) == SwarmConfig()
+    longer = follow_run(SwarmConfig(), 5000, schedule_set=False)
+    save_config(longer, printed)
+    assert sets_field(printed, "inner.total_steps") and load_config(printed) == longer

@@ -1,6 +1,7 @@
 """The inner optimizer factory: warmup, cosine decay, parameter groups, schedule offset; no step on a non-finite
 gradient norm, and the screen of outsized gradients."""
 
+import logging
 import math
 
 import pytest
@@ -54,6 +55,29 @@ def test_a_non_finite_gradient_norm_skips_the_step_and_writes_no_weights(caplog:
         1e-3 * lr_factor(1, CFG)
     )  # neither the weights nor the schedule moved
     assert "inner step skipped" in caplog.text
+
+
+def test_a_peer_whose_steps_pass_the_schedule_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    layer = torch.nn.Linear(4, 4)
+    inner = InnerStep(layer.parameters(), InnerOptimConfig(lr=1e-3, warmup_steps=1, total_steps=3), inner_batch=1)
+
+    def steps(n: int) -> list[str]:
+        caplog.clear()
+        for _ in range(n):
+            layer(torch.randn(1, 4)).sum().backward()
+            assert inner.add(1)
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    assert steps(3) == [], "a run as long as the schedule ends on it: no warning"
+    warned = steps(4)  # past the end: once, however long it goes on
+    assert warned == [
+        "the cosine schedule ended at step 3; lr stays at min_lr_ratio·lr = 0.0001; set [inner] "
+        "total_steps to the run's length"
+    ]
+    assert inner.lr == pytest.approx(1e-4)
+    late = InnerStep([torch.nn.Parameter(torch.ones(2, 2))], CFG, start_step=500, inner_batch=1)
+    assert late.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)  # a joiner after the end starts on the floor
+    assert any("ended at step 110" in r.getMessage() for r in caplog.records), "and says so"
 
 
 def test_the_screen_refuses_non_finite_norms_always_and_outsized_ones_after_warmup() -> None:

@@ -29,7 +29,7 @@ from peer.config_options import ConfigOption, ConfigOverrides, config_options
 from peer.data import decode, encode, load_corpus
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import tokenizer_for
-from swarm.config import OuterChoice, derive_config
+from swarm.config import OuterChoice, derive_config, follow_run, sets_field
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageFootprint, check_fits
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
@@ -63,7 +63,7 @@ def train_local(
     from swarm.sim.centralized import train_centralized
 
     base, tok = config_with_tokenizer(config, tokenizer)
-    cfg = derive_config(base, {"inner.total_steps": steps})
+    cfg = follow_run(base, steps, schedule_set=sets_field(config, "inner.total_steps"))
     compute = fitting_device(device, StageFootprint.whole_model(cfg))
     torch.manual_seed(cfg.train.seed)
     corpus = load_corpus(data, tokenizer=tok)

@@ -28,7 +28,7 @@ from peer.cli_common import (
     watched_swarm,
 )
 from peer.export import ExportFormat
-from swarm.config import SwarmConfig
+from swarm.config import SwarmConfig, sets_field
 from swarm.dht.reachability import ReachabilityMode
 from swarm.peer_config import Role
 from swarm.pipeline.trainer import TrainerOptions
@@ -373,5 +373,6 @@ def local_cmd(
             tokenizer=tokenizer,
             extra_args=["--device", device],
             echo=typer.echo,
+            schedule_set=sets_field(config, "inner.total_steps"),
         )
     )

@@ -37,12 +37,30 @@ PRESETS: dict[str, dict[str, Any]] = {
     "350m": {"d_model": 1024, "n_layers": 24, "n_heads": 16, "max_seq_len": 1024, "ffn_mult": 8 / 3},
     "1b": {"d_model": 2048, "n_layers": 20, "n_heads": 16, "max_seq_len": 2048, "ffn_mult": 8 / 3},
 }
+# Each preset's inner-optimizer defaults: the ``[inner]`` fields a config that names the preset leaves out get these
+# (``swarm/config.py``). The peak lr falls with size as in published recipes of comparable models: tiny's was tuned
+# here; 20m: Pythia-70M (19M non-embedding parameters, like 20m's 21M); 125m: GPT-3 Small and Pythia-160M; 350m: GPT-3
+# Medium and Pythia-410M; 1b: GPT-3 XL (1.3B) and Pythia-1.4B, the low end of the 2e-4 to 4e-4 (TinyLlama 1.1B) that
+# 1B models train at, as a swarm's inner batch is far smaller than their 1-2M tokens. The recipes' warm-ups (GPT-3: 375M
+# tokens; Pythia: 1% of the run; TinyLlama: 2,000 steps of 2M tokens) are longer than a whole run here: these grow from
+# tiny's tuned 30 steps with the model. The other fields (beta2 0.95, weight decay 0.1, cosine to 10% of the peak, clip
+# 1.0) are those recipes' at every size: the ``InnerOptimConfig`` defaults. The field comments there cite the same
+# numbers (``swarmloco config show`` prints them; tests/test_config.py checks they agree). tiny's are the defaults
+# themselves, so swarms of the default model keep their ids.
+PRESET_INNER: dict[str, dict[str, Any]] = {
+    "tiny": {"lr": 3e-3, "warmup_steps": 30},
+    "20m": {"lr": 1e-3, "warmup_steps": 50},
+    "125m": {"lr": 6e-4, "warmup_steps": 100},
+    "350m": {"lr": 3e-4, "warmup_steps": 150},
+    "1b": {"lr": 2e-4, "warmup_steps": 200},
+}
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    # the shape's name: a preset fills the fields of PRESETS[preset] that a config leaves out (``preset_defaults``);
-    # afterwards it is derived from those fields (the preset they match, else "custom"), so it never lies about the shape
+    # the shape's name: a preset fills the fields of PRESETS[preset] that a config leaves out, and the [inner] fields
+    # of PRESET_INNER[preset] (its optimizer's defaults, from published recipes); afterwards it is derived from the
+    # shape's fields (the preset they match, else "custom"), so it never lies about the shape
     preset: Preset = "tiny"
     vocab_size: int = 256  # token ids: 256 for the byte tokenizer, a BPE tokenizer's own size otherwise
     d_model: int = 128  # width of the residual stream
@@ -70,16 +88,6 @@ class ModelConfig:
             raise ConfigError("subspace_rank", f"must be in [0, d_model={self.d_model}], got {self.subspace_rank}")
         if self.ffn_mult <= 0:
             raise ConfigError("ffn_mult", f"must be positive, got {self.ffn_mult}")
-
-    @classmethod
-    def preset_defaults(cls, fields: dict[str, Any]) -> dict[str, Any]:
-        """``fields`` (a config file's ``[model]`` table) with the shape its ``preset`` names filling what it leaves out.
-
-        >>> ModelConfig(**ModelConfig.preset_defaults({"preset": "125m"})).d_model
-        768
-        """
-        preset = fields.get("preset")
-        return {**PRESETS[preset], **fields} if isinstance(preset, str) and preset in PRESETS else fields
 
     @property
     def head_dim(self) -> int:
