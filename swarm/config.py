@@ -72,7 +72,9 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class TimeoutConfig:
-    rpc_s: float = 30.0  # one forward/backward hop, network included
+    # one forward/backward hop, network included; a hop that streams (frames over 2-4 MiB) is kept alive while its
+    # server computes and times out after rpc_s of silence, or 10 × rpc_s in all
+    rpc_s: float = 30.0
     matchmaking_s: float = 5.0  # window in which replicas gather for an outer step
     announce_period_s: float = 5.0  # how often DHT records are refreshed
     record_ttl_s: float = 15.0  # DHT record lifetime; a silent peer disappears after this
