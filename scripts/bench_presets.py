@@ -6,15 +6,15 @@ preset's ``[inner]`` defaults, the cosine as long as the run) on the default cor
 torch threads, one run at a time. Along the way it logs each logged step's train loss and a probe loss on one fixed
 held-out batch (cheap enough to log often); at the end, the validation loss over ``--val-sequences`` held-out windows.
 
-- curves (``--curves``): does the loss fall below ln(vocab) = ln 256 = 5.55 (a uniform guess over bytes), and does it
-  keep falling (the probe's last point below its point at half the run, the final validation below the probe's first
-  point under 5.55)?
+- curves (``--curves``, seed 0): does the loss fall below ln(vocab) = ln 256 = 5.55 (a uniform guess over bytes), and
+  does it keep falling (the probe's last point below its point at half the run)?
 - the sweep (``--sweep``): the preset's default lr times each ``--scales`` factor, ``--seeds`` seeds each (seeds vary
   the data order and the initial weights); the scales ranked by their mean final validation loss: is the default
-  (×1) within the best two?
+  (×1) within the best two? Its ×1 runs are curves of that preset on its defaults too.
 
     python scripts/bench_presets.py --json docs/data/presets.json             # the issue's runs (about an hour on 1 thread)
     python scripts/bench_presets.py --curves 20m=5 --sweep none --seeds 0      # a quick look
+    python scripts/bench_presets.py --curves --seeds 2 --add-to docs/data/presets.json --json docs/data/presets.json
 """
 
 from __future__ import annotations
@@ -168,12 +168,19 @@ def main() -> None:
     parser.add_argument("--val-sequences", type=int, default=64, help="held-out windows of the final validation loss")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--add-to", type=Path, help="an earlier --json file whose runs these join (more seeds, another curve)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)
     started = time.perf_counter()
-    curves: list[dict[str, Any]] = []
-    sweep_runs: list[dict[str, Any]] = []
+    earlier = json.loads(args.add_to.read_text()) if args.add_to else {}
+    curves: list[dict[str, Any]] = earlier.get("curves", [])
+    sweep_runs: list[dict[str, Any]] = (earlier.get("sweep") or {}).get("runs", [])
+    before = earlier.get("commands") or ([earlier["command"]] if "command" in earlier else [])
+    args.commands = [*before, " ".join(["python", *sys.argv])]
+    args.earlier_wall_s = earlier.get("wall_s", 0.0)
     for preset, steps, seq in parse_curves(args.curves):
         curves.append(run(preset, corpus, args, steps=steps, seq_len=seq or args.seq_len, seed=0, lr_scale=1.0))
         report(args, curves, sweep_runs, started)
@@ -214,13 +221,13 @@ def report(
         ranking = " ".join(f"×{s:.2g}" for s in summary["ranking"])
         print(f"ranking (best first): {ranking}; the default is #{summary['default_rank']}")
     load = os.getloadavg()
-    wall_s = time.perf_counter() - started
+    wall_s = args.earlier_wall_s + time.perf_counter() - started  # of every command that made these runs
     print(f"{wall_s / 60:.1f} min; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; {os.cpu_count()} CPUs")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         result = {
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "command": " ".join(["python", *sys.argv]),
+            "args": {k: str(v) for k, v in vars(args).items() if k not in ("commands", "earlier_wall_s")},
+            "commands": args.commands,
             "load": load,
             "wall_s": wall_s,
             "curves": curves,
