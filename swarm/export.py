@@ -31,7 +31,7 @@ from typing import Any
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.errors import ExportError
-from swarm.model.stages import assemble_model, stage_template
+from swarm.model.stages import assemble_model, seeded_norms, stage_shapes
 from swarm.model.transformer import Transformer
 from swarm.outer.transfer import (
     StageState,
@@ -88,7 +88,7 @@ async def download_model(
         states[stage] = state.params
         meta["stages"][str(stage)] = {"peer": "saved", "outer_round": state.round, "schedule_step": state.schedule_step}
     for stage in sorted(set(range(num_stages + 1)) - set(states)):
-        template = stage_template(cfg.model, num_stages, stage)
+        template = stage_shapes(cfg.model, num_stages, stage)  # names and shapes; a lone claim meets seeded_norms
         bound = state_bytes_bound(template)
         try:
             claim, peer, state = await download_claimed(
@@ -96,7 +96,7 @@ async def download_model(
                 sources[stage],
                 stage=stage,
                 template=template,
-                check_for=newcomer_acceptance(template),
+                check_for=newcomer_acceptance(seeded_norms(cfg.model, num_stages, stage)),
                 blob_for=claimed_blob,
             )
         except TransferError as e:

@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -101,6 +104,7 @@ class Node:
         """Join (or create) the swarm, start the P2P services every role shares, and choose the role."""
         if self.dht is not None:
             raise RuntimeError("this node has started already")
+        warm_up_optimizers()  # on a thread, while this one joins
         config = self.config
         authority = encode_public_key(config.credentials.verifier.authority) if config.credentials else None
         if self.cfg is not None:
@@ -255,6 +259,19 @@ class Node:
                 )
         self.dht.shutdown()
         self.dht = None
+
+
+def warm_up_optimizers() -> None:
+    """Import what a peer's first torch optimizer imports (``torch._dynamo``: 2 s of a CPU core) on a daemon thread.
+
+    ``torch.optim.Optimizer.__init__`` imports it on first use; a peer builds its first optimizer (the inner AdamW)
+    right after it joins, so the import would otherwise delay serving. Started before the DHT join, it runs while the
+    join waits on the network; the optimizer's own import then finds it done (or waits for the rest).
+    """
+    if "torch._dynamo" not in sys.modules:
+        threading.Thread(
+            target=importlib.import_module, args=("torch._dynamo",), name="warm-up-optimizers", daemon=True
+        ).start()
 
 
 def choose_role(

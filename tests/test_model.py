@@ -1,13 +1,29 @@
 """The model, its split into stages, and the subspace-constrained residual stream."""
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from compress.codecs import get_codec
 from optim.config import InnerOptimConfig
 from optim.inner import clip_and_step, make_inner_optimizer
-from swarm.model.stages import EdgeStage, MiddleStage, assemble_model, build_stage, run_path, split_layers, split_model
-from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
+from swarm.config import SwarmConfig, derive_config
+from swarm.model.sizing import stage_parameters
+from swarm.model.stages import (
+    EdgeStage,
+    MiddleStage,
+    assemble_model,
+    build_stage,
+    run_path,
+    split_layers,
+    split_model,
+    to_model_state,
+)
+from swarm.model.transformer import INIT_CHUNK, ModelConfig, Transformer, init_std, loss_fn, subspace_basis
+from swarm.outer.transfer import weights_hash
+from swarm.pipeline.server import StageServer
 
 TINY = dict(d_model=64, n_layers=6, n_heads=4, max_seq_len=32)
 
@@ -42,6 +58,57 @@ def test_independently_built_stages_match_the_full_model() -> None:
     stages = {i: build_stage(cfg, 3, i) for i in range(4)}
     x = tokens()
     assert torch.equal(run_path(stages[0], {i: stages[i] for i in (1, 2, 3)}, [1, 2, 3], x), Transformer(cfg)(x))
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_stage_built_alone_on_any_thread_count_is_that_part_of_the_whole_model() -> None:
+    # gate_up holds 1.4M values: two INIT_CHUNKs, each drawn from its own seed, on whichever thread
+    cfg = ModelConfig(d_model=512, n_layers=4, n_heads=8, max_seq_len=32, init_seed=3)
+    assert 2 * cfg.ffn_hidden * cfg.d_model > INIT_CHUNK
+    whole = dict(Transformer(cfg).named_parameters())
+    for stage in range(3):
+        with torch_threads(1):
+            alone = build_stage(cfg, 2, stage)
+        with torch_threads(3):
+            other = build_stage(cfg, 2, stage)
+        named = to_model_state(cfg, 2, stage, dict(alone.named_parameters()))
+        assert all(torch.equal(p, whole[name]) for name, p in named.items())
+        assert all(torch.equal(a, b) for a, b in zip(alone.parameters(), other.parameters(), strict=True))
+    reseeded = dict(Transformer(ModelConfig(d_model=512, n_layers=4, n_heads=8, max_seq_len=32)).named_parameters())
+    assert not torch.equal(reseeded["blocks.0.attn.qkv.weight"], whole["blocks.0.attn.qkv.weight"])
+
+
+def test_two_replicas_of_a_125m_stage_server_start_from_bit_identical_seeded_weights() -> None:
+    """The stage server's own start path (``StageServer`` builds its stage), at a real size: 6 blocks of the 125m preset,
+    42.5M parameters, on 1 and on 2 threads. The weights keep the model's init: N(0, 0.02²), the residual outputs'
+    scaled by 1/sqrt(2 n_layers), norm gains 1."""
+    cfg = derive_config(SwarmConfig(), {"model.preset": "125m", "stages.num_stages": 2})
+    replicas = []
+    for threads in (1, 2):
+        with torch_threads(threads):
+            server = StageServer(cfg, 2)
+        server.shutdown()
+        replicas.append(dict(server.module.named_parameters()))
+    first, second = replicas
+    assert sum(p.numel() for p in first.values()) == stage_parameters(cfg.model, 2, 2) > 42e6
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert weights_hash(first, threads=1) == weights_hash(second, threads=2)
+    for name, p in to_model_state(cfg.model, 2, 2, first).items():
+        if p.ndim == 1:
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        std = init_std(cfg.model, name)
+        assert abs(p.std().item() / std - 1) < 0.01 and abs(p.mean().item()) < 0.01 * std, name
+    assert init_std(cfg.model, "blocks.6.mlp.down.weight") == pytest.approx(0.02 / 24**0.5)
 
 
 def test_skip_and_swap_paths_run_and_differ_from_the_full_path() -> None:

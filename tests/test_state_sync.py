@@ -18,6 +18,8 @@ from hivemind.proto import runtime_pb2
 import swarm.outer.transfer as state_sync
 import swarm.rpc.blobs as blobs
 from swarm.dht.records import StageStatus
+from swarm.model.stages import build_stage, seeded_norms, stage_shapes
+from swarm.model.transformer import ModelConfig
 from swarm.outer.transfer import (
     RecordBehind,
     StageState,
@@ -25,6 +27,7 @@ from swarm.outer.transfer import (
     StateDecoder,
     catch_up_claims,
     download_state,
+    newcomer_acceptance,
     newcomer_claims,
     pack_state,
     stage_claims,
@@ -61,6 +64,28 @@ def test_state_round_trips_and_its_hash_names_the_exact_weights() -> None:
     )
     assert weights_hash(nudged) != weights_hash(original.params)  # one ulp anywhere changes it
     assert len(weights_hash(original.params)) == 16
+
+
+def test_weights_hash_is_the_same_on_any_thread_count_and_sees_one_ulp_in_any_piece() -> None:
+    # three 16 MiB pieces and a tail in one tensor, a small one beside it: the pieces are hashed on the threads given
+    params = {"big": torch.randn(3 * state_sync.HASH_PIECE_BYTES // 4 + 5), "small": torch.randn(7, 3)}
+    digest = weights_hash(params, threads=1)
+    assert weights_hash(params, threads=4) == weights_hash(dict(reversed(params.items())), threads=2) == digest
+    for index in (0, state_sync.HASH_PIECE_BYTES // 4, params["big"].numel() - 1):  # the first, second and last piece
+        nudged = params["big"].clone()
+        nudged[index] = torch.nextafter(nudged[index], torch.tensor(math.inf))
+        assert weights_hash({**params, "big": nudged}, threads=4) != digest
+    strided = params["big"][:-5].view(-1, 8)[:, :5]  # a view that is not contiguous: its values are hashed
+    assert weights_hash({"big": strided}) == weights_hash({"big": strided.contiguous()})
+
+
+def test_the_state_decoder_refuses_a_nan_or_inf_anywhere_in_a_tensor() -> None:
+    for bad in (math.nan, math.inf, -math.inf):
+        for index in (0, 5, 11):
+            s = state()
+            s.params["blocks.0.w"].view(-1)[index] = bad
+            with pytest.raises(ValueError, match="non-finite"):
+                unpack_state(pack_state(s), stage=2, template=template())
 
 
 def stream(data: bytes | None = None, *, raw_header: bytes | None = None, **changes: object) -> bytes:
@@ -237,6 +262,24 @@ def test_a_downloaded_state_must_be_the_claimed_one_and_a_lone_claim_plausible()
         lone.acceptance(good.params, max_norm_ratio=10)(scaled)
     vouched = StateClaim(round=5, weights_hash=weights_hash(scaled.params), holders=("a", "b"))
     vouched.acceptance(good.params, max_norm_ratio=10)(scaled)  # two replicas' word: a replica may have diverged
+
+
+def test_a_newcomer_decodes_into_the_stage_shapes_and_holds_a_lone_claim_to_the_seeded_norms() -> None:
+    """What ``OuterService.download`` checks a state against, drawing nothing: meta shapes and ``seeded_norms``."""
+    cfg = ModelConfig(init_seed=5)
+    template, seeded = stage_shapes(cfg, 2, 1), seeded_norms(cfg, 2, 1)
+    assert all(t.is_meta for t in template.values()) and list(seeded) == list(template)
+    drawn = {name: p.detach() for name, p in build_stage(cfg, 2, 1).named_parameters()}
+    assert all(abs(seeded[name] / float(p.norm()) - 1) < 0.03 for name, p in drawn.items())  # the drawn ones' norms
+    good = StageState(stage=1, round=3, schedule_step=30, params=drawn, optimizer=None)
+    back = unpack_state(pack_state(good), stage=1, template=template)
+    assert weights_hash(back.params) == weights_hash(drawn) and len(pack_state(good)) < state_bytes_bound(template)
+    lone = lambda s: StateClaim(round=3, weights_hash=weights_hash(s.params), holders=("a",))  # noqa: E731
+    newcomer_acceptance(seeded)(lone(back))(back)
+    for factor in (1000.0, 0.0):  # scaled or zeroed weights, on one peer's word
+        forged = StageState(**{**vars(good), "params": {n: factor * t for n, t in drawn.items()}})
+        with pytest.raises(ValueError, match="beyond ×100"):
+            newcomer_acceptance(seeded)(lone(forged))(forged)
 
 
 def test_state_bound_covers_weights_and_a_momentum_buffer() -> None:

@@ -17,7 +17,7 @@ from typing import Dict, Optional, TypeVar
 
 import pydantic.v1 as pydantic
 
-PROTOCOL_VERSION = 5  # 2: signed, owner-bound records, one round declaration per peer and stage; 3: blobs end with their hash, stage states are streams (swarmloco-stage-state-v2); 4: SparseLoCo sends 1-D tensors whole; 5: an outer payload is one zstd-coded frame; bumped on any incompatible change of records or RPC messages
+PROTOCOL_VERSION = 6  # 2: signed, owner-bound records, one round declaration per peer and stage; 3: blobs end with their hash, stage states are streams (swarmloco-stage-state-v2); 4: SparseLoCo sends 1-D tensors whole; 5: an outer payload is one zstd-coded frame; 6: global_hash hashes 16 MiB pieces (weights_hash), seeded weights are drawn per parameter chunk (seeded_init); bumped on any incompatible change of records or RPC messages
 MAX_CONFIG_CHARS = 1 << 16
 # A round declaration's time must be within this of the checking node's clock (hivemind's DHT time is the wall clock):
 # far above any honest skew, and it keeps absurd times (0, the far future) out of every honest node.

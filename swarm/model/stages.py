@@ -2,7 +2,8 @@
 
 Stage 0 is the *edge* stage (token embedding, final norm, LM head) and lives on every trainer.
 Stages 1..S are contiguous, balanced groups of transformer blocks served by stage servers. Every
-peer builds the same seeded full model and keeps only its stage, so replicas start identical.
+peer draws only its stage's weights, each seeded by its name in the full model (``seeded_init``), so replicas start
+identical, and as the same part of the seeded full model.
 
     >>> cfg = ModelConfig(n_layers=8)
     >>> edge, mids = EdgeStage(Transformer(cfg)), [MiddleStage(Transformer(cfg), r) for r in split_layers(8, 4)]
@@ -13,13 +14,15 @@ peer builds the same seeded full model and keeps only its stage, so replicas sta
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from swarm.errors import ConfigError
-from swarm.model.transformer import ModelConfig, Transformer
+from swarm.model.transformer import ModelConfig, Transformer, init_std, seeded_init
 
 EDGE_STAGE = 0
 
@@ -78,18 +81,54 @@ class MiddleStage(nn.Module):
 
 
 def build_stage(cfg: ModelConfig, num_stages: int, stage: int) -> EdgeStage | MiddleStage:
-    """The seeded initial weights of one stage (identical on every peer)."""
-    model = Transformer(cfg)
-    if stage == EDGE_STAGE:
-        return EdgeStage(model)
-    if not 1 <= stage <= num_stages:
+    """The seeded initial weights of one stage (identical on every peer, and to the same part of ``Transformer(cfg)``).
+
+    Only this stage's weights are drawn (``seeded_init``, which seeds each by its name in the full model); the other
+    blocks are allocated uninitialised, never touched, and dropped with the model.
+    """
+    if not 0 <= stage <= num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}], got {stage}")
-    return MiddleStage(model, split_layers(cfg.n_layers, num_stages)[stage - 1])
+    model = Transformer(cfg, init=False)
+    module = (
+        EdgeStage(model)
+        if stage == EDGE_STAGE
+        else MiddleStage(model, split_layers(cfg.n_layers, num_stages)[stage - 1])
+    )
+    seeded_init(cfg, to_model_state(cfg, num_stages, stage, dict(module.named_parameters())))
+    return module
 
 
 def stage_template(cfg: ModelConfig, num_stages: int, stage: int) -> dict[str, nn.Parameter]:
-    """A stage's parameters by name, as built: the names, order and shapes a downloaded state is checked against."""
+    """A stage's parameters by name, as built: the names, order and shapes a downloaded state is checked against, and
+    the seeded weights a state on one peer's word is compared with (``swarm/outer/transfer.py``)."""
     return dict(build_stage(cfg, num_stages, stage).named_parameters())
+
+
+def stage_shapes(cfg: ModelConfig, num_stages: int, stage: int) -> dict[str, nn.Parameter]:
+    """``stage_template`` without its values: the same names, order and shapes, on the meta device (no memory, no
+    time): what a download decodes into (``OuterService.download``, ``swarmloco export``)."""
+    if not 0 <= stage <= num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}], got {stage}")
+    with torch.device("meta"):
+        model = Transformer(cfg, init=False)
+    module = (
+        EdgeStage(model)
+        if stage == EDGE_STAGE
+        else MiddleStage(model, split_layers(cfg.n_layers, num_stages)[stage - 1])
+    )
+    return dict(module.named_parameters())
+
+
+def seeded_norms(cfg: ModelConfig, num_stages: int, stage: int) -> dict[str, float]:
+    """The norm of each of a stage's seeded parameters, known without drawing them: √n for the norm gains (ones), and
+    ``init_std``·√n for a matrix of n values drawn from N(0, ``init_std``²) (the drawn norm is within a few 1/√n of
+    that: under 1% for every tensor of the tiny model up). What a state on one peer's word is held to, within ×100."""
+    local = stage_shapes(cfg, num_stages, stage)
+    full_names = to_model_state(cfg, num_stages, stage, local)  # the same order: blocks.{j} → blocks.{first + j}
+    return {
+        name: math.sqrt(p.numel()) * (1.0 if p.ndim == 1 else init_std(cfg, full))
+        for (name, p), full in zip(local.items(), full_names, strict=True)
+    }
 
 
 def split_model(model: Transformer, num_stages: int) -> list[EdgeStage | MiddleStage]:
@@ -106,7 +145,7 @@ def run_path(edge: EdgeStage, middles: dict[int, MiddleStage], path: list[int], 
 
 
 def to_model_state(
-    cfg: ModelConfig, num_stages: int, stage: int, state: dict[str, torch.Tensor]
+    cfg: ModelConfig, num_stages: int, stage: int, state: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Rename a stage's state-dict keys to the full model's (``blocks.j`` → ``blocks.{first+j}``)."""
     if stage == EDGE_STAGE:
@@ -127,6 +166,6 @@ def assemble_model(cfg: ModelConfig, num_stages: int, stage_states: dict[int, di
     full: dict[str, torch.Tensor] = {}
     for stage, state in stage_states.items():
         full.update(to_model_state(cfg, num_stages, stage, state))
-    model = Transformer(cfg)
+    model = Transformer(cfg, init=False)  # every weight is loaded below: nothing to draw
     model.load_state_dict(full, strict=True)
     return model

@@ -16,7 +16,10 @@ stage boundary can ship k numbers per token plus the token id.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -136,10 +139,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None) -> None:
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = (
-            nn.Linear(cfg.d_model, cfg.d_model, bias=False) if basis is None else SubspaceLinear(cfg.d_model, basis)
-        )
+        self.qkv = linear(cfg.d_model, 3 * cfg.d_model)
+        self.out = linear(cfg.d_model, cfg.d_model) if basis is None else SubspaceLinear(cfg.d_model, basis)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -152,12 +153,8 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
-        self.down = (
-            nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
-            if basis is None
-            else SubspaceLinear(cfg.ffn_hidden, basis)
-        )
+        self.gate_up = linear(cfg.d_model, 2 * cfg.ffn_hidden)
+        self.down = linear(cfg.ffn_hidden, cfg.d_model) if basis is None else SubspaceLinear(cfg.ffn_hidden, basis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -195,31 +192,28 @@ class Embedding(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: embed → blocks → norm → lm_head. Stages reuse these submodules by name."""
+    """Decoder-only LM: embed → blocks → norm → lm_head. Stages reuse these submodules by name.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``init=False`` leaves the weights unset (memory allocated, never touched): a stage (``build_stage``) draws only its
+    own part with ``seeded_init``, as the whole model would.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         basis, table = subspace_basis(cfg) if cfg.subspace_rank else (None, None)
         self.embed = Embedding(cfg, basis, table)
         self.blocks = nn.ModuleList(Block(cfg, basis) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = linear(cfg.d_model, cfg.vocab_size)
         cos, sin = rope_cache(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if init:
+            self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        g = torch.Generator().manual_seed(self.cfg.init_seed)
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)  # GPT-2 style scaled residual init
-        for name, p in self.named_parameters():
-            if p.ndim == 1:  # norm gains
-                p.fill_(1.0)
-            else:
-                std = residual_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+        seeded_init(self.cfg, dict(self.named_parameters()))
 
     def run_blocks(self, h: torch.Tensor, layers: range | None = None) -> torch.Tensor:
         for i in layers if layers is not None else range(len(self.blocks)):
@@ -229,6 +223,60 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # tokens: (B, T) int64 → logits (B, T, vocab)
         return self.lm_head(self.norm(self.run_blocks(self.embed(tokens))))
+
+
+def linear(in_features: int, out_features: int) -> nn.Linear:
+    """A bias-free ``nn.Linear`` without its default (Kaiming) init, which ``seeded_init`` would overwrite anyway: at
+    1B sizes that init alone took seconds per stage."""
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, device=torch.get_default_device())
+
+
+# values drawn from one seed: a parameter's chunks are drawn in parallel, the same bits on any thread count
+INIT_CHUNK = 1 << 20
+
+
+def init_std(cfg: ModelConfig, name: str) -> float:
+    """The initial weights' standard deviation of the full model's parameter ``name`` (a matrix)."""
+    if name.endswith(("attn.out.weight", "mlp.down.weight")):
+        return 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2 style scaled residual init
+    return 0.02
+
+
+def chunk_seed(cfg: ModelConfig, name: str, chunk: int) -> int:
+    """The seed of chunk ``chunk`` of the full model's parameter ``name``: depends on nothing else, so a stage draws
+    its own weights without drawing the others' first, and every replica draws the same."""
+    digest = hashlib.sha256(f"{cfg.init_seed}/{name}/{chunk}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def seeded_init(cfg: ModelConfig, params: Mapping[str, torch.Tensor], *, threads: int | None = None) -> None:
+    """Set ``params`` (named as in the full model: ``blocks.{i}.…``) to the model's seeded initial weights, in place.
+
+    Norm gains are 1; every matrix is N(0, ``init_std``²), drawn ``INIT_CHUNK`` values at a time, each chunk from its
+    own generator seeded by (``cfg.init_seed``, name, chunk index): the same bits on every replica, whatever part of
+    the model it builds, in whatever order and on however many threads (``threads``; default: torch's).
+    """
+    jobs = []
+    for name, p in params.items():
+        if p.ndim == 1:
+            p.fill_(1.0)
+            continue
+        flat, std = p.detach().view(-1), init_std(cfg, name)  # detached: written in place on the pool's threads
+        for chunk, start in enumerate(range(0, flat.numel(), INIT_CHUNK)):
+            jobs.append((flat[start : start + INIT_CHUNK], std, chunk_seed(cfg, name, chunk)))
+
+    def draw(job: tuple[torch.Tensor, float, int]) -> None:
+        values, std, seed = job
+        values.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+    workers = min(threads or torch.get_num_threads(), len(jobs))
+    if workers <= 1:
+        for job in jobs:
+            draw(job)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="init") as pool:  # normal_ leaves the GIL
+        list(pool.map(draw, jobs))
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ downloader's own record counts). Whenever the stage has a vouched claim, unvouch
 ignored: a peer announcing a later round alone takes over nothing. Only a stage with no two
 replicas in agreement (a lone replica, a pair split by a failed round) falls back to a lone
 claim, and then only to weights whose per-tensor norms are close to the downloader's own (a
-newcomer's: the seeded initial weights; ``check_plausible``): a lone liar cannot install scaled
+newcomer's: the seeded initial weights', ``stages.seeded_norms``; ``check_plausible``): a lone liar cannot install scaled
 or zeroed weights.
 
 It moves between peers as a named blob (``swarm/rpc/blobs.py``): ``state/<stage>`` (the last outer
@@ -37,6 +37,7 @@ import hashlib
 import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ import msgpack
 import numpy as np
 import torch
 
+from compress.codecs import all_finite
 from swarm.dht.records import StageStatus
 from swarm.rpc import blobs
 from swarm.rpc.blobs import BlobStream, Sink, TransferError
@@ -57,6 +59,8 @@ MAX_HEADER_BYTES = 1 << 20  # names and shapes: kilobytes for any stage
 # (peer, blob name, sink) → the blob's SHA-256 once it has streamed into the sink whole, or TransferError
 StreamFetch = Callable[[str, str, Sink], Awaitable[str]]
 ChunkReader = Callable[[Callable[[], bytes]], Awaitable[bytes]]  # runs one chunk's copy where the tensors hold still
+# What a state's weights are held to: a replica's own or the seeded weights, or their norms (name → norm)
+Reference = Mapping[str, torch.Tensor] | Mapping[str, float]
 # A lone claim's weights may differ from a replica's own by at most this factor in any tensor's norm: an honest
 # replica a few rounds ahead differs by a few percent, a liar's scaled (×1000) or zeroed weights by far more.
 LONE_CLAIM_MAX_NORM_RATIO = 10.0
@@ -106,7 +110,7 @@ class StateClaim:
         if self.weights_hash and (served := weights_hash(state.params)) != self.weights_hash:
             raise ValueError(f"served weights hashing to {served}, its record claims {self.weights_hash}")
 
-    def acceptance(self, reference: Mapping[str, torch.Tensor], *, max_norm_ratio: float) -> StateCheck:
+    def acceptance(self, reference: Reference, *, max_norm_ratio: float) -> StateCheck:
         """What a state downloaded for this claim must pass: when vouched for, be exactly the claimed one (``check``);
         on one peer's word only, be of the claimed round or a later one (the peer may have done rounds since it
         announced; its word is all there is either way) and hold weights whose norms stay within
@@ -139,10 +143,11 @@ def newcomer_claims(claims: Sequence[StateClaim]) -> list[StateClaim]:
     return sorted(vouched or claims, key=lambda c: (-c.round, -len(c.holders), c.holders))
 
 
-def newcomer_acceptance(template: Mapping[str, torch.Tensor]) -> Callable[[StateClaim], StateCheck]:
+def newcomer_acceptance(seeded: Reference) -> Callable[[StateClaim], StateCheck]:
     """What a peer holding none of a stage's weights asks of each claim's state: exactly the claimed one when vouched
-    for, else weights within ``NEWCOMER_MAX_NORM_RATIO`` of the seeded ``template`` (``StateClaim.acceptance``)."""
-    return lambda claim: claim.acceptance(template, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
+    for, else weights within ``NEWCOMER_MAX_NORM_RATIO`` of the ``seeded`` ones (the stage's seeded weights, or
+    their norms: ``stages.seeded_norms``) (``StateClaim.acceptance``)."""
+    return lambda claim: claim.acceptance(seeded, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
 
 
 def catch_up_claims(claims: Sequence[StateClaim], *, round_: int, weights_hash: str, me: str) -> list[StateClaim]:
@@ -168,25 +173,56 @@ def catch_up_claims(claims: Sequence[StateClaim], *, round_: int, weights_hash: 
     return sorted(ahead, key=lambda c: (-c.round, -len(c.holders), c.holders))
 
 
-def check_plausible(
-    params: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], *, max_norm_ratio: float
-) -> None:
-    """ValueError if a tensor's norm differs from ``reference``'s by more than ``max_norm_ratio`` either way."""
+def check_plausible(params: Mapping[str, torch.Tensor], reference: Reference, *, max_norm_ratio: float) -> None:
+    """ValueError if a tensor's norm differs from ``reference``'s by more than ``max_norm_ratio`` either way.
+
+    ``reference`` holds tensors, or their norms (``stages.seeded_norms``: the seeded weights', without drawing them).
+    """
     for name, value in params.items():
-        norm, ref = float(value.double().norm()), float(reference[name].detach().double().norm())
+        # float32 norms: 20× faster than float64 copies on a CPU, and ×max_norm_ratio leaves room for their rounding
+        given = reference[name]
+        ref = float(given) if isinstance(given, float) else float(given.detach().float().norm())
+        norm = float(value.detach().float().norm())
         if ref > 0 and not ref / max_norm_ratio <= norm <= ref * max_norm_ratio:
             raise ValueError(
                 f"{name}: norm {norm:.4g} against {ref:.4g} here, beyond ×{max_norm_ratio:g}: not a replica's weights"
             )
 
 
-def weights_hash(params: Mapping[str, torch.Tensor]) -> str:
-    """16 hex digits identifying exact weights: equal on replicas that agree, bit for bit."""
+HASH_PIECE_BYTES = 1 << 24  # weights_hash hashes each tensor's bytes in pieces this long, in parallel
+
+
+def weights_hash(params: Mapping[str, torch.Tensor], *, threads: int | None = None) -> str:
+    """16 hex digits identifying exact weights: equal on replicas that agree, bit for bit.
+
+    The SHA-256 of each tensor's name, length and the SHA-256 digests of its bytes in ``HASH_PIECE_BYTES`` pieces, in
+    name order. The pieces are hashed where they lie (no copy) on ``threads`` threads (default: torch's; hashlib lets
+    go of the GIL), so a 0.5B stage's 2 GB take a fraction of one pass; any thread count gives the same digest.
+    """
+    raw = {name: _bytes_of(params[name]) for name in sorted(params)}
+    pieces = [
+        data[start : start + HASH_PIECE_BYTES]
+        for data in raw.values()
+        for start in range(0, len(data), HASH_PIECE_BYTES)
+    ]
+    workers = min(threads or torch.get_num_threads(), len(pieces))
+    if workers > 1 and sum(map(len, raw.values())) > 4 * HASH_PIECE_BYTES:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hash") as pool:
+            digests = iter(list(pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces)))
+    else:
+        digests = (hashlib.sha256(piece).digest() for piece in pieces)
     h = hashlib.sha256()
-    for name in sorted(params):
-        h.update(name.encode() + b"\0")
-        h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
+    for name, data in raw.items():
+        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+        for _ in range(0, len(data), HASH_PIECE_BYTES):
+            h.update(next(digests))
     return h.hexdigest()[:16]
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a flat uint8 array: a view where the tensor is a contiguous CPU tensor, else one copy."""
+    t = tensor.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def pack_state(state: StageState) -> bytes:
@@ -396,7 +432,7 @@ class StateDecoder:
         self._filled += take
         if self._filled == target.size:
             self._filled = 0
-            if not torch.isfinite(self._tensors[-1]).all():
+            if not all_finite(self._tensors[-1]):
                 raise ValueError(f"{self._slots[len(self._tensors) - 1][0]}: non-finite values")
             self._skip_empty()
         return view[take:]
