@@ -203,7 +203,8 @@ def test_a_replica_busy_with_other_trainers_work_gets_less_until_its_queue_drain
     drained = Counter(picks(balancer, 40, task_size=16))
     assert drained["a"] >= 25, drained  # a catches up on the picks b took meanwhile
     balancer.update_queues({"a": 50, "b": 0}, task_size=16)
-    balancer.report_failure("a", "unreachable: test")  # banned with a backlog of 5 s in its key, then readmitted at the heap's minimum
+    # banned with a backlog of 5 s in its key, then readmitted at the heap's minimum
+    balancer.report_failure("a", "unreachable: test")
     clock.now += 60
     assert "a" in balancer.live_peers()  # readmitted
     balancer.update_queues({"a": 0, "b": 0}, task_size=16)  # the backlog its new key never had is not taken off
