@@ -1,15 +1,11 @@
-"""How the model is cut into pipeline stages.
+"""How the model is cut into pipeline stages, and how a stage gets its seeded initial weights.
 
-Stage 0 is the *edge* stage (token embedding, final norm, LM head) and lives on every trainer.
-Stages 1..S are contiguous, balanced groups of transformer blocks served by stage servers. Every
-peer draws only its stage's weights, each seeded by its name in the full model (``seeded_init``), so replicas start
-identical, and as the same part of the seeded full model.
+Stage 0 (``EdgeStage``: embedding, final norm, LM head) lives on every trainer; stages 1..S (``MiddleStage``) are
+contiguous, balanced groups of blocks that stage servers serve. ``build_stage`` draws only its own stage's weights
+(``seeded_init``, seeded by each parameter's name in the whole model): every replica starts identical, and equal to its
+part of ``Transformer(cfg)``. ``stage_shapes`` and ``seeded_norms`` describe a stage without drawing it.
 
-    >>> cfg = ModelConfig(n_layers=8)
-    >>> edge, mids = EdgeStage(Transformer(cfg)), [MiddleStage(Transformer(cfg), r) for r in split_layers(8, 4)]
-    >>> h = edge.embed(tokens)                      # (B, T, d)
-    >>> for stage in mids: h = stage(h)             # any subset / order: skip and swap paths
-    >>> logits = edge.head(h)                       # (B, T, vocab)
+    >>> stage = build_stage(ModelConfig(n_layers=8), num_stages=4, stage=2)  # blocks 2-3: h (B, T, d) → stage(h)
 """
 
 from __future__ import annotations
