@@ -36,6 +36,7 @@ from peer.data import Shard, load_corpus, resolve_paths
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
 from swarm.config import SwarmConfig, follow_run, load_config, save_config
+from swarm.events import Event, Progress, Spawned, Stamp, as_event, of_kind, read_events
 from swarm.hardware import peak_gpu_memory
 from swarm.model.stages import StagesConfig
 from swarm.node import Node
@@ -87,16 +88,17 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         peer.out.mkdir(parents=True, exist_ok=True)
         metrics = (peer.out / f"{name}.jsonl").open("a")
 
-    def on_log(record: dict[str, Any]) -> None:
+    def on_log(logged: Event | dict[str, Any]) -> None:  # TEMPORARY: dicts too, until every emitter logs events
         # peak_rss_mb: the process' high-water mark so far (ru_maxrss is in KiB on Linux)
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        record = {"time": time.time(), "peer": name, **record, "peak_rss_mb": round(peak_rss_mb, 1)}
-        record |= peak_gpu_memory()  # peak_gpu_mb, once this process has used CUDA
+        # peak_gpu_mb: once this process has used CUDA
+        stamp = Stamp(time=time.time(), peer=name, peak_rss_mb=round(peak_rss_mb, 1), **peak_gpu_memory())
+        event = as_event(logged).stamped(stamp)
         if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
+            metrics.write(json.dumps(event.to_record()) + "\n")
             metrics.flush()
-        if record.get("role") in ("trainer", "full"):  # progress, not outer-step events
-            echo(progress_line(record, peer.steps))
+        if isinstance(event, Progress) and event.role in ("trainer", "full"):  # progress, not outer-step events
+            echo(progress_line(event, peer.steps))
 
     async def main() -> dict[str, Any]:
         node = Node(peer, cfg, data=batches, on_log=on_log, on_ready=on_ready)
@@ -111,7 +113,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
             metrics.close()
 
 
-def progress_line(record: dict[str, Any], steps: int) -> str:
+def progress_line(record: Progress, steps: int) -> str:
     loss = "-" if record.get("train_loss") is None else f"{record['train_loss']:.3f}"
     val = f"  val {record['val_loss']:.3f}" if "val_loss" in record else ""
     pipeline = (  # a full peer's microbatches take no path
@@ -119,8 +121,9 @@ def progress_line(record: dict[str, Any], steps: int) -> str:
         if record.get("role") == "trainer"
         else "full model  "
     )
+    who = record.stamp.peer if record.stamp else "?"
     return (
-        f"[{record['peer']}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
+        f"[{who}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
         f"{pipeline}{elapsed_and_eta(record['elapsed_s'], done=record['step'], total=steps)}"
     )
 
@@ -351,14 +354,11 @@ def watch_commands(address: str, swarm: str) -> list[str]:
     ]
 
 
-def last_records(out: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+def last_records(out: Path, names: Iterable[str]) -> dict[str, Progress]:
     """Each peer's last progress record (a trainer's step, a server's counters) from ``out/<name>.jsonl``."""
     found = {}
     for name in names:
-        path = out / f"{name}.jsonl"
-        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last line may be half written
-        records = [r for r in map(json.loads, lines) if "role" in r]
-        if records:
+        if records := of_kind(read_events(out / f"{name}.jsonl"), Progress):
             found[name] = records[-1]
     return found
 
@@ -415,8 +415,7 @@ def absolute_spec(spec: str) -> str:
 
 def has_trained(metrics: Path) -> bool:
     """Whether a trainer's metrics file holds a progress record yet."""
-    complete = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # the last line may be half written
-    return any(json.loads(line).get("role") == "trainer" for line in complete)
+    return any(record.role == "trainer" for record in of_kind(read_events(metrics), Progress))
 
 
 def spawn_peer(name: str, args: list[str], out: Path, *, prefix: Sequence[str] = ()) -> subprocess.Popen:
@@ -427,7 +426,7 @@ def spawn_peer(name: str, args: list[str], out: Path, *, prefix: Sequence[str] =
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     with (out / f"{name}.jsonl").open("a") as metrics:
-        metrics.write(json.dumps({"time": time.time(), "peer": name, "event": "spawned"}) + "\n")
+        metrics.write(json.dumps(Spawned(stamp=Stamp(time=time.time(), peer=name)).to_record()) + "\n")
     with (out / f"{name}.log").open("w") as log:
         return subprocess.Popen(
             [*prefix, sys.executable, "-m", "peer", "run", "--name", name, *args],

@@ -4,14 +4,17 @@ A part emits through an ``EventSink``; the peer's writer stamps the event (time,
 ``to_record()``; readers get the same types back with ``parse_event`` (an unknown kind raises ``UnknownEvent``).
 A progress record (a role's numbers, no ``"event"`` key) is a ``Progress``. The lines are those of before the types.
 
->>> on_log(StateDownload(stage=1, reason="join", outer_round=3)); parse_event(json.loads(line)).stamp.time
+>>> on_log(StateDownload(stage=1, reason="join", outer_round=3))          # emit
+>>> rounds = of_kind(read_events(out / "stage1-a.jsonl"), OuterRound)    # read (``parse_event`` for one record)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 E = TypeVar("E", bound="Event")
@@ -110,6 +113,9 @@ class Progress(Event):
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.fields
 
     def _fields(self) -> dict[str, Any]:
         return dict(self.fields)
@@ -315,6 +321,22 @@ def parse_event(record: Mapping[str, Any]) -> Event:
     if extra := set(record) - own - set(_STAMP_KEYS) - {"event"}:
         raise UnknownEvent(f"a {kind.event!r} record with fields {sorted(extra)} that {kind.__name__} has not")
     return kind._from_fields(record, _read_stamp(record, own=own))
+
+
+def read_events(path: Path) -> list[Event]:
+    """The events of a peer's JSONL file (none if there is no file yet); a last line still being written is left out."""
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [parse_event(json.loads(line)) for line in lines]
+
+
+def of_kind(events: Iterable[Event], kind: type[E]) -> list[E]:
+    """The events of one kind, in order: ``of_kind(read_events(path), OuterRound)``."""
+    return [event for event in events if isinstance(event, kind)]
+
+
+def as_event(record: Event | Mapping[str, Any]) -> Event:
+    """TEMPORARY (issue 35, until every emitter logs typed events): a sink's input, a dict literal parsed."""
+    return record if isinstance(record, Event) else parse_event(record)
 
 
 def _read_stamp(record: Mapping[str, Any], *, own: set[str]) -> Stamp | None:
