@@ -1,4 +1,5 @@
-"""Outer optimizers: the replicas of a stage agree every H inner steps (DiLoCo, SparseLoCo).
+"""Outer optimizers: the replicas of a stage agree every H inner steps (DiLoCo, SparseLoCo; NoLoCo builds on
+this base in ``noloco.py``, and ``factory.py`` picks the one the config names).
 
 The contract is torchft's: each replica computes the pseudo-gradient Δ = θ_global − θ_local,
 the group's Δs are combined and written into ``.grad`` of the global copy, and a stock
@@ -33,12 +34,10 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from compress.codecs import Codec, get_codec
-from compress.config import CodecConfig
+from compress.codecs import Codec
 from compress.errors import MalformedFrame, WireError
 from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
 from compress.wire import CodecId, WireLimits, decode_frame, encode_frame
-from optim.config import OuterOptimConfig
 
 logger = logging.getLogger(__name__)
 
@@ -417,19 +416,3 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self._error, self._error_before_payload = self.codec.new_state(), None
-
-
-def build_outer_optimizer(params: NamedTensors, cfg: OuterOptimConfig, codecs: CodecConfig) -> OuterOptimizer | None:
-    """The stage's outer optimizer from the swarm config; None when ``cfg.method == "none"``."""
-    if cfg.method == "none":
-        return None
-    if (codecs.pseudo_gradients == "sparseloco") != (cfg.method == "sparseloco"):
-        raise ValueError(f"pseudo-gradient codec {codecs.pseudo_gradients!r} does not fit outer method {cfg.method!r}")
-    if cfg.method == "diloco":
-        return DiLoCo(params, lr=cfg.diloco_lr, momentum=cfg.diloco_momentum, codec=get_codec(codecs.pseudo_gradients))
-    if cfg.method == "noloco":
-        from optim.noloco import NoLoCo  # noloco.py builds on this module
-
-        return NoLoCo(params, lr=cfg.noloco_lr, momentum=cfg.noloco_momentum, codec=get_codec(codecs.pseudo_gradients))
-    codec = SparseLoCoCodec(topk=codecs.topk, chunk_size=codecs.chunk_size, error_decay=codecs.error_decay)
-    return SparseLoCo(params, lr=cfg.sparseloco_lr, momentum=cfg.sparseloco_momentum, codec=codec)

@@ -19,9 +19,9 @@ import typer
 
 from peer.cli_common import app
 from peer.commands import config, dashboard, one_process, private_swarm, swarm, tokenizer  # noqa: F401  (their decorators register the commands)
-from peer.entry import DISTRIBUTION, main, version
+from peer.version import DISTRIBUTION, version
 
-__all__ = ["app", "main", "version"]
+__all__ = ["app"]  # what the console script (peer/entry.py) runs
 
 
 def print_version(given: bool) -> None:

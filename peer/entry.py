@@ -6,18 +6,9 @@ one-line answer. Everything else goes to the typer app in ``peer/cli.py``.
 $ swarmloco --version      # swarmloco 0.1.0
 """
 
-import importlib.metadata
 import sys
 
-DISTRIBUTION = "swarmloco"
-
-
-def version() -> str:
-    """The installed swarmloco's version; "unknown" when run from a source tree that was never installed."""
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+from peer.version import DISTRIBUTION, version
 
 
 def main() -> None:

@@ -289,7 +289,8 @@ def memory_bomb_run(attack: str | None) -> dict[str, Any]:
     from compress.config import CodecConfig
     from compress.wire import CodecId, decode_frame
     from optim.config import OuterOptimConfig
-    from optim.outer import _pack, _unpack, build_outer_optimizer, max_payload_bytes
+    from optim.factory import build_outer_optimizer
+    from optim.outer import _pack, _unpack, max_payload_bytes
 
     peaks, dropped, equal = {}, 0, True
     for method in ("sparseloco", "diloco"):

@@ -27,7 +27,7 @@ import torch
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
-from optim.outer import build_outer_optimizer
+from optim.factory import build_outer_optimizer
 
 ACTIVATION_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
 SHAPE = (4, 32, 64)  # (B, T, d) of the activations a receiver expects

@@ -20,6 +20,7 @@ from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor
 from compress.wire import MAGIC, VERSION, CodecId, decode_frame, encode_frame
 from optim.config import OuterOptimConfig
+from optim.factory import build_outer_optimizer
 from optim.outer import (
     DiLoCo,
     NamedTensors,
@@ -27,7 +28,6 @@ from optim.outer import (
     SparseLoCo,
     _pack,
     _unpack,
-    build_outer_optimizer,
     max_payload_bytes,
 )
 

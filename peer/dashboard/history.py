@@ -15,12 +15,9 @@ import threading
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from swarm.dht.records import PeerMetrics
-
-if TYPE_CHECKING:
-    from peer.dashboard.store import HistoryStore
 
 # A series point starts with the time it was seen: (time, step, tokens, loss) for the losses, (time, tokens/s) for
 # the swarm's throughput, (time, round) for a stage's outer rounds.
@@ -66,6 +63,17 @@ class Saved:
     labels: dict[str, str] = field(default_factory=dict)
 
 
+class Store(Protocol):
+    """Where a History keeps what it learns, to start from it after a restart (``store.py``'s HistoryStore)."""
+
+    def load(self, *, max_points: int, max_events: int) -> Saved: ...
+    def add_point(self, series: str, key: str, point: Point) -> None: ...
+    def add_event(self, event: Event) -> None: ...
+    def save_peer(self, peer: str, view: PeerView) -> None: ...
+    def forget_peer(self, peer: str) -> None: ...
+    def commit(self) -> None: ...
+
+
 def _where(metrics: PeerMetrics) -> str:
     return {"trainer": "as a trainer", "full": "as a full peer"}.get(metrics.role, f"stage {metrics.stage}")
 
@@ -96,7 +104,7 @@ class History:
         max_points: int = 2000,
         max_events: int = 500,
         rate_polls: int = 10,
-        store: HistoryStore | None = None,
+        store: Store | None = None,
     ) -> None:
         self.leave_after_s = leave_after_s  # absent from the snapshots this long: the peer left
         self.stalled_after_s = stalled_after_s  # no trainer advanced this long: training stalled

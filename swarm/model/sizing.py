@@ -24,19 +24,41 @@ is an upper bound of what a peer holds for one stage while it trains:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from swarm.model.stages import EDGE_STAGE, split_layers
+from optim.config import OuterOptimConfig
+from swarm.model.stages import EDGE_STAGE, StagesConfig, split_layers
 from swarm.model.transformer import ModelConfig
-
-if TYPE_CHECKING:
-    from swarm.config import SwarmConfig
 
 GIB = 1024**3
 TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 STASH_BYTES_PER_PARAMETER = 4 * 2  # a middle stage's server: fp32 copies of its last 2 inner steps' weights
 OUTER_BYTES_PER_PARAMETER = 8 + 12  # fp32 global weights + momentum or error buffer; in a round: snapshot, target, Δ
 RUNTIME_BYTES = GIB // 2  # measured: a tiny-model peer's peak RSS is ~0.45 GB (docs/benchmarks.md, bench_scale)
+
+
+class TrainShape(Protocol):
+    """What the estimate reads of ``swarm.config.TrainConfig``."""
+
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def microbatch_size(self) -> int: ...
+    @property
+    def precision(self) -> str: ...
+
+
+class SizedSwarm(Protocol):
+    """What the estimate reads of a ``swarm.config.SwarmConfig`` (typed by its shape: the config imports model/)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def stages(self) -> StagesConfig: ...
+    @property
+    def train(self) -> TrainShape: ...
+    @property
+    def outer(self) -> OuterOptimConfig: ...
 
 
 def block_parameters(cfg: ModelConfig) -> int:
@@ -62,7 +84,7 @@ def model_parameters(cfg: ModelConfig) -> int:
     return edge_parameters(cfg) + cfg.n_layers * block_parameters(cfg)
 
 
-def activation_bytes(cfg: SwarmConfig, stage: int) -> int:
+def activation_bytes(cfg: SizedSwarm, stage: int) -> int:
     """Upper bound of one microbatch's saved activations on ``stage`` (×2: the next microbatch's forward beside it)."""
     m, b, t = cfg.model, cfg.train.microbatch_size, cfg.train.seq_len
     value_bytes = 2 if cfg.train.precision == "bf16" else 4
@@ -84,14 +106,14 @@ class StageFootprint:
     runtime_bytes: int = RUNTIME_BYTES
 
     @classmethod
-    def of(cls, cfg: SwarmConfig, stage: int) -> StageFootprint:
+    def of(cls, cfg: SizedSwarm, stage: int) -> StageFootprint:
         params = stage_parameters(cfg.model, cfg.stages.num_stages, stage)
         outer = OUTER_BYTES_PER_PARAMETER * params if cfg.outer.method != "none" else 0
         per_parameter = TRAINING_BYTES_PER_PARAMETER + (STASH_BYTES_PER_PARAMETER if stage != EDGE_STAGE else 0)
         return cls(f"stage {stage}", params, per_parameter * params, outer, activation_bytes(cfg, stage))
 
     @classmethod
-    def whole_model(cls, cfg: SwarmConfig, *, outer: bool = False) -> StageFootprint:
+    def whole_model(cls, cfg: SizedSwarm, *, outer: bool = False) -> StageFootprint:
         """One process holding every stage: the stages summed, activations included; the outer step's state only with
         ``outer`` (a full peer, a replica of every stage; train-local has none)."""
         parts = [cls.of(cfg, stage) for stage in range(cfg.stages.num_stages + 1)]

@@ -60,7 +60,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from optim.outer import Screening, build_outer_optimizer
+from optim.factory import build_outer_optimizer
+from optim.outer import Screening
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.model.step import WeightChange

@@ -23,8 +23,9 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from optim.factory import build_outer_optimizer
 from optim.noloco import NoLoCo, partners
-from optim.outer import OuterOptimizer, build_outer_optimizer
+from optim.outer import OuterOptimizer
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
 from swarm.hardware import CPU, Precision, compute_precision
