@@ -42,6 +42,7 @@ from bench_swarm import bench_config, read_peers, run_swarm  # noqa: E402
 from peer.data import load_corpus  # noqa: E402
 from peer.launch import READY_PREFIX, LocalSwarm, local_config  # noqa: E402
 from swarm.config import SwarmConfig, derive_config, load_config  # noqa: E402
+from swarm.events import Event, OuterRound, Serving, StateDownload  # noqa: E402
 from swarm.sim.simulate import SimulationConfig, simulate  # noqa: E402
 
 SMALL_MODEL = Path(__file__).resolve().parents[1] / "docs" / "data" / "small-model.toml"
@@ -98,7 +99,7 @@ def peer_ids(out: Path, names: list[str]) -> dict[str, str]:
     return ids
 
 
-def round_evidence(peers: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> dict[str, Any]:
+def round_evidence(peers: dict[str, list[Event]], names: dict[str, str]) -> dict[str, Any]:
     """Per stage, from every replica's round records: the outer rounds done, how many had two contributors and how
     many the full peer's pseudo-gradient, how many rounds' members logged different global weights hashes, the last
     round every replica of the stage logged; and each replica's last global hash (``names``: peer id -> name, to tell
@@ -108,15 +109,15 @@ def round_evidence(peers: dict[str, list[dict[str, Any]]], names: dict[str, str]
     last_hash: dict[int, dict[str, str]] = defaultdict(dict)  # stage -> replica -> its last global hash
     for name, records in peers.items():
         for r in records:
-            if r.get("event") in ("outer_round", "state_download", "serving") and r.get("global_hash"):
-                last_hash[r["stage"]][name] = r["global_hash"]
-            if r.get("event") == "outer_round" and r["outcome"] == "done":
+            if isinstance(r, (OuterRound, StateDownload, Serving)) and r.global_hash:
+                last_hash[r.stage][name] = r.global_hash
+            if isinstance(r, OuterRound) and r.outcome == "done":
                 # a round two replicas each did alone (split) shows as two hashes, not as two contributors
-                seen = rounds[r["stage"]].setdefault(r["round"], {"contributors": 0, "full": False, "hashes": set()})
-                seen["contributors"] = max(seen["contributors"], len(r["contributor_ids"]))
-                seen["full"] |= any(names.get(peer, "").startswith("full-") for peer in r["contributor_ids"])
-                seen["hashes"].add(r["global_hash"])
-                done_by[r["stage"]][name].add(r["round"])
+                seen = rounds[r.stage].setdefault(r.round, {"contributors": 0, "full": False, "hashes": set()})
+                seen["contributors"] = max(seen["contributors"], len(r.contributor_ids))
+                seen["full"] |= any(names.get(peer, "").startswith("full-") for peer in r.contributor_ids)
+                seen["hashes"].add(r.global_hash)
+                done_by[r.stage][name].add(r.round)
     stages = {}
     for stage in sorted(rounds):
         done = rounds[stage].values()

@@ -87,6 +87,18 @@ import torch  # noqa: E402
 from peer import launch, logs  # noqa: E402
 from peer.launch import LocalSwarm, launch_local, stop_processes  # noqa: E402
 from swarm.config import SwarmConfig, derive_config, follow_run, parse_overrides  # noqa: E402
+from swarm.events import (  # noqa: E402
+    Event,
+    Metrics,
+    OuterDeclared,
+    OuterRound,
+    Progress,
+    Serving,
+    Spawned,
+    StateDownload,
+    of_kind,
+    read_events,
+)
 from swarm.hardware import available_memory, describe, resolve_device  # noqa: E402
 from swarm.model.sizing import StageDoesNotFit, StageFootprint, check_fits, model_parameters  # noqa: E402
 
@@ -105,13 +117,12 @@ GFLOPS = 60.0
 SETTLE_S = 60.0  # after the trainer's last step: the longest wait for the servers' open rounds to end
 
 
-def read_peers(out: Path) -> dict[str, list[dict[str, Any]]]:
+Peers = dict[str, list[Event]]  # each peer's events, by its name
+
+
+def read_peers(out: Path) -> Peers:
     """Every peer's JSONL records, by peer name (a line still being written is left out)."""
-    peers = {}
-    for path in sorted(out.glob("*.jsonl")):
-        lines = path.read_text().split("\n")[:-1]  # the last line may be half written
-        peers[path.stem] = [json.loads(line) for line in lines if line]
-    return peers
+    return {path.stem: read_events(path) for path in sorted(out.glob("*.jsonl"))}
 
 
 def bench_config(preset: str, args: argparse.Namespace) -> SwarmConfig:
@@ -249,20 +260,20 @@ def declared_steps(cfg: SwarmConfig, count: int) -> list[int]:
     return steps
 
 
-def trainer_step(cfg: SwarmConfig, records: list[dict[str, Any]]) -> int:
+def trainer_step(cfg: SwarmConfig, records: list[Event]) -> int:
     """Inner steps the trainer has taken, as its records show them (its rounds at once, its metrics within 5 s)."""
-    declared = [r for r in records if r.get("event") == "outer_declared" and r["stage"] == 0]
-    metrics = [r["metrics"]["step"] for r in records if r.get("event") == "metrics"]
+    declared = [r for r in of_kind(records, OuterDeclared) if r.stage == 0]
+    metrics = [r.metrics["step"] for r in of_kind(records, Metrics)]
     return max([0, *metrics, *declared_steps(cfg, len(declared))[-1:]])
 
 
-def rounds_settled(peers: dict[str, list[dict[str, Any]]]) -> bool:
+def rounds_settled(peers: Peers) -> bool:
     """Every round a stage server declared has its outcome logged."""
     for name, records in peers.items():
         if name == TRAINER:
             continue
-        declared = {(r["stage"], r["round"]) for r in records if r.get("event") == "outer_declared"}
-        ended = {(r["stage"], r["round"]) for r in records if r.get("event") == "outer_round"}
+        declared = {(r.stage, r.round) for r in of_kind(records, OuterDeclared)}
+        ended = {(r.stage, r.round) for r in of_kind(records, OuterRound)}
         if declared - ended:
             return False
     return True
@@ -312,7 +323,7 @@ class Conductor:
             self.joiner_exit_shown = True
             tail = (self.out / f"{JOINER}.log").read_text(errors="replace").strip().splitlines()[-1:]
             print(f"  {JOINER} exited with status {joiner.returncode}: {' '.join(tail)}", flush=True)
-        training = step > 0 or any(r.get("metrics", {}).get("state") == "training" for r in peers.get(TRAINER, []))
+        training = step > 0 or any(r.metrics["state"] == "training" for r in of_kind(peers.get(TRAINER, []), Metrics))
         if training and step >= self.join_at and joiner is None and self.address and self.spawn:
             args = [*self.joiner_args, "--initial-peers", self.address]
             self.procs[JOINER] = self.spawn(JOINER, args, self.out)
@@ -352,82 +363,76 @@ def measure_swarm(cfg: SwarmConfig, steps: int, args: argparse.Namespace, out: P
     return swarm_summary(cfg, peers, out) | {"wall_s": wall_s, "exit": code}
 
 
-def swarm_summary(cfg: SwarmConfig, peers: dict[str, list[dict[str, Any]]], out: Path) -> dict[str, Any]:
+def swarm_summary(cfg: SwarmConfig, peers: Peers, out: Path) -> dict[str, Any]:
     trainer = peers[TRAINER]
     gaps = swarm_step_times(cfg, trainer)
-    metrics = [r["metrics"] for r in trainer if r.get("event") == "metrics"]
+    metrics = [r.metrics for r in of_kind(trainer, Metrics)]
     final = max(metrics, key=lambda m: (m["step"], m["tokens"]))  # the last step's counters (training kinds only)
     tokens = final["tokens"]
     wire = {
         kind: final["bytes_sent"].get(kind, 0) + final["bytes_received"].get(kind, 0)
         for kind in ("activations", "gradients")
     }
-    done = [
-        r for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"
-    ]
-    shared = [r["round_s"] for r in done if r["contributors"] >= 2]
-    alone = [r["round_s"] for r in done if r["contributors"] == 1 and r["stage"] != 0]
-    wire["pseudo_gradients"] = sum(r.get("received_bytes", 0) for r in done)
+    rounds = {name: of_kind(records, OuterRound) for name, records in peers.items()}
+    done = [r for ended in rounds.values() for r in ended if r.outcome == "done"]
+    shared = [r.round_s for r in done if r.contributors >= 2]
+    alone = [r.round_s for r in done if r.contributors == 1 and r.stage != 0]
+    wire["pseudo_gradients"] = sum(r.received_bytes for r in done)
     joiner = peers.get(JOINER, [])
-    download = next((r for r in joiner if r.get("event") == "state_download" and "download_s" in r), None)
-    spawned = next((r["time"] for r in joiner if r.get("event") == "spawned"), None)
-    serving = next((r["time"] for r in joiner if r.get("event") == "serving"), None)
+    downloads = of_kind(joiner, StateDownload)
+    download = next((r for r in downloads if r.download_s is not None), None)
+    spawned = next((r.time for r in of_kind(joiner, Spawned)), None)
+    serving = next((r.time for r in of_kind(joiner, Serving)), None)
     footprint = {stage: StageFootprint.of(cfg, stage) for stage in range(cfg.stages.num_stages + 1)}
     return {
         "tokens": tokens,
         "step_s_all": gaps,  # per step after the first round's H
         **step_summary(gaps, cfg),
         "peak_rss_mb": {
-            name: max((r.get("peak_rss_mb", 0.0) for r in records), default=0.0) for name, records in peers.items()
+            name: max((r.stamp.peak_rss_mb or 0.0 for r in records if r.stamp), default=0.0)
+            for name, records in peers.items()
         },
         "estimate_mb": {str(stage): f.total_bytes / 2**20 for stage, f in footprint.items()},
         "bytes_per_token": {kind: wire[kind] / tokens for kind in wire},
         "wire_bytes": wire,
         "outer_rounds": {
-            name: sum(
-                1 for r in records if r.get("event") == "outer_round" and r["outcome"] == "done" and r["stage"] != 0
-            )
-            for name, records in peers.items()
+            name: sum(1 for r in ended if r.outcome == "done" and r.stage != 0)
+            for name, ended in rounds.items()
             if name != TRAINER
         },
-        "outer_not_done": sum(
-            1
-            for records in peers.values()
-            for r in records
-            if r.get("event") == "outer_round" and r["outcome"] != "done"
-        ),
+        "outer_not_done": sum(1 for ended in rounds.values() for r in ended if r.outcome != "done"),
         "round_s": statistics.median(shared) if shared else None,  # declaration to install, 2 or more members
         "round_s_alone": statistics.median(alone) if alone else None,
-        "round_members": max((r["contributors"] for r in done), default=0),
+        "round_members": max((r.contributors for r in done), default=0),
         "shared_rounds": len(shared),
-        "download_s": download and download["download_s"],
-        "download_round": download and download.get("outer_round"),
+        "download_s": download and download.download_s,
+        "download_round": download and download.outer_round,
         "state_mb": state_bytes(cfg, footprint[1].parameters) / 2**20,
         "joiner_ready_s": serving - spawned if serving and spawned else None,  # spawn to serving (download included)
-        "joiner_downloads": sum(1 for r in joiner if r.get("event") == "state_download"),
+        "joiner_downloads": len(downloads),
         "servers": {  # each server's last counters: microbatches served, backwards whose gradients were dropped
             name: {k: last.get(k) for k in ("forward", "backward", "stale_backward", "stashed_backward", "refused")}
             for name, records in peers.items()
-            if (last := next((r for r in reversed(records) if r.get("role") == "stage"), None))
+            if (last := next((r for r in reversed(of_kind(records, Progress)) if r.role == "stage"), None))
         },
         "warnings": log_warnings(out),
     }
 
 
-def step_ends(cfg: SwarmConfig, trainer: list[dict[str, Any]]) -> dict[int, float]:
+def step_ends(cfg: SwarmConfig, trainer: list[Event]) -> dict[int, float]:
     """When the trainer finished inner steps, as its records tell: exactly for the steps its stage-0 rounds were
     declared at (logged within 0.25 s); within 2.5 s for a step that two consecutive ``metrics`` records (one every
     ``announce_period_s``, 5 s) show it taking, one before and one after (at real shapes, every step)."""
-    declared = [r["time"] for r in trainer if r.get("event") == "outer_declared" and r["stage"] == 0]
+    declared = [r.time for r in of_kind(trainer, OuterDeclared) if r.stage == 0]
     ends = dict(zip(declared_steps(cfg, len(declared)), declared))
-    samples = [(r["time"], r["metrics"]["step"]) for r in trainer if r.get("event") == "metrics"]
+    samples = [(r.time, r.metrics["step"]) for r in of_kind(trainer, Metrics)]
     for (t0, s0), (t1, s1) in zip(samples, samples[1:]):
         if s1 == s0 + 1 and s1 not in ends:
             ends[s1] = (t0 + t1) / 2
     return ends
 
 
-def swarm_step_times(cfg: SwarmConfig, trainer: list[dict[str, Any]]) -> list[float]:
+def swarm_step_times(cfg: SwarmConfig, trainer: list[Event]) -> list[float]:
     """Time per inner step between the trainer's known step ends, spread evenly over the steps between two of them: the
     first step (whose start is the training's, known only within 5 s) left out."""
     ends = step_ends(cfg, trainer)

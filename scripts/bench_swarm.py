@@ -40,6 +40,7 @@ from optim.config import OUTER_METHODS, OuterMethod
 from peer.data import load_corpus
 from peer.launch import LOOPBACK, LocalSwarm, Placement, launch_local, local_config
 from swarm.config import ConfigValue, SwarmConfig, derive_config, load_config, parse_overrides
+from swarm.events import Event, OuterRound, Progress, Serving, Spawned, StateDownload, of_kind, read_events
 from swarm.sim.centralized import train_centralized
 
 TARGET_LOSS_GAP = 0.05  # swarm val loss within 5% of the baseline's
@@ -48,48 +49,43 @@ TARGET_PSEUDO_GRAD_COMPRESSION = 100.0  # pseudo-gradient bytes at least 100× b
 TARGET_JOIN_S = 30.0  # a late peer serves its first request within 30 s of its start
 
 
-def read_peers(out: Path) -> dict[str, list[dict[str, Any]]]:
-    return {
-        path.stem: [json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("*.jsonl"))
-    }
+Peers = dict[str, list[Event]]  # each peer's events, by its name
 
 
-def outer_summary(peers: dict[str, list[dict[str, Any]]], tokens: int) -> dict[str, Any]:
+def read_peers(out: Path) -> Peers:
+    return {path.stem: read_events(path) for path in sorted(out.glob("*.jsonl"))}
+
+
+def outer_summary(peers: Peers, tokens: int) -> dict[str, Any]:
     """Outer rounds, their duration and the pseudo-gradient traffic, over every peer."""
-    done = [
-        r for records in peers.values() for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"
+    rounds_of = [r for records in peers.values() for r in of_kind(records, OuterRound)]
+    done = [r for r in rounds_of if r.outcome == "done"]
+    last = [  # final counters: the last progress record (a full peer's sums its stages')
+        progress[-1].fields for records in peers.values() if (progress := of_kind(records, Progress))
     ]
-    last = [
-        next((r for r in reversed(records) if r.get("role") and "event" not in r), {}) for records in peers.values()
-    ]  # final counters: the last progress record (a full peer's sums its stages')
     sent, fp32 = sum(r.get("pseudo_grad_bytes", 0) for r in last), sum(r.get("pseudo_grad_fp32_bytes", 0) for r in last)
     rounds: dict[str, int] = {}
     for r in done:
-        rounds[str(r["stage"])] = max(rounds.get(str(r["stage"]), 0), r["outer_round"])
+        rounds[str(r.stage)] = max(rounds.get(str(r.stage), 0), r.outer_round)
     return {
         "outer_rounds": rounds,  # per stage: rounds completed
-        "round_s": statistics.median(r["round_s"] for r in done) if done else None,  # declaration to install
-        "round_members": statistics.mean(r["contributors"] for r in done) if done else None,
-        "outer_failed_or_late": sum(
-            1
-            for records in peers.values()
-            for r in records
-            if r.get("event") == "outer_round" and r["outcome"] != "done"
-        ),
-        "state_downloads": sum(1 for records in peers.values() for r in records if r.get("event") == "state_download"),
+        "round_s": statistics.median(r.round_s for r in done) if done else None,  # declaration to install
+        "round_members": statistics.mean(r.contributors for r in done) if done else None,
+        "outer_failed_or_late": len(rounds_of) - len(done),
+        "state_downloads": sum(len(of_kind(records, StateDownload)) for records in peers.values()),
         "pseudo_grad_bytes_per_token": sent / tokens,
         "fp32_pseudo_grad_bytes_per_token": fp32 / tokens,
         "pseudo_grad_compression_vs_fp32": fp32 / sent if sent else None,
     }
 
 
-def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | None]:
+def busy_summary(peers: Peers) -> dict[str, float | None]:
     """Per stage server (by name): the median of its recent busy fraction over the records logged while it served
     (its backward count rose since the previous one), so its wait for the first trainer and its idle tail
     after the last are left out. None for a server that never served."""
     busy: dict[str, float | None] = {}
     for name, records in peers.items():
-        stage = [r for r in records if r.get("role") == "stage" and "busy_fraction" in r]
+        stage = [r for r in of_kind(records, Progress) if r.role == "stage" and "busy_fraction" in r]
         if not stage:
             continue
         serving = [
@@ -101,12 +97,12 @@ def busy_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | No
     return busy
 
 
-def recompute_summary(peers: dict[str, list[dict[str, Any]]]) -> dict[str, float | None]:
+def recompute_summary(peers: Peers) -> dict[str, float | None]:
     """Over every stage server's backwards: the share differentiated at a stashed copy of the weights their forward ran
     on (inner steps moved them in between), the share recomputed on moved weights (older than the stash keeps), and
     the inner steps between, on average over all."""
     last = [
-        next((r for r in reversed(records) if r.get("role") == "stage" and "backward" in r), {})
+        next((r.fields for r in reversed(of_kind(records, Progress)) if r.role == "stage" and "backward" in r), {})
         for records in peers.values()
     ]
     backward = sum(r.get("backward", 0) for r in last)
@@ -127,7 +123,7 @@ def window_args(window: int | None, max_staleness: int | None = None) -> list[st
     ]
 
 
-def window_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
+def window_summary(progress: list[Progress]) -> dict[str, Any]:
     """The trainers' microbatch window over their progress records: its mean size, the mean staleness of the
     microbatches that landed."""
     windows = [r["window"] for r in progress if r.get("window") is not None]
@@ -138,16 +134,16 @@ def window_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def join_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+def join_summary(records: list[Event]) -> dict[str, Any]:
     """How a late joiner got in: its role, the round it started from, and the time from its start to its first served request."""
-    spawned = next(r["time"] for r in records if r.get("event") == "spawned")
-    serving = next((r for r in records if r.get("event") == "serving"), None)
-    served = next((r["first_served_at"] for r in records if r.get("first_served_at")), None)
+    spawned = of_kind(records, Spawned)[0].time
+    serving = next(iter(of_kind(records, Serving)), None)
+    served = next((r["first_served_at"] for r in of_kind(records, Progress) if r.get("first_served_at")), None)
     return {
         "join_role": "stage" if serving else "trainer",
-        "join_stage": serving and serving["stage"],
-        "join_round": serving and serving["outer_round"],
-        "join_ready_s": serving and serving["time"] - spawned,
+        "join_stage": serving and serving.stage,
+        "join_round": serving and serving.outer_round,
+        "join_ready_s": serving and serving.time - spawned,
         "join_s": served and served - spawned,
     }
 
@@ -172,11 +168,14 @@ def run_swarm(
     return swarm_summary(peers, layout) | {"wall_s": wall_s} | (join_summary(peers[joiners[0]]) if joiners else {})
 
 
-def swarm_summary(peers: dict[str, list[dict[str, Any]]], layout: LocalSwarm) -> dict[str, Any]:
+def swarm_summary(peers: Peers, layout: LocalSwarm) -> dict[str, Any]:
     """A finished swarm's loss, throughput and traffic from its peers' records. Every replica that trains (trainers,
     then full peers) counts for tokens; the pipeline's counters are the trainers' (a full peer sends no activations)."""
     names = [f"trainer-{i}" for i in range(layout.trainers)] + [f"full-{i}" for i in range(layout.full)]
-    last = {name: next(r for r in reversed(peers[name]) if r.get("role") in ("trainer", "full")) for name in names}
+    last = {
+        name: next(r for r in reversed(of_kind(peers[name], Progress)) if r.role in ("trainer", "full"))
+        for name in names
+    }
     replicas, trainers = list(last.values()), [last[name] for name in names[: layout.trainers]]
     tokens = sum(r["tokens"] for r in replicas)
     training = ("activations", "gradients")  # validation traffic is counted apart ("eval"), not per training token
@@ -191,7 +190,7 @@ def swarm_summary(peers: dict[str, list[dict[str, Any]]], layout: LocalSwarm) ->
         "fp32_bytes_per_token": {kind: fp32[kind] / tokens for kind in training}
         | {"total": sum(fp32.values()) / tokens},
         "failed_hops": sum(
-            t["hop_failures"] + t["hop_timeouts"] + sum(v for k, v in t.items() if k.startswith("hop_refused_"))
+            t["hop_failures"] + t["hop_timeouts"] + sum(v for k, v in t.fields.items() if k.startswith("hop_refused_"))
             for t in trainers
         ),
         "skipped_hops": sum(t["skipped_hops"] for t in trainers),
@@ -202,7 +201,7 @@ def swarm_summary(peers: dict[str, list[dict[str, Any]]], layout: LocalSwarm) ->
         "busy_fraction": busy_summary(peers),  # per stage server: median while serving
         **recompute_summary(peers),
         **window_summary(
-            [r for i in range(layout.trainers) for r in peers[f"trainer-{i}"] if r.get("role") == "trainer"]
+            [r for i in range(layout.trainers) for r in of_kind(peers[f"trainer-{i}"], Progress) if r.role == "trainer"]
         ),
     }
 

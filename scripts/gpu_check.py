@@ -50,6 +50,7 @@ from bench_swarm import read_peers, swarm_summary  # noqa: E402
 
 from peer.launch import LocalSwarm  # noqa: E402
 from swarm.config import ConfigValue, SwarmConfig, load_config, parse_overrides  # noqa: E402
+from swarm.events import Progress, of_kind  # noqa: E402
 from swarm.model.sizing import StageFootprint, model_parameters  # noqa: E402
 
 # bf16 dense tensor-core peaks, TFLOP/s, by a substring of the device's name (first match)
@@ -332,16 +333,19 @@ def swarm_result(out: Path, layout: LocalSwarm) -> dict[str, Any]:
     peers = {name: records for name, records in read_peers(out).items() if records}
     trainers = [f"trainer-{i}" for i in range(layout.trainers)]
     progress = {
-        name: [r for r in peers.get(name, []) if r.get("role") == "trainer" and r.get("train_loss") is not None]
+        name: [
+            r for r in of_kind(peers.get(name, []), Progress) if r.role == "trainer" and r.get("train_loss") is not None
+        ]
         for name in trainers
     }
+    stamps = {name: [r.stamp for r in records if r.stamp] for name, records in peers.items()}
     result: dict[str, Any] = {
         "peak_gpu_mb_per_peer": {
-            name: max((r["peak_gpu_mb"] for r in records if "peak_gpu_mb" in r), default=None)
-            for name, records in peers.items()
+            name: max((s.peak_gpu_mb for s in peer if s.peak_gpu_mb is not None), default=None)
+            for name, peer in stamps.items()
         },
         "peak_rss_mb_per_peer": {
-            name: max((r.get("peak_rss_mb", 0.0) for r in records), default=None) for name, records in peers.items()
+            name: max((s.peak_rss_mb or 0.0 for s in peer), default=None) for name, peer in stamps.items()
         },
     }
     gpu = [v for v in result["peak_gpu_mb_per_peer"].values() if v is not None]

@@ -65,6 +65,13 @@ class Event:
     def stamped(self: E, stamp: Stamp) -> E:
         return dataclasses.replace(self, stamp=stamp)
 
+    @property
+    def time(self) -> float:
+        """When it was logged: its stamp's time (an event read back from a peer's JSONL file has one)."""
+        if self.stamp is None:
+            raise ValueError(f"an unstamped {type(self).__name__} has no time")
+        return self.stamp.time
+
     def to_record(self) -> dict[str, Any]:
         """The JSONL record: the stamp's time and peer, ``"event"``, the fields, the stamp's memory peaks."""
         record: dict[str, Any] = _stamp_head(self.stamp)

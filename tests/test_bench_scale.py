@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench_scale import JOINER, TRAINER, bench_config, declared_steps, parse_steps, swarm_summary
+from swarm.events import Event, Metrics, OuterDeclared, OuterRound, Serving, Spawned, Stamp, StateDownload
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_scale.py"
 
@@ -32,8 +33,28 @@ def test_steps_per_preset_and_declared_rounds() -> None:
     assert declared_steps(cfg, 5) == [1, 2, 3, 5, 7]  # every step in the warm start, then every H
 
 
-def record(t: float, peer: str, **fields: object) -> dict:
-    return {"time": t, "peer": peer, **fields, "peak_rss_mb": 500.0}
+def record(t: float, peer: str, event: Event) -> Event:
+    return event.stamped(Stamp(time=t, peer=peer, peak_rss_mb=500.0))
+
+
+def done(stage: int, round: int, *, contributors: int, round_s: float, received_bytes: int) -> OuterRound:
+    members = tuple(f"peer{i}" for i in range(contributors))
+    return OuterRound(
+        stage=stage,
+        round=round,
+        outcome="done",
+        reason=None,
+        group=contributors,
+        contributors=contributors,
+        contributor_ids=members,
+        leader=members[0],
+        outer_round=round + 1,
+        global_hash="beef",
+        round_s=round_s,
+        received_bytes=received_bytes,
+        dropped=(),
+        clipped=(),
+    )
 
 
 def test_swarm_summary_reads_steps_bytes_rounds_and_the_download(tmp_path: Path) -> None:
@@ -48,49 +69,19 @@ def test_swarm_summary_reads_steps_bytes_rounds_and_the_download(tmp_path: Path)
         "bytes_received": {"activations": 2000, "gradients": 5000},
     }
     trainer = [
-        record(0.0, TRAINER, event="spawned"),
-        *(record(t, TRAINER, event="outer_declared", stage=0, round=r) for r, t in enumerate([10.0, 14.0, 20.0])),
-        record(21.0, TRAINER, event="metrics", metrics=metrics),
+        record(0.0, TRAINER, Spawned()),
+        *(record(t, TRAINER, OuterDeclared(stage=0, round=r, opened_at=t)) for r, t in enumerate([10.0, 14.0, 20.0])),
+        record(21.0, TRAINER, Metrics(metrics=metrics)),
     ]
     rounds = [
-        record(
-            15.0,
-            "stage1-0",
-            event="outer_round",
-            stage=1,
-            round=3,
-            outcome="done",
-            contributors=2,
-            round_s=1.0,
-            received_bytes=300,
-        ),
-        record(
-            15.0,
-            JOINER,
-            event="outer_round",
-            stage=1,
-            round=3,
-            outcome="done",
-            contributors=2,
-            round_s=3.0,
-            received_bytes=100,
-        ),
-        record(
-            9.0,
-            "stage2-0",
-            event="outer_round",
-            stage=2,
-            round=0,
-            outcome="done",
-            contributors=1,
-            round_s=0.1,
-            received_bytes=0,
-        ),
+        record(15.0, "stage1-0", done(1, 3, contributors=2, round_s=1.0, received_bytes=300)),
+        record(15.0, JOINER, done(1, 3, contributors=2, round_s=3.0, received_bytes=100)),
+        record(9.0, "stage2-0", done(2, 0, contributors=1, round_s=0.1, received_bytes=0)),
     ]
     joiner = [
-        record(11.0, JOINER, event="spawned"),
-        record(12.5, JOINER, event="state_download", stage=1, reason="join", outer_round=2, download_s=0.5),
-        record(13.0, JOINER, event="serving", stage=1, outer_round=2),
+        record(11.0, JOINER, Spawned()),
+        record(12.5, JOINER, StateDownload(stage=1, reason="join", outer_round=2, download_s=0.5)),
+        record(13.0, JOINER, Serving(stage=1, outer_round=2, global_hash="beef")),
     ]
     (tmp_path / "stage1-0.log").write_text("2026 WARNING [stage1-0] swarm: something\nfine\n")
     peers = {TRAINER: trainer, "stage1-0": rounds[:1], JOINER: joiner + rounds[1:2], "stage2-0": rounds[2:]}

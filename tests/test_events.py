@@ -211,7 +211,9 @@ def test_spawned_is_the_launchers_line() -> None:
 def test_a_record_without_event_is_progress() -> None:
     event = parse_event({"time": 1.0, "peer": "s-1", "role": "stage", "stage": 1, "peak_rss_mb": 10.0})
     assert isinstance(event, Progress) and event.role == "stage" and event["stage"] == 1 and event.get("queue") is None
-    assert event.stamp == Stamp(time=1.0, peer="s-1", peak_rss_mb=10.0)
+    assert event.stamp == Stamp(time=1.0, peer="s-1", peak_rss_mb=10.0) and event.time == 1.0
+    with pytest.raises(ValueError, match="unstamped Progress"):
+        _ = Progress(fields={"role": "stage"}).time
 
 
 def test_metrics_read_back_as_the_record() -> None:

@@ -32,6 +32,7 @@ from swarm.config import SwarmConfig, TimeoutConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.errors import ConfigError
+from swarm.events import Event, OuterRound, Progress, Spawned, Stamp
 from swarm.full import FullModel
 from swarm.node import DataFactory, choose_role, stage_loads
 from swarm.peer_config import PeerConfig
@@ -356,11 +357,26 @@ def test_a_replica_trains_once_enough_replicas_are_listed_or_after_the_timeout(
     assert lonely.looks >= 2 and "1 of 2 replicas of stage 0 listed" in caplog.text  # it gave up, and said so
 
 
-def progress(name: str, role: str, **fields: object) -> list[dict[str, object]]:
+def progress(name: str, role: str, **fields: object) -> list[Event]:
     """A peer's records as bench_swarm reads them: spawned, one done round, the last progress record."""
-    done = {"event": "outer_round", "stage": 0, "outcome": "done", "outer_round": 1, "round_s": 0.5, "contributors": 2}
+    done = OuterRound(
+        stage=0,
+        round=0,
+        outcome="done",
+        reason=None,
+        group=2,
+        contributors=2,
+        contributor_ids=("a", "b"),
+        leader="a",
+        outer_round=1,
+        global_hash="beef",
+        round_s=0.5,
+        received_bytes=0,
+        dropped=(),
+        clipped=(),
+    )
     last = {"role": role, "tokens": 1000, "tokens_per_s": 100.0, "val_loss": 2.0 if role == "full" else 3.0}
-    return [{"event": "spawned", "peer": name}, done, last | fields]
+    return [Spawned(stamp=Stamp(time=0.0, peer=name)), done, Progress(fields=last | fields)]
 
 
 def test_bench_swarm_summarises_a_swarm_with_full_peers_or_only_full_peers() -> None:

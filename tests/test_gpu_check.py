@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+from swarm.events import OuterRound, of_kind, read_events
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
@@ -53,10 +55,10 @@ def test_cpu_mode_runs_every_step_and_prints_one_table(tmp_path: Path, child_pro
     stage0 = [
         record
         for name in ("trainer-0", "trainer-1")
-        for record in map(json.loads, (tmp_path / "swarm" / f"{name}.jsonl").read_text().splitlines())
-        if record.get("event") == "outer_round" and record.get("outcome") == "done"
+        for record in of_kind(read_events(tmp_path / "swarm" / f"{name}.jsonl"), OuterRound)
+        if record.outcome == "done"
     ]
-    assert any(record["contributors"] == 2 for record in stage0), stage0
+    assert any(record.contributors == 2 for record in stage0), stage0
     # one table, printed and in the JSON: a header and a row per step
     table = report["table"]
     assert len(table) == 4 and table[0].split()[:3] == ["step", "tok/s", "MFU"]
