@@ -36,6 +36,7 @@ from swarm_harness import DATA, tiny_config  # noqa: E402
 
 from peer.launch import spawn_peer, stop_processes, wait_for_address  # noqa: E402
 from swarm.config import save_config  # noqa: E402
+from swarm.events import Event, Metrics, Progress, of_kind, read_events  # noqa: E402
 from swarm.pipeline.trainer import TrainerOptions  # noqa: E402
 
 STEPS = 1_000_000  # trainers train until stopped
@@ -76,28 +77,24 @@ def alive(pid: int) -> bool:
     return proc_stat(pid) is not None
 
 
-def last_progress(out: Path, name: str) -> dict[str, Any] | None:
-    progress = [r for r in records(out, name) if r.get("role") == "trainer"]
+def last_progress(out: Path, name: str) -> Progress | None:
+    progress = [r for r in of_kind(records(out, name), Progress) if r.role == "trainer"]
     return progress[-1] if progress else None
 
 
-def records(out: Path, name: str) -> list[dict[str, Any]]:
-    path = out / f"{name}.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last line may be half written
-    return list(map(json.loads, lines))
+def records(out: Path, name: str) -> list[Event]:
+    return read_events(out / f"{name}.jsonl")
 
 
-def last_stage_record(out: Path, name: str) -> dict[str, Any] | None:
-    stage = [r for r in records(out, name) if r.get("role") == "stage"]
+def last_stage_record(out: Path, name: str) -> Progress | None:
+    stage = [r for r in of_kind(records(out, name), Progress) if r.role == "stage"]
     return stage[-1] if stage else None
 
 
 def dht_stores(out: Path, name: str) -> list[tuple[float, int]]:
     """(time, DHT stores since the peer started) from each of its records that carries its metrics."""
     return [
-        (r["time"], r["metrics"]["dht_stores"])
-        for r in records(out, name)
-        if isinstance(r.get("metrics"), dict) and "dht_stores" in r["metrics"]
+        (r.time, r.metrics["dht_stores"]) for r in of_kind(records(out, name), Metrics) if "dht_stores" in r.metrics
     ]
 
 
@@ -126,7 +123,7 @@ def dht_store_rates(out: Path, spawned: dict[str, float], window: tuple[float, f
 
 def role_of(out: Path, name: str) -> str:
     """The role a peer took (``auto`` peers decide after joining): that of its last record, "joining" before any."""
-    roles = [r["role"] for r in records(out, name) if "role" in r]
+    roles = [r.role for r in of_kind(records(out, name), Progress)]
     return roles[-1] if roles else "joining"
 
 
@@ -258,11 +255,11 @@ class Churn:
                     "dht_stores_per_s": stores["per_peer_per_s"].get(name),
                 }
             )
-        servers = [r for name in self.procs if (r := last_stage_record(self.out, name))]
+        servers = {name: r for name in self.procs if (r := last_stage_record(self.out, name))}
         return {
-            "outer_strikes": sum(r.get("outer_strikes", 0) for r in servers),
-            "outer_bans": sum(r.get("outer_bans", 0) for r in servers),
-            "outer_done": {r["peer"]: r.get("outer_done", 0) for r in servers},
+            "outer_strikes": sum(r.get("outer_strikes", 0) for r in servers.values()),
+            "outer_bans": sum(r.get("outer_bans", 0) for r in servers.values()),
+            "outer_done": {name: r.get("outer_done", 0) for name, r in servers.items()},
             "peers": self.args.peers,
             "duration_s": self.args.duration,
             "kill_every_s": self.args.kill_every,

@@ -40,6 +40,7 @@ from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
+from swarm.events import Event, Progress, Recovered, Rollback, of_kind, read_events
 from swarm.faults import FaultInjector, FaultSchedule
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import ModelConfig
@@ -72,11 +73,12 @@ def bench_config(steps: int, outer_every: int) -> SwarmConfig:
     )
 
 
-def records(out: Path, name: str) -> list[dict[str, Any]]:
-    path = out / f"{name}.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
-    )  # the last line may be half written
+def records(out: Path, name: str) -> list[Event]:
+    return read_events(out / f"{name}.jsonl")
+
+
+def progress(out: Path, name: str, role: str) -> list[Progress]:
+    return [r for r in of_kind(records(out, name), Progress) if r.role == role]
 
 
 def run_scenario(scenario: str, cfg: SwarmConfig, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -123,7 +125,7 @@ def run_scenario(scenario: str, cfg: SwarmConfig, args: argparse.Namespace, out:
         )  # the whole peer
         killed_at = None
         while procs["trainer-0"].poll() is None:
-            steps = [r["inner_steps"] for r in records(out, VICTIM) if r.get("role") == "stage" and "inner_steps" in r]
+            steps = [r["inner_steps"] for r in progress(out, VICTIM, "stage") if "inner_steps" in r]
             if injector.poll({VICTIM: steps[-1]} if steps else {}):
                 killed_at = time.time()
                 print(f"  {scenario}: killed {VICTIM} at its step {steps[-1]}", flush=True)
@@ -144,20 +146,20 @@ def run_scenario(scenario: str, cfg: SwarmConfig, args: argparse.Namespace, out:
 
 
 def summarise(scenario: str, out: Path, killed_at: float | None) -> dict[str, Any]:
-    progress = [r for r in records(out, "trainer-0") if r.get("role") == "trainer"]
-    started = progress[0]["time"] - progress[0]["elapsed_s"]  # training start, after every stage had a server
+    trained = progress(out, "trainer-0", "trainer")
+    started = trained[0].time - trained[0]["elapsed_s"]  # training start, after every stage had a server
     evals = [
-        {"step": r["step"], "tokens": r["tokens"], "t_s": r["time"] - started, "val_loss": r["val_loss"]}
-        for r in progress
+        {"step": r["step"], "tokens": r["tokens"], "t_s": r.time - started, "val_loss": r["val_loss"]}
+        for r in trained
         if "val_loss" in r
     ]
-    last = progress[-1]
+    last = trained[-1]
     result: dict[str, Any] = {
         "scenario": scenario,
         "val_loss": last["val_loss"],
         "tokens": last["tokens"],
         "steps": last["step"],
-        "wall_s": last["time"] - started,
+        "wall_s": last.time - started,
         "failed": last["failed"],
         "skipped_hops": last["skipped_hops"],
         "evals": evals,
@@ -169,12 +171,16 @@ def summarise(scenario: str, out: Path, killed_at: float | None) -> dict[str, An
             "spare",
             "stage2-b",
         ):  # whoever rebuilt stage 2 (CheckFree) or rolled it back (restart)
-            if events := [r for r in records(out, peer) if r.get("event") in ("recovered", "rollback")]:
+            if events := [r for r in records(out, peer) if isinstance(r, (Recovered, Rollback))]:
                 served = [
-                    r["first_served_at"] for r in records(out, peer) if r.get("stage") == 2 and r.get("first_served_at")
+                    r["first_served_at"]
+                    for r in of_kind(records(out, peer), Progress)
+                    if r.get("stage") == 2 and r.get("first_served_at")
                 ]
                 result.update(
-                    recovered_by=peer, recovery=events[0], recovery_s=served[0] - killed_at if served else None
+                    recovered_by=peer,
+                    recovery=events[0].to_record(),
+                    recovery_s=served[0] - killed_at if served else None,
                 )
     return result
 
