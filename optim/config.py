@@ -14,6 +14,28 @@ from compress.errors import ConfigError
 
 OuterMethod = Literal["none", "diloco", "sparseloco", "noloco"]  # none: replicas never sync
 OUTER_METHODS: tuple[OuterMethod, ...] = get_args(OuterMethod)
+# SparseLoCo sends its own codec (top-k with error feedback), and no other method can send it
+OWN_PSEUDO_GRADIENT_CODEC: dict[OuterMethod, str] = {"sparseloco": "sparseloco"}
+
+
+def pseudo_gradient_codec_problem(method: OuterMethod, codec: str) -> str | None:
+    """Why outer method ``method`` cannot send pseudo-gradients with ``codec``; None if it can (method "none" sends none).
+
+    >>> pseudo_gradient_codec_problem("diloco", "sparseloco")  # "'sparseloco' does not fit outer.method='diloco'"
+    """
+    if method == "none" or (codec == "sparseloco") == (method == "sparseloco"):
+        return None
+    return f"{codec!r} does not fit outer.method={method!r}"
+
+
+def fitting_pseudo_gradient_codec(method: OuterMethod, codec: str) -> str:
+    """The codec ``method`` sends where ``codec`` was asked for: SparseLoCo's own, or "fp32" for another method that was
+    given SparseLoCo's; else ``codec`` itself."""
+    if method in OWN_PSEUDO_GRADIENT_CODEC:
+        return OWN_PSEUDO_GRADIENT_CODEC[method]
+    if method != "none" and codec in OWN_PSEUDO_GRADIENT_CODEC.values():
+        return "fp32"
+    return codec
 
 
 def _check_unit_interval(section: object, name: str, *, closed: bool) -> None:

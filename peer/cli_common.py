@@ -40,7 +40,7 @@ DataOpt = Annotated[
     typer.Option(
         "--data",
         help="Text files, directories or globs (.txt .md .py .rst .jsonl), parquet or arrow tables and `datasets` "
-        "save_to_disk folders (a 'text' column; needs swarmloco[data]); repeatable. Default: this Python's "
+        "save_to_disk folders (a 'text' column; needs swarmloco\\[data]); repeatable. Default: this Python's "
         "standard-library sources.",
     ),
 ]

@@ -1,9 +1,8 @@
-"""Command-line options that set swarm-config fields, declared once each as (flags, dotted field) and typed from the tree.
+"""Command-line options that set config fields, each typed from its config tree (``SwarmConfig`` or ``PeerConfig``).
 
-A command lists its ``ConfigOption``s in ``@config_options(...)`` and takes ``overrides``: the
-decorator puts one typer option per entry where ``overrides`` stands in the signature, its type
-(and so its choices, for ``Literal`` fields) read from the config dataclasses, and hands the
-command ``{dotted field: value}`` for the options given, ready for ``swarm.config.derive_config``.
+A command lists its ``ConfigOption``s in ``@config_options(...)`` and takes ``overrides``: the decorator puts one typer
+option per entry there, typed (and so its choices, for ``Literal`` fields) from the dataclasses, and hands the command
+``{dotted field: value}`` for the options given. ``field_options(PeerConfig)`` makes one per field with ``cli`` metadata.
 
     @app.command("simulate")
     @config_options(ConfigOption(field="codecs.activations", flags=("--act-codec",), help="Activation codec."))
@@ -53,6 +52,8 @@ class ConfigOption:
     flags: tuple[str, ...]
     help: str
     default: ConfigValue | None = None  # None: the config's own value
+    root: type = SwarmConfig  # the config tree ``field`` is a path in
+    kind: object = None  # the option's type where the command line gives text the config parses (None: the field's)
     limits: Mapping[str, float] = dataclasses.field(default_factory=dict)  # typer's min / max, checked while parsing
 
     @property
@@ -62,31 +63,57 @@ class ConfigOption:
         return long[2:].replace("-", "_").replace(".", "_")
 
     def annotation(self) -> object:
-        kind = field_type(self.field)
+        kind = self.kind or field_type(self.field, self.root)
         return Annotated[
             kind if self.default is not None else kind | None, typer.Option(*self.flags, help=self.help, **self.limits)
         ]  # type: ignore[operator]
 
 
-def config_options(*options: ConfigOption) -> Callable[[F], F]:
-    """Decorator: the command gets one option per ``ConfigOption`` (in place of its ``overrides`` parameter) and receives them as ``overrides``."""
+def field_options(root: type, *, section: type | None = None, prefix: str = "") -> tuple[ConfigOption, ...]:
+    """One option per field of ``root`` (and of its nested dataclasses) that has ``cli`` metadata (``swarm.config.cli``),
+    its default the field's plain default (a factory's: None, the config's own)."""
+    section = section or root
+    options: list[ConfigOption] = []
+    for f in dataclasses.fields(section):
+        path, kind = prefix + f.name, typing.get_type_hints(section)[f.name]
+        if (spec := f.metadata.get("cli")) is None:
+            if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+                options += field_options(root, section=kind, prefix=f"{path}.")
+            continue
+        options.append(
+            ConfigOption(
+                field=path,
+                flags=(spec["flag"] or "--" + f.name.replace("_", "-"),),
+                help=spec["help"],
+                default=f.default if isinstance(f.default, str | int | float | bool) else None,
+                limits=spec["limits"],
+                root=root,
+                kind=(str | None) if spec["as_text"] else None,
+            )
+        )
+    return tuple(options)
+
+
+def config_options(*options: ConfigOption, into: str = OVERRIDES_PARAM) -> Callable[[F], F]:
+    """Decorator: the command gets one option per ``ConfigOption`` in place of its parameter ``into`` (default
+    ``overrides``), which receives ``{dotted field: value}`` of the options given."""
 
     def decorate(command: F) -> F:
         signature = inspect.signature(command)
-        if OVERRIDES_PARAM not in signature.parameters:
-            raise TypeError(f"{command.__name__} needs an {OVERRIDES_PARAM!r} parameter to receive its config options")
+        if into not in signature.parameters:
+            raise TypeError(f"{command.__name__} needs an {into!r} parameter to receive its config options")
         added = [
             inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation())
             for o in options
         ]
         params: list[inspect.Parameter] = []
         for p in signature.parameters.values():  # typer passes every option by keyword
-            params += added if p.name == OVERRIDES_PARAM else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
+            params += added if p.name == into else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
 
         @functools.wraps(command)
         def wrapper(**kwargs: object) -> object:
             overrides = {o.field: value for o in options if (value := kwargs.pop(o.param)) is not None}
-            return command(**kwargs, **{OVERRIDES_PARAM: overrides})
+            return command(**kwargs, **{into: overrides})
 
         wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
         wrapper.__annotations__ = {p.name: p.annotation for p in params}

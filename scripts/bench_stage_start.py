@@ -44,21 +44,26 @@ SIZES: dict[str, dict[str, Any]] = {
 # (label, module, attribute): the start path's functions, timed where they are looked up (a module's own name); the
 # script runs on the code before issue 33's changes too (PYTHONPATH=<an export of it>), for the before/after table
 PHASES: list[tuple[str, str, str]] = [
-    ("join: DHT start", "swarm.node", "start_dht"),
+    ("join: DHT start", "swarm.node", "start_dht"),  # before the node package (issue 35)
+    ("join: DHT start", "swarm.node.node", "start_dht"),
     ("join: swarm config", "swarm.dht.membership", "Membership.join"),
     ("state lookup (records, download)", "swarm.roles", "StageRole._initial_state"),
+    ("state lookup (records, download)", "swarm.node.roles.stage_server", "StageRole._initial_state"),
     ("download: stage template", "swarm.outer.service", "stage_template"),  # before: the seeded stage, drawn
-    ("download: stage template", "swarm.outer.service", "stage_shapes"),  # now: meta shapes and the seeded norms
-    ("download: stage template", "swarm.outer.service", "seeded_norms"),
+    ("download: stage template", "swarm.outer.download", "stage_shapes"),  # now: meta shapes and the seeded norms
+    ("download: stage template", "swarm.outer.download", "seeded_norms"),
     ("stage init (build_stage)", "swarm.pipeline.server", "build_stage"),
     ("inner optimizer (AdamW)", "swarm.pipeline.server", "InnerStep"),
     ("outer state (global copy)", "swarm.outer.replica", "build_outer_optimizer"),
     ("weights hash", "swarm.outer.replica", "weights_hash"),
-    ("weights hash", "swarm.outer.transfer", "weights_hash"),
+    ("weights hash", "swarm.outer.state", "weights_hash"),
     ("weights hash", "swarm.served_stage", "weights_hash"),
+    ("weights hash", "swarm.node.roles.served", "weights_hash"),
     ("adopt downloaded state", "swarm.outer.replica", "ReplicaSync.adopt"),
     ("server and sync (rest)", "swarm.served_stage", "ServedStage.__init__"),
     ("serve: handlers, records", "swarm.served_stage", "ServedStage.start"),
+    ("server and sync (rest)", "swarm.node.roles.served", "ServedStage.__init__"),
+    ("serve: handlers, records", "swarm.node.roles.served", "ServedStage.start"),
 ]
 READY = "of swarm ready"
 
@@ -115,7 +120,10 @@ class Phases:
         import importlib
 
         for label, module_name, path in PHASES:
-            owner: Any = importlib.import_module(module_name)
+            try:
+                owner: Any = importlib.import_module(module_name)
+            except ModuleNotFoundError:  # a module of another version of the start path
+                continue
             *outer, attr = path.split(".")
             for name in outer:
                 owner = getattr(owner, name)
@@ -131,7 +139,7 @@ def one_start(size: str, *, join: list[str], threads: int, ignore_fit: bool, pro
     from swarm import node as node_module
     from swarm.config import SwarmConfig, derive_config, save_config
     from swarm.model.sizing import StageFootprint
-    from swarm.peer_config import PeerConfig
+    from swarm.node.config import PeerConfig
 
     imported = time.perf_counter()
     phases = Phases()

@@ -39,14 +39,32 @@ from typing import Any, Literal, get_args
 import tomli_w
 
 from compress.config import CodecConfig, check_choices, check_positive, choice_problem
-from optim.config import InnerOptimConfig, OuterMethod, OuterOptimConfig
+from optim.config import (
+    InnerOptimConfig,
+    OuterMethod,
+    OuterOptimConfig,
+    fitting_pseudo_gradient_codec,
+    pseudo_gradient_codec_problem,
+)
 from swarm.errors import ConfigError
 from swarm.hardware import Precision
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import PRESET_INNER, PRESETS, ModelConfig
-from swarm.pipeline.routing import PathConfig
 
 ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
+
+
+def cli(help: str, *, flag: str | None = None, min: float | None = None, as_text: bool = False) -> dict[str, object]:
+    """A config field's command-line option, as the field's metadata: its ``--help`` text, its flag (default
+    ``--field-name``), the least value typer accepts, and ``as_text`` for a field the command line gives as text that
+    the config parses (``peer/config_options.py`` builds the options from these).
+
+        >>> steps: int = field(default=100, metadata=cli("Trainers: inner steps of stage 0 to run.", min=1))
+    """
+    limits = {} if min is None else {"min": min}
+    return {"cli": {"help": help, "flag": flag, "limits": limits, "as_text": as_text}}
+
+
 OuterChoice = Literal[
     "ddp", OuterMethod
 ]  # ddp: no outer step (method "none"); the simulator all-reduces fp32 gradients every step
@@ -54,6 +72,28 @@ OUTER_CHOICES: tuple[OuterChoice, ...] = get_args(OuterChoice)
 SUBSPACE_RANK_DIVISOR = 8  # a subspace codec chosen without a rank gets k = d_model / 8
 AUTHORITY_KEY_BYTES = 32  # an Ed25519 public key, in base64 in authority.pub and the config
 # fields added after swarms were running: at these values they are left out of the hash, so those swarms keep their ids
+
+
+@dataclass(kw_only=True)
+class PathConfig:
+    """SkipPipe-style paths: visit round((1 − skip_ratio)·S) stages, with up to ``max_swaps`` adjacent swaps.
+
+    Each of the ``max_swaps`` swap slots is used with probability ``swap_prob`` and then swaps a
+    uniformly chosen free adjacent pair. With no skips that makes the swaps (1,2) and (S−1,S) that
+    CheckFree+ relies on happen in a fraction ≈ max_swaps·swap_prob/(S−1) of microbatches each.
+    """
+
+    skip_ratio: float = 0.0  # r: a path leaves out this fraction of the middle stages
+    max_swaps: int = 0  # swap slots per path: adjacent stages it may visit in swapped order
+    swap_prob: float = 0.5  # the chance that each swap slot is used
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.skip_ratio < 1.0:
+            raise ConfigError("skip_ratio", f"must be in [0, 1), got {self.skip_ratio}")
+        if self.max_swaps < 0:
+            raise ConfigError("max_swaps", f"must be non-negative, got {self.max_swaps}")
+        if not 0.0 <= self.swap_prob <= 1.0:
+            raise ConfigError("swap_prob", f"must be in [0, 1], got {self.swap_prob}")
 
 
 @dataclass(kw_only=True)
@@ -158,13 +198,8 @@ class SwarmConfig:
             raise ConfigError(
                 "codecs.activations", "subspace codecs need a subspace-constrained model (set model.subspace_rank)"
             )
-        if (self.codecs.pseudo_gradients == "sparseloco") != (
-            self.outer.method == "sparseloco"
-        ) and self.outer.method != "none":
-            raise ConfigError(
-                "codecs.pseudo_gradients",
-                f"{self.codecs.pseudo_gradients!r} does not fit outer.method={self.outer.method!r}",
-            )
+        if (problem := pseudo_gradient_codec_problem(self.outer.method, self.codecs.pseudo_gradients)) is not None:
+            raise ConfigError("codecs.pseudo_gradients", problem)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -284,10 +319,8 @@ def parse_overrides(pairs: Iterable[str]) -> dict[str, ConfigValue]:
 
 def _fit_codecs(codecs: CodecConfig, model: ModelConfig, method: OuterMethod) -> tuple[CodecConfig, ModelConfig]:
     """The pseudo-gradient codec the outer method can send, and a subspace model wherever a subspace codec is chosen."""
-    if method == "sparseloco":
-        codecs = dataclasses.replace(codecs, pseudo_gradients="sparseloco")
-    elif method in ("diloco", "noloco") and codecs.pseudo_gradients == "sparseloco":
-        codecs = dataclasses.replace(codecs, pseudo_gradients="fp32")
+    pseudo_gradients = fitting_pseudo_gradient_codec(method, codecs.pseudo_gradients)
+    codecs = dataclasses.replace(codecs, pseudo_gradients=pseudo_gradients)
     if codecs.uses_subspace and not model.subspace_rank:
         model = dataclasses.replace(model, subspace_rank=model.d_model // SUBSPACE_RANK_DIVISOR)
     return codecs, model

@@ -9,6 +9,7 @@ $ swarmloco local --peers 3 --stages 2 --steps 100
 
 import asyncio
 import json
+import typing
 from pathlib import Path
 from typing import Annotated
 
@@ -27,11 +28,10 @@ from peer.cli_common import (
     user_errors,
     watched_swarm,
 )
+from peer.config_options import ConfigOverrides, config_options, field_options
 from peer.export import ExportFormat
 from swarm.config import SwarmConfig, sets_field
-from swarm.dht.reachability import ReachabilityMode
-from swarm.peer_config import Role
-from swarm.pipeline.trainer import TrainerOptions
+from swarm.node.config import PeerConfig
 
 CredentialsOpt = Annotated[
     Path | None,
@@ -65,137 +65,22 @@ RevocationsOpt = Annotated[
 
 @app.command("run")
 @user_errors
+@config_options(*field_options(PeerConfig), into="options")
 def run_cmd(
-    role: Annotated[
-        Role,
-        typer.Option(
-            help="auto (what the swarm needs most: a server of an unserved stage, else a trainer if there is none, "
-            "else full if the whole model fits and every stage has two idle servers, else a server of the bottleneck "
-            "stage), trainer (stage 0: data, embedding, loss), stage (a server "
-            "of one middle stage) or full (the whole model trained on its own data, one more replica of every stage in "
-            "the outer rounds, sent no microbatches unless it gives --serve)."
-        ),
-    ] = "auto",
-    serve: Annotated[
-        bool,
-        typer.Option(
-            "--serve",
-            help="Full peers: also serve stages 1..S to trainers, on the weights it trains (routing then counts it as "
-            "a server of each); stage 0 stays the trainers' own.",
-        ),
-    ] = False,
-    stage: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Stage servers: the stage to serve, pinned there unless --rebalance-period is given (default: the one with fewest replicas).",
-        ),
-    ] = None,
-    initial_peers: Annotated[
-        list[str] | None,
-        typer.Option("--initial-peers", help="Multiaddr of a peer in the swarm; repeatable. None: create a new swarm."),
-    ] = None,
     config: ConfigOpt = None,
-    data: DataOpt = None,
-    tokenizer: TokenizerOpt = None,
-    data_shard: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="Trainers: the data shard to read, 0..data.shards-1 (default: derived from the peer id; two trainers "
-            "may then share one, with probability 1/data.shards).",
-        ),
-    ] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Trainers: inner steps of stage 0 to run.")] = 100,
-    host_maddrs: Annotated[
-        list[str] | None, typer.Option("--host-maddrs", help="Multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0).")
-    ] = None,
-    announce_maddrs: Annotated[
-        list[str] | None,
-        typer.Option("--announce-maddrs", help="Public multiaddrs to announce (behind NAT with a forwarded port)."),
-    ] = None,
-    reachability: Annotated[
-        ReachabilityMode,
-        typer.Option(
-            help="How others reach this peer. public: at its addresses (a full DHT node, and a relay for peers behind "
-            "NAT); relay: behind NAT, reached through a relay (the initial peers); client: behind NAT, a trainer that "
-            "only calls out (its outer-round payloads leave through a relay); auto: relay when it listens only on "
-            "private addresses, gives no --announce-maddrs and joins through peers on another network, else public.",
-        ),
-    ] = "auto",
-    identity: Annotated[
-        Path | None, typer.Option(help="libp2p key file for a stable peer id (created if missing).")
-    ] = None,
     credentials: CredentialsOpt = None,
     revocations: RevocationsOpt = None,
     swarm: Annotated[
         str, typer.Option(help="Name of the swarm whose config to fetch when --config is not given.")
     ] = SwarmConfig().name,
-    out: Annotated[Path | None, typer.Option(help="Append metrics to OUT/<name>.jsonl.")] = None,
-    name: Annotated[str | None, typer.Option(help="This peer's name in logs and metrics.")] = None,
-    seed: Annotated[int, typer.Option(help="Trainers: data stream offset (give each trainer its own).")] = 0,
-    threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default).")] = 0,
-    device: DeviceOpt = "auto",
-    rebalance_period_s: Annotated[
-        float | None,
-        typer.Option(
-            "--rebalance-period",
-            min=0.0,
-            help="Stage servers: seconds between rebalancing checks (± 20%); 0 never moves. Default: 30, or never for a server pinned with --stage.",
-        ),
-    ] = None,
-    stage_checkpoint: Annotated[
-        Path | None,
-        typer.Option(
-            help="Stage servers: a stage state file, loaded on start when the stage has no live replica (rollback instead of a rebuild from the neighbours). "
-            "Trainers: stage 0's weights are written there when training ends (what `swarmloco local` exports)."
-        ),
-    ] = None,
-    checkpoint_every: Annotated[
-        int, typer.Option(min=0, help="Stage servers: write --stage-checkpoint every N inner steps (0: never write).")
-    ] = 0,
-    eval_every: Annotated[
-        int, typer.Option(min=0, help="Trainers: validation pass every N inner steps (0: only at the end).")
-    ] = 0,
-    in_flight: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Trainers: the most microbatches in flight at once, across inner steps (the window's cap; the window "
-            "itself follows round trip × delivery rate); 1 is the synchronous pipeline.",
-        ),
-    ] = TrainerOptions().in_flight,
-    max_staleness: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            help="Trainers: inner steps a microbatch may land after its forward began; staler ones are not started, "
-            "or their gradients are dropped (counted). 0 keeps the window within an inner step (no staleness); "
-            "more lets it span steps: faster over slow links, at a quality cost (docs/benchmarks.md).",
-        ),
-    ] = TrainerOptions().max_staleness,
-    wait_for_replicas: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            help="Trainers and full peers: start training once this many replicas of stage 0 (trainers and full "
-            "peers, this one included) are listed, so replicas started together meet from their first round (at "
-            "most 120 s).",
-        ),
-    ] = 0,
-    faults: Annotated[
-        str | None,
-        typer.Option(help="Tests: PEER@step=N,… — the peer of that --name dies (SIGKILL) at its own inner step N."),
-    ] = None,
+    options: ConfigOverrides = None,
 ) -> None:
     """Start one peer of a swarm over the network; SIGINT/SIGTERM retire its DHT records and exit."""
-    # every option but the swarm-wide ones is a PeerConfig field (or a trainer option) of the same name
-    per_peer = {option: value for option, value in locals().items() if option not in ("config", "revocations", "swarm")}
     from peer.launch import run_peer
     from swarm.dht.membership import MembershipError
-    from swarm.peer_config import PeerConfig
 
-    creds = swarm_credentials(credentials, identity, revocations, config)
+    per_peer = dict(options or {})
+    creds = swarm_credentials(credentials, typing.cast(Path | None, per_peer.get("identity")), revocations, config)
     try:
         peer = PeerConfig.from_flat({**per_peer, "credentials": creds, "swarm_name": swarm_name(creds, swarm)})
         run_peer(peer, config=config, echo=typer.echo)

@@ -27,36 +27,14 @@ import time
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from swarm.config import PathConfig
 from swarm.dht.records import StageStatus, serving
-from swarm.errors import ConfigError
 
 Peer = Hashable  # a libp2p PeerID in the swarm; any hashable, orderable id in tests
 
 EMA_ALPHA = 0.1  # weight of the newest throughput measurement
 BAN_S = 15.0  # first ban after a failure; doubles on each further failure until a success
 DEFAULT_SAMPLES_PER_SEC = 1.0  # prior while no replica of the stage is measured; only ratios matter
-
-
-@dataclass(kw_only=True)
-class PathConfig:
-    """SkipPipe-style paths: visit round((1 − skip_ratio)·S) stages, with up to ``max_swaps`` adjacent swaps.
-
-    Each of the ``max_swaps`` swap slots is used with probability ``swap_prob`` and then swaps a
-    uniformly chosen free adjacent pair. With no skips that makes the swaps (1,2) and (S−1,S) that
-    CheckFree+ relies on happen in a fraction ≈ max_swaps·swap_prob/(S−1) of microbatches each.
-    """
-
-    skip_ratio: float = 0.0  # r: a path leaves out this fraction of the middle stages
-    max_swaps: int = 0  # swap slots per path: adjacent stages it may visit in swapped order
-    swap_prob: float = 0.5  # the chance that each swap slot is used
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.skip_ratio < 1.0:
-            raise ConfigError("skip_ratio", f"must be in [0, 1), got {self.skip_ratio}")
-        if self.max_swaps < 0:
-            raise ConfigError("max_swaps", f"must be non-negative, got {self.max_swaps}")
-        if not 0.0 <= self.swap_prob <= 1.0:
-            raise ConfigError("swap_prob", f"must be in [0, 1], got {self.swap_prob}")
 
 
 def path_length(num_stages: int, cfg: PathConfig) -> int:

@@ -39,7 +39,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -47,7 +47,7 @@ import torch
 from compress.adaptive import Ladder, LinkEstimator, choose_codec
 from compress.codecs import Codec
 from compress.errors import WireError
-from swarm.config import SwarmConfig
+from swarm.config import SwarmConfig, cli
 from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus
 from swarm.hardware import CPU, compute_precision
@@ -90,19 +90,37 @@ class StageCalls(Protocol):
 
 @dataclass(kw_only=True)
 class TrainerOptions:
-    in_flight: int = 4  # the most microbatches in the pipeline at once (the window's cap)
+    in_flight: int = field(
+        default=4,
+        metadata=cli(
+            "Trainers: the most microbatches in flight at once, across inner steps (the window's cap; the window "
+            "itself follows round trip × delivery rate); 1 is the synchronous pipeline.",
+            min=1,
+        ),
+    )
     # inner steps a microbatch may land after its forward began; the window never starts one that would land staler
     # in order, and drops one overtaken past it. 0 (the default): the window stays within an inner step, so with one
     # microbatch per inner step the pipeline is synchronous. Measured (docs/benchmarks.md): spanning steps (6, with a
     # cap of 4) keeps 0.82 of the uncapped tokens/s at 20 Mbit/s instead of 0.53, but trains 9% worse at equal tokens
     # (the servers recompute a backward on weights newer than its forward's), so it is a choice, not the default
-    max_staleness: int = 0
+    max_staleness: int = field(
+        default=0,
+        metadata=cli(
+            "Trainers: inner steps a microbatch may land after its forward began; staler ones are not started, "
+            "or their gradients are dropped (counted). 0 keeps the window within an inner step (no staleness); "
+            "more lets it span steps: faster over slow links, at a quality cost (docs/benchmarks.md).",
+            min=0,
+        ),
+    )
+
     max_attempts: int = (
         3  # replicas tried per hop before the stage is skipped (forward) or the microbatch fails (backward)
     )
     max_failures_in_a_row: int = 50  # then the swarm is unusable: stop with an error instead of spinning
     log_every: int = 10  # inner steps between progress records
-    eval_every: int = 0  # inner steps between validation passes; 0 = only at the end
+    eval_every: int = field(
+        default=0, metadata=cli("Trainers: validation pass every N inner steps (0: only at the end).", min=0)
+    )
 
     def __post_init__(self) -> None:
         if (

@@ -1,53 +1,53 @@
-"""What a role (``swarm/roles.py``) gets of the node that runs it (``PeerParts``), and the two coroutine helpers roles share.
+"""What a role gets of the node that runs it (``NodeContext``), and the two coroutine helpers roles share.
 
->>> result = await until_stopped(trainer.train(batches, steps=100), parts.stop)   # None: stopped first
->>> announcer = asyncio.create_task(every(cfg.timeouts.announce_period_s, announce))
+>>> result = await until_stopped(trainer.train(batches, steps=100), ctx.stop)   # None: stopped first
+>>> announcer = asyncio.create_task(every(ctx.swarm_config.timeouts.announce_period_s, announce))
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from hivemind.p2p import P2P
 
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
-from swarm.dht.records import PeerMetrics
+from swarm.events import EventSink
+from swarm.model.step import Batch
+from swarm.node.config import PeerConfig
 from swarm.outer.service import OuterService
-from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import StageClient
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-LogFn = Callable[[dict[str, Any]], None]
+# (swarm config, this peer's id: what its data shard derives from) → (train batches, val batches); run off the event loop
+DataFactory = Callable[[SwarmConfig, str], tuple[Iterator[Batch], Sequence[Batch]]]
 
 
-@dataclass(frozen=True)
-class PeerParts:
-    """What a role uses of the node that runs it."""
+@dataclass(frozen=True, kw_only=True)
+class NodeContext:
+    """What a role uses of the node that runs it: the two config trees, the DHT records, P2P and its services."""
 
-    cfg: SwarmConfig
-    config: PeerConfig
+    swarm_config: SwarmConfig  # the swarm's, shared and hashed
+    peer_config: PeerConfig  # this peer's own
     membership: Membership
     p2p: P2P
     client: StageClient
     outer_service: OuterService
-    on_log: LogFn
+    on_log: EventSink
     ready: Callable[[], None]  # the role takes calls now (the node tells its caller once)
     stop: asyncio.Event
     device: torch.device  # where this peer computes (``PeerConfig.device`` resolved)
 
-
-async def publish_metrics(parts: PeerParts, metrics: PeerMetrics) -> None:
-    """Publish the peer's metrics record to the DHT, then log it (a ``metrics`` event, the record under ``"metrics"``):
-    its JSONL file holds each record the dashboard read, when it was published."""
-    await parts.membership.publish_metrics(metrics)
-    parts.on_log({"event": "metrics", "metrics": metrics.dict()})
+    @property
+    def me(self) -> str:
+        """This peer's id, base58."""
+        return self.membership.peer_id.to_base58()
 
 
 async def until_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:

@@ -1,34 +1,10 @@
-"""A full peer (``FullRole``): the whole model in one process, trained on its own data, one more replica of every stage.
+"""The full-peer role (``FullRole``): the whole model in one process, trained on its own data, one more replica of
+every stage; with ``--serve`` it also serves stages 1..S to trainers on the weights it trains.
 
-It builds the seeded ``Transformer`` once and cuts it into its stages (``split_model``: the edge and
-every middle stage, sharing its parameters), runs each microbatch through all of them in order in
-one process (``run_microbatch``, as the centralized baseline does) and steps each stage with its own
-``InnerStep``, so its gradient clipping is the swarm's per-stage clipping. No activation leaves it; its boundaries are
-handed over in memory, uncompressed, unless the swarm's ``codecs.full_boundaries`` is "compressed" (then they go
-through the boundary codecs as a pipelined hop's would: every replica compressed alike, the comparison that shows
-what compressing only the pipelined replicas saves).
+docs/architecture.md ("Full peers") says why it announces ``serves=False`` and never laps a round.
 
-For the outer step it is a replica of stages 0..S like any trainer or stage server: one
-``ReplicaSync`` per stage (``swarm/outer/replica.py``), each over a ``StageHolder``, with the swarm's
-outer method, codecs and screening. It announces a record for every stage with ``serves=False``:
-round records, ``swarmloco status`` and the dashboard count it, state downloads and exports may
-take a stage from it (``state/<i>``, ``local/<i>``), but routing and rebalancing never count it as a
-server (``swarm.dht.records.serving``), so no trainer sends it a microbatch.
-
-With ``--serve`` (``PeerConfig.serve``) it also serves stages 1..S to trainers: those records say
-``serves=True`` with its queue, like a stage server's (stage 0 stays the trainers' own). Each is a
-``StageServer`` over the very stage, inner step and compute thread it trains (``StageCompute``): a
-request runs between two of its own microbatches, a served backward accumulates into the stage's
-gradients and counts its samples on the stage's inner step, so a served stage may step (and meet
-its rounds) more often than stage 0. No second copy of the weights.
-
-A full peer trains much faster than a pipeline, and a replica too far ahead meets nobody: the
-others, with too few steps, sit its rounds out and download its state instead of adding theirs.
-So it never runs past a round: while any of its stages is due (H inner steps since its last round
-or download), it waits for that round to be done.
-
-    >>> role = FullRole(parts, data)      # swarm/node.py makes it for ``--role full`` (``--serve``: parts.config.serve)
-    >>> last = await role.run()           # ``config.steps`` inner steps of stage 0 (or until parts.stop)
+    >>> role = FullRole(ctx, data)        # swarm/node/node.py makes it for ``--role full``
+    >>> last = await role.run()           # ``steps`` inner steps of stage 0 (or until ctx.stop)
 """
 
 from __future__ import annotations
@@ -46,19 +22,19 @@ import torch
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
+from swarm.events import Progress, ServesStages
 from swarm.hardware import compute_precision, describe
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, split_model
 from swarm.model.step import Batch, InnerStep, WeightChange, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
+from swarm.node.context import DataFactory, NodeContext, until_stopped
+from swarm.node.lifecycle import ReplicaLifecycle
+from swarm.node.roles.served import stage_servicer
+from swarm.node.roles.trainer import wait_for_replicas
 from swarm.outer.replica import ReplicaSync
-from swarm.outer.transfer import StageState, TransferError
-from swarm.parts import PeerParts, every, publish_metrics, until_stopped
 from swarm.pipeline.boundary import full_replica_link
 from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageCompute, StageServer
-from swarm.recovery.rebuild import save_stage_checkpoint
-from swarm.roles import DataFactory, wait_for_replicas
-from swarm.served_stage import provide_local_state, stage_servicer
 from swarm.sim.centralized import evaluate
 
 logger = logging.getLogger(__name__)
@@ -162,92 +138,63 @@ class StageHolder:
 
 
 class FullRole:
-    """A full peer: trains every stage locally and takes part in every stage's outer rounds, until ``config.steps``."""
+    """A full peer: trains every stage locally and takes part in every stage's outer rounds, until ``steps``."""
 
-    def __init__(self, parts: PeerParts, data: DataFactory) -> None:
-        self.parts, self.data = parts, data
+    def __init__(self, ctx: NodeContext, data: DataFactory) -> None:
+        self.ctx, self.data = ctx, data
         self.holder: StageHolder | None = None  # stage 0's (a fault schedule reads its step)
         self.stage = EDGE_STAGE
 
     async def run(self) -> dict[str, Any]:
-        """Train ``config.steps`` inner steps of stage 0; the last record ({} if stopped first)."""
-        self.parts.ready()
-        return await until_stopped(self._train(), self.parts.stop) or {}
-
-    async def _download_all(self) -> dict[int, StageState]:
-        """Each stage's current state from its replicas (none yet: the seeded weights)."""
-        states = {}
-        for stage in range(self.parts.cfg.stages.num_stages + 1):
-            try:
-                if (state := await self.parts.outer_service.download(stage)) is not None:
-                    states[stage] = state
-            except TransferError as e:  # listed but none delivers: train, and catch up at the next round
-                logger.warning(f"stage {stage}: no listed replica delivered its state ({e}); starting from the seeds")
-        return states
+        """Train ``steps`` inner steps of stage 0; the last record ({} if stopped first)."""
+        self.ctx.ready()
+        return await until_stopped(self._train(), self.ctx.stop) or {}
 
     async def _train(self) -> dict[str, Any]:
-        parts, cfg, config = self.parts, self.parts.cfg, self.parts.config
-        meter = Meter(role="full", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(parts.device))
-        states = await self._download_all()
-        num_stages = cfg.stages.num_stages
+        ctx, cfg, config = self.ctx, self.ctx.swarm_config, self.ctx.peer_config
+        meter = Meter(role="full", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(ctx.device))
+        life = ReplicaLifecycle(ctx, meter, checkpoint_stage=EDGE_STAGE)
+        stages = range(cfg.stages.num_stages + 1)
+        states = {stage: state for stage in stages if (state := await life.download(stage)) is not None}
         full = FullModel(
-            cfg,
-            start_steps=[states[s].schedule_step if s in states else 0 for s in range(num_stages + 1)],
-            device=parts.device,
+            cfg, start_steps=[states[s].schedule_step if s in states else 0 for s in stages], device=ctx.device
         )
-        holders = [StageHolder(full, stage) for stage in range(num_stages + 1)]
+        holders = [StageHolder(full, stage) for stage in stages]
         self.holder = holders[EDGE_STAGE]
-        syncs = [parts.outer_service.sync(h.stage, h, parts.on_log, alongside=True) for h in holders]
-        provide_local_state(parts, *syncs)
-        for stage, state in states.items():
-            await syncs[stage].adopt(state)
-            parts.on_log({"event": "state_download", "stage": stage, "reason": "join", "outer_round": state.round})
-        batches, val_batches = await asyncio.to_thread(self.data, cfg, parts.membership.peer_id.to_base58())
+        syncs = await life.hold(dict(enumerate(holders)), states)
+        batches, val_batches = await asyncio.to_thread(self.data, cfg, ctx.me)
         servicer = await self._serve(full, holders, meter) if config.serve else None
-
-        async def announce() -> None:
-            # Stage 0 last: a peer that sees this one's stage-0 record (``wait_for_replicas``) then finds it listed on
-            # every stage, so no first round of a later stage finds nobody listed and closes its window at once.
-            for holder, sync in reversed(list(zip(holders, syncs, strict=True))):
-                status = holder.status(queue=servicer.pending if servicer else 0)
-                await parts.membership.announce(holder.stage, status.copy(update=sync.status_fields()))
-            await parts.membership.publish_config()
-            status = holders[EDGE_STAGE].status().copy(update=syncs[EDGE_STAGE].status_fields())
-            await publish_metrics(parts, meter.sample(status, tokens=full.tokens, dht_stores=parts.membership.stores))
-
-        background = [asyncio.create_task(every(cfg.timeouts.announce_period_s, announce))]
-        background += [asyncio.create_task(sync.run()) for sync in syncs]
+        life.start(
+            status=lambda stage: holders[stage].status(queue=servicer.pending if servicer else 0),
+            usage=lambda: {"tokens": full.tokens},
+        )
         try:
-            await wait_for_replicas(parts.membership, config.wait_for_replicas, config.wait_for_stages_s)
+            await wait_for_replicas(ctx.membership, config.wait_for_replicas, config.wait_for_stages_s)
             meter.state = "training"
             last = await self._loop(full, holders, syncs, batches, val_batches, meter)
-            if config.stage_checkpoint is not None:  # as a trainer does: stage 0 outlives the peer
-                await save_stage_checkpoint(config.stage_checkpoint, await syncs[EDGE_STAGE].local_state())
+            await life.checkpoint()  # as a trainer does: stage 0 outlives the peer
             return last
         finally:
-            for task in background:
-                task.cancel()
+            life.close()
             if servicer is not None:
-                await servicer.remove_p2p_handlers(parts.p2p, namespace=cfg.swarm_id)
+                await servicer.remove_p2p_handlers(ctx.p2p, namespace=cfg.swarm_id)
             full.shutdown()
-            for sync in syncs:
-                sync.close()
 
     async def _serve(self, full: FullModel, holders: list[StageHolder], meter: Meter) -> StageServicer:
         """Take requests for stages 1..S on the stages it trains (``--serve``); announced as a server from then on."""
-        parts = self.parts
+        ctx = self.ctx
         for holder in holders[EDGE_STAGE + 1 :]:
             holder.server = StageServer(
-                parts.cfg,
+                ctx.swarm_config,
                 holder.stage,
                 start_step=holder.start_step,
-                device=parts.device,
+                device=ctx.device,
                 compute=full.compute(holder.stage),
             )
         servers = {holder.stage: holder.server for holder in holders if holder.server is not None}
-        servicer = stage_servicer(parts, servers, meter.traffic)
-        await servicer.add_p2p_handlers(parts.p2p, namespace=parts.cfg.swarm_id)
-        parts.on_log({"event": "serves_stages", "stages": sorted(servers)})
+        servicer = stage_servicer(ctx, servers, meter.traffic)
+        await servicer.add_p2p_handlers(ctx.p2p, namespace=ctx.swarm_config.swarm_id)
+        ctx.on_log(ServesStages(stages=tuple(sorted(servers))))
         return servicer
 
     async def _loop(
@@ -260,7 +207,7 @@ class FullRole:
         meter: Meter,
     ) -> dict[str, Any]:
         """Microbatches until ``config.steps`` inner steps of stage 0, holding still while a stage's round is due."""
-        config, edge = self.parts.config, full.inners[EDGE_STAGE]
+        config, edge = self.ctx.peer_config, full.inners[EDGE_STAGE]
         options, started, losses = config.trainer, time.perf_counter(), []
         record: dict[str, Any] = {}
         logged = edge.steps
@@ -276,7 +223,7 @@ class FullRole:
                 ):
                     record["val_loss"] = await full.evaluate(val_batches)
                 meter.observe(record)
-                self.parts.on_log(record)
+                self.ctx.on_log(Progress(fields=record))
                 losses = []
         return record
 

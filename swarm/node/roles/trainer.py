@@ -1,0 +1,118 @@
+"""The trainer role: stage 0 (data, embedding, loss), routing each microbatch through the middle stages' replicas.
+
+>>> role = TrainerRole(ctx, data)      # swarm/node/node.py makes it for ``--role trainer``
+>>> last = await role.run()            # ``steps`` inner steps (or until ctx.stop); the last progress record
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+from swarm.dht.membership import Membership
+from swarm.dht.metrics import Meter
+from swarm.dht.records import serving
+from swarm.events import Progress
+from swarm.hardware import describe
+from swarm.model.stages import EDGE_STAGE
+from swarm.node.context import DataFactory, NodeContext, until_stopped
+from swarm.node.lifecycle import ReplicaLifecycle
+from swarm.pipeline.routing import Router
+from swarm.pipeline.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerRole:
+    """A trainer: stage 0's replica, driving microbatches through the pipeline until ``PeerConfig.steps``."""
+
+    def __init__(self, ctx: NodeContext, data: DataFactory) -> None:
+        self.ctx, self.data = ctx, data
+        self.holder: Trainer | None = None  # the trainer, once built (a fault schedule reads its step)
+
+    async def run(self) -> dict[str, Any]:
+        """Train ``steps`` inner steps; the last record ({} if stopped first)."""
+        self.ctx.ready()
+        return await until_stopped(self._train(), self.ctx.stop) or {}
+
+    async def _train(self) -> dict[str, Any]:
+        ctx, cfg, config = self.ctx, self.ctx.swarm_config, self.ctx.peer_config
+        router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{ctx.membership.peer_id}"))
+        meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(ctx.device))
+        life = ReplicaLifecycle(ctx, meter, checkpoint_stage=EDGE_STAGE)
+        state = await life.download(EDGE_STAGE)  # a trainer joining mid-run starts from the other trainers' stage 0
+        self.holder = trainer = Trainer(
+            cfg,
+            ctx.client,
+            router,
+            options=config.trainer,
+            start_step=state.schedule_step if state else 0,
+            traffic=meter.traffic,
+            device=ctx.device,
+        )
+        (sync,) = await life.hold({EDGE_STAGE: trainer}, {EDGE_STAGE: state} if state else {})
+        # reading and tokenizing a corpus takes a while: the loop keeps serving stage 0 and the DHT meanwhile
+        batches, val_batches = await asyncio.to_thread(self.data, cfg, ctx.me)
+        banned = 0
+
+        async def refresh_router() -> None:
+            nonlocal banned
+            banned = 0
+            for stage, replicas in (await ctx.membership.all_replicas()).items():
+                if stage != EDGE_STAGE:
+                    router.update_records(stage, replicas, task_size=cfg.train.microbatch_size)
+                    banned += len(serving(replicas)) - len(router.balancers[stage].live_peers())
+
+        def log(record: dict[str, Any]) -> None:
+            meter.observe(record)
+            ctx.on_log(Progress(fields={**record, **sync.info()}))
+
+        life.start(
+            status=lambda stage: trainer.status(),
+            usage=lambda: {"tokens": trainer.tokens, "bans": banned},
+            refresh=refresh_router,
+        )
+        try:
+            await wait_for_stages(router, cfg.stages.num_stages, config.wait_for_stages_s)
+            await wait_for_replicas(ctx.membership, config.wait_for_replicas, config.wait_for_stages_s)
+            meter.state = "training"
+            last = await trainer.train(batches, steps=config.steps, val_batches=val_batches, on_log=log)
+            await life.checkpoint()  # stage 0 outlives the trainer: what a local swarm exports
+            return last
+        finally:
+            life.close()
+            trainer.shutdown()
+
+
+async def wait_for_stages(router: Router, num_stages: int, timeout_s: float) -> None:
+    """Start training once every middle stage has a replica (or train on with skips after ``timeout_s``)."""
+    deadline, last_missing = time.monotonic() + timeout_s, None
+    while (
+        missing := sorted(set(range(1, num_stages + 1)) - set(router.live_stages()))
+    ) and time.monotonic() < deadline:
+        if missing != last_missing:
+            logger.warning(f"waiting for servers of stages {missing}")
+            last_missing = missing
+        await asyncio.sleep(0.5)
+    if missing:
+        logger.warning(f"no server for stages {missing} after {timeout_s:.0f}s: training skips them")
+
+
+async def wait_for_replicas(membership: Membership, count: int, timeout_s: float) -> None:
+    """Start training once ``count`` replicas of stage 0 (trainers and full peers, this one included) are listed, or
+    train on after ``timeout_s``.
+
+    Replicas started together (``swarmloco local``) then meet from their first round: one that starts first would
+    otherwise run its first rounds alone, and the first full peer of a swarm without a pipeline would train alone
+    while the others start.
+    """
+    if count <= 0:  # not asked to wait: not even a look at the DHT
+        return
+    deadline, listed = time.monotonic() + timeout_s, 0
+    while (listed := len(await membership.replicas(EDGE_STAGE))) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    if listed < count:
+        logger.warning(f"{listed} of {count} replicas of stage 0 listed after {timeout_s:.0f}s: training on")
