@@ -32,7 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from compress.errors import MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
-from compress.wire import CodecId, Frame, WireLimits, decode_frame, encode_frame, header_bytes, receiver_limits
+from compress.wire import (
+    BytesLike,
+    CodecId,
+    Frame,
+    WireLimits,
+    decode_frame,
+    encode_frame,
+    header_bytes,
+    receiver_limits,
+)
 
 Kind = Literal["activation", "gradient"]
 
@@ -41,7 +50,7 @@ def to_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def from_bytes(buf: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
+def from_bytes(buf: BytesLike, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
     """``count`` values of ``dtype`` from exactly ``buf``, as a tensor that owns its memory."""
     if len(buf) != count * dtype.itemsize:
         raise ShapeMismatch(f"{what}: {len(buf)} bytes, expected {count} × {dtype.itemsize}")
@@ -68,7 +77,7 @@ class Codec(ABC):
 
     def decode(
         self,
-        data: bytes,
+        data: BytesLike,
         *,
         limits: WireLimits | None = None,
         allow_nonfinite: bool = False,
@@ -80,7 +89,7 @@ class Codec(ABC):
 
     def decode_with_tokens(
         self,
-        data: bytes,
+        data: BytesLike,
         *,
         limits: WireLimits | None = None,
         allow_nonfinite: bool = False,
@@ -162,7 +171,8 @@ class IntCodec(Codec):
     """Symmetric per-token (last dim) absmax quantisation to int8, or int4 packed two per byte."""
 
     def __init__(self, bits: Literal[8, 4]) -> None:
-        self.bits, self.levels = bits, 2 ** (bits - 1) - 1  # ±127 or ±7
+        self.bits = bits
+        self.levels: int = 2 ** (bits - 1) - 1  # ±127 or ±7
         self.name, self.codec_id = {8: ("int8", CodecId.INT8), 4: ("int4", CodecId.INT4)}[bits]
 
     def row_bytes(self, d: int) -> int:
@@ -239,7 +249,7 @@ class SubspaceCodec(Codec):
         if isinstance(inner, SubspaceCodec):
             raise ValueError("subspace cannot be nested in subspace")
         self.basis = basis.float().contiguous()  # (d, k)
-        self.table = table.float().contiguous() if kind == "activation" else None  # (vocab, d)
+        self.table = table.float().contiguous() if kind == "activation" and table is not None else None  # (vocab, d)
         self.inner, self.kind, self.tol = inner, kind, tol
         self.d, self.k = self.basis.shape
         self.codec_id = CodecId.SUBSPACE if kind == "activation" else CodecId.SUBSPACE_GRAD
@@ -311,7 +321,7 @@ class SubspaceCodec(Codec):
         )
         z, _ = self.inner.unpack(inner)  # (..., k)
         h = z @ self.basis.T
-        if tokens is None:
+        if tokens is None or self.table is None:  # (both or neither)
             return h, None
         tokens = tokens.reshape(frame.shape[:-1])
         return h + F.embedding(tokens, self.table), tokens

@@ -14,10 +14,13 @@ from __future__ import annotations
 import functools
 import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from compress.codecs import CodecName, PseudoGradientCodecName
 from compress.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # a codec, or "adaptive": per link, from bf16 to int4 by the link's measured throughput (compress/adaptive.py)
 BoundaryCodecName = Literal[CodecName, "adaptive"]
@@ -39,7 +42,7 @@ def _choice_fields(cls: type) -> dict[str, object]:
     return {name: hint for name, hint in typing.get_type_hints(cls).items() if typing.get_origin(hint) is Literal}
 
 
-def check_choices(section: object) -> None:
+def check_choices(section: DataclassInstance) -> None:
     """Raise ``ConfigError`` for the first ``Literal``-typed field of dataclass ``section`` holding a value outside its choices."""
     for name, choices in _choice_fields(type(section)).items():
         problem = choice_problem(getattr(section, name), choices)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from compress.errors import MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
-from compress.wire import CodecId, WireLimits, decode_frame, encode_frame, receiver_limits
+from compress.wire import BytesLike, CodecId, WireLimits, decode_frame, encode_frame, receiver_limits
 
 _META = struct.Struct("<HH")  # topk, tile side
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
@@ -117,7 +117,7 @@ class _Tiling:
         (gr, gc), th, tw = self.grid, self.th, self.tw
         x = x.reshape(self.rows, self.cols)
         if x.shape == (gr * th, gc * tw):
-            keys = np.empty((gr, gc, th, tw), dtype=np.float32)
+            keys: np.ndarray = np.empty((gr, gc, th, tw), dtype=np.float32)  # float32 here, int32 bits below
             np.abs(x.reshape(gr, th, gc, tw).swapaxes(1, 2), out=keys)  # abs and tiling in one pass
         else:
             padded = -1 - np.arange(gr * th * gc * tw, dtype=np.int32).reshape(gr * th, gc * tw)
@@ -197,7 +197,7 @@ class SparseLoCoCodec:
 
     def decode(
         self,
-        data: bytes,
+        data: BytesLike,
         *,
         limits: WireLimits | None = None,
         allow_nonfinite: bool = False,
@@ -260,9 +260,12 @@ def _top_k(keys: np.ndarray, k: int) -> np.ndarray:
     width = keys.shape[1]
     kth = np.partition(keys, width - k, axis=1)[:, width - k, None]
     pos = np.flatnonzero(keys >= kth)
+    columns: np.ndarray  # (numpy types these as Any)
     if len(pos) == len(keys) * k:
-        return (pos % width).reshape(-1, k)
-    return np.sort(np.argpartition(keys, width - k, axis=1)[:, width - k :], axis=1)
+        columns = (pos % width).reshape(-1, k)
+    else:
+        columns = np.sort(np.argpartition(keys, width - k, axis=1)[:, width - k :], axis=1)
+    return columns
 
 
 def _fill_into(out: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -296,7 +299,8 @@ def _quantize(values: np.ndarray, tiling: _Tiling) -> tuple[np.ndarray, np.ndarr
 def _dequantize(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
     """(C, k) values from codes and (C, 2) float32 levels."""
     table = np.concatenate((levels, -levels), axis=1)  # (C, 4): code → value
-    return table[np.arange(len(codes))[:, None], codes]
+    values: np.ndarray = table[np.arange(len(codes))[:, None], codes]  # (numpy types fancy indexing as Any)
+    return values
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:
@@ -311,7 +315,8 @@ def _from_bf16(bits: np.ndarray) -> np.ndarray:
 
 def _pack2(codes: np.ndarray) -> np.ndarray:
     flat = _fill_into(np.zeros(-(-codes.size // 4) * 4, np.uint8), codes.reshape(-1)).reshape(-1, 4)
-    return (flat << _SHIFTS).sum(axis=1, dtype=np.uint8)  # four codes per byte, the first in the low bits
+    packed: np.ndarray = (flat << _SHIFTS).sum(axis=1, dtype=np.uint8)  # four codes per byte, the first in the low bits
+    return packed
 
 
 def _unpack2(packed: np.ndarray, m: int) -> np.ndarray:

@@ -31,6 +31,7 @@ import threading
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 import zstandard
@@ -47,13 +48,33 @@ from compress.errors import (
 
 MAGIC = b"SWLC"
 VERSION = 1
-_HEADER = struct.Struct("<4sBBBBBIIII")
+_HEADER = struct.Struct("<4sBBBBBIIII")  # the fields of _Header
 _CRC_OFFSET = _HEADER.size - 4
 _FLAG_ZSTD = 1
 _ZSTD_LEVEL = 1  # cheap; level 3 shrinks SparseLoCo's index planes by under 1%
 # A body zstd shrinks by less than this is sent raw: a raw body is decoded as a view of the received frame, while a
 # compressed one costs a second buffer (a dense whole-stage outer payload would be held twice to save its names).
 _ZSTD_MIN_SAVING = 0.01
+
+BytesLike = bytes | bytearray | memoryview  # a frame as received: a view into a larger buffer is never copied
+
+
+class _Header(NamedTuple):
+    magic: bytes
+    version: int
+    codec_id: int
+    dtype_code: int
+    flags: int
+    ndim: int
+    meta_len: int
+    body_len: int
+    payload_len: int
+    crc: int
+
+
+def _read_header(data: BytesLike) -> _Header:
+    return _Header._make(_HEADER.unpack_from(data))
+
 
 # wire code of a tensor dtype = its position here (never reorder: old frames depend on it)
 DTYPES = (
@@ -159,7 +180,7 @@ def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple
         raise ValueError(f"shape {shape} cannot be framed: at most 255 dims, each in [0, 2**32)")
     if not 0 <= codec_id < 256 or max(len(meta), len(body)) >= 2**32:
         raise ValueError(f"codec id {codec_id} or sizes (meta {len(meta)}, body {len(body)}) out of range")
-    payload, flags = _zstd()[0].compress(body), _FLAG_ZSTD
+    payload, flags = _zstd.compressor.compress(body), _FLAG_ZSTD
     if len(payload) > len(body) * (1 - _ZSTD_MIN_SAVING):
         payload, flags = body, 0
     tail = struct.pack(f"<{len(shape)}I", *shape) + meta
@@ -170,7 +191,7 @@ def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple
     return b"".join((header[:_CRC_OFFSET], struct.pack("<I", crc), tail, payload))
 
 
-def frame_codec_id(data: bytes) -> int | None:
+def frame_codec_id(data: BytesLike) -> int | None:
     """The codec id a frame's header declares, read without decoding anything; None where there is no header to read
     (``decode_frame`` then says what is wrong)."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < _HEADER.size or bytes(data[:4]) != MAGIC:
@@ -178,7 +199,7 @@ def frame_codec_id(data: bytes) -> int | None:
     return memoryview(data).cast("B")[5]
 
 
-def raw_frame_bytes(data: bytes) -> int | None:
+def raw_frame_bytes(data: BytesLike) -> int | None:
     """The bytes of a frame like this one (same codec, shape and metadata) with its body stored raw, from the header
     alone: the most a reply coded like this request can take, which decides how the reply travels. None where there is
     no header to read.
@@ -187,12 +208,12 @@ def raw_frame_bytes(data: bytes) -> int | None:
     """
     if frame_codec_id(data) is None:
         return None
-    _, _, _, _, _, ndim, meta_len, body_len, _, _ = _HEADER.unpack_from(data)
-    return header_bytes(ndim) + meta_len + body_len
+    header = _read_header(data)
+    return header_bytes(header.ndim) + header.meta_len + header.body_len
 
 
 def decode_frame(
-    data: bytes, *, limits: WireLimits = DEFAULT_LIMITS, expected_shape: tuple[int, ...] | None = None
+    data: BytesLike, *, limits: WireLimits = DEFAULT_LIMITS, expected_shape: tuple[int, ...] | None = None
 ) -> Frame:
     """Parse and validate a frame; one of another shape than ``expected_shape`` is refused from its header, before
     anything is decompressed. Raises only ``WireError`` subclasses, whatever ``data`` holds."""
@@ -205,7 +226,7 @@ def decode_frame(
         raise BadMagic(f"not a swarmloco frame: starts with {bytes(data[:4])!r}, expected {MAGIC!r}")
     if len(data) < _HEADER.size:
         raise TruncatedFrame(f"frame of {len(data)} bytes is shorter than the {_HEADER.size}-byte header")
-    _, version, codec_id, dtype_code, flags, ndim, meta_len, body_len, payload_len, crc = _HEADER.unpack_from(data)
+    _, version, codec_id, dtype_code, flags, ndim, meta_len, body_len, payload_len, crc = _read_header(data)
     if version != VERSION:
         raise UnsupportedVersion(f"frame format version {version}; this build reads version {VERSION}")
     if dtype_code >= len(DTYPES):
@@ -248,15 +269,16 @@ def decode_frame(
     )
 
 
-_thread_local = threading.local()
+class _ZstdContexts(threading.local):
+    """This thread's zstd contexts (made once in each thread that codes): making one costs ~20 µs, more than coding a small frame,
+    and a context must not be used by two threads at once."""
+
+    def __init__(self) -> None:
+        self.compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+        self.decompressor = zstandard.ZstdDecompressor()
 
 
-def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
-    """This thread's zstd contexts: making one costs ~20 µs, more than coding a small frame, and
-    a context must not be used by two threads at once."""
-    if not hasattr(_thread_local, "zstd"):
-        _thread_local.zstd = (zstandard.ZstdCompressor(level=_ZSTD_LEVEL), zstandard.ZstdDecompressor())
-    return _thread_local.zstd
+_zstd = _ZstdContexts()
 
 
 def _decompress(payload: bytes | memoryview, body_len: int) -> bytes:
@@ -265,6 +287,6 @@ def _decompress(payload: bytes | memoryview, body_len: int) -> bytes:
     try:
         if zstandard.frame_content_size(payload) != body_len:
             raise ShapeMismatch(f"zstd body declares a size other than the header's {body_len} bytes")
-        return _zstd()[1].decompress(payload, allow_extra_data=False)
+        return _zstd.decompressor.decompress(payload, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise MalformedFrame(f"body does not decompress: {e}") from None

@@ -8,6 +8,8 @@ Apart from ``optim/outer.py`` so the dependency points one way: NoLoCo (``optim/
 
 from __future__ import annotations
 
+from typing import Any
+
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec
@@ -16,7 +18,9 @@ from optim.noloco import NoLoCo
 from optim.outer import DiLoCo, NamedTensors, OuterOptimizer, SparseLoCo
 
 
-def build_outer_optimizer(params: NamedTensors, cfg: OuterOptimConfig, codecs: CodecConfig) -> OuterOptimizer | None:
+def build_outer_optimizer(
+    params: NamedTensors, cfg: OuterOptimConfig, codecs: CodecConfig
+) -> OuterOptimizer[Any] | None:
     """The stage's outer optimizer from the swarm config; None when ``cfg.method == "none"``."""
     if cfg.method == "none":
         return None

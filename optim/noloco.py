@@ -33,6 +33,7 @@ import torch
 
 from compress.codecs import Codec, get_codec
 from compress.errors import MalformedFrame
+from compress.wire import BytesLike
 from optim.outer import NamedTensors, OuterOptimizer, Screening
 
 _SPLIT = struct.Struct("<I")  # length of the Δ frame; the weights frame follows it
@@ -107,7 +108,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
         delta_frame = self.codec.encode(delta)
         return _SPLIT.pack(len(delta_frame)) + delta_frame + self.weights_codec.encode(self._global[name].cpu())
 
-    def _decode(self, name: str, frame: bytes) -> PairPart:
+    def _decode(self, name: str, frame: BytesLike) -> PairPart:
         if len(frame) < _SPLIT.size:
             raise MalformedFrame(f"{name}: NoLoCo frame of {len(frame)} bytes is shorter than its header")
         (delta_len,) = _SPLIT.unpack_from(frame)

@@ -37,7 +37,7 @@ import torch
 from compress.codecs import Codec
 from compress.errors import MalformedFrame, WireError
 from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
-from compress.wire import CodecId, WireLimits, decode_frame, encode_frame
+from compress.wire import BytesLike, CodecId, WireLimits, decode_frame, encode_frame
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _pack(round_: int, frames: Mapping[str, bytes]) -> bytes:
     return encode_frame(CodecId.OUTER_PAYLOAD, body, dtype=torch.uint8, shape=(len(body),))
 
 
-def _unpack(data: bytes, *, max_bytes: int) -> tuple[int, dict[str, bytes]]:
+def _unpack(data: BytesLike, *, max_bytes: int) -> tuple[int, dict[str, BytesLike]]:
     """Split a payload into (round, {name: frame}); its body may hold at most ``max_bytes`` once decompressed (checked
     before decompressing), and every length inside is checked against the body."""
     limits = WireLimits(max_frame_bytes=max_bytes, max_body_bytes=max_bytes, max_elements=max_bytes, max_ndim=1)
@@ -105,7 +105,7 @@ def _unpack(data: bytes, *, max_bytes: int) -> tuple[int, dict[str, bytes]]:
     if len(payload) < _HEADER.size:
         raise WireError(f"outer payload of {len(payload)} bytes is shorter than its header")
     round_, count = _HEADER.unpack_from(payload)
-    frames: dict[str, bytes] = {}
+    frames: dict[str, BytesLike] = {}
     view = memoryview(payload)  # frames are views: decoding a whole-stage payload copies no second stage
     offset = _HEADER.size
     for _ in range(count):
@@ -154,7 +154,7 @@ class OuterOptimizer(ABC, Generic[Part]):
     def _encode(self, name: str, delta: torch.Tensor) -> bytes: ...
 
     @abstractmethod
-    def _decode(self, name: str, frame: bytes) -> Part:
+    def _decode(self, name: str, frame: BytesLike) -> Part:
         """Decode one member's frame for parameter ``name``; raise WireError or ValueError if it is unusable. The
         frame's declared shape must be the parameter's, checked before anything is allocated."""
 
@@ -354,7 +354,7 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
     def _encode(self, name: str, delta: torch.Tensor) -> bytes:
         return self.codec.encode(delta)
 
-    def _decode(self, name: str, frame: bytes) -> torch.Tensor:
+    def _decode(self, name: str, frame: BytesLike) -> torch.Tensor:
         # the parameter's shape is checked from the frame's header, before any allocation; NaN and inf are refused
         return self.codec.decode(frame, expected_shape=tuple(self._global[name].shape))
 
@@ -384,7 +384,7 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
     def _encode(self, name: str, delta: torch.Tensor) -> bytes:
         return self.codec.encode(name, delta, self._error)
 
-    def _decode(self, name: str, frame: bytes) -> SparseTensor:
+    def _decode(self, name: str, frame: BytesLike) -> SparseTensor:
         # the parameter's shape is checked from the frame's header, before any allocation; NaN and inf, indices out
         # of range or repeated are refused
         return self.codec.decode(frame, expected_shape=tuple(self._global[name].shape))
