@@ -24,7 +24,7 @@ from hivemind.dht import DHT
 from hivemind.dht.node import DHTNode
 
 from swarm.dht.membership import Membership
-from swarm.parts import LogFn
+from swarm.events import EventSink, Revocations
 from swarm.rpc.admission import Credentials
 from swarm.rpc.auth import CertificateAuthorizer, CredentialError
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class RevocationFollower:
     """Keeps a private-swarm peer's revocation list the newest the authority signed that it can find."""
 
-    def __init__(self, membership: Membership, credentials: Credentials, *, on_log: LogFn, period_s: float) -> None:
+    def __init__(self, membership: Membership, credentials: Credentials, *, on_log: EventSink, period_s: float) -> None:
         self.membership, self.credentials, self.on_log, self.period_s = membership, credentials, on_log, period_s
         self.verifier = credentials.verifier
         self.signed: bytes | None = credentials.revocations_bytes()  # adopted at start (load_credentials checked it)
@@ -79,9 +79,7 @@ class RevocationFollower:
         await self.membership.dht.run_coroutine(partial(_update_dht_authorizer, signed=signed), return_future=True)
         listing = self.verifier.revocations
         logger.info(f"adopted revocation list #{listing.sequence} ({len(listing.revoked)} peers) from the {source}")
-        self.on_log(
-            {"event": "revocations", "sequence": listing.sequence, "revoked": len(listing.revoked), "source": source}
-        )
+        self.on_log(Revocations(sequence=listing.sequence, revoked=len(listing.revoked), source=source))
 
 
 async def _update_dht_authorizer(_dht: DHT, node: DHTNode, *, signed: bytes) -> bool:
