@@ -6,12 +6,13 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from swarm_harness import reap
+
+from swarmtest.processes import reap
 
 
 @pytest.fixture
 def child_processes() -> Iterator[list[subprocess.Popen]]:
-    """Append every process a test starts (in its own process group, as ``swarm_harness`` starts them all).
+    """Append every process a test starts (in its own process group, as ``swarmtest.processes`` starts them all).
 
     Whatever the test's outcome, each one and everything it started (a ``swarmloco local``'s peers, every peer's
     DHT process and libp2p daemon) gets SIGTERM and then SIGKILL, so no peer outlives the test.

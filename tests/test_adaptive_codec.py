@@ -14,7 +14,6 @@ from dataclasses import astuple
 import msgpack
 import pytest
 import torch
-from swarm_harness import BATCH, SEQ, tiny_config
 
 from compress.adaptive import Ladder, LinkEstimate, LinkEstimator, choose_codec, frame_bytes
 from compress.codecs import get_codec
@@ -27,6 +26,7 @@ from swarm.pipeline.protocol import Backward, Forward, Reply, _reply, parse_repl
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Outgoing, Trainer, TrainerOptions
+from swarmtest.configs import BATCH, SEQ, tiny_config
 
 SHAPE = (BATCH, SEQ, 64)  # the tiny config's boundary tensor
 Batch = tuple[torch.Tensor, torch.Tensor]

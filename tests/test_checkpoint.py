@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_harness import tiny_config
 
 from swarm.model.transformer import Transformer
 from swarm.recovery.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from swarmtest.configs import tiny_config
 
 
 class Foreign:

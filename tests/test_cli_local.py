@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarm_harness import descendants, swarmloco, tiny_config, wait_until
 from typer.testing import CliRunner
 
 from optim.config import OuterOptimConfig
@@ -15,6 +14,8 @@ from peer.launch import LocalSwarm, local_config
 from swarm.config import SwarmConfig, save_config
 from swarm.model.transformer import Transformer
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
+from swarmtest.configs import tiny_config
+from swarmtest.processes import descendants, swarmloco, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
 from peer.credentials import create_swarm, invite, new_identity, peer_id_of_identity, revoke
 from peer.status import format_status
 from swarm.config import SwarmConfig, TimeoutConfig, save_config
+from swarmtest.configs import DATA, tiny_config
+from swarmtest.processes import Swarm, swarmloco
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,7 +9,6 @@ from typing import Annotated, Literal
 import pytest
 import torch
 import typer
-from swarm_harness import DEFAULT_SWARM_HASH
 from typer.testing import CliRunner
 
 from compress.codecs import CODEC_NAMES, get_codec
@@ -34,6 +33,7 @@ from swarm.config import (
 )
 from swarm.errors import ConfigError
 from swarm.model.transformer import PRESET_INNER, PRESETS, ModelConfig
+from swarmtest.configs import DEFAULT_SWARM_HASH
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:

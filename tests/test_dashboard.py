@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from hivemind.p2p import PeerID
-from swarm_harness import DATA, Swarm, tiny_config
 from typer.testing import CliRunner
 
 from peer.cli import app
@@ -30,6 +29,8 @@ from peer.dashboard.store import HistoryError, HistoryStore
 from peer.launch import REPO_ROOT
 from swarm.config import TimeoutConfig
 from swarm.dht.records import PROTOCOL_VERSION, PeerMetrics
+from swarmtest.configs import DATA, tiny_config
+from swarmtest.processes import Swarm
 
 CFG = tiny_config(stages=2, steps=2000, timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=4.0))
 

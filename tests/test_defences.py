@@ -16,7 +16,6 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from swarm_harness import tiny_config
 
 from compress.codecs import get_codec
 from compress.config import CodecConfig
@@ -29,6 +28,7 @@ from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import BlobRequest, BlobServicer
 from swarm.rpc.defences import PeerGuard, PeerLimits
 from swarm.rpc.servicer import pack_envelope
+from swarmtest.configs import tiny_config
 
 B, T, D = 2, 8, 16
 FP32 = get_codec("fp32")

@@ -9,9 +9,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from swarm_harness import LOOPBACK, Swarm, descendants, tiny_config, wait_until
 
 from swarm.dht.process import SIGTERM_GRACE_S, SwarmDHT
+from swarmtest.configs import LOOPBACK, tiny_config
+from swarmtest.processes import Swarm, descendants, wait_until
 
 ORPHAN_WAIT_S = 20.0  # the DHT process notices within a second; its clean shutdown takes a few
 

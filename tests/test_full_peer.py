@@ -1,6 +1,6 @@
 """Full peers (``swarm/full.py``): the whole model in one process, one more replica of every stage, never on a path.
 
-The records and the router are checked as units; a real swarm of ``Node``s in this process (``node_harness.py``:
+The records and the router are checked as units; a real swarm of ``Node``s in this process (``swarmtest.node``:
 1 trainer, a server per stage of 2, a full peer) trains, meets in every stage's outer rounds, agrees, sends the
 full peer no microbatch, and a newcomer server takes its stage from the full peer alone; a full peer with
 ``--serve`` is a trainer's only path through stages 1..S and still agrees with it in stage 0.
@@ -19,9 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from node_harness import LOOPBACK, BackgroundNode
 from pydantic.v1 import ValidationError
-from swarm_harness import DATA, swarmloco, tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
@@ -39,6 +37,9 @@ from swarm.peer_config import PeerConfig
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, TrainerOptions
 from swarm.roles import wait_for_replicas
+from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+from swarmtest.node import BackgroundNode
+from swarmtest.processes import swarmloco
 
 H = 5
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
@@ -174,7 +175,7 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
 
     def server(stage: int, initial: list[str]) -> BackgroundNode:
         config = PeerConfig(
-            role="stage", stage=stage, name=f"stage{stage}", initial_peers=initial, host_maddrs=LOOPBACK
+            role="stage", stage=stage, name=f"stage{stage}", initial_peers=initial, host_maddrs=LOOPBACK_MADDRS
         )
         return BackgroundNode(config, cfg if not initial else None)
 
@@ -183,7 +184,7 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
             role=role,  # type: ignore[arg-type]
             name=role,
             initial_peers=initial,
-            host_maddrs=LOOPBACK,
+            host_maddrs=LOOPBACK_MADDRS,
             steps=steps,
             trainer=TrainerOptions(log_every=5),
         )
@@ -259,7 +260,7 @@ def test_a_serving_full_peer_carries_a_trainers_microbatches_through_its_stages_
             role=role,  # type: ignore[arg-type]
             name=role,
             initial_peers=initial,
-            host_maddrs=LOOPBACK,
+            host_maddrs=LOOPBACK_MADDRS,
             steps=400,
             wait_for_replicas=2,  # both train once both are listed: they meet in stage 0 from its first round
             trainer=TrainerOptions(log_every=5),

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_harness import DEFAULT_SWARM_HASH, swarmloco, tiny_config
 
 from swarm.config import SwarmConfig, config_from_dict, derive_config, load_config, save_config
 from swarm.errors import ConfigError
@@ -30,6 +29,8 @@ from swarm.model.stages import build_stage
 from swarm.model.transformer import PRESETS, ModelConfig, Transformer
 from swarm.pipeline.server import CacheEntry, StageServer
 from swarm.sim.centralized import evaluate, train_centralized
+from swarmtest.configs import DEFAULT_SWARM_HASH, tiny_config
+from swarmtest.processes import swarmloco
 
 
 def test_the_default_config_keeps_its_swarm_id_and_is_the_tiny_preset() -> None:

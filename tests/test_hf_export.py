@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
 from peer.export import export_checkpoint, export_target
 from peer.tokenizer import file_sha256
@@ -21,6 +20,8 @@ from swarm.errors import ExportError
 from swarm.model.hf import NotLlamaError, llama_config, rope_half_order, to_llama_state_dict
 from swarm.model.transformer import ModelConfig, Transformer
 from swarm.recovery.checkpoint import save_checkpoint
+from swarmtest.configs import DATA, tiny_config
+from swarmtest.processes import Swarm, swarmloco
 
 transformers = pytest.importorskip("transformers")  # the dev extra: swarmloco itself never needs it
 

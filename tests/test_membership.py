@@ -20,8 +20,6 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from node_harness import LOOPBACK, BackgroundNode
-from swarm_harness import DATA, tiny_config
 
 from peer.data import load_corpus
 from swarm.config import SwarmConfig, TimeoutConfig, dumps_config
@@ -52,6 +50,8 @@ from swarm.model.transformer import ModelConfig
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.trainer import Batch
 from swarm.rpc.auth import encode_public_key
+from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+from swarmtest.node import BackgroundNode
 
 CFG = SwarmConfig()
 OTHER = dataclasses.replace(CFG, model=ModelConfig(d_model=64))
@@ -282,7 +282,7 @@ def modified_peer(initial_peers: list[str]) -> tuple[DHT, RSASignatureValidator]
         return DHT(
             initial_peers=initial_peers,
             start=True,
-            host_maddrs=LOOPBACK,
+            host_maddrs=LOOPBACK_MADDRS,
             identity_path=str(path),
             record_validators=[signer],
         ), signer
@@ -305,14 +305,14 @@ def corpus_batches(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], lis
 def test_stage_records_under_made_up_peer_ids_are_refused_and_never_routed_to() -> None:
     cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=TIMEOUTS)
     key = stage_key(cfg.swarm_id, 1)
-    with BackgroundNode(PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK), cfg) as server:
+    with BackgroundNode(PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK_MADDRS), cfg) as server:
         honest = server.call(lambda node: asyncio.sleep(0, node.dht.peer_id))
         attacker, signer = modified_peer(server.maddrs)
         try:
             forged = asyncio.run(forge_replicas(attacker, signer, key, honest))
             assert len(forged) == 4, "the forged records are in the DHT: a reader that trusts subkeys sees them"
             trainer = PeerConfig(
-                role="trainer", name="trainer", initial_peers=server.maddrs, host_maddrs=LOOPBACK, steps=8
+                role="trainer", name="trainer", initial_peers=server.maddrs, host_maddrs=LOOPBACK_MADDRS, steps=8
             )
             with BackgroundNode(trainer, data=corpus_batches) as peer:
                 for node in (server, peer):  # neither the schema-checked DHT nor the reader lets them in

@@ -1,4 +1,4 @@
-"""The per-peer config tree, and ``Node``s run in this process (``node_harness.py``): they join, train, die at a
+"""The per-peer config tree, and ``Node``s run in this process (``swarmtest.node``): they join, train, die at a
 scheduled step, and leave."""
 
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import pytest
-from node_harness import LOOPBACK, BackgroundNode
-from swarm_harness import DATA, tiny_config
 
 from peer.data import load_corpus
 from swarm.config import SwarmConfig, TimeoutConfig
@@ -16,6 +14,8 @@ from swarm.faults import FaultSchedule
 from swarm.node import DataFactory
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.trainer import Batch, TrainerOptions
+from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+from swarmtest.node import BackgroundNode
 
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 
@@ -66,7 +66,7 @@ def trainer(name: str, server: BackgroundNode, *, steps: int, faults: str = "") 
         role="trainer",
         name=name,
         initial_peers=server.maddrs,
-        host_maddrs=LOOPBACK,
+        host_maddrs=LOOPBACK_MADDRS,
         steps=steps,
         trainer=TrainerOptions(log_every=1),
         faults=FaultSchedule.parse(faults),
@@ -81,7 +81,7 @@ def test_nodes_in_this_process_train_and_a_fault_keyed_by_peer_and_step_stops_on
     # the server's schedule names another peer only: it must not fire here
     with BackgroundNode(
         PeerConfig(
-            role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK, faults=FaultSchedule.parse("x@step=1")
+            role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK_MADDRS, faults=FaultSchedule.parse("x@step=1")
         ),
         cfg,
     ) as server:

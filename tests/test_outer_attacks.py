@@ -22,7 +22,6 @@ from hivemind.dht.schema import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from swarm_harness import LOOPBACK, tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
@@ -38,6 +37,7 @@ from swarm.outer.service import OuterService
 from swarm.outer.transfer import StageState, pack_state, weights_hash
 from swarm.recovery.rebuild import rebuild_stage
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
+from swarmtest.configs import LOOPBACK, tiny_config
 
 T = TypeVar("T")
 STAGE = 1

@@ -15,8 +15,6 @@ import pytest
 import torch
 from hivemind.dht import DHT
 from hivemind.p2p import P2P
-from node_harness import BackgroundNode
-from swarm_harness import tiny_config
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
@@ -36,6 +34,8 @@ from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, ask_gates, explain_refusal
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
+from swarmtest.configs import tiny_config
+from swarmtest.node import BackgroundNode
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FP32 = get_codec("fp32")

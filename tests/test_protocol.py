@@ -16,7 +16,6 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from swarm_harness import tiny_config
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
@@ -41,6 +40,7 @@ from swarm.pipeline.routing import PathConfig, Router
 from swarm.pipeline.server import STASHED_STEPS, ActivationCache, CacheEntry, StageServer
 from swarm.pipeline.trainer import Trainer, TrainerOptions
 from swarm.sim.centralized import evaluate, train_centralized
+from swarmtest.configs import tiny_config
 
 B, T, D = 4, 16, 32
 CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")

@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from swarm_harness import DATA, Swarm, tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import TimeoutConfig
 from swarm.model.sizing import stage_parameters
+from swarmtest.configs import DATA, tiny_config
+from swarmtest.processes import Swarm
 
 WIDTH, HEADS = 768, 12  # the 125m preset's
 

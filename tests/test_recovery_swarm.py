@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_harness import DATA, Swarm, swarmloco, tiny_config
 
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import RecoveryClaim, StageStatus
@@ -35,6 +34,8 @@ from swarm.recovery.rebuild import (
     swarm_has_trained,
 )
 from swarm.rpc.blobs import Sink, TransferError, feed
+from swarmtest.configs import DATA, tiny_config
+from swarmtest.processes import Swarm, swarmloco
 
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_harness import tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
@@ -16,6 +15,7 @@ from swarm.model.stages import StagesConfig
 from swarm.pipeline.boundary import boundary_codecs
 from swarm.pipeline.routing import PathConfig, path_length
 from swarm.sim.simulate import SimulationConfig, SimulationResult, simulate
+from swarmtest.configs import tiny_config
 
 SEQ, MICRO = 32, 4
 

@@ -11,8 +11,6 @@ import struct
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
-from node_harness import LOOPBACK, BackgroundNode
-from swarm_harness import BATCH, SEQ, tiny_config
 
 from compress.codecs import get_codec
 from compress.wire import decode_frame, encode_frame
@@ -22,6 +20,8 @@ from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
 from swarm.pipeline.server import StageServer
 from swarm.rpc.defences import PeerLimits
+from swarmtest.configs import BATCH, LOOPBACK_MADDRS, SEQ, tiny_config
+from swarmtest.node import BackgroundNode
 
 TIMEOUTS = TimeoutConfig(rpc_s=10.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 INT8 = get_codec("int8")
@@ -68,11 +68,13 @@ async def weights_finite(node: Node) -> bool:
 def test_a_peer_poisoning_gradients_is_refused_and_banned_and_the_stage_keeps_training_and_its_record() -> None:
     cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=TIMEOUTS)
     strikes = PeerLimits().strikes  # the node's own ban policy
-    with BackgroundNode(PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK), cfg) as node:
+    with BackgroundNode(PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK_MADDRS), cfg) as node:
         server = PeerID.from_base58(node.maddrs[0].rsplit("/p2p/", 1)[1])
 
         async def attack() -> dict:
-            evil_p2p, honest_p2p = [await P2P.create(initial_peers=node.maddrs, host_maddrs=LOOPBACK) for _ in range(2)]
+            evil_p2p, honest_p2p = [
+                await P2P.create(initial_peers=node.maddrs, host_maddrs=LOOPBACK_MADDRS) for _ in range(2)
+            ]
             evil, honest = (StageClient(p2p, namespace=cfg.swarm_id) for p2p in (evil_p2p, honest_p2p))
             try:
                 for i in range(WARMUP):
@@ -110,9 +112,11 @@ def test_a_peer_flooding_forwards_evicts_only_its_own_cached_inputs() -> None:
     server = StageServer(cfg, 1, max_cached=8)  # 2 inputs per peer
 
     async def scenario() -> None:
-        host = await P2P.create(host_maddrs=LOOPBACK)
+        host = await P2P.create(host_maddrs=LOOPBACK_MADDRS)
         maddrs = [str(m) for m in await host.get_visible_maddrs()]
-        flooder_p2p, honest_p2p = [await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK) for _ in range(2)]
+        flooder_p2p, honest_p2p = [
+            await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK_MADDRS) for _ in range(2)
+        ]
         servicer = StageServicer(server, stage=1, max_request_bytes=server.max_request_bytes)
         await servicer.add_p2p_handlers(host, namespace=cfg.swarm_id)
         flooder, honest = (StageClient(p2p, namespace=cfg.swarm_id) for p2p in (flooder_p2p, honest_p2p))

@@ -15,8 +15,6 @@ from typing import Any
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
-from node_harness import LOOPBACK
-from swarm_harness import tiny_config
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
@@ -33,6 +31,7 @@ from swarm.pipeline.protocol import (
     pack,
 )
 from swarm.pipeline.server import StageServer
+from swarmtest.configs import LOOPBACK_MADDRS, tiny_config
 
 REAL_BATCH, REAL_SEQ, REAL_D = 8, 1024, 768  # the 125m preset's width at microbatch 8 × 1024 tokens
 
@@ -53,9 +52,9 @@ def embedding_like() -> torch.Tensor:
 
 
 async def _loopback_pair() -> tuple[P2P, P2P]:
-    host = await P2P.create(host_maddrs=LOOPBACK)
+    host = await P2P.create(host_maddrs=LOOPBACK_MADDRS)
     maddrs = [str(m) for m in await host.get_visible_maddrs()]
-    return host, await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK)
+    return host, await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK_MADDRS)
 
 
 @pytest.mark.timeout(240)

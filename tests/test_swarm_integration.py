@@ -18,7 +18,6 @@ import torch
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-from swarm_harness import BATCH, DATA, SEQ, Swarm, records, tiny_config
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
@@ -31,6 +30,9 @@ from swarm.model.transformer import Transformer
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
 from swarm.pipeline.routing import PathConfig
 from swarm.sim.centralized import evaluate
+from swarmtest.configs import BATCH, DATA, SEQ, tiny_config
+from swarmtest.processes import Swarm
+from swarmtest.records import records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

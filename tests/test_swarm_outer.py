@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from hivemind.p2p import PeerID
-from swarm_harness import DATA, Swarm, tiny_config
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
@@ -22,6 +21,8 @@ from swarm.dht.records import StageStatus
 from swarm.node import choose_role, stage_loads
 from swarm.outer.rounds import RoundTiming
 from swarm.recovery.rebalance import StageLoad
+from swarmtest.configs import DATA, tiny_config
+from swarmtest.processes import Swarm
 
 H = 5
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from swarm_harness import DEFAULT_SWARM_HASH
 from typer.testing import CliRunner
 
 from peer.cli import app
@@ -25,6 +24,7 @@ from peer.tokenizer import (
 )
 from swarm.config import DataConfig, SwarmConfig, dumps_config, load_config
 from swarm.errors import ConfigError
+from swarmtest.configs import DEFAULT_SWARM_HASH
 
 VOCAB = 400
 

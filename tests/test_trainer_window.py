@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from swarm_harness import BATCH, SEQ, tiny_config
 
 from swarm.config import SwarmConfig
 from swarm.model.stages import EDGE_STAGE
@@ -23,6 +22,7 @@ from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer, TrainerOptions, Window
+from swarmtest.configs import BATCH, SEQ, tiny_config
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Hold = Callable[[Backward], Awaitable[None]]

@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from swarm_harness import BATCH, SEQ, tiny_config
 
 from swarm.config import SwarmConfig
 from swarm.model.stages import EDGE_STAGE, to_model_state
@@ -23,6 +22,7 @@ from swarm.sim.centralized import train_centralized
 from swarm.sim.centralized import train_microbatch as centralized_microbatch
 from swarm.sim.simulate import Replica, make_replica
 from swarm.sim.simulate import train_microbatch as simulated_microbatch
+from swarmtest.configs import BATCH, SEQ, tiny_config
 
 STAGES = 2
 FP32 = {"activations": "fp32", "gradients": "fp32"}

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarm_harness import DATA, records, tiny_config
 
 from optim.config import InnerOptimConfig
 from peer.launch import LocalSwarm, Placement, launch_local
 from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, ping_ms, rtt_within, unsupported_reason
 from swarm.config import TimeoutConfig
+from swarmtest.configs import DATA, tiny_config
+from swarmtest.records import records
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
 REASON = unsupported_reason()

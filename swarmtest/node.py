@@ -1,9 +1,9 @@
 """A swarm ``Node`` run in this process, on its own event loop in a background thread: start it, wait until ready, stop it.
 
-For tests that want a peer's objects at hand (its records as they are logged, its ``Node``) rather
-than a separate process; tests of whole swarms spawn processes (``swarm_harness.py``).
+For tests that want a peer's objects at hand (its records as they are logged, its ``Node``) rather than a separate
+process; tests of whole swarms spawn processes (``swarmtest.processes``).
 
-    with BackgroundNode(PeerConfig(role="stage", stage=1, host_maddrs=LOOPBACK), cfg) as server:   # ready: serving
+    with BackgroundNode(PeerConfig(role="stage", stage=1, host_maddrs=LOOPBACK_MADDRS), cfg) as server:   # ready: serving
         with BackgroundNode(PeerConfig(role="trainer", initial_peers=server.maddrs, ...), data=batches) as trainer:
             last = trainer.result(timeout=120)
     # leaving the block stops the node (records retired, DHT down) and re-raises what its run raised
@@ -19,10 +19,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 from swarm.config import SwarmConfig
-from swarm.node import DataFactory, Node
-from swarm.peer_config import PeerConfig
+from swarm.events import E, Event, of_kind
+from swarm.node.config import PeerConfig
+from swarm.node.context import DataFactory
+from swarm.node.node import Node
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 T = TypeVar("T")
 
 
@@ -45,7 +46,7 @@ class BackgroundNode:
             on_fault,
             ready_timeout_s,
         )
-        self.records: list[dict[str, Any]] = []
+        self.records: list[Event] = []  # as logged (unstamped)
         self.maddrs: list[str] = []
         self.node: Node | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the node's, while it runs
@@ -96,8 +97,9 @@ class BackgroundNode:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def events(self, event: str) -> list[dict[str, Any]]:
-        return [record for record in list(self.records) if record.get("event") == event]
+    def events(self, kind: type[E]) -> list[E]:
+        """The events of ``kind`` logged so far: ``events(Serving)``, ``events(Progress)`` (the progress records)."""
+        return of_kind(list(self.records), kind)
 
     def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
         """Poll ``check`` until it returns something true; TimeoutError (with the last records) if it does not in time."""

@@ -1,4 +1,4 @@
-"""What every test that runs real processes shares: the tiny config, the data, a swarm of peers on loopback, the CLI, cleanup.
+"""Swarms of real processes on loopback: ``swarmloco run`` peers, other commands, and cleanup of all they started.
 
     swarm = Swarm(tmp_path, tiny_config(stages=1, steps=30), child_processes)   # child_processes (conftest) stops whatever is left
     swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")   # the first peer creates the swarm
@@ -14,77 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import pytest
 
-from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import REPO_ROOT, spawn_peer, stop_processes, wait_for_address
-from swarm.config import SwarmConfig, TrainConfig, save_config
+from swarm.config import SwarmConfig, save_config
 from swarm.dht.membership import Membership
 from swarm.dht.process import SwarmDHT
-from swarm.model.stages import StagesConfig
-from swarm.model.transformer import ModelConfig
+from swarm.events import E, Event, OuterRound, Progress, StateServed
+from swarmtest.configs import LOOPBACK
+from swarmtest.records import records
 
 T = TypeVar("T")
-
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # ~30 files of Python's own source: loads in a blink
-BATCH, SEQ = 8, 64  # the tiny config's microbatch: 8 samples of 64 tokens
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-
-
-# The id of every public swarm on the default config: fields added since must leave it unchanged (it changed on
-# purpose with the default microbatch of 4, 2026-11-24, and with the default warm start of 100 steps, 2026-11-26).
-DEFAULT_SWARM_HASH = "695ed322fad08987"
-
-
-# Test swarms meet every H from their first step: their runs are tens of steps, and most tests count rounds
-# (the default warm start, 100 steps of a round after every step, is exercised by the main job and its own tests).
-QUICK_OUTER = OuterOptimConfig(warm_start_steps=0)
-
-
-def tiny_config(*, stages: int | None = None, steps: int | None = None, **sections: object) -> SwarmConfig:
-    """The tiny swarm the tests run: d_model 64, 2 layers, 4 heads, one stage, microbatches of 8 × 64 tokens, 5 warm-up steps.
-
-    ``stages`` (middle stages) and ``steps`` (the inner schedule's length) are the knobs most tests turn. Any other
-    field of ``SwarmConfig`` is replaced by a value, or, given a dict, changed field by field; None keeps the default.
-
-        tiny_config(stages=3, steps=400, model={"n_layers": 3}, outer={"method": "none"}, paths=None)
-    """
-    tiny = SwarmConfig(
-        model=ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ),
-        stages=StagesConfig(num_stages=1),
-        train=TrainConfig(seq_len=SEQ, microbatch_size=BATCH, inner_batch=BATCH),
-        inner=InnerOptimConfig(warmup_steps=5),
-        outer=QUICK_OUTER,
-    )
-    changes = {
-        name: dataclasses.replace(getattr(tiny, name), **value) if isinstance(value, dict) else value
-        for name, value in sections.items()
-        if value is not None
-    }
-    if stages is not None:
-        changes["stages"] = dataclasses.replace(changes.get("stages", tiny.stages), num_stages=stages)
-    if steps is not None:
-        changes["inner"] = dataclasses.replace(changes.get("inner", tiny.inner), total_steps=steps)
-    return dataclasses.replace(tiny, **changes)
-
-
-def records(out: Path, name: str, event: str | None = None) -> list[dict]:
-    """A peer's JSONL records of ``event`` in ``out/<name>.jsonl`` (None: progress and status records, which have no event)."""
-    path = out / f"{name}.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last line may be half written
-    return [r for r in map(json.loads, lines) if r.get("event") == event]
 
 
 def wait_until(what: str, check: Callable[[], T | None], timeout: float, *, explain: Callable[[], str] = str) -> T:
@@ -141,18 +90,22 @@ class Swarm:
         self.join = self.join or ["--initial-peers", maddr]
         return maddr
 
-    def records(self, name: str, event: str | None = None) -> list[dict]:
-        """The peer's JSONL records of ``event`` (None: progress records, which have no event)."""
-        return records(self.out, name, event)
+    @overload
+    def records(self, name: str) -> list[Progress]: ...
+    @overload
+    def records(self, name: str, kind: type[E]) -> list[E]: ...
+    def records(self, name: str, kind: type[Event] = Progress) -> list[Event]:
+        """The peer's JSONL events of ``kind`` (by default its progress records)."""
+        return records(self.out, name, kind)
 
-    def progress(self, name: str) -> list[dict]:
-        return [r for r in self.records(name) if r.get("role") == "trainer"]
+    def progress(self, name: str) -> list[Progress]:
+        return [r for r in self.records(name) if r.role == "trainer"]
 
-    def rounds(self, name: str) -> list[dict]:
-        return [r for r in self.records(name, "outer_round") if r["outcome"] == "done"]
+    def rounds(self, name: str) -> list[OuterRound]:
+        return [r for r in self.records(name, OuterRound) if r.outcome == "done"]
 
     def served(self, name: str) -> set[str]:
-        return {r["sha256"] for r in self.records(name, "state_served")}
+        return {r.sha256 for r in self.records(name, StateServed)}
 
     def log(self, name: str, chars: int = 3000) -> str:
         path = self.out / f"{name}.log"
@@ -184,7 +137,7 @@ class Swarm:
         self.gone.update(names)
         stop_processes([self.procs[name] for name in names])
 
-    def finish(self, name: str, timeout: float = 150) -> dict:
+    def finish(self, name: str, timeout: float = 150) -> Progress:
         """Wait for the peer to exit with 0; its last record."""
         try:
             code = self.procs[name].wait(timeout=timeout)

@@ -1,0 +1,148 @@
+"""In-process fakes: the outer step's network in memory (``Hub``, ``MemoryNet``), stage RPC without sockets
+(``InProcessNetwork``), and a ``Holder`` whose inner step is a seeded random move (``RandomStepHolder``).
+
+    hub = Hub(); hub.join("a"); net = MemoryNet(hub, "a")       # hub.dead / cut / slow: faults by peer
+    net = InProcessNetwork(cfg, {"1a": 1, "2a": 2}); Trainer(cfg, net, net.router)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from swarm.config import SwarmConfig
+from swarm.dht.metrics import Traffic
+from swarm.model.stages import build_stage
+from swarm.outer.board import Board
+from swarm.outer.group import RoundKey
+from swarm.pipeline.metering import MeteredBackend
+from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageServicer, pack, parse_reply
+from swarm.pipeline.routing import Router
+from swarm.pipeline.server import StageServer
+from swarm.rpc.blobs import TransferError
+
+T = TypeVar("T")
+
+CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")  # a servicer call from "trainer"
+
+
+class Hub:
+    """An in-memory swarm: the DHT's round declarations and every peer's board; peers can die, links can be cut."""
+
+    def __init__(self) -> None:
+        self.declared: dict[RoundKey, dict[str, float]] = {}
+        self.boards: dict[str, Board] = {}
+        self.dead: set[str] = set()
+        self.cut: set[tuple[str, str]] = set()  # (fetcher, peer): that fetch fails
+        self.slow: set[str] = set()  # peers that never answer (the fetch times out)
+        self.fetches: list[tuple[str, str, str]] = []  # (fetcher, peer, blob name) of every fetch tried
+        self.fetched_bytes: dict[str, int] = {}  # blob name → its size, for every blob a fetch delivered
+
+    def join(self, me: str) -> None:
+        self.boards[me] = Board(retention_s=60.0, clock=time.monotonic)
+
+
+class MemoryNet:
+    """One peer's ``GroupNetwork`` on a ``Hub``: declarations in the hub, payloads fetched from the others' boards."""
+
+    def __init__(self, hub: Hub, me: str) -> None:
+        self.hub, self.me = hub, me
+
+    async def declare(self, key: RoundKey, opened_at: float, expiration: float) -> None:
+        self.hub.declared.setdefault(key, {})[self.me] = opened_at
+
+    async def declarations(self, key: RoundKey) -> dict[str, float]:
+        return dict(self.hub.declared.get(key, {}))
+
+    async def fetch(self, peer: str, name: str, timeout: float, *, max_bytes: int | None = None) -> bytes:
+        self.hub.fetches.append((self.me, peer, name))
+        if peer in self.hub.dead or (self.me, peer) in self.hub.cut:
+            raise TransferError(f"{peer} is unreachable")
+
+        async def answer() -> bytes:
+            if peer in self.hub.slow:
+                await asyncio.sleep(timeout + 1)
+            return await self.hub.boards[peer].get(name)
+
+        try:
+            blob = await asyncio.wait_for(answer(), timeout)
+        except (TimeoutError, LookupError) as e:
+            raise TransferError(f"{peer}: {e!r}") from None
+        if max_bytes is not None and len(blob) > max_bytes:  # as a BlobClient refuses its announced size, unread
+            raise TransferError(f"{peer} announced a blob of {len(blob)} bytes; at most {max_bytes} are accepted")
+        self.hub.fetched_bytes[name] = len(blob)
+        return blob
+
+
+class RandomStepHolder:
+    """A ``Holder`` whose inner step moves every weight by a small seeded random step: the outer step only ever sees
+    weights, so this is all of training it needs, at no compute cost."""
+
+    def __init__(self, module: torch.nn.Module, seed: int, step_size: float) -> None:
+        self.module = module
+        self.inner_steps = self.start_step = 0
+        self.step_size, self.rng = step_size, torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def small(cls, seed: int) -> RandomStepHolder:
+        """Two 8 × 8 linears, the same on every replica, moved by steps of 0.01."""
+        torch.manual_seed(0)
+        return cls(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), seed, step_size=0.01)
+
+    @classmethod
+    def stage(cls, cfg: SwarmConfig, seed: int, stage: int = 1, step_size: float = 3e-4) -> RandomStepHolder:
+        """The swarm's real ``stage`` (seeded weights, the same on every replica), moved by steps of ``step_size``."""
+        return cls(build_stage(cfg.model, cfg.stages.num_stages, stage), seed, step_size)
+
+    async def exclusive(self, fn: Callable[[], T], *, change: str = "none") -> T:
+        return fn()
+
+    @torch.no_grad()
+    def train(self) -> None:
+        for p in self.module.parameters():
+            p.add_(self.step_size * torch.randn(p.shape, generator=self.rng))
+        self.inner_steps += 1
+
+
+def request(payload: bytes) -> runtime_pb2.ExpertRequest:
+    """A servicer's request envelope around ``payload``."""
+    return runtime_pb2.ExpertRequest(metadata=payload)
+
+
+class InProcessNetwork:
+    """``StageCalls`` straight into servicers, through the same envelope as over P2P. Peers in ``dead`` are unreachable."""
+
+    def __init__(self, cfg: SwarmConfig, replicas: dict[str, int]) -> None:
+        self.servers = {peer: StageServer(cfg, stage) for peer, stage in replicas.items()}
+        self.traffic = {peer: Traffic() for peer in replicas}  # what each server counts, as a peer's metrics do
+        self.servicers = {
+            peer: StageServicer(
+                MeteredBackend(s, self.traffic[peer]), stage=s.stage, max_request_bytes=s.max_request_bytes
+            )
+            for peer, s in self.servers.items()
+        }
+        self.dead: set[str] = set()
+        self.router = Router(cfg.stages.num_stages, random.Random(0))
+        for stage in range(1, cfg.stages.num_stages + 1):
+            self.router.update(stage, [peer for peer, s in replicas.items() if s == stage])
+
+    async def forward(self, peer: str, req: Forward, *, timeout: float) -> bytes:
+        return await self._call(peer, "rpc_forward", req)
+
+    async def backward(self, peer: str, req: Backward, *, timeout: float) -> bytes:
+        return await self._call(peer, "rpc_backward", req)
+
+    async def _call(self, peer: str, method: str, req: Forward | Backward) -> bytes:
+        if peer in self.dead:
+            raise RemoteError(RequestError.UNREACHABLE, f"{peer} is gone")
+        return parse_reply((await getattr(self.servicers[peer], method)(request(pack(req)), CONTEXT)).metadata)
+
+    def served(self, peer: str) -> int:
+        return self.servers[peer].counters["backward"]
