@@ -1,29 +1,10 @@
 """Link-adaptive boundary codecs: per link, the least lossy codec whose frames cross it within the hop's compute time.
 
-A ``Ladder`` is the codecs one kind of boundary tensor may travel in, least lossy first. A fixed
-codec (``codecs.activations = "int8"``) is a ladder of one; ``"adaptive"`` is ``bf16 → int8 →
-int4`` (``subspace+`` each of them for a subspace-constrained model). Frames are self-describing,
-so a receiver decodes one by its codec id among the ladder's codecs, with the same limits and
-expected-shape checks as a single codec, and refuses any other codec (``UnknownCodec``).
+A ``Ladder`` is the codecs one kind of boundary tensor may travel in, least lossy first (a fixed codec is a
+ladder of one; ``"adaptive"`` is bf16 → int8 → int4); ``LinkEstimator`` measures each link from the RPCs, and
+``choose_codec`` picks a rung for a ``LinkEstimate``. The rule and its reasons: docs/architecture.md, pipeline/.
 
-The sender chooses (``choose_codec``), per destination peer, from a ``LinkEstimate``: with a window
-of microbatches in flight the wire and the stage compute overlap, so a link stops being the
-bottleneck once a call's frames (one each way: the request's tensor and the reply's, in the same
-codec) cross it in no more than the server's compute time for that call. Among the ladder, the
-least lossy codec meeting that budget wins; none does: the most compressed. A link not measured yet
-gets the ladder's ``start`` (int8, the swarm's default codec).
-
-``LinkEstimator`` measures each link from the RPCs themselves: the server says in its reply how long
-it held the request (waiting for its compute thread included) and how long it computed; the rest
-of the round trip is the wire, so seconds per byte = (round trip − server time) / bytes both ways.
-Round-trip latency counts as wire time too, since one RPC cannot tell latency from bandwidth: on a
-long-delay link the estimate is pessimistic and the choice errs towards more compression. A server
-can lie about its times, but only about its own link: the estimate is clamped to the round trip
-the trainer measured, and the ladder bounds what any claim can lead to.
-
-    >>> ladder = Ladder([get_codec(n) for n in ADAPTIVE_LADDER], start=1)
     >>> codec = choose_codec(ladder, (16, 128, 512), LinkEstimate(seconds_per_byte=1e-8, compute_s=0.05))  # bf16
-    >>> codec, x, tokens = ladder.decode(codec.encode(torch.randn(16, 128, 512)), expected_shape=(16, 128, 512))
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Codecs for activations and activation-gradients, and their registry by name.
 
-A codec turns a tensor into one wire frame (``compress/wire.py``) and back. Codecs are
-stateless; the stateful pseudo-gradient codec lives in ``compress/sparseloco.py``.
+A codec turns a tensor into one wire frame (``compress/wire.py``) and back: ``fp32``, ``fp16``, ``bf16``
+(cast), ``int8``, ``int4`` (per-token absmax) and ``subspace[+inner]`` (the subspace-constrained model's
+boundary). Codecs are stateless; the pseudo-gradient codec is ``compress/sparseloco.py``. How each one codes,
+and why the subspace gradient is exact: docs/architecture.md, compress/.
 
-- ``fp32``, ``fp16``, ``bf16``: the values as they are, cast.
-- ``int8``, ``int4``: symmetric per-token absmax quantisation (int4 packs two values per byte).
-  A token's scale costs one byte: its absmax as a log-step below the tensor's largest absmax
-  (2**(-s/16), s in 0..255), so scales stay 1/(d+1) of the payload even when d is small.
-- ``subspace[+inner]``: for the subspace-constrained model, ``h = z @ U.T + T[tok]`` exactly,
-  so a frame holds the token ids and the k values z per token, themselves coded by ``inner``
-  (fp32 by default, or any codec above; ratios multiply). ``kind="gradient"`` sends only
-  ``g @ U``: the boundary gradient g is not in span(U), but every upstream parameter sees g only
-  through ``U.T @ g`` (the model writes to the residual stream through U, and T is fixed), so
-  the receiver's ``(g @ U) @ U.T`` gives exact parameter gradients.
-
-    >>> codec = get_codec("int8")
-    >>> x = torch.randn(4, 128, 64)  # (B, T, d)
-    >>> y = codec.decode(codec.encode(x))  # float32, shape (4, 128, 64), ~0.5% relative error
+    >>> y = get_codec("int8").decode(get_codec("int8").encode(torch.randn(4, 128, 64)))  # ~0.5% relative error
 """
 
 from __future__ import annotations

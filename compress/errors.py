@@ -1,16 +1,11 @@
 """Errors of the bottom layer: ``ConfigError`` for an invalid config value, ``WireError`` for a bad frame.
 
-Every config dataclass of every package (compress, optim, swarm) raises ``ConfigError``: the field
-travels as data, so a parent section prefixes its own name (``err.within("codecs")``) and the user
-reads the full dotted path. Every decode failure is a ``WireError``.
+Every config dataclass raises ``ConfigError`` (``err.within("codecs")`` prefixes a section's name, so the user
+reads the full dotted path); decoding bytes from strangers raises nothing but ``WireError``, while encode-side
+misuse is a plain ``ValueError`` (docs/architecture.md, compress/).
 
-A peer decodes bytes sent by strangers, so decoding never raises anything else: callers catch
-``WireError`` once, drop the message and may ban the sender. Encode-side misuse (wrong basis,
-non-finite input) raises plain ``ValueError``: that is a local bug, not hostile input.
-
-    >>> from compress.wire import decode_frame
-    >>> try: decode_frame(b"junk that is no frame")
-    ... except WireError as e: print(type(e).__name__, e)  # BadMagic: not a swarmloco frame …
+    >>> try: decode_frame(b"junk")
+    ... except WireError as e: print(type(e).__name__)  # BadMagic
 """
 
 from __future__ import annotations

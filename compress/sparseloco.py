@@ -1,32 +1,10 @@
 """SparseLoCo pseudo-gradient codec: error feedback, chunked top-k, 2-bit values, compact indices.
 
-Per tensor and sync: ``e ← β·e + Δ``; cut e into chunks (2-D tensors as 64×64 tiles, edge tiles
-padded; 1-D tensors as runs of 64, all kept: dense, still 2-bit coded with error feedback); keep the
-top-k magnitudes of each chunk; code each kept value in 2 bits; ``e ← e − decoded(sent)``. Tensors of
-more dims are tiled as (shape[0], rest) matrices.
+Per tensor and round the error buffer takes Δ, its top-k magnitudes per 64×64 tile (or run of 64) are sent in 2
+bits each with a (±a, ±b) code per scale group, and what was sent leaves the buffer. The frame body's layout,
+the measured errors and index costs: docs/architecture.md, compress/.
 
-Values use a symmetric sign+magnitude code, ``±a`` or ``±b``, with one (a, b) pair per scale
-group (a 64×64 tile, or 4096 elements of a 1-D tensor) sent as bf16: a is the mean of the kept
-magnitudes up to the group's mean magnitude, b the mean of those above (one Lloyd step; more
-steps gain under 0.3%). On pseudo-gradients of the default model after 30 AdamW steps this
-reconstructs the kept values with 5.6% relative error, against 21% for a per-tensor codebook of
-4 quantile-bucket means and 34% for one per tile: a bucket straddles zero whenever the signs of
-the kept values are unbalanced (``scripts/bench_codecs.py`` measures all three).
-
-Every chunk sends exactly k (chunk-local, ascending) indices. A tile with fewer than k elements
-fills the rest with picks in its padding, which the receiver drops; only tiny tensors have such
-tiles. Frame body (zstd-compressed by the wire layer), for C chunks and G scale groups::
-
-    low bytes of the index deltas (C·k) | their high bytes (C·k) | 2-bit codes (⌈C·k/4⌉) | (a, b) bf16 (4·G)
-
-Indices are delta-coded within their chunk (the first one from 0); splitting the 16-bit deltas
-into byte planes lets zstd entropy-code them: about 8.5 bits per index on real pseudo-gradients
-against 12 for fixed packing.
-
-    >>> codec = SparseLoCoCodec(topk=64)
-    >>> state = codec.new_state()
-    >>> frames = {n: codec.encode(n, theta_global[n] - p.detach(), state) for n, p in model.named_parameters()}
-    >>> avg = aggregate_mean([codec.decode(f) for f in frames_from_every_replica])  # dense, one name at a time
+    >>> frame = SparseLoCoCodec(topk=64).encode(name, delta, state)  # state: codec.new_state(), kept per replica
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """The one framed message format for every tensor payload on the wire.
 
-Layout (little-endian)::
-
-    magic "SWLC" | version u8 | codec u8 | dtype u8 | flags u8 | ndim u8
-    | meta_len u32 | body_len u32 | payload_len u32 | crc32 u32
-    | shape: ndim × u32 | meta: meta_len bytes | payload: payload_len bytes
-
-``meta`` holds a codec's small parameters (scales, ranks), stored as is. ``payload`` is the
-codec's body, zstd-compressed when flag bit 0 is set (``body_len`` is its decompressed size),
-stored raw otherwise (when zstd does not make it 1% smaller). The crc32 covers every byte of the
-frame except its own field.
-
-Decoding checks the cheap things first and bounds every declared size against ``WireLimits``
-before anything is allocated or decompressed: the zstd frame must declare exactly ``body_len``
-bytes, and one-shot decompression writes into a buffer of that size, so a decompression bomb
-fails with a ``WireError`` instead of growing memory. A receiver that knows the tensor it expects
-passes ``expected_shape``: a frame declaring another shape is refused from its header, and the
-codecs then bound the body by what that shape needs (``Codec.limits_for``), so a small frame
-cannot make a receiver allocate for a tensor larger than its own.
+A frame is a fixed header (magic ``SWLC``, version, codec, dtype, flags, shape, sizes, crc32), a codec's small
+``meta`` and its body, zstd-compressed when that makes it 1% smaller. Decoding bounds every declared size by
+``WireLimits`` (and an ``expected_shape``) before it allocates; layout and reasons: docs/architecture.md, compress/.
 
     >>> frame = decode_frame(encode_frame(CodecId.FP32, b"\\0" * 8, dtype=torch.float32, shape=(2,)))
-    >>> frame.shape, frame.body  # ((2,), b'\\x00…')
 """
 
 from __future__ import annotations

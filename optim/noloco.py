@@ -1,26 +1,10 @@
 """NoLoCo: no all-reduce; each replica averages with one partner per round (Kolehmainen et al., 2025).
 
-Every replica keeps its *own* outer weights θᵢ (replicas are never forced equal) and heavy-ball
-momentum. In a round it is paired with one other replica, and both exchange their
-pseudo-gradient Δᵢ = θᵢ − θᵢ_local and their outer weights θᵢ. The step (the authors' code,
-jkolehm/noloco, ``sparse_optimizer_c.py``) writes into ``.grad`` of θᵢ
-
-    g = mean_pair(Δ) + (θᵢ − mean_pair(θ))        # a DiLoCo step plus a pull towards the partner
-
-and steps ``torch.optim.SGD(lr, momentum)`` (heavy ball, no Nesterov). The second term is
-gossip averaging: replicas that never meet directly still converge through partners of partners,
-so no round ever needs the whole group, and its cost per replica does not grow with the group.
-
-Pairs are drawn by ``partners`` (shuffled by the round number), so every member of a round computes
-the same pairing without another message. In a live swarm the round pairs the members of its group
-(sorted peer ids) and each fetches its partner's payload only (``swarm/outer/rounds.py``
-``run_round(pairs=True)``: one transfer per member, no leader, no commit); ``apply`` then gets exactly the
-pair's payloads. The in-process simulator hands ``apply`` the whole group's payloads and it picks the
-pair from them (sorted by their bytes), counting only the pair's transfers.
+Every replica keeps its own outer weights θᵢ and heavy-ball momentum; paired by ``partners`` (seeded with the
+round), it steps ``SGD(lr, momentum)`` on g = mean_pair(Δ) + (θᵢ − mean_pair(θ)): a DiLoCo step plus a
+gossip pull towards its partner. The math, its source and how live rounds pair: docs/architecture.md, optim/.
 
     >>> opt = NoLoCo(dict(model.named_parameters()), lr=0.7, momentum=0.5, codec=get_codec("fp32"))
-    >>> payload = opt.make_payload(local)          # Δ and θ, every parameter
-    >>> opt.apply(all_payloads_of_the_round, local)  # uses mine and my partner's only
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Outer optimizers: the replicas of a stage agree every H inner steps (DiLoCo, SparseLoCo; NoLoCo builds on
 this base in ``noloco.py``, and ``factory.py`` picks the one the config names).
 
-The contract is torchft's: each replica computes the pseudo-gradient Δ = θ_global − θ_local,
-the group's Δs are combined and written into ``.grad`` of the global copy, and a stock
-``torch.optim`` step moves it. Afterwards the local (inner) parameters are reset to the new
-global ones; the inner optimizer's state stays local and untouched.
+A step is two phases (torchft's contract, tested without a network): ``make_payload(local)`` encodes this
+replica's Δ = θ_global − θ_local, ``apply(payloads, local)`` steps a stock ``torch.optim`` on the global copy and
+sets local ← global, ``apply_alone(local)`` keeps a lone round's progress. More: docs/architecture.md, optim/.
 
-The group exchange is a callable (send my payload, get every member's payload), so the math is
-tested without a network. A step is two phases, so an in-process simulator can drive many
-replicas from one thread::
-
-    payload = opt.make_payload(local)        # encode my Δ
-    opt.apply(all_gather(payload), local)    # combine everyone's Δ, step, local ← global
-    opt.apply_alone(local)                   # a round with nobody else: global ← local, nothing lost
-
-Usage::
-
-    opt = DiLoCo(dict(model.named_parameters()), lr=0.7, momentum=0.9, codec=get_codec("fp16"))
-    opt.step(dict(model.named_parameters()), all_gather)   # every H inner steps
+    >>> opt.apply(all_gather(opt.make_payload(local)), local)  # every H inner steps
 """
 
 from __future__ import annotations
