@@ -1,15 +1,10 @@
 """A peer's libp2p identity: the RSA key behind its peer id, which also signs every record it stores in the DHT.
 
-hivemind's libp2p identities are RSA keys (``P2P.generate_identity``); the peer id is the sha256
-multihash of the public key (``peer_id_of_public_key``). Signing DHT records with that same key
-binds each record to the peer id it names: a reader derives the id from the record's owner key
-(``swarm/dht/membership.py``) instead of trusting the id written in front of it. A peer started
-without ``--identity`` gets a fresh identity file for the start of its daemon only
-(``ephemeral_identity``), so its key is known to it too.
+Signing records with that same key binds each record to the peer id it names (``OwnerBindingValidator``):
+a reader derives the id from the record's owner key (``peer_from_subkey``) instead of trusting the id in front
+of it. Why and how: docs/architecture.md, dht/.
 
-    >>> with ephemeral_identity(None) as path:      # a given path is used as it is
-    ...     key = load_identity_key(path)
-    >>> peer_id_of_public_key(key.get_public_key().to_bytes())   # == the DHT's peer id once started with `path`
+    >>> with identity_file(None) as (path, new): identity_peer_id(load_identity_key(path))  # the DHT's peer id
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """Swarm membership in the hivemind DHT: signed, schema-checked stage records and the swarm config.
 
-Every peer announces ``{swarm_id}/stage/{i}`` (trainers as stage 0) under the subkey
-``{peer id}[owner:<rsa key>]`` every ``announce_period_s`` with a ``record_ttl_s`` lifetime, so a
-silent peer vanishes on its own. The owner marker makes hivemind's ``RSASignatureValidator``
-require the owner's signature, and a ``SchemaValidator`` rejects records that do not match the
-pydantic models below, on every DHT node that stores or returns them.
+``Membership`` joins a swarm (publishes, or fetches and checks, the config), announces and reads each stage's
+records and the peers' metrics, and is the one signed store/read the other subsystems use (declarations,
+claims, revocation lists). The keys, subkeys and validators: docs/architecture.md, dht/.
 
-The owner key is the peer's libp2p identity key (``SwarmDHT.identity``), so the peer id in front
-of it is not a claim but a fact to check: ``OwnerBindingValidator`` (``swarm/dht/identity.py``)
-refuses a record whose peer id is not the one its owner key derives to, and readers take the peer
-id from the owner key (``peer_from_subkey``). A peer cannot announce records under a peer id whose
-key it does not hold.
-
-Peers of a private swarm republish the newest signed revocation list they know under
-``{swarm_id}/revocations`` (``swarm/dht/revocations.py``), so running peers learn of revocations.
-
-Replicas declare their arrival in an outer round of stage i under ``{swarm_id}/outer/{i}`` (the
-round in the record; ``swarm/outer/rounds.py``).
-
-A peer about to rebuild a lost stage stores a ``RecoveryClaim`` under ``{swarm_id}/recovery/{i}``
-(same subkeys and signatures) so that one peer rebuilds it at a time (``swarm/recovery/rebuild.py``); a
-rebuilt replica's stage record carries ``recovered=True``.
-
-The swarm config is published under ``{name}/config`` by every peer (so it outlives the creator);
-a joining peer without a config fetches it, one with a different config gets an error naming
-both hashes.
-
-    >>> membership = Membership(dht)                                    # a running SwarmDHT (swarm/dht/process.py)
-    >>> cfg = await membership.join(SwarmConfig(), create=True)         # or join(None, name=...)
-    >>> await membership.announce(2, StageStatus(samples_per_s=40.0))
-    >>> await membership.replicas(2)                                    # {PeerID: StageStatus}
+    >>> cfg = await Membership(dht).join(SwarmConfig(), create=True)  # or join(None, name=...)
 """
 
 from __future__ import annotations

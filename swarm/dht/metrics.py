@@ -1,21 +1,10 @@
 """Peer metrics: the small signed record every peer publishes to the DHT every few seconds.
 
-Each peer stores a ``PeerMetrics`` (schema in ``swarm/dht/records.py``) under ``{swarm_id}/metrics`` with its own subkey (peer id +
-owner marker, as stage records), so one DHT get returns every live peer's latest numbers
-(``Membership.metrics``), a record is schema-checked by every DHT node that stores it, and it
-expires with its peer. ``swarmloco dashboard`` (``peer/dashboard/``) draws them; each peer also logs every record it
-publishes to its JSONL file, as it publishes it (a ``metrics`` event, ``swarm.parts.publish_metrics``), so the file
-and the dashboard agree.
+``Meter`` builds a peer's ``PeerMetrics`` (cumulative counters, rates, losses) and ``Traffic`` counts its wire
+bytes by kind, once; ``swarmloco dashboard`` draws the records and each peer logs them as it publishes them.
+Who counts what, and why the counters are cumulative: docs/architecture.md, dht/.
 
-Counters are cumulative (tokens, bytes, recoveries, DHT stores) so a reader that misses a record loses nothing;
-tokens/s is a rate over the last period. Bytes are wire frames by kind, counted once into the peer's
-``Traffic``: by the trainer for the calls it makes (``Trainer._count``), by a thin wrapper for the
-ones a stage server answers (``MeteredBackend``, ``swarm/pipeline/metering.py``).
-
-    >>> meter = Meter(role="stage", stage=1, state="serving")
-    >>> servicer = StageServicer(MeteredBackend(server, meter.traffic), stage=1, max_request_bytes=server.max_request_bytes)
     >>> await membership.publish_metrics(meter.sample(server.status(queue=0), tokens=12_288, dht_stores=membership.stores))
-    >>> await membership.metrics()  # {PeerID: PeerMetrics} of every live peer
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """``SwarmDHT``: hivemind's DHT process, with the identity key this peer signs its records with, dying with its peer.
 
-The key is the libp2p identity's own (``swarm/dht/identity.py``): a record signed with it names
-the peer id that ``dht.peer_id`` is, and no other. The node checks signatures and that binding on
-every record from its start (records stored before a validator is added are never checked again).
-A DHT started without an identity file gets a fresh one for the start of its daemon only.
+Its node checks signatures and the peer id binding from its start; the process and its p2pd shut down when
+the peer dies, even by SIGKILL (a parent-death signal, a ``getppid`` watchdog). Why: docs/architecture.md, dht/.
 
-The DHT process (hivemind's, a child of the peer) runs the libp2p daemon p2pd as its own child.
-Neither may outlive the peer: a SIGKILLed or OOM-killed peer would otherwise leave both running on a
-volunteer's machine. So the DHT process asks Linux for a signal when its parent dies
-(``PR_SET_PDEATHSIG``) and a watchdog thread checks ``os.getppid()`` (the backstop elsewhere); once
-the parent is gone (or ``SIGTERM_GRACE_S`` after a SIGTERM, if the peer has not shut it down by
-then) it shuts its node down the way ``DHT.shutdown`` does (which stops p2pd), and if that hangs it
-kills its children and exits.
-
-    >>> dht = SwarmDHT(initial_peers=[...], host_maddrs=["/ip4/0.0.0.0/tcp/0"])   # started, as DHT(start=True)
-    >>> Membership(dht)                                                            # signs with dht.identity
+    >>> Membership(SwarmDHT(initial_peers=[...], host_maddrs=["/ip4/0.0.0.0/tcp/0"]))  # signs with dht.identity
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """How others reach this peer: directly (public), through a relay, or not at all but for the calls it makes (client).
 
-A volunteer behind NAT has no address others can dial. libp2p (hivemind's p2pd) offers two ways in,
-both used here as Petals uses them on its public swarm:
+``choose_reachability`` picks the mode (``auto``: public unless nothing suggests others can dial the peer) and
+gives its DHT/P2P options; ``use_static_relays`` makes p2pd take the initial peers as static relays, and
+``wait_for_circuit`` waits for the relayed address. The modes and the WAN lab's findings: docs/architecture.md, dht/.
 
-- the connections such a peer opens itself carry calls both ways (libp2p reuses a connection whichever
-  side opened it), so a peer that has called another can be called back;
-- circuit relays: the peer reserves a slot on a relay (``use_auto_relay``; the initial peers are its
-  trusted relays) and announces ``…/p2p/<relay>/p2p-circuit/p2p/<itself>``; others reach it through
-  the relay. Every public peer serves as a relay (p2pd's relay service, which runs once the peer
-  knows it is publicly reachable: ``force_reachability="public"``).
-
-Two conditions for a circuit, both found in the WAN lab: p2pd must take its trusted relays as
-*static* relays (``use_static_relays``: hivemind never passes ``-relayDiscovery=0``, and with
-discovery on p2pd waits for 4 relay candidates or 3 minutes before it reserves anything), and a
-relay must have a public address: go-libp2p builds circuit addresses from a relay's public addresses
-only, so a relay on a LAN (or on the lab's 10.77.0.0/24) gives a peer behind NAT no address at all.
-
-A peer without a reachable address runs its DHT node as a client (it stores and reads records, but
-no one routes DHT queries through it, which would stall on a relayed peer). Modes:
-
-- ``public``: reachable at its listen or ``--announce-maddrs`` addresses; a full DHT node and a relay for others.
-- ``relay``: behind NAT; a DHT client reachable through relays. Any role: a stage server serves through the relay.
-- ``client``: behind NAT and only a trainer: a trainer calls the stage servers and needs no caller but the
-  members of its stage-0 outer rounds and state downloads (they fetch its payloads from its blob
-  service), so it still reserves a relay slot for those; it never becomes a stage server.
-- ``auto``: ``public`` unless nothing suggests others can dial it (see ``choose_reachability``).
-
-    >>> chosen = choose_reachability("auto", initial_peers=["/ip4/203.0.113.7/tcp/31337/p2p/12D3…"],
-    ...                              host_maddrs=["/ip4/0.0.0.0/tcp/0"], announce_maddrs=[])
-    >>> chosen.mode, chosen.describe()        # ('relay', 'reachability: relay (no --announce-maddrs, …): …')
-    >>> SwarmDHT(..., **chosen.dht_options(initial_peers))
+    >>> choose_reachability("auto", initial_peers=peers, host_maddrs=hosts, announce_maddrs=[]).dht_options(peers)
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Revocations that reach running peers: a private swarm's peers follow the newest signed revocation list.
 
-The authority signs each revocation list (``swarmloco swarm revoke``, ``swarm/rpc/auth.py``) with a
-sequence number. A peer of a private swarm checks, every ``period_s``: its ``--revocations`` file
-(an operator may replace it while the peer runs) and the lists other peers republish in the DHT
-(``Membership.revocation_lists``). It adopts a list only if the authority signed it for this swarm
-and its sequence is newer than the one it holds, in its verifier (every RPC) and in its DHT
-process's authorizer (every DHT request), and republishes the newest list it holds, so one peer
-given a new list spreads it to the whole swarm within a period or two. Forged or stale lists change
-nothing: a peer cannot un-revoke anyone, only fail to pass a list on, which the other peers' copies
-make up for.
+``RevocationFollower`` checks the ``--revocations`` file and the lists peers republish in the DHT every
+``period_s``, adopts a newer list the authority signed for this swarm, and republishes the newest it holds.
+Why forged or stale lists change nothing: docs/architecture.md, dht/.
 
-    >>> follower = RevocationFollower(membership, credentials, on_log=print, period_s=5.0)
-    >>> await follower.sync()    # once; ``run()`` does it every period_s until cancelled
+    >>> await RevocationFollower(membership, credentials, on_log=sink, period_s=5.0).sync()  # run(): every period_s
 """
 
 from __future__ import annotations

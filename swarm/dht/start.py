@@ -1,14 +1,9 @@
 """Starting this peer's DHT node, with errors that say what to do.
 
-hivemind reports a failed join in terms of its machinery ("Daemon failed to start: … failed to
-connect to bootstrap peers", "DHTNode bootstrap failed: none of the initial_peers responded to a
-ping"); ``start_dht`` turns each into a ``JoinError`` naming the cause and the fix. A private
-swarm's DHT refuses silently, so then the initial peers' admission gates are asked why
-(``swarm/rpc/admission.py``).
+``start_dht`` turns hivemind's failed joins into a ``JoinError`` naming the cause and the fix (a private swarm's
+refusal is explained by the initial peers' admission gates); ``watch_swarm`` is a client-mode look at a swarm.
 
     >>> dht = await start_dht(initial_peers=["/ip4/…/tcp/31337/p2p/12D3…"], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
-    >>> async with watch_swarm(initial_peers, None, name="swarmloco") as membership:  # status, export, dashboard
-    ...     replicas = await membership.all_replicas()
 """
 
 from __future__ import annotations
