@@ -1,25 +1,10 @@
 """Private swarms: membership certificates, revocation lists, and the checks that enforce them.
 
-A certificate says "peer P may take part in swarm S until time T", signed by the swarm's
-authority (an Ed25519 key held offline by whoever created the swarm). libp2p already proves who
-a remote peer is, so a certificate carries no secret: a peer shows it, and the receiver checks
-that it names that very peer. Certificates and revocation lists are one line of canonical JSON
-(sorted keys, no spaces) with a ``sig`` field over the rest, so they are readable, versioned and
-small (a certificate is about 310 bytes).
+A ``Certificate`` ("peer P may take part in swarm S until time T") and a ``RevocationList`` are signed by the
+swarm's authority (an offline Ed25519 key); ``CertificateVerifier`` checks one against the peer libp2p
+authenticated (every RPC) and ``CertificateAuthorizer`` in the DHT. Format and reasons: docs/architecture.md, rpc/.
 
-Where the checks run:
-
-* DHT: ``CertificateAuthorizer`` plugs into hivemind's authorizer hook
-  (``DHT(authorizer=...)``). Every DHT request and response carries the sender's certificate
-  and is signed with the sender's libp2p identity key, so the signing key *is* the peer id
-  the certificate must name; requests and responses without a valid one are dropped.
-* Stage RPC: a client puts its certificate bytes under ``CERTIFICATE_FIELD`` in each request's
-  metadata; the handler calls ``verifier.check(context.remote_id, metadata.get(CERTIFICATE_FIELD))``.
-  libp2p authenticated ``remote_id``, so the certificate needs no signature of its own.
-
-    >>> verifier = CertificateVerifier(authority_public_key, cfg.swarm_id, revocations=signed_list)
-    >>> verifier.check(context.remote_id, request_metadata.get(CERTIFICATE_FIELD))   # or AccessDenied
-    >>> dht = DHT(identity_path="peer.id", authorizer=CertificateAuthorizer(key, load_cert, verifier), start=True)
+    >>> CertificateVerifier(authority_public_key, cfg.swarm_id).check(context.remote_id, certificate)  # or AccessDenied
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Named blobs between peers: a small service over hivemind P2P that streams a blob in hash-checked chunks.
 
-A peer asks another for a named blob (``state/2``, ``outer/2/17/payload/<peer>``, …) and gets a
-stream whose first message is a header (the size, or the error reply of ``swarm/rpc/servicer.py``),
-then raw chunks of at most ``CHUNK_BYTES``, then a trailer (the SHA-256 of those bytes). The client
-bounds the size before it reads, stops at the first byte too many, and checks the hash, so a
-truncated, corrupted or oversized transfer raises ``TransferError`` and the caller tries another
-peer. The service has the defences of every service (``GuardedServicer``): rate limit, ban after
-invalid requests, certificate check.
+A stream is a header (the size, or the error reply), chunks of at most ``CHUNK_BYTES`` and a SHA-256 trailer;
+``BlobServicer`` serves what providers registered by name prefix make (bytes or a ``BlobStream``), and
+``BlobClient`` bounds, hashes and hands the chunks to a ``Sink`` (``stream``) or one buffer (``fetch``).
+More: docs/architecture.md, rpc/.
 
-Neither side needs the whole blob in memory. A provider returns bytes or a ``BlobStream`` (its
-size, and chunks made on demand: a stage's state is serialized tensor by tensor as it is sent), and
-the client hands each chunk to a ``Sink`` as it arrives (``stream``: a state is decoded straight
-into its tensors) or into one buffer of the announced size (``fetch``). The hash covers the
-stream, so a sink must not let anything use what it received until ``stream`` has returned.
-
-What is served comes from providers registered by name prefix: a stage's state
-(``swarm/outer/transfer.py``), the outer step's payloads and commits (``swarm/outer/rounds.py``).
-
-    >>> blobs = BlobServicer(verifier=creds.verifier); blobs.provide("state", replica.export_state)
-    >>> await blobs.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
     >>> data = await BlobClient(p2p, namespace=cfg.swarm_id).fetch(peer, "state/2", timeout=30, max_bytes=1 << 30)
-    >>> sha256 = await client.stream(peer, "state/2", StateDecoder(stage=2, template=params), timeout=30, max_bytes=bound)
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """A stage server's defences against misbehaving peers: per-peer request rates and bans (pure code).
 
-Every remote peer (the id libp2p authenticated) gets a token bucket, so no single peer can
-monopolise a server, and a strike for every invalid request it sends (malformed envelope, bad
-tensor frame, non-finite values, wrong shape); ``strikes`` of them within ``strike_window_s``
-ban it for ``ban_s``. Honest peers never send invalid data, so the threshold only needs to be
-above noise. The table is bounded: the longest-silent peers are forgotten first (a banned peer
-that keeps knocking stays fresh, so it stays banned). Time is injected, so all of it is
-unit-tested without sleeps.
+``PeerGuard`` gives every remote peer a token bucket and counts its invalid requests: ``strikes`` of them within
+``strike_window_s`` ban it for ``ban_s``; the table is bounded, the longest-silent forgotten first. Time is
+injected. More: docs/architecture.md, rpc/.
 
-    >>> guard = PeerGuard(PeerLimits(rate=100.0, burst=200.0))
-    >>> guard.banned_for(peer) or not guard.take(peer)     # refuse: banned, or over its rate
-    >>> guard.strike(peer)                                  # after an invalid request; True if now banned
+    >>> guard.banned_for(peer) or not guard.take(peer)  # refuse; guard.strike(peer) after an invalid request
 """
 
 from __future__ import annotations

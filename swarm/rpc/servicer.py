@@ -1,35 +1,11 @@
 """The one base of every swarmloco RPC service: request envelope, certificate check, rate limit, ban, error reply.
 
-Each service (stage RPC ``swarm/pipeline/protocol.py``, blobs ``swarm/rpc/blobs.py``, the admission
-gate ``swarm/rpc/admission.py``) is a hivemind servicer (``rpc_*`` handlers registered with
-``add_p2p_handlers``) built on ``GuardedServicer``, and a handler meets a request in this order:
+A handler of a ``GuardedServicer`` (stage RPC, blobs, the admission gate) meets a request in one order:
+``screen(peer)`` (ban, rate) before anything is read, ``open_request(peer, data, Kind, max_bytes=…)`` (size,
+envelope, field types, certificate), and ``refuse(error, peer)``: the one error reply, a strike only for an
+invalid request. More: docs/architecture.md, rpc/.
 
-1. ``screen(peer)``: a peer banned for sending invalid requests, or over its request rate
-   (``swarm/rpc/defences.py``), is refused before anything it sent is read.
-2. ``open_request(peer, data, Kind, max_bytes=…)``: the envelope, a msgpack map of the fields of
-   the request dataclass ``Kind`` plus the sender's certificate under ``CERTIFICATE_FIELD``, is
-   size-checked before msgpack allocates anything, then type-checked field by field; in a private
-   swarm the certificate must admit the peer libp2p authenticated (``swarm/rpc/auth.py``).
-3. ``refuse(error, peer)``: every failure becomes the one error reply, ``{"error": code,
-   "message": text}``. An invalid request is a strike against its sender (enough strikes ban it);
-   a refused certificate or a busy server is not misbehaviour, and an internal error is ours.
-
-    >>> @dataclass(frozen=True, kw_only=True)
-    ... class Echo:  # a request: its fields are the envelope's
-    ...     text: str
-    >>> class EchoServicer(GuardedServicer):
-    ...     async def rpc_echo(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-    ...         try:
-    ...             self.screen(context.remote_id)
-    ...             echo = self.open_request(context.remote_id, request.metadata, Echo, max_bytes=1024)
-    ...             reply = msgpack.packb({"text": echo.text})
-    ...         except Exception as e:  # refuse() tells the sender's faults from ours
-    ...             reply = self.refuse(e, context.remote_id)
-    ...         return runtime_pb2.ExpertResponse(metadata=reply)
-    >>> await EchoServicer(label="echo", verifier=creds.verifier).add_p2p_handlers(p2p, namespace=cfg.swarm_id)
-
-A client sends ``pack_envelope(Echo(text="hi"), certificate)`` and reads the reply with
-``remote_error(body)`` (the ``RemoteError`` an error reply carries, or None).
+    >>> echo = self.open_request(context.remote_id, request.metadata, Echo, max_bytes=1024)  # after self.screen(...)
 """
 
 from __future__ import annotations
