@@ -52,7 +52,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
     """Pairwise gossip outer step: Δ through ``codec``, outer weights in fp32, heavy-ball SGD (lr 0.7, momentum 0.5)."""
 
     replicas_agree = False  # each keeps its own outer weights; the pull towards partners brings them together
-    pairwise = True  # a live round fetches the partner's payload only (swarm/outer/rounds.py, run_round(pairs=True))
+    pairwise = True  # a live round fetches the partner's payload only (swarm/outer/pairs.py, pair_round)
 
     def __init__(self, params: NamedTensors, *, lr: float = 0.7, momentum: float = 0.5, codec: Codec) -> None:
         super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum))

@@ -121,7 +121,7 @@ class OuterOptimizer(ABC, Generic[Part]):
     """
 
     replicas_agree: ClassVar[bool] = True  # after a round every replica holds the same global weights (not NoLoCo)
-    pairwise: ClassVar[bool] = False  # live rounds swap payloads in pairs, run_round(pairs=True), no all-gather
+    pairwise: ClassVar[bool] = False  # live rounds swap payloads in pairs (pair_round), no all-gather
 
     def __init__(
         self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]

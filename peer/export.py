@@ -27,7 +27,7 @@ from swarm.model.transformer import ModelConfig, Transformer
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:  # these load hivemind, which an export from a checkpoint does not need
-    from swarm.outer.transfer import StageState
+    from swarm.outer.state import StageState
     from swarm.rpc.admission import Credentials
 
 ExportFormat = Literal["pt", "hf"]

@@ -6,7 +6,7 @@ does once per process. hivemind keeps its own handler; its level follows ours fr
 
     >>> configure("info")                 # every command does this from --log-level (peer/cli_common.py)
     >>> set_peer_name("stage1-0")         # `swarmloco run`, once the peer knows its name
-    2026-11-23 22:51:07 INFO    [stage1-0] swarm.outer.replica: stage 1: a strike against 12D3…: …
+    2026-11-23 22:51:07 INFO    [stage1-0] swarm.outer.accountability: stage 1: a strike against 12D3…: …
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the replicas are the tests' own helpers
 
 PROJECT_TO = (16, 100, 1000)
-PAIRWISE = ("noloco",)  # methods whose live round swaps payloads in pairs (``run_round(pairs=True)``)
+PAIRWISE = ("noloco",)  # methods whose live round swaps payloads in pairs (``pair_round``)
 LINK_MBIT = 100.0  # the projection's per-replica download link
 
 

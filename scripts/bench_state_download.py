@@ -36,7 +36,8 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm.model.stages import stage_template
 from swarm.model.transformer import ModelConfig
-from swarm.outer.transfer import StageState, download_state, state_bytes_bound, stream_state
+from swarm.outer.download import download_state
+from swarm.outer.state import StageState, state_bytes_bound, stream_state
 from swarm.rpc.blobs import BlobClient, BlobServicer
 
 MODEL = ModelConfig(d_model=768, n_layers=12, n_heads=12)  # explicit dims, 125M-style

@@ -22,7 +22,7 @@ from swarm.model.stages import (
     to_model_state,
 )
 from swarm.model.transformer import INIT_CHUNK, ModelConfig, Transformer, init_std, loss_fn, subspace_basis
-from swarm.outer.transfer import weights_hash
+from swarm.outer.state import weights_hash
 from swarm.pipeline.server import StageServer
 
 TINY = dict(d_model=64, n_layers=6, n_heads=4, max_seq_len=32)

@@ -34,7 +34,7 @@ from swarm.export import download_model, export_sources
 from swarm.model.stages import build_stage, stage_template
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.service import OuterService
-from swarm.outer.transfer import StageState, pack_state, weights_hash
+from swarm.outer.state import StageState, pack_state, weights_hash
 from swarm.recovery.rebuild import rebuild_stage
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 from swarmtest.configs import LOOPBACK, tiny_config
@@ -147,7 +147,7 @@ class Replica:
         await service.servicer.add_p2p_handlers(peer.p2p, namespace=cfg.swarm_id)
         state = await service.download(STAGE)
         holder, events = StageHolder(cfg, seed), []
-        sync = service.sync(STAGE, holder, events.append)
+        sync = service.sync(STAGE, holder, lambda event: events.append(event.to_record()))
         if state is not None:
             await sync.adopt(state)
             events.append({"event": "joined_from", "outer_round": state.round, "global_hash": sync.global_hash})

@@ -7,28 +7,26 @@ import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 
 import msgpack
 import pytest
 import torch
+from hivemind.p2p import P2P
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.config import TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.outer.replica import OUTER_PEER_LIMITS, ReplicaSync, StateChanged, snapshot_weights
-from swarm.outer.rounds import (
-    Board,
-    RoundKey,
-    RoundResult,
-    RoundTiming,
-    digest,
-    parse_commit,
-    run_round,
-    window_opening,
-)
-from swarm.outer.transfer import StageState, StateDecoder, weights_hash
-from swarm.rpc.blobs import TransferError, feed
+from swarm.outer.accountability import OUTER_PEER_LIMITS
+from swarm.outer.allgather import allgather_round
+from swarm.outer.board import MAX_COMMIT_BYTES, Board, digest, parse_commit
+from swarm.outer.group import P2PGroupNetwork, RoundKey, RoundResult, RoundTiming
+from swarm.outer.matchmaking import window_opening
+from swarm.outer.pairs import pair_round
+from swarm.outer.replica import ReplicaSync, StateChanged, snapshot_weights
+from swarm.outer.state import StageState, StateDecoder, weights_hash
+from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError, feed
 from swarmtest.clock import in_virtual_time
 from swarmtest.configs import outer_config
 from swarmtest.fakes import Hub, MemoryNet
@@ -36,8 +34,8 @@ from swarmtest.replicas import ReplicaGroup
 
 TIMING = RoundTiming(window_s=0.3, timeout_s=0.4, settle_s=0.05)
 KEY = RoundKey(stage=1, round=3)
-Exchange = Callable[..., Awaitable[RoundResult]]  # run_round, or NoLoCo's PAIRS
-PAIRS = functools.partial(run_round, pairs=True)
+Exchange = Callable[..., Awaitable[RoundResult]]  # allgather_round, or NoLoCo's PAIRS
+PAIRS = pair_round
 
 
 async def member(
@@ -61,11 +59,11 @@ def play(
     kill: dict[str, float] | None = None,
     expected: dict[str, frozenset[str]] | None = None,
     timing: RoundTiming = TIMING,
-    exchange: Exchange = run_round,
+    exchange: Exchange = allgather_round,
 ) -> tuple[dict[str, RoundResult | None], float]:
     """Run every member in virtual time (``VirtualClockLoop``); ``kill`` = {name: after seconds}: that member dies (its
     task is cancelled). The results (None for the dead) and the seconds the whole round took. ``exchange``: the group
-    round (``run_round``) or NoLoCo's pairs (``PAIRS``)."""
+    round (``allgather_round``) or NoLoCo's pairs (``PAIRS``)."""
     return in_virtual_time(_play(hub, delays, kill, expected, timing, exchange))
 
 
@@ -328,6 +326,62 @@ def test_malformed_commits_are_transfer_errors(blob: bytes) -> None:
         parse_commit(blob)
 
 
+def test_a_commit_holds_a_group_of_hundreds_and_one_over_the_bound_is_refused_unread() -> None:
+    # A commit is one (peer id, SHA-256) pair per contributor, whatever the model's size (a 1B stage's is as long as a
+    # tiny one's): 700 members with real 52-character peer ids fit the bound.
+    members = [(f"12D3KooW{i:044d}", digest(bytes([i % 256]))) for i in range(700)]
+    board = Board(retention_s=60.0, clock=time.monotonic)
+    board.offer(KEY, members[0][0], b"pa")
+    board.commit(KEY, members)
+    commit = asyncio.run(board.get(KEY.blob("commit")))
+    assert len(commit) <= MAX_COMMIT_BYTES and parse_commit(commit) == members
+    with pytest.raises(TransferError, match=f"over the bound of {MAX_COMMIT_BYTES} bytes"):
+        parse_commit(commit + bytes(MAX_COMMIT_BYTES))  # refused before it is decoded
+
+
+def test_a_leader_serving_a_commit_over_the_bound_fails_the_round_for_its_members() -> None:
+    class BloatedCommits(Board):
+        async def get(self, name: str) -> bytes:
+            blob = await super().get(name)
+            return blob + bytes(MAX_COMMIT_BYTES) if name.endswith("commit") else blob
+
+    class LeaderWithBloatedCommits(Hub):
+        def join(self, me: str) -> None:
+            super().join(me)
+            if me == "a":
+                self.boards[me] = BloatedCommits(retention_s=60.0, clock=time.monotonic)
+
+    results, _ = play(LeaderWithBloatedCommits(), {"a": 0.0, "b": 0.05}, expected=dict.fromkeys("ab", frozenset("ab")))
+    assert results["a"].outcome == "done" and results["a"].leader == "a"
+    b = results["b"]
+    # the fetch itself is bounded (a BlobClient refuses the announced size before reading a byte), not only the parse
+    assert b.outcome == "failed" and b.leader == "a" and f"at most {MAX_COMMIT_BYTES} are accepted" in b.reason, b
+
+
+def test_the_p2p_network_bounds_a_commit_fetch_by_its_announced_size() -> None:
+    async def scenario() -> None:
+        leader = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        me = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await leader.get_visible_maddrs())
+        try:
+
+            async def bloated(name: str) -> bytes:
+                return bytes(MAX_COMMIT_BYTES + 1)
+
+            servicer = BlobServicer()
+            servicer.provide("outer", bloated)
+            await servicer.add_p2p_handlers(leader, namespace="t")
+            membership = SimpleNamespace(peer_id=me.peer_id)
+            net = P2PGroupNetwork(membership, BlobClient(me, namespace="t"), max_payload_bytes=1 << 20)
+            peer, name = leader.peer_id.to_base58(), KEY.blob("commit")
+            assert len(await net.fetch(peer, name, 10)) == MAX_COMMIT_BYTES + 1  # within a payload's bound
+            with pytest.raises(TransferError, match=f"at most {MAX_COMMIT_BYTES} are accepted"):
+                await net.fetch(peer, name, 10, max_bytes=MAX_COMMIT_BYTES)
+        finally:
+            await asyncio.gather(leader.shutdown(), me.shutdown())
+
+    asyncio.run(scenario())
+
+
 def test_a_retry_that_meets_the_commit_of_its_earlier_try_is_late_and_blames_nobody() -> None:
     # Seen in an 8M-token run: b lost a's commit in transit, tried the round again with a new payload, met a's commit
     # of its first try and took it for a lie — a second strike that banned an honest a for the rest of the run.
@@ -338,19 +392,21 @@ def test_a_retry_that_meets_the_commit_of_its_earlier_try_is_late_and_blames_nob
     class LosesTheFirstCommit(MemoryNet):
         lost = False
 
-        async def fetch(self, peer: str, name: str, timeout: float) -> bytes:
+        async def fetch(self, peer: str, name: str, timeout: float, *, max_bytes: int | None = None) -> bytes:
             if name.endswith("commit") and not self.lost:
                 self.lost = True
                 raise TransferError(f"{peer} ended the stream before its header")
-            return await super().fetch(peer, name, timeout)
+            return await super().fetch(peer, name, timeout, max_bytes=max_bytes)
 
     async def scenario() -> tuple[RoundResult, RoundResult, RoundResult]:
         clock, b_net = asyncio.get_running_loop().time, LosesTheFirstCommit(hub, "b")
         a_result, b_result = await asyncio.gather(
-            run_round(MemoryNet(hub, "a"), hub.boards["a"], KEY, b"a's payload", TIMING, clock=clock, expected=both),
-            run_round(b_net, hub.boards["b"], KEY, b"b's payload", TIMING, clock=clock, expected=both),
+            allgather_round(
+                MemoryNet(hub, "a"), hub.boards["a"], KEY, b"a's payload", TIMING, clock=clock, expected=both
+            ),
+            allgather_round(b_net, hub.boards["b"], KEY, b"b's payload", TIMING, clock=clock, expected=both),
         )
-        retry = await run_round(
+        retry = await allgather_round(
             b_net, hub.boards["b"], KEY, b"b's payload, made again", TIMING, clock=clock, expected=both
         )
         return a_result, b_result, retry
@@ -368,12 +424,12 @@ def test_a_leader_whose_commit_was_lost_is_acquitted_when_it_next_leads_a_round_
     done = RoundResult(outcome="done", payloads=(b"", b""), contributors=("a", "b"), group=("a", "b"), leader="b")
     for _ in range(OUTER_PEER_LIMITS.strikes - 1):  # streams lost in transit, each followed by a round b led with a
         a.strike("b", lost.reason)
-        a._unproven.add("b")
-        a._acquit(done)
+        a.accountability.unproven.add("b")
+        a.accountability.acquit(done, a.round, me="a")
     a.strike("b", lost.reason)
     assert not a.excluded("b"), "strikes taken back count towards no ban"
-    a._unproven.add("b")
-    a._acquit(dataclasses.replace(done, contributors=("b",)))  # a round of b's without a: no proof, no pardon
+    a.accountability.unproven.add("b")
+    a.accountability.acquit(dataclasses.replace(done, contributors=("b",)), a.round, me="a")  # b's alone: no pardon
     a.strike("b", lost.reason)
     assert a.excluded("b"), "a leader that withholds its commits round after round is banned"
     for sync in swarm.syncs.values():

@@ -21,7 +21,8 @@ from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.export import ExportError, download_model, export_sources
 from swarm.model.stages import build_stage
-from swarm.outer.transfer import StageState, StateClaim, pack_state, stream_state, unpack_state, weights_hash
+from swarm.outer.claims import StateClaim
+from swarm.outer.state import StageState, pack_state, stream_state, unpack_state, weights_hash
 from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import checkfree_merge
 from swarm.recovery.rebuild import (

@@ -1,5 +1,5 @@
 """State download: the archive format and its checks, retries over replicas, and hash-checked blobs over real hivemind P2P
-(``swarm/outer/transfer.py`` over ``swarm/rpc/blobs.py``)."""
+(``swarm/outer/state.py``, ``claims.py``, ``download.py`` over ``swarm/rpc/blobs.py``)."""
 
 from __future__ import annotations
 
@@ -15,26 +15,21 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-import swarm.outer.transfer as state_sync
+import swarm.outer.state as state_sync
 import swarm.rpc.blobs as blobs
 from swarm.dht.records import StageStatus
 from swarm.model.stages import build_stage, seeded_norms, stage_shapes
 from swarm.model.transformer import ModelConfig
-from swarm.outer.transfer import (
+from swarm.outer.claims import (
     RecordBehind,
-    StageState,
     StateClaim,
-    StateDecoder,
     catch_up_claims,
-    download_state,
     newcomer_acceptance,
     newcomer_claims,
-    pack_state,
     stage_claims,
-    state_bytes_bound,
-    unpack_state,
-    weights_hash,
 )
+from swarm.outer.download import download_state
+from swarm.outer.state import StageState, StateDecoder, pack_state, state_bytes_bound, unpack_state, weights_hash
 from swarm.rpc.auth import AccessDenied
 from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, StreamCut, TransferError, feed
 

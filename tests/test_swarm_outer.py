@@ -19,7 +19,7 @@ from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import StageStatus
 from swarm.node import choose_role, stage_loads
-from swarm.outer.rounds import RoundTiming
+from swarm.outer.group import RoundTiming
 from swarm.recovery.rebalance import StageLoad
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm

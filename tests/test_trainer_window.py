@@ -17,7 +17,7 @@ import torch
 from swarm.config import SwarmConfig
 from swarm.model.stages import EDGE_STAGE
 from swarm.outer.replica import ReplicaSync, snapshot_weights
-from swarm.outer.transfer import StageState
+from swarm.outer.state import StageState
 from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer

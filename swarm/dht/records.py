@@ -57,7 +57,7 @@ class RecoveryClaim(pydantic.BaseModel):
 
 
 class RoundDeclaration(pydantic.BaseModel):
-    """A replica's arrival for outer round ``round`` of its stage (``swarm/outer/rounds.py``), one per peer and stage.
+    """A replica's arrival for outer round ``round`` of its stage (``swarm/outer/matchmaking.py``), one per peer and stage.
 
     The round is in the record, not in its key, so every stage has one declarations key that the
     DHT's schema validator knows (keys holding round numbers could not be listed, so went unchecked).

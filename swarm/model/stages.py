@@ -96,7 +96,7 @@ def build_stage(cfg: ModelConfig, num_stages: int, stage: int) -> EdgeStage | Mi
 
 def stage_template(cfg: ModelConfig, num_stages: int, stage: int) -> dict[str, nn.Parameter]:
     """A stage's parameters by name, as built: the names, order and shapes a downloaded state is checked against, and
-    the seeded weights a state on one peer's word is compared with (``swarm/outer/transfer.py``)."""
+    the seeded weights a state on one peer's word is compared with (``swarm/outer/claims.py``)."""
     return dict(build_stage(cfg, num_stages, stage).named_parameters())
 
 

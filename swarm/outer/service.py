@@ -1,7 +1,7 @@
 """This peer's outer-step service (``OuterService``): its other replicas, a ``ReplicaSync`` per replica held, state downloads.
 
-``OuterService`` wires ``swarm/outer/replica.py`` to the swarm: one blob service (outer-round payloads
-and commits, and the state of each stage the peer holds), the DHT records, and state downloads for a newcomer.
+It wires ``ReplicaSync`` to the swarm: one blob service (outer-round payloads and commits, and the state
+of each stage the peer holds), the DHT records, and state downloads for a newcomer.
 
     >>> outer_service = OuterService(cfg, membership, p2p); await outer_service.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
     >>> state = await outer_service.download(stage)                       # None: nobody holds the stage yet
@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -25,17 +24,14 @@ from optim.outer import max_payload_bytes
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.records import StageStatus
-from swarm.model.stages import seeded_norms, stage_shapes
-from swarm.outer.replica import OUTER_PEER_LIMITS, Holder, ReplicaSync
-from swarm.outer.rounds import Board, P2PGroupNetwork, RoundTiming
-from swarm.outer.transfer import (
-    StageState,
-    download_claimed,
-    newcomer_acceptance,
-    newcomer_claims,
-    stage_claims,
-    state_bytes_bound,
-)
+from swarm.events import EventSink
+from swarm.outer.accountability import OUTER_PEER_LIMITS
+from swarm.outer.board import Board
+from swarm.outer.claims import newcomer_claims, stage_claims
+from swarm.outer.download import download_for_newcomer
+from swarm.outer.group import P2PGroupNetwork, RoundTiming
+from swarm.outer.replica import Holder, ReplicaSync
+from swarm.outer.state import StageState, state_bytes_bound
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, BlobStream, Sink, TransferError
 from swarm.rpc.defences import PeerGuard
@@ -73,12 +69,11 @@ class OuterService:
         found = await self.membership.replicas(stage)
         return {peer.to_base58(): status for peer, status in found.items() if peer != self.membership.peer_id}
 
-    def sync(
-        self, stage: int, holder: Holder, on_log: Callable[[dict[str, Any]], None], *, alongside: bool = False
-    ) -> ReplicaSync:
+    def sync(self, stage: int, holder: Holder, on_log: EventSink, *, alongside: bool = False) -> ReplicaSync:
         """The outer step of ``holder``, whose state this peer serves from now on: instead of the stage it held before
         (a server that moved), or ``alongside`` the others (a full peer holds every stage)."""
         params = dict(holder.module.named_parameters())
+        bound = state_bytes_bound(params)
         net = P2PGroupNetwork(self.membership, self.client, max_payload_bytes=max_payload_bytes(params))
         sync = ReplicaSync(
             self.cfg,
@@ -87,7 +82,7 @@ class OuterService:
             net=net,
             board=self.board,
             replicas=functools.partial(self.replicas, stage),
-            fetch=functools.partial(self._stream, max_bytes=state_bytes_bound(params)),
+            fetch=lambda peer, name, sink: self._stream(peer, name, sink, bound),
             on_log=on_log,
             clock=get_dht_time,
             guard=self.guard,
@@ -102,12 +97,11 @@ class OuterService:
 
         The claims vouched for by two or more replicas are tried, latest round first; only a stage
         where no two replicas agree falls back to a lone claim whose weights stay within
-        ``NEWCOMER_MAX_NORM_RATIO`` of the seeded ones (``swarm/outer/transfer.py``). Records of
+        ``NEWCOMER_MAX_NORM_RATIO`` of the seeded ones (``download_for_newcomer``). Records of
         replicas that just died stay listed until their TTL runs out, so a peer that finds only
         dead ones keeps reading the records (every announce period) until they expire — then the
         stage has no replica (None) — and raises ``TransferError`` only if replicas are still
-        listed after a record's lifetime but none delivers. Nothing of the stage is drawn to check a state: its
-        shapes are meta tensors and a lone claim is held to the seeded weights' norms (``seeded_norms``).
+        listed after a record's lifetime but none delivers.
         """
         timeouts, model, num_stages = self.cfg.timeouts, self.cfg.model, self.cfg.stages.num_stages
         deadline = time.monotonic() + timeouts.record_ttl_s + timeouts.announce_period_s
@@ -115,18 +109,11 @@ class OuterService:
             others = {peer: s for peer, s in (await self.replicas(stage)).items() if not self.guard.banned_for(peer)}
             if not others:
                 return None
-            # names and shapes to decode into (meta tensors), and the seeded weights' norms a claim on one peer's word
-            # is held to: nothing drawn (a 0.5B stage's seeded weights took a joiner seconds to tens of seconds)
-            template, seeded = stage_shapes(model, num_stages, stage), seeded_norms(model, num_stages, stage)
-            fetch = functools.partial(self._stream, max_bytes=state_bytes_bound(template))
+            # nothing of the stage is drawn (a 0.5B stage's seeded weights took a joiner seconds to tens of seconds)
+            claims = newcomer_claims(stage_claims(others))
             try:
-                _, _, state = await download_claimed(
-                    fetch,
-                    newcomer_claims(stage_claims(others)),
-                    stage=stage,
-                    template=template,
-                    check_for=newcomer_acceptance(seeded),
-                    blame=self._blame,
+                _, _, state = await download_for_newcomer(
+                    self._stream, claims, model=model, num_stages=num_stages, stage=stage, blame=self._blame
                 )
                 return state
             except TransferError:
@@ -146,7 +133,7 @@ class OuterService:
         if self.guard.strike(peer):
             logger.warning(f"banned {peer} from this peer's outer rounds and downloads: {why}")
 
-    async def _stream(self, peer: str, name: str, sink: Sink, *, max_bytes: int) -> str:
+    async def _stream(self, peer: str, name: str, sink: Sink, max_bytes: int) -> str:
         return await self.client.stream(peer, name, sink, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)
 
 

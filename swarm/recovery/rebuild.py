@@ -15,7 +15,7 @@ The math is ``swarm/recovery/checkfree.py``; this module moves it onto the netwo
   server (1). A peer that sees another live claim does not claim at all.
 - **Rebuild.** The claimant downloads each source stage as a catch-up would: the last outer round's
   state (``state/<i>``) of a claim two or more of its replicas vouch for, which must hash to the
-  claim (``swarm/outer/transfer.py``); only a stage with no vouched claim (no outer step, a lone
+  claim (``swarm/outer/claims.py``); only a stage with no vouched claim (no outer step, a lone
   replica) gives a replica's current weights (``local/<i>``), and then only weights near the seeded
   norms that another replica's bear out where another delivers (``check_plausible``). It reads each
   source replica's last gradient norm from its DHT record, applies
@@ -46,21 +46,15 @@ from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.model.stages import EDGE_STAGE, split_layers, stage_template
-from swarm.outer.transfer import (
+from swarm.outer.claims import (
     LONE_CLAIM_MAX_NORM_RATIO,
     NEWCOMER_MAX_NORM_RATIO,
-    StageState,
-    StreamFetch,
     check_plausible,
-    download_claimed,
-    download_state,
     newcomer_claims,
-    pack_state,
     stage_claims,
-    state_bytes_bound,
-    unpack_state,
-    weights_hash,
 )
+from swarm.outer.download import StreamFetch, download_claimed, download_state
+from swarm.outer.state import StageState, pack_state, state_bytes_bound, unpack_state, weights_hash
 from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import RecoveryPlan, apply_recovery, recovery_source
 from swarm.rpc.blobs import Sink, TransferError

@@ -1,0 +1,160 @@
+"""Downloading a stage's state: from the first replica that delivers one that passes its claim's check.
+
+A state streams straight into a ``StateDecoder`` (checked as it arrives, hash-checked when whole); a
+holder that serves a state its claim does not bear out is blamed, and the next holder asked.
+
+    >>> claim, peer, state = await download_for_newcomer(fetch, newcomer_claims(claims), model=cfg.model, num_stages=3, stage=2)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import torch
+
+from swarm.model.stages import seeded_norms, stage_shapes
+from swarm.model.transformer import ModelConfig
+from swarm.outer.claims import (
+    LONE_CLAIM_MAX_NORM_RATIO,
+    RecordBehind,
+    Reference,
+    StateCheck,
+    StateClaim,
+    newcomer_acceptance,
+)
+from swarm.outer.state import StageState, StateDecoder, state_bytes_bound
+from swarm.rpc.blobs import Sink, TransferError
+
+logger = logging.getLogger(__name__)
+
+# (peer, blob name, sink) → the blob's SHA-256 once it has streamed into the sink whole, or TransferError
+StreamFetch = Callable[[str, str, Sink], Awaitable[str]]
+# the same with the largest blob accepted (a stage's ``state_bytes_bound``) as its fourth argument
+SizedFetch = Callable[[str, str, Sink, int], Awaitable[str]]
+
+
+async def download_state(
+    fetch: StreamFetch,
+    peers: Sequence[str],
+    *,
+    stage: int,
+    template: Mapping[str, torch.Tensor],
+    blob: str = "state",
+    check: StateCheck = lambda state: None,
+    blame: Callable[[str, str], None] = lambda peer, why: None,
+) -> tuple[str, StageState]:
+    """The state of ``stage`` from the first of ``peers`` that delivers a valid one (each tried once, in order).
+
+    ``blob``: ``state`` (the last outer round's, with the outer optimizer) or ``local`` (the replica's current weights).
+
+    ``fetch(peer, name, sink)`` streams a blob into ``sink`` (a ``StateDecoder``, which decodes it as it arrives)
+    and returns once it is whole and hash-checked, or raises ``TransferError``; a stream that does not fit the
+    stage (refused as it arrives), or a state that ``check`` refuses (``StateClaim.check``: not the claimed
+    weights), counts as a failed transfer too, and ``blame(peer, why)`` hears of it: the peer sent it (but not of a
+    ``RecordBehind``: a state newer than the holder's record is a lagging record, not a lie).
+    """
+    failures = []
+    for peer in peers:
+        decoder = StateDecoder(stage=stage, template=template)
+        try:
+            try:
+                await fetch(peer, f"{blob}/{stage}", decoder)
+                state = decoder.result()
+                check(state)
+            except RecordBehind:
+                raise  # its record lags its state: try the next holder, blame nobody
+            except ValueError as e:
+                blame(peer, str(e))
+                raise
+            return peer, state
+        except (TransferError, ValueError) as e:
+            logger.warning(f"state of stage {stage} from {peer}: {e}; trying another replica")
+            failures.append(f"{peer}: {e}")
+    raise TransferError(
+        f"no replica of stage {stage} delivered its state ({'; '.join(failures) or 'no replica to ask'})"
+    )
+
+
+async def download_claimed(
+    fetch: StreamFetch,
+    claims: Sequence[StateClaim],
+    *,
+    stage: int,
+    template: Mapping[str, torch.Tensor],
+    check_for: Callable[[StateClaim], StateCheck],
+    blob_for: Callable[[StateClaim], str] = lambda claim: "state",
+    blame: Callable[[str, str], None] = lambda peer, why: None,
+) -> tuple[StateClaim, str, StageState]:
+    """The first of ``claims`` (in order) that one of its holders fulfils: (claim, peer, state).
+
+    Each claim's state is the ``blob_for(claim)`` blob of its holders, and must pass ``check_for(claim)``
+    (``StateClaim.check`` or ``StateClaim.acceptance``); ``TransferError`` naming every failure if none delivers.
+    """
+    failures = []
+    for claim in claims:
+        try:
+            peer, state = await download_state(
+                fetch,
+                claim.holders,
+                stage=stage,
+                template=template,
+                blob=blob_for(claim),
+                check=check_for(claim),
+                blame=blame,
+            )
+            return claim, peer, state
+        except TransferError as e:
+            failures.append(str(e))
+    raise TransferError("; ".join(failures) or f"no replica of stage {stage} claims a state")
+
+
+async def download_claim(
+    fetch: StreamFetch,
+    claim: StateClaim,
+    *,
+    me: str,
+    stage: int,
+    template: Mapping[str, torch.Tensor],
+    reference: Reference,
+    blame: Callable[[str, str], None] = lambda peer, why: None,
+) -> tuple[str, StageState]:
+    """A replica's catch-up: the state ``claim`` announces, from one of its holders but ``me``, held to the claim
+    (vouched: exactly the claimed weights; lone: within ``LONE_CLAIM_MAX_NORM_RATIO`` of ``reference``, the
+    replica's own global weights); ``TransferError`` if none delivers it."""
+    return await download_state(
+        fetch,
+        [peer for peer in claim.holders if peer != me],
+        stage=stage,
+        template=template,
+        blame=lambda peer, why: blame(peer, f"its state for round {claim.round}: {why}"),
+        check=claim.acceptance(reference, max_norm_ratio=LONE_CLAIM_MAX_NORM_RATIO),
+    )
+
+
+async def download_for_newcomer(
+    fetch: SizedFetch,
+    claims: Sequence[StateClaim],
+    *,
+    model: ModelConfig,
+    num_stages: int,
+    stage: int,
+    blob_for: Callable[[StateClaim], str] = lambda claim: "state",
+    blame: Callable[[str, str], None] = lambda peer, why: None,
+) -> tuple[StateClaim, str, StageState]:
+    """``download_claimed`` for a peer that holds none of the stage's weights (a joiner, ``swarmloco export``).
+
+    Nothing of the stage is drawn: the state decodes into its ``stage_shapes`` (meta tensors), and a lone claim is
+    held to the seeded weights' norms (``seeded_norms``, within ``NEWCOMER_MAX_NORM_RATIO``).
+    """
+    template = stage_shapes(model, num_stages, stage)
+    bound = state_bytes_bound(template)
+    return await download_claimed(
+        lambda peer, name, sink: fetch(peer, name, sink, bound),
+        claims,
+        stage=stage,
+        template=template,
+        check_for=newcomer_acceptance(seeded_norms(model, num_stages, stage)),
+        blob_for=blob_for,
+        blame=blame,
+    )

@@ -1,0 +1,132 @@
+"""Matchmaking: the replicas of a stage that declare for the same round within its window form its group.
+
+A replica declares its arrival in the DHT; the window closes ``window_s`` after it opened (at the
+second earliest plausible arrival: one early declaration closes nobody's window), or as soon as every
+replica it expects is in. A replica that finds the window closed is late and catches up by download.
+
+    >>> met = await meet(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)   # Group or late RoundResult
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+from swarm.dht.records import StageStatus
+from swarm.outer.board import Board
+from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming
+
+
+@dataclass(frozen=True)
+class Group:
+    """Who met for a round: the members (sorted peer ids, this peer among them) and each one's declared arrival."""
+
+    members: tuple[str, ...]
+    arrived: Mapping[str, float]
+
+
+async def meet(
+    net: GroupNetwork,
+    board: Board,
+    key: RoundKey,
+    payload: bytes,
+    timing: RoundTiming,
+    *,
+    clock: Callable[[], float],
+    expected: Collection[str] | None = None,
+    excluded: Callable[[str], bool] = lambda peer: False,
+    on_declared: Callable[[float], None] = lambda opened_at: None,
+) -> Group | RoundResult:
+    """Offer ``payload`` on the board, declare for ``key``, wait out the window: the group, or a late ``RoundResult``.
+
+    Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s`` (at once for an
+    empty set); None waits it out. Peers ``excluded`` (banned) count as not declared. ``on_declared`` is told the
+    declared arrival time once the declaration is stored.
+    """
+    now = clock()
+    declared = await _declarations(net, key, excluded)
+    if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
+        return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
+    opened = now
+    board.offer(key, net.me, payload)
+    await net.declare(key, opened, opened + timing.max_round_s)
+    on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
+    waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
+    seen = await _arrivals(net, key, opened, waited_for, timing, clock, excluded)
+    now = clock()
+    close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
+    members = tuple(
+        sorted(peer for peer, arrived in [*plausible_arrivals(seen, now, timing), (net.me, opened)] if arrived <= close)
+    )
+    if net.me not in members:
+        return RoundResult(outcome="late", group=members, reason=f"arrived after the window of {key} closed")
+    return Group(members, seen | {net.me: opened})
+
+
+def expected_members(
+    me: str,
+    last_group: Iterable[str],
+    others: Mapping[str, StageStatus],
+    round_: int,
+    excluded: Callable[[str], bool],
+) -> set[str] | None:
+    """Whom a replica at ``round_`` waits for: the members of its last round and every replica the records (``others``)
+    show at this round or one behind (finishing its last round, or catching up to this one); if there are other
+    replicas but none of those (records lag behind a replica that just caught up), the whole window (None); nobody
+    when this replica is alone.
+
+    Waiting only for the last round's members would keep a split group split: two halves that once met apart would
+    each close their window as soon as their own half was in, round after round.
+    """
+    current = (peer for peer, s in others.items() if round_ - 1 <= s.outer_round <= round_)
+    expected = {peer for peer in {*last_group, *current} if peer != me and not excluded(peer)}
+    return expected or (None if others else set())
+
+
+async def window_open(net: GroupNetwork, key: RoundKey, timing: RoundTiming, clock: Callable[[], float]) -> bool:
+    """Whether another replica has opened round ``key`` and its window is still open."""
+    seen, now = await net.declarations(key), clock()
+    others = {peer: t for peer, t in plausible_arrivals(seen, now, timing) if peer != net.me}
+    return bool(others) and now <= window_opening(others, own=now, now=now, timing=timing) + timing.window_s
+
+
+def window_opening(arrivals: Mapping[str, float], *, own: float, now: float, timing: RoundTiming) -> float:
+    """When a round's window opened, for a replica arriving at ``own`` that sees the other declarations ``arrivals``.
+
+    Each declared time is one peer's word. A time no live round can have (before ``now − max_round_s``,
+    or after ``now + window_s``: beyond any clock skew) is ignored; of the rest and ``own``, the window
+    opens at the second earliest, so a single early declaration closes no window before this
+    replica arrives, and never after ``own``, so a declaration from the future holds no window open.
+    """
+    times = sorted([own, *(t for _, t in plausible_arrivals(arrivals, now, timing))])
+    return min(times[1] if len(times) > 1 else own, own)
+
+
+def plausible_arrivals(arrivals: Mapping[str, float], now: float, timing: RoundTiming) -> list[tuple[str, float]]:
+    """The (peer, declared time) pairs a live round can have: not before ``now − max_round_s``, not after ``now + window_s``."""
+    return [(peer, t) for peer, t in arrivals.items() if now - timing.max_round_s <= t <= now + timing.window_s]
+
+
+async def _arrivals(
+    net: GroupNetwork,
+    key: RoundKey,
+    opened: float,
+    expected: set[str] | None,
+    timing: RoundTiming,
+    clock: Callable[[], float],
+    excluded: Callable[[str], bool],
+) -> dict[str, float]:
+    """Who else declared for ``key``: read until the window has closed and settled, or until every expected peer is in."""
+    while True:
+        seen = await _declarations(net, key, excluded)
+        remaining = window_opening(seen, own=opened, now=clock(), timing=timing) + timing.window_s
+        remaining += timing.settle_s - clock()
+        if remaining <= 0 or (expected is not None and expected <= seen.keys()):
+            return seen
+        await asyncio.sleep(min(remaining, timing.poll_s))
+
+
+async def _declarations(net: GroupNetwork, key: RoundKey, excluded: Callable[[str], bool]) -> dict[str, float]:
+    """The other peers' declared arrivals for ``key``, those of excluded peers left out."""
+    return {peer: t for peer, t in (await net.declarations(key)).items() if peer != net.me and not excluded(peer)}
