@@ -1,29 +1,11 @@
 """CheckFree / CheckFree+ recovery: rebuild a middle stage whose every replica is gone from its neighbours.
 
-Pure code: the network is a callable ``fetch_state(stage) -> (state_dict, last_grad_norm)``; the
-running swarm's side (detection, the claim, the downloads) is ``swarm/recovery/rebuild.py``.
+Pure code: ``recovery_source`` plans which neighbours to take (a gradient-norm-weighted merge of both for an
+interior stage, a copy of the swap partner for an end stage), ``apply_recovery`` builds the weights from a
+``fetch_state`` callable. The network side is ``rebuild.py``; the math and block alignment:
+docs/architecture.md, recovery/.
 
-- Interior stage i (1 < i < S): W_i = (a·W_{i+1} + b·W_{i−1}) / (a + b) with a = ‖g_{i+1}‖ + 1e-4,
-  b = ‖g_{i−1}‖ + 1e-4 (CheckFree): the neighbour that is still learning faster weighs more.
-- First and last middle stages (1 and S) have one neighbour and copy it. With swaps of (1,2) and
-  (S−1,S) in the paths (CheckFree+) that neighbour is a *swap partner*, trained to also work in the
-  missing stage's position, so the copy is a good stand-in; without swaps it is only the nearest
-  weights there are. Both plans fetch the same stage; ``RecoveryPlan.kind`` records which case it is.
-- S = 1: there is no neighbour. The stage can only be restored from a live replica's state or
-  re-initialised (``build_stage``); ``recovery_source`` raises ``NoRecoverySource``.
-- Stage 0 (the trainers' edge stage) lives on every trainer and is never rebuilt this way.
-
-The rebuilt stage starts with fresh optimizer moments and its learning rate scaled by 1.1.
-
-Block alignment: stages may hold different numbers of blocks (7 blocks in 3 stages are 3/2/2), so
-block j of the rebuilt stage takes block min(j, n−1) of a source with n blocks: a shorter source
-repeats its last block, a longer one has its extra blocks ignored. Every source thus contributes
-to every block and the CheckFree weights mean the same for all of them.
-
-    >>> plan = recovery_source(2, num_stages=4, swaps_enabled=True)               # merge stages 1 and 3
-    >>> state = apply_recovery(plan, fetch_state, num_blocks=len(split_layers(cfg.n_layers, 4)[1]))
-    >>> stage = build_stage(cfg, 4, 2); stage.load_state_dict(state)
-    >>> opt, sched = make_recovery_optimizer(stage.parameters(), inner_cfg)
+    >>> state = apply_recovery(recovery_source(2, num_stages=4, swaps_enabled=True), fetch_state, num_blocks=3)
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """SWARM rebalancing: which stage a server should move to so that the slowest stage speeds up (pure code).
 
-Every ``next_check_delay(period_s, rng)`` seconds each stage server reads a snapshot of the
-per-stage throughput records from the DHT and calls ``plan_move``. Every server applies the same
-deterministic rule to (nearly) the same snapshot, so at most one of them moves per period: the
-least-loaded member of the richest stage that can spare a replica, and only if the move lifts the
-bottleneck by a margin (hysteresis, so peers do not oscillate between two close stages).
+Every server applies ``plan_move``'s deterministic rule to (nearly) the same snapshot of per-stage throughput,
+so at most one of them moves per period, and only when the move lifts the bottleneck by a margin. Why it
+works: docs/architecture.md, recovery/.
 
-Throughput is the samples/s EMA a server publishes. A moved peer is assumed to keep its samples/s
-in the new stage: the stages hold balanced block counts (``split_layers``), so its compute per
-sample barely changes; its links to the new stage's neighbours may differ, and the next snapshot
-after the move measures that.
-
-    >>> snapshot = {1: [StageLoad(peer_id="a", throughput=40.0), StageLoad(peer_id="b", throughput=30.0)],
-    ...             2: [StageLoad(peer_id="c", throughput=20.0)]}
-    >>> plan_move(snapshot, "b"), plan_move(snapshot, "a")   # stage 2 is the bottleneck: 20 → 50
-    (2, None)
+    >>> plan_move({1: [StageLoad(peer_id="a", throughput=40.0)], 2: [...]}, "a")  # the stage "a" moves to, or None
 """
 
 from __future__ import annotations

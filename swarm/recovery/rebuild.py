@@ -1,31 +1,11 @@
 """Rebuilding a lost stage in a running swarm: detection, one claimant at a time, download, CheckFree merge.
 
-The math is ``swarm/recovery/checkfree.py``; this module moves it onto the network.
+A lost stage is one with no live record whose neighbours have trained (``swarm_has_trained``); the peer that
+wins its DHT claim (``acquire_claim``) downloads the neighbours as a catch-up would and merges them
+(``rebuild_stage``; the math is ``checkfree.py``); it also reads and writes ``--stage-checkpoint`` files. More:
+docs/architecture.md, recovery/.
 
-- **Detection.** A middle stage with no live record in the DHT has lost every replica (records
-  expire ``record_ttl_s`` after their peer's last announce). A joining peer sees it in
-  ``choose_role`` (``swarm/node.py``) and ``StageRole`` (``swarm/roles.py``); a stage server that rebalances looks for such
-  holes every announce period, and ``plan_move`` names the one server that may fill it (the
-  least-loaded member of the most over-served stage, never the only replica of its stage).
-- **Fresh swarm or lost stage?** A stage nobody has served yet starts from the seeded weights;
-  one whose neighbours have trained (``swarm_has_trained``) was lost and is rebuilt.
-- **Claim.** Before rebuilding, a peer stores a ``RecoveryClaim`` under ``{swarm}/recovery/{i}``
-  with a TTL, waits ``settle_s`` for concurrent claims to show, and goes on only if it is the
-  ``claim_winner``: the lowest (priority, peer id), a joining peer (priority 0) before a moving
-  server (1). A peer that sees another live claim does not claim at all.
-- **Rebuild.** The claimant downloads each source stage as a catch-up would: the last outer round's
-  state (``state/<i>``) of a claim two or more of its replicas vouch for, which must hash to the
-  claim (``swarm/outer/claims.py``); only a stage with no vouched claim (no outer step, a lone
-  replica) gives a replica's current weights (``local/<i>``), and then only weights near the seeded
-  norms that another replica's bear out where another delivers (``check_plausible``). It reads each
-  source replica's last gradient norm from its DHT record, applies
-  ``apply_recovery`` (CheckFree merge for an interior stage; CheckFree+ copy of the swap partner
-  for stage 1 or S when the paths swap, else copy of the only neighbour), and serves the result
-  with a fresh optimizer at lr × 1.1, announcing ``recovered=True``.
-
-    >>> claimed = await acquire_claim(membership, stage=2, priority=PRIORITY_JOINER, ttl_s=60, settle_s=2)
-    >>> rebuilt = await rebuild_stage(cfg, 2, outer_service.replicas, fetch)     # Rebuilt(state, sources, ...)
-    >>> save_rebuild(rebuilt, Path("runs/x"))                                 # the merge inputs, for audit
+    >>> rebuilt = await rebuild_stage(cfg, 2, outer_service.replicas, fetch)  # once acquire_claim(...) is won
 """
 
 from __future__ import annotations
