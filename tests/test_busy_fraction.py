@@ -10,28 +10,18 @@ import asyncio
 import pytest
 import torch
 from pydantic.v1 import ValidationError
-from test_protocol import B, D, T, tiny
 
 from compress.codecs import get_codec
 from swarm.dht.metrics import Meter
 from swarm.pipeline.metering import BusyTime
 from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.server import StageServer
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from swarmtest.clock import FakeClock
+from swarmtest.configs import RPC_BATCH, RPC_SEQ, RPC_WIDTH, rpc_config
 
 
 def test_busy_time_counts_intervals_since_the_first_and_over_the_window() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     busy = BusyTime(window_s=10.0, clock=clock)
     assert busy.fractions() == (None, None)  # nothing served yet: no fraction, not 0
     clock.advance(50.0)  # waiting for the first request is not idle time
@@ -54,8 +44,8 @@ def test_busy_time_refuses_a_window_that_is_not_positive() -> None:
 
 def test_a_stage_servers_busy_fraction_is_its_compute_time_over_wall_time() -> None:
     """Forward 0.2 s, backward 0.1 s, then 0.3 s idle, five times: busy half the time; then a long pause."""
-    clock, codec = FakeClock(), get_codec("fp32")
-    server = StageServer(tiny(), 1, clock=clock, busy_window_s=1.2)
+    clock, codec = FakeClock(100.0), get_codec("fp32")
+    server = StageServer(rpc_config(), 1, clock=clock, busy_window_s=1.2)
     forward, backward = server._compute_forward, server._compute_backward
 
     def timed(compute, seconds: float):
@@ -68,9 +58,11 @@ def test_a_stage_servers_busy_fraction_is_its_compute_time_over_wall_time() -> N
     server._compute_forward, server._compute_backward = timed(forward, 0.2), timed(backward, 0.1)
 
     async def serve(mb: str) -> None:
-        x = codec.encode(torch.randn(B, T, D))
+        x = codec.encode(torch.randn(RPC_BATCH, RPC_SEQ, RPC_WIDTH))
         await server.forward("p", Forward(mb=mb, stage=1, prev_stage=0, x=x))
-        await server.backward("p", Backward(mb=mb, stage=1, grad=codec.encode(torch.randn(B, T, D))))
+        await server.backward(
+            "p", Backward(mb=mb, stage=1, grad=codec.encode(torch.randn(RPC_BATCH, RPC_SEQ, RPC_WIDTH)))
+        )
 
     async def scenario() -> None:
         assert server.info()["busy_fraction"] is None  # nothing served yet
@@ -93,7 +85,7 @@ def test_a_stage_servers_busy_fraction_is_its_compute_time_over_wall_time() -> N
 
 
 def test_the_metrics_record_carries_the_busy_fraction_and_refuses_one_out_of_range() -> None:
-    server = StageServer(tiny(), 1)
+    server = StageServer(rpc_config(), 1)
     meter = Meter(role="stage", stage=1, state="serving")
     assert meter.sample(server.status(queue=0), tokens=0).busy_fraction is None  # trainers, and before any request
     assert meter.sample(server.status(queue=0), tokens=0, busy_fraction=0.75).busy_fraction == 0.75

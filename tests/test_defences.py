@@ -28,25 +28,18 @@ from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import BlobRequest, BlobServicer
 from swarm.rpc.defences import PeerGuard, PeerLimits
 from swarm.rpc.servicer import pack_envelope
+from swarmtest.clock import FakeClock
 from swarmtest.configs import tiny_config
 
 B, T, D = 2, 8, 16
 FP32 = get_codec("fp32")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # ---- PeerGuard (pure) ----
 
 
 def test_token_bucket_allows_a_burst_then_the_rate() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     guard = PeerGuard(PeerLimits(rate=2.0, burst=3.0), clock)
     assert [guard.take("a") for _ in range(4)] == [True, True, True, False]
     assert guard.take("b"), "every peer has its own budget"
@@ -57,7 +50,7 @@ def test_token_bucket_allows_a_burst_then_the_rate() -> None:
 
 
 def test_strikes_within_the_window_ban_then_the_ban_expires() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     guard = PeerGuard(PeerLimits(strikes=3, strike_window_s=10.0, ban_s=60.0), clock)
     assert not guard.strike("a") and not guard.strike("a")
     clock.now += 11.0  # the first two strikes are now outside the window
@@ -73,7 +66,7 @@ def test_strikes_within_the_window_ban_then_the_ban_expires() -> None:
 
 
 def test_a_pardon_takes_back_the_latest_strike_but_not_a_ban() -> None:
-    guard = PeerGuard(PeerLimits(strikes=2), Clock())
+    guard = PeerGuard(PeerLimits(strikes=2), FakeClock(1000.0))
     assert not guard.pardon("a")  # nothing to take back
     assert not guard.strike("a") and guard.pardon("a")
     assert not guard.strike("a"), "the pardoned strike no longer counts towards a ban"
@@ -81,7 +74,7 @@ def test_a_pardon_takes_back_the_latest_strike_but_not_a_ban() -> None:
 
 
 def test_the_table_is_bounded_and_a_knocking_banned_peer_stays_banned() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     guard = PeerGuard(PeerLimits(strikes=1, max_peers=3), clock)
     assert guard.strike("evil")
     for i in range(20):
@@ -137,7 +130,7 @@ GARBAGE = [
 
 
 def test_a_peer_sending_garbage_is_banned_and_others_are_still_served(server: StageServer) -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     servicer = StageServicer(
         server,
         stage=1,
@@ -167,7 +160,7 @@ def parse_error(response: runtime_pb2.ExpertResponse) -> RemoteError:
 
 
 def test_a_peer_over_its_rate_is_told_busy_without_a_strike(server: StageServer) -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     servicer = StageServicer(
         server,
         stage=1,
@@ -277,7 +270,7 @@ async def provide_blob(name: str) -> bytes:
     return b"blob"
 
 
-def blob_servicer(clock: Clock, limits: PeerLimits) -> BlobServicer:
+def blob_servicer(clock: FakeClock, limits: PeerLimits) -> BlobServicer:
     servicer = BlobServicer(limits=limits, clock=clock)
     servicer.provide("state", provide_blob)
     return servicer
@@ -294,7 +287,7 @@ def blob_request(name: str) -> bytes:
 
 
 def test_a_peer_sending_invalid_blob_requests_is_banned_and_others_are_still_served() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     invalid = [
         b"\xc1junk",
         msgpack.packb({"name": "../etc"}),
@@ -321,7 +314,7 @@ def test_a_peer_sending_invalid_blob_requests_is_banned_and_others_are_still_ser
 
 
 def test_a_peer_over_its_blob_rate_is_told_busy_without_a_strike() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     servicer = blob_servicer(clock, PeerLimits(rate=1.0, burst=2.0, strikes=1))
 
     async def scenario() -> list[str | None]:

@@ -10,14 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.faults import FaultEvent, FaultInjector, FaultSchedule, random_failures
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from swarmtest.clock import FakeClock
 
 
 class FakeKill:
@@ -125,7 +118,7 @@ def test_random_failure_rate_matches_the_exponential_law():
 
 
 def test_each_due_peer_is_killed_exactly_once():
-    clock, kill = FakeClock(), FakeKill()
+    clock, kill = FakeClock(100.0), FakeKill()
     schedule = FaultSchedule.parse("a@step=40,a@t=5s,b@step=40,c@t=30s")
     injector = FaultInjector(schedule, {"a": 11, "b": 12, "c": 13, "d": 14}, clock, kill=kill)
     assert injector.poll({"a": 39, "b": 39}) == []
@@ -140,14 +133,14 @@ def test_each_due_peer_is_killed_exactly_once():
 
 def test_a_schedule_naming_an_unknown_peer_is_rejected():
     with pytest.raises(ValueError, match=r"no process: \['ghost'\]"):
-        FaultInjector(FaultSchedule.parse("ghost@step=1"), {"a": 1}, FakeClock(), kill=FakeKill())
+        FaultInjector(FaultSchedule.parse("ghost@step=1"), {"a": 1}, FakeClock(100.0), kill=FakeKill())
 
 
 def test_a_process_that_is_already_gone_is_not_reported():
     def gone(pid: int, sig: int) -> None:
         raise ProcessLookupError(pid)
 
-    injector = FaultInjector(FaultSchedule.parse("a@step=1"), {"a": 11}, FakeClock(), kill=gone)
+    injector = FaultInjector(FaultSchedule.parse("a@step=1"), {"a": 11}, FakeClock(100.0), kill=gone)
     assert injector.poll({"a": 1}) == [] and injector.poll({"a": 2}) == []
 
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -25,9 +24,7 @@ from peer.data import load_corpus
 from swarm.config import SwarmConfig, TimeoutConfig, dumps_config
 from swarm.dht.identity import (
     OwnerBindingValidator,
-    identity_file,
     identity_peer_id,
-    load_identity_key,
     peer_from_subkey,
 )
 from swarm.dht.membership import (
@@ -50,6 +47,7 @@ from swarm.model.transformer import ModelConfig
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.trainer import Batch
 from swarm.rpc.auth import encode_public_key
+from swarmtest.attacks import forge_replicas, modified_peer, stored_subkeys
 from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
 from swarmtest.node import BackgroundNode
 
@@ -262,36 +260,6 @@ async def _membership_over_dht(first: SwarmDHT, second: SwarmDHT) -> None:
 
 
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
-
-
-async def forge_replicas(attacker: DHT, signer: RSASignatureValidator, key: str, victim: PeerID) -> set[bytes]:
-    """Store attractive stage records under made-up peer ids and the victim's, signed with the attacker's own key
-    (valid signatures: only the peer id is a lie); the forged subkeys a reader without the binding check sees."""
-    made_up = [identity_peer_id(RSAPrivateKey()) for _ in range(3)] + [victim.to_base58()]
-    subkeys = {peer.encode() + signer.local_public_key for peer in made_up}
-    bait = StageStatus(samples_per_s=1e6, inner_steps=1).dict()  # far faster than the honest replica: routing's pick
-    for subkey in subkeys:
-        await attacker.store(key, bait, get_dht_time() + 300, subkey=subkey, return_future=True)
-    return subkeys & await stored_subkeys(attacker, key)
-
-
-def modified_peer(initial_peers: list[str]) -> tuple[DHT, RSASignatureValidator]:
-    """A peer whose DHT node signs what it stores with its identity key and checks nothing else."""
-    with identity_file(None) as (path, _):
-        signer = RSASignatureValidator(load_identity_key(path))
-        return DHT(
-            initial_peers=initial_peers,
-            start=True,
-            host_maddrs=LOOPBACK_MADDRS,
-            identity_path=str(path),
-            record_validators=[signer],
-        ), signer
-
-
-async def stored_subkeys(dht: DHT, key: str) -> set[bytes]:
-    """The subkeys under ``key`` that ``dht``'s node accepts (its validators checked each)."""
-    found = await dht.get(key, latest=True, return_future=True)
-    return set(found.value) if found is not None else set()
 
 
 def corpus_batches(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], list[Batch]]:

@@ -5,20 +5,17 @@ from __future__ import annotations
 import io
 import logging
 import random
-import struct
 import tracemalloc
-import zlib
 
 import pytest
 import torch
-import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor
-from compress.wire import MAGIC, VERSION, CodecId, decode_frame, encode_frame
+from compress.wire import CodecId, decode_frame, encode_frame
 from optim.config import OuterOptimConfig
 from optim.factory import build_outer_optimizer
 from optim.outer import (
@@ -30,6 +27,7 @@ from optim.outer import (
     _unpack,
     max_payload_bytes,
 )
+from swarmtest.attacks import bomb_frame
 
 
 def params(**values: list[float]) -> dict[str, torch.Tensor]:
@@ -341,23 +339,6 @@ def test_bad_payload_is_dropped_with_a_warning(method: str, bad: str, caplog: py
     assert screening.used == 2 and list(screening.dropped) == [2]  # the bad one, by its index
     assert "dropped" in caplog.text
     assert torch.equal(dirty.global_params["w"], clean.global_params["w"])
-
-
-def zeros_zstd(size: int) -> bytes:
-    """``size`` zero bytes, zstd-compressed with their size declared, without ever holding them: a bomb of a body."""
-    out = io.BytesIO()
-    with zstandard.ZstdCompressor().stream_writer(out, size=size, closefd=False) as writer:
-        for start in range(0, size, 1 << 20):
-            writer.write(bytes(min(1 << 20, size - start)))
-    return out.getvalue()
-
-
-def bomb_frame(codec_id: int, shape: tuple[int, ...], meta: bytes, body_len: int) -> bytes:
-    """A checksummed frame declaring ``shape`` and a zstd body of ``body_len`` zero bytes (the layout of compress/wire.py)."""
-    payload, tail = zeros_zstd(body_len), struct.pack(f"<{len(shape)}I", *shape) + meta
-    head = struct.pack("<4sBBBBBIIII", MAGIC, VERSION, codec_id, 0, 1, len(shape), len(meta), body_len, len(payload), 0)
-    crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(head[:-4])))
-    return head[:-4] + struct.pack("<I", crc) + tail + payload
 
 
 @pytest.mark.parametrize("method", ["diloco", "sparseloco"])

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import random
 from collections import Counter
 from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
 import torch
-from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,43 +20,24 @@ from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.errors import BadMagic, LimitExceeded
 from swarm.config import SwarmConfig
-from swarm.dht.metrics import Traffic
 from swarm.model.stages import build_stage
 from swarm.model.step import stage_gradients
-from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import (
     Backward,
     Forward,
-    RemoteError,
     RequestError,
     StageServicer,
     pack,
     parse_reply,
     unpack,
 )
-from swarm.pipeline.routing import PathConfig, Router
 from swarm.pipeline.server import STASHED_STEPS, ActivationCache, CacheEntry, StageServer
 from swarm.pipeline.trainer import Trainer, TrainerOptions
 from swarm.sim.centralized import evaluate, train_centralized
-from swarmtest.configs import tiny_config
+from swarmtest.configs import RPC_BATCH, RPC_SEQ, RPC_WIDTH, rpc_config
+from swarmtest.fakes import CONTEXT, InProcessNetwork, request
 
-B, T, D = 4, 16, 32
-CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")
-FP32 = CodecConfig(activations="fp32", gradients="fp32")
-
-
-def tiny(
-    *, stages: int = 2, steps: int = 8, codecs: CodecConfig = FP32, clip: float = 1.0, paths: PathConfig | None = None
-) -> SwarmConfig:
-    return tiny_config(
-        stages=stages,
-        steps=steps,
-        model={"d_model": D, "n_layers": 2 * stages, "n_heads": 2, "max_seq_len": T},
-        train={"seq_len": T, "microbatch_size": B, "inner_batch": 2 * B},
-        inner={"warmup_steps": 2, "grad_clip": clip},
-        codecs=codecs,
-        paths=paths,
-    )
+B, T, D = RPC_BATCH, RPC_SEQ, RPC_WIDTH
 
 
 def batches(seed: int = 0):
@@ -66,10 +45,6 @@ def batches(seed: int = 0):
     while True:
         x = torch.randint(0, 256, (B, T + 1), generator=g)
         yield x[:, :-1], (x[:, 1:] + x[:, :-1]) % 256  # learnable: target = f(current, next)
-
-
-def request(payload: bytes) -> runtime_pb2.ExpertRequest:
-    return runtime_pb2.ExpertRequest(metadata=payload)
 
 
 def reply_of(response: runtime_pb2.ExpertResponse) -> dict:
@@ -271,7 +246,7 @@ def test_a_backward_across_an_outer_install_keeps_the_gradients_of_the_weights_i
     weights the forward ran on (stashed at the install) and its gradients accumulate into the moved weights."""
 
     async def scenario() -> None:
-        server, codec = StageServer(tiny(), 1), get_codec("fp32")
+        server, codec = StageServer(rpc_config(), 1), get_codec("fp32")
         before_install = copy.deepcopy(server.module)
         x, g = torch.randn(B, T, D), torch.randn(B, T, D)
         await server.forward("p", Forward(mb="before", stage=1, prev_stage=0, x=codec.encode(x)))
@@ -296,7 +271,7 @@ def test_a_backward_across_an_outer_install_keeps_the_gradients_of_the_weights_i
 
 def test_a_backward_across_a_download_goes_back_without_touching_the_new_weights_gradients() -> None:
     async def scenario() -> None:
-        server, codec = StageServer(tiny(), 1), get_codec("fp32")
+        server, codec = StageServer(rpc_config(), 1), get_codec("fp32")
         x, g = torch.randn(B, T, D), torch.randn(B, T, D)
         for mb in ("before", "after"):
             await server.forward("p", Forward(mb=mb, stage=1, prev_stage=0, x=codec.encode(x)))
@@ -320,7 +295,7 @@ def test_a_backward_after_inner_steps_since_its_forward_differentiates_the_weigh
     "ancient" is recomputed on weights three steps on, and counted. None of it is refused or left out."""
 
     async def scenario() -> None:
-        server, codec = StageServer(tiny(), 1), get_codec("fp32")
+        server, codec = StageServer(rpc_config(), 1), get_codec("fp32")
         assert server.cfg.train.inner_batch == 2 * B and STASHED_STEPS == 2
         at_step_0 = copy.deepcopy(server.module)
         xs = {mb: torch.randn(B, T, D) for mb in ("ancient", "late", "a", "b", "c", "d", "e", "f")}
@@ -359,7 +334,7 @@ def test_a_backward_after_inner_steps_since_its_forward_differentiates_the_weigh
 
 def test_stage_server_gradients_are_autograd_gradients_and_survive_a_lost_input() -> None:
     async def scenario() -> None:
-        cfg = tiny()
+        cfg = rpc_config()
         server, reference = StageServer(cfg, 1), build_stage(cfg.model, 2, 1)
         codec = get_codec("fp32")
         x, g = torch.randn(B, T, D), torch.randn(B, T, D)
@@ -389,38 +364,6 @@ def test_stage_server_gradients_are_autograd_gradients_and_survive_a_lost_input(
 # trainer over an in-process network
 
 
-class InProcessNetwork:
-    """``StageCalls`` straight into servicers, through the same envelope as over P2P. Peers in ``dead`` are unreachable."""
-
-    def __init__(self, cfg: SwarmConfig, replicas: dict[str, int]) -> None:
-        self.servers = {peer: StageServer(cfg, stage) for peer, stage in replicas.items()}
-        self.traffic = {peer: Traffic() for peer in replicas}  # what each server counts, as a peer's metrics do
-        self.servicers = {
-            peer: StageServicer(
-                MeteredBackend(s, self.traffic[peer]), stage=s.stage, max_request_bytes=s.max_request_bytes
-            )
-            for peer, s in self.servers.items()
-        }
-        self.dead: set[str] = set()
-        self.router = Router(cfg.stages.num_stages, random.Random(0))
-        for stage in range(1, cfg.stages.num_stages + 1):
-            self.router.update(stage, [peer for peer, s in replicas.items() if s == stage])
-
-    async def forward(self, peer: str, req: Forward, *, timeout: float) -> bytes:
-        return await self._call(peer, "rpc_forward", req)
-
-    async def backward(self, peer: str, req: Backward, *, timeout: float) -> bytes:
-        return await self._call(peer, "rpc_backward", req)
-
-    async def _call(self, peer: str, method: str, req: Forward | Backward) -> bytes:
-        if peer in self.dead:
-            raise RemoteError(RequestError.UNREACHABLE, f"{peer} is gone")
-        return parse_reply((await getattr(self.servicers[peer], method)(request(pack(req)), CONTEXT)).metadata)
-
-    def served(self, peer: str) -> int:
-        return self.servers[peer].counters["backward"]
-
-
 def train(cfg: SwarmConfig, net: InProcessNetwork, steps: int, **kw) -> tuple[Trainer, dict]:
     trainer = Trainer(cfg, net, net.router, options=TrainerOptions(**kw))
     record = asyncio.run(trainer.train(batches(), steps=steps, val_batches=[next(batches(seed=99)) for _ in range(2)]))
@@ -428,7 +371,7 @@ def train(cfg: SwarmConfig, net: InProcessNetwork, steps: int, **kw) -> tuple[Tr
 
 
 def test_swarm_with_fp32_wire_and_no_clipping_equals_centralized_training() -> None:
-    cfg = tiny(steps=6, clip=0.0)  # per-stage clipping is the one intended difference; off here
+    cfg = rpc_config(steps=6, clip=0.0)  # per-stage clipping is the one intended difference; off here
     # max_staleness 0: the synchronous pipeline (both microbatches of a step in flight, none of the next)
     _, record = train(cfg, InProcessNetwork(cfg, {"a": 1, "b": 2}), steps=6, in_flight=2, max_staleness=0)
     val = [next(batches(seed=99)) for _ in range(2)]
@@ -438,7 +381,7 @@ def test_swarm_with_fp32_wire_and_no_clipping_equals_centralized_training() -> N
 
 
 def test_what_a_trainer_counts_sent_is_what_its_servers_count_received_by_kind() -> None:
-    cfg = tiny(codecs=CodecConfig())  # int8 on the wire
+    cfg = rpc_config(codecs=CodecConfig())  # int8 on the wire
     net = InProcessNetwork(cfg, {"a": 1, "b": 2})
     trainer, record = train(cfg, net, steps=3)
     servers = [net.traffic["a"], net.traffic["b"]]
@@ -453,7 +396,7 @@ def test_what_a_trainer_counts_sent_is_what_its_servers_count_received_by_kind()
 
 
 def test_failed_replicas_are_retried_elsewhere_and_nothing_is_lost() -> None:
-    cfg = tiny(codecs=CodecConfig())  # int8 on the wire
+    cfg = rpc_config(codecs=CodecConfig())  # int8 on the wire
     net = InProcessNetwork(cfg, {"1a": 1, "1b": 1, "2a": 2})
     net.dead.add("1a")
     trainer, record = train(cfg, net, steps=3)
@@ -485,7 +428,7 @@ def test_failed_replicas_are_retried_elsewhere_and_nothing_is_lost() -> None:
 
 
 def test_a_stage_without_live_replicas_is_skipped_and_counted() -> None:
-    cfg = tiny(stages=2, codecs=CodecConfig())
+    cfg = rpc_config(stages=2, codecs=CodecConfig())
     net = InProcessNetwork(cfg, {"1a": 1})  # nobody serves stage 2
     _, record = train(cfg, net, steps=2)
     assert record["skipped_hops"] == record["started"] == record["completed"] == 4
@@ -493,7 +436,7 @@ def test_a_stage_without_live_replicas_is_skipped_and_counted() -> None:
 
 
 def test_persistent_failures_stop_the_trainer_instead_of_spinning() -> None:
-    cfg = tiny()
+    cfg = rpc_config()
     net = InProcessNetwork(cfg, {"1a": 1, "2a": 2})
     trainer = Trainer(cfg, net, net.router, options=TrainerOptions(max_failures_in_a_row=5))
     bad_tokens = iter(

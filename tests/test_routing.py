@@ -20,14 +20,7 @@ from swarm.pipeline.routing import (
     path_length,
     sample_path,
 )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from swarmtest.clock import FakeClock
 
 
 def make_balancer(peers: list[str], seed: int = 0) -> tuple[StageBalancer, FakeClock]:

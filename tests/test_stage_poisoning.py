@@ -6,56 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import math
-import struct
 
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from compress.codecs import get_codec
-from compress.wire import decode_frame, encode_frame
-from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.config import TimeoutConfig
 from swarm.node import Node
 from swarm.peer_config import PeerConfig
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
 from swarm.pipeline.server import StageServer
 from swarm.rpc.defences import PeerLimits
+from swarmtest.attacks import HONEST_SCALE, INT8, activations, microbatch, poisoned
 from swarmtest.configs import BATCH, LOOPBACK_MADDRS, SEQ, tiny_config
 from swarmtest.node import BackgroundNode
 
 TIMEOUTS = TimeoutConfig(rpc_s=10.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
-INT8 = get_codec("int8")
-HONEST_SCALE = (
-    1e-2  # of the activation-gradients an honest trainer sends here (their size does not matter, only their spread)
-)
 WARMUP = 8  # honest microbatches before the attack: the screen's warm-up (GradNormScreen)
-
-
-def huge_scale(frame: bytes) -> bytes:
-    """The int8 frame with its scale replaced by 3.4e38: finite, so every frame check passes, but its norm overflows."""
-    parsed = decode_frame(frame)
-    return encode_frame(
-        parsed.codec_id, parsed.body, dtype=parsed.dtype, shape=parsed.shape, meta=struct.pack("<f", 3.4e38)
-    )
-
-
-def activations(cfg: SwarmConfig) -> torch.Tensor:
-    return torch.randn(BATCH, SEQ, cfg.model.d_model)
-
-
-async def microbatch(client: StageClient, server: PeerID, cfg: SwarmConfig, mb: str, grad: bytes | None = None) -> None:
-    """A forward, then a backward with ``grad`` (an honest gradient if None); raises the backward's ``RemoteError``."""
-    x = INT8.encode(activations(cfg))
-    y = INT8.decode(await client.forward(server, Forward(mb=mb, stage=1, prev_stage=0, x=x), timeout=10))
-    grad = grad or INT8.encode(torch.randn_like(y) * HONEST_SCALE)
-    grad_x = INT8.decode(await client.backward(server, Backward(mb=mb, stage=1, grad=grad), timeout=10))
-    assert grad_x.shape == y.shape
-
-
-def poisoned(cfg: SwarmConfig, i: int) -> bytes:
-    """Both ways to poison: a norm that overflows (the issue's attack), and a finite one 10⁴× the honest ones."""
-    honest = torch.randn(BATCH, SEQ, cfg.model.d_model) * HONEST_SCALE
-    return huge_scale(INT8.encode(honest)) if i % 2 == 0 else INT8.encode(honest * 1e4)
 
 
 async def weights_finite(node: Node) -> bool:
