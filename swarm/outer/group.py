@@ -125,4 +125,5 @@ class P2PGroupNetwork:
 
     async def fetch(self, peer: str, name: str, timeout: float, *, max_bytes: int | None = None) -> bytes:
         bound = self.max_payload_bytes if max_bytes is None else max_bytes  # refused by its announced size, unread
-        return await self.blobs.fetch(peer, name, timeout=timeout, max_bytes=bound)
+        # a bytearray, the buffer the blob arrived in: read as bytes, never copied (a payload may be a whole stage)
+        return await self.blobs.fetch(peer, name, timeout=timeout, max_bytes=bound)  # type: ignore[return-value]

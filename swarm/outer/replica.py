@@ -113,6 +113,13 @@ class ReplicaSync:
         return self.outer.round if self.outer else 0
 
     @property
+    def _outer(self) -> OuterOptimizer[Any]:
+        """The outer optimizer, for what only a swarm with an outer step does (``run`` takes no round without one)."""
+        if self.outer is None:
+            raise RuntimeError(f"stage {self.stage}: this swarm has no outer step")
+        return self.outer
+
+    @property
     def schedule_step(self) -> int:
         return self.holder.start_step + self.holder.inner_steps
 
@@ -173,9 +180,9 @@ class ReplicaSync:
         if refresh:
             self._others = await self._live_others()
         snapshot = await snapshot_weights(self.holder)
-        payload = await self._on_thread(self.outer.make_payload, snapshot)
+        payload = await self._on_thread(self._outer.make_payload, snapshot)
         started = time.perf_counter()
-        take_part = pair_round if self.outer.pairwise else allgather_round  # NoLoCo swaps with one partner
+        take_part = pair_round if self._outer.pairwise else allgather_round  # NoLoCo swaps with one partner
         result = await take_part(
             self.net,
             self.board,
@@ -198,7 +205,7 @@ class ReplicaSync:
             self.round_s.append(time.perf_counter() - started)
         else:
             self.accountability.commit_withheld(result, me=self.net.me)
-            await self._on_thread(self.outer.discard_payload)  # the next payload carries this round's Δ again
+            await self._on_thread(self._outer.discard_payload)  # the next payload carries this round's Δ again
             if not await self._await_progress(key.round, leader=result.leader):
                 self.synced_at = steps  # nobody got past this round: try it again after another H steps
         self.on_log(round_event(self, key, result, screening, time.perf_counter() - started))
@@ -237,14 +244,15 @@ class ReplicaSync:
             raise LookupError(f"this peer holds stage {self.stage}")
         if self.outer is None:  # no outer step: the local weights are the stage's weights
             return stream_state(await self.local_state())
+        outer = self.outer
 
         def take() -> tuple[int, StageState]:  # on the outer thread: the references, and the version they are of
             state = StageState(
                 stage=self.stage,
-                round=self.outer.round,
+                round=outer.round,
                 schedule_step=self.schedule_step,
-                params=dict(self.outer.global_params),
-                optimizer=self.outer.optimizer.state_dict(),  # its tensors are the live buffers, not copies
+                params=dict(outer.global_params),
+                optimizer=outer.optimizer.state_dict(),  # its tensors are the live buffers, not copies
             )
             return self._changes, state
 
@@ -284,16 +292,16 @@ class ReplicaSync:
         """Install a round's result (``payloads`` None: this replica's alone; the snapshot becomes global) and return the
         outer optimizer's ``Screening`` of the payloads. ``keep_own``: this replica's Δ is not in the set (it arrived
         after the leader's window closed): its local weights keep that progress for its next round to send."""
+        outer = self._outer
         if payloads is None:
             # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
-            await self._changing(self.outer.apply_alone, snapshot)
-            self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
+            await self._changing(outer.apply_alone, snapshot)
+            self.global_hash = await self._on_thread(weights_hash, outer.global_params)
             return None
         target = {name: torch.empty_like(t) for name, t in snapshot.items()}
-        old_global = {name: g.clone() for name, g in self.outer.global_params.items()} if keep_own else None
-        # target ← the new global weights
-        screening = await self._changing(self.outer.apply, list(payloads), target)
-        self.global_hash = await self._on_thread(weights_hash, self.outer.global_params)
+        old_global = {name: g.clone() for name, g in outer.global_params.items()} if keep_own else None
+        screening: Screening = await self._changing(outer.apply, list(payloads), target)  # target ← new global weights
+        self.global_hash = await self._on_thread(weights_hash, outer.global_params)
         if old_global is not None:
             for name, t in target.items():
                 t.add_(snapshot[name] - old_global[name])  # + this replica's Δ, which the group did not receive
@@ -348,18 +356,7 @@ class ReplicaSync:
             return False
         await self.adopt(state)
         self.counters["state_downloads"] += 1
-        download_s = time.perf_counter() - started
-        self.on_log(
-            StateDownload(
-                stage=self.stage,
-                from_peer=peer,
-                reason=reason,
-                vouched_by=len(claim.holders),
-                download_s=download_s,
-                outer_round=self.round,
-                global_hash=self.global_hash,
-            )
-        )
+        self.on_log(download_event(self, peer, claim, reason, time.perf_counter() - started))
         return True
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -375,7 +372,7 @@ class ReplicaSync:
         return await self._on_thread(change)
 
 
-def _load_outer(outer: OuterOptimizer, state: StageState) -> None:
+def _load_outer(outer: OuterOptimizer[Any], state: StageState) -> None:
     """Load a downloaded state into the outer optimizer: its global weights, round and buffers, under this replica's
     own hyper-parameters (never the sender's)."""
     groups = outer.optimizer.state_dict()["param_groups"]
@@ -431,4 +428,17 @@ def round_event(
         # whose Δ the screening left out or clipped (their senders got a strike unless relayed)
         dropped=tuple(sorted(contributors[i] for i in screening.dropped)) if screening else (),
         clipped=tuple(sorted(contributors[i] for i in screening.clipped)) if screening else (),
+    )
+
+
+def download_event(sync: ReplicaSync, peer: str, claim: StateClaim, reason: str, download_s: float) -> StateDownload:
+    """``sync``'s replica adopted ``claim``'s state from ``peer`` to catch up (``reason``: behind or diverged)."""
+    return StateDownload(
+        stage=sync.stage,
+        from_peer=peer,
+        reason=reason,
+        vouched_by=len(claim.holders),
+        download_s=download_s,
+        outer_round=sync.round,
+        global_hash=sync.global_hash,
     )

@@ -123,7 +123,8 @@ class OuterService:
 
     async def _export_state(self, name: str) -> BlobStream:
         """``state/<stage>`` from the replica sync of that stage, if this peer holds it."""
-        sync = self.held.get(held_stage(name))
+        stage = held_stage(name)
+        sync = None if stage is None else self.held.get(stage)
         if sync is None:
             raise LookupError(f"this peer holds stages {sorted(self.held)}, not {name!r}")
         return await sync.export_state(name)

@@ -73,10 +73,10 @@ def weights_hash(params: Mapping[str, torch.Tensor], *, threads: int | None = No
     return h.hexdigest()[:16]
 
 
-def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes as a flat uint8 array: a view where the tensor is a contiguous CPU tensor, else one copy."""
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes, flat: a view where the tensor is a contiguous CPU tensor, else one copy."""
     t = tensor.detach().cpu().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def pack_state(state: StageState) -> bytes:
@@ -141,9 +141,10 @@ def _layout(state: StageState) -> tuple[bytes, list[torch.Tensor]]:
     return _MAGIC + _LENGTH.pack(len(header)) + header, tensors
 
 
-def _pack_header(*, stage: int, round_: int, schedule_step: int, params: list, slots: list | None) -> bytes:
+def _pack_header(*, stage: int, round_: int, schedule_step: int, params: list[Any], slots: list[Any] | None) -> bytes:
     fields = {"stage": stage, "round": round_, "schedule_step": schedule_step, "params": params, "optimizer": slots}
-    return msgpack.packb(fields, use_bin_type=True)
+    header: bytes = msgpack.packb(fields, use_bin_type=True)
+    return header
 
 
 def _tensor_bytes(t: torch.Tensor, start: int, end: int) -> bytes:
