@@ -39,8 +39,8 @@ from swarm.config import SwarmConfig, follow_run, load_config, save_config
 from swarm.events import Event, Progress, Spawned, Stamp, as_event, of_kind, read_events
 from swarm.hardware import peak_gpu_memory
 from swarm.model.stages import StagesConfig
-from swarm.node import Node
-from swarm.peer_config import PeerConfig
+from swarm.node.config import PeerConfig
+from swarm.node.node import Node
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "swarmloco: join with --initial-peers "

@@ -72,7 +72,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
 
     from peer.data import load_corpus
     from swarm.dht.membership import stage_key
-    from swarm.peer_config import PeerConfig
+    from swarm.node.config import PeerConfig
     from swarm.pipeline.protocol import Forward, RemoteError, RequestError, StageClient
 
     torch.set_num_threads(1)
@@ -216,6 +216,7 @@ def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any
     )
 
     from swarm.dht.process import SwarmDHT
+    from swarm.events import OuterStrike, StateDownload, of_kind
 
     async def start_dht(initial_peers: list[str]) -> SwarmDHT:
         # Membership signs with SwarmDHT's identity key since item 6; the test module still starts a plain DHT
@@ -253,10 +254,10 @@ def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any
                     await asyncio.sleep(0.2)
                 await asyncio.sleep(2 * cfg.timeouts.matchmaking_s)  # the last round settles
                 if attack == "pg-x1000":
-                    bans = [e for e in a.events if e["event"] == "outer_strike" and e["banned"]]
-                    outcome["banned"] = "yes" if any(e["peer"] == b.peer.id for e in bans) else "no"
+                    bans = [e for e in of_kind(a.events, OuterStrike) if e.banned]
+                    outcome["banned"] = "yes" if any(e.peer == b.peer.id for e in bans) else "no"
                 if attack == "state-liar":
-                    took = [e for r in honest for e in r.events if e.get("from") == extra[0].id]
+                    took = [e for r in honest for e in of_kind(r.events, StateDownload) if e.from_peer == extra[0].id]
                     outcome["banned"] = "no" if took or any(r.sync.round >= 1000 for r in honest) else "yes"
                 ratios = [largest_norm_ratio(r.weights(), seeded) for r in honest]
                 losses = [r.holder.val_loss() for r in honest]

@@ -29,6 +29,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from swarm.events import OuterRound, of_kind
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the replicas are the tests' own helpers
 
@@ -87,17 +89,17 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
         marks = [len(r.events) for r in replicas]
         before = {id(r.peer.membership): Counter(reads.get(id(r.peer.membership), {})) for r in replicas}
 
-        def full(i: int) -> list[dict[str, Any]]:
-            return [e for e in replicas[i].events[marks[i] :] if e["event"] == "outer_round" and met_all(e, n, method)]
+        def full(i: int) -> list[OuterRound]:
+            return [e for e in of_kind(replicas[i].events[marks[i] :], OuterRound) if met_all(e, n, method)]
 
         async with stopping(*replicas):
             began = time.perf_counter()
             while time.perf_counter() - began < timeout_s and min(len(full(i)) for i in range(n)) < rounds:
                 await asyncio.sleep(0.1)
             window = time.perf_counter() - began
-            events = [e for i, r in enumerate(replicas) for e in r.events[marks[i] :] if e["event"] == "outer_round"]
+            events = [e for i, r in enumerate(replicas) for e in of_kind(r.events[marks[i] :], OuterRound)]
             after = {id(r.peer.membership): Counter(reads.get(id(r.peer.membership), {})) for r in replicas}
-        done = [e for e in events if e["outcome"] == "done"]
+        done = [e for e in events if e.outcome == "done"]
         together = [e for e in done if met_all(e, n, method)]
         dht = Counter()
         for key in after:
@@ -110,16 +112,16 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
             "start_s": round(started_s, 2),
             "window_s": round(window, 2),
             "rounds_done_min": min(len(full(i)) for i in range(n)),
-            "rounds_all_outcomes": dict(Counter(e["outcome"] for e in events)),
+            "rounds_all_outcomes": dict(Counter(e.outcome for e in events)),
             "rounds_done": len(done),
             "rounds_together": len(together),
-            "round_s": [round(e["round_s"], 4) for e in together],
-            "median_round_s": statistics.median(e["round_s"] for e in together) if together else None,
-            "median_round_s_any_group": statistics.median(e["round_s"] for e in done) if done else None,
-            "contributors_histogram": dict(sorted(Counter(e["contributors"] for e in done).items())),
-            "median_group": statistics.median(e["group"] for e in done) if done else None,
-            "median_contributors": statistics.median(e["contributors"] for e in done) if done else None,
-            "median_received_bytes": statistics.median(e["received_bytes"] for e in together) if together else None,
+            "round_s": [round(e.round_s, 4) for e in together],
+            "median_round_s": statistics.median(e.round_s for e in together) if together else None,
+            "median_round_s_any_group": statistics.median(e.round_s for e in done) if done else None,
+            "contributors_histogram": dict(sorted(Counter(e.contributors for e in done).items())),
+            "median_group": statistics.median(e.group for e in done) if done else None,
+            "median_contributors": statistics.median(e.contributors for e in done) if done else None,
+            "median_received_bytes": statistics.median(e.received_bytes for e in together) if together else None,
             "payload_bytes": statistics.median(payload_bytes) if payload_bytes else None,
             "dht_reads_per_replica_round": {k: round(v / per_replica_round, 2) for k, v in sorted(dht.items())},
         }
@@ -130,14 +132,14 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
         Membership._read = original_read  # type: ignore[method-assign]
 
 
-def met_all(event: dict[str, Any], n: int, method: str) -> bool:
+def met_all(event: OuterRound, n: int, method: str) -> bool:
     """A round done with all n: in the group round every member contributed; in NoLoCo's every member met and this one
     swapped with its partner (2 contributors, 3 in the odd one out's triple)."""
-    if event["outcome"] != "done":
+    if event.outcome != "done":
         return False
     if method in PAIRWISE:
-        return event["group"] == n and event["contributors"] >= min(2, n)
-    return event["contributors"] == n
+        return event.group == n and event.contributors >= min(2, n)
+    return event.contributors == n
 
 
 # ---- the projection -------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from peer.launch import progress_line as peer_progress_line
 from peer.progress import elapsed_and_eta, format_duration
 from swarm.config import OUTER_CHOICES, SwarmConfig, class_docs, config_from_dict, dumps_config, load_config
 from swarm.events import Progress, Stamp
-from swarm.peer_config import ROLES
+from swarm.node.config import ROLES
 from swarm.sim.simulate import ROUTINGS
 
 

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from optim.config import OuterOptimConfig
 from peer.launch import LocalSwarm, local_config
 from swarm.config import SwarmConfig, save_config
+from swarm.events import OuterRound, Progress, of_kind, read_events
 from swarm.model.transformer import Transformer
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
 from swarmtest.configs import tiny_config
@@ -171,15 +172,12 @@ def test_local_swarm_runs_from_a_fresh_directory_and_lone_replicas_lose_nothing_
     address = next(line.split()[-1] for line in result.stdout.splitlines() if line.startswith("swarm address: "))
     assert f"swarmloco dashboard --initial-peers {address}" in result.stdout  # ready to paste while it runs
     for peer in ("trainer-0", "stage1-0", "stage2-0"):
-        records = [json.loads(line) for line in (out / f"{peer}.jsonl").read_text().splitlines()]
-        rounds = [r for r in records if r.get("event") == "outer_round"]
-        assert len(rounds) >= 3 and all(r["outcome"] == "done" and r["contributors"] == 1 for r in rounds), (
+        rounds = of_kind(read_events(out / f"{peer}.jsonl"), OuterRound)
+        assert len(rounds) >= 3 and all(r.outcome == "done" and r.contributors == 1 for r in rounds), (
             peer,
             rounds,
         )
-    swarm_val = [r for r in map(json.loads, (out / "trainer-0.jsonl").read_text().splitlines()) if "val_loss" in r][-1][
-        "val_loss"
-    ]
+    swarm_val = [r for r in of_kind(read_events(out / "trainer-0.jsonl"), Progress) if "val_loss" in r][-1]["val_loss"]
     alone_val = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])[
         "val_loss"
     ]  # train-local, 60 steps

@@ -29,6 +29,7 @@ from peer.dashboard.store import HistoryError, HistoryStore
 from peer.launch import REPO_ROOT
 from swarm.config import TimeoutConfig
 from swarm.dht.records import PROTOCOL_VERSION, PeerMetrics
+from swarm.events import Metrics, of_kind, read_events
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm
 
@@ -390,7 +391,7 @@ TRAINER = """
 import sys
 from pathlib import Path
 from peer.launch import run_peer
-from swarm.peer_config import PeerConfig
+from swarm.node.config import PeerConfig
 from swarm.pipeline.trainer import TrainerOptions
 initial_peer, out, data = sys.argv[1:]
 peer = PeerConfig(role="trainer", initial_peers=[initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], steps=100_000, data=[data],
@@ -472,7 +473,7 @@ def test_the_page_shows_a_live_swarm_in_a_browser(tmp_path: Path, child_processe
             for k, v in next(p for p in state["peers"] if p["id"] == peers[name]).items()
             if k in PeerMetrics.__fields__
         }
-        logged = [json.loads(line).get("metrics") for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        logged = [e.metrics for e in of_kind(read_events(tmp_path / f"{name}.jsonl"), Metrics)]
         assert published in logged, name
 
     # a restarted dashboard starts from its history: the curves it had, no second join

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import random
 import subprocess
@@ -30,13 +29,25 @@ from swarm.config import SwarmConfig, TimeoutConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.errors import ConfigError
-from swarm.events import Event, OuterRound, Progress, Spawned, Stamp
-from swarm.full import FullModel
-from swarm.node import DataFactory, choose_role, stage_loads
-from swarm.peer_config import PeerConfig
+from swarm.events import (
+    Event,
+    Metrics,
+    OuterRound,
+    Progress,
+    Serving,
+    Spawned,
+    Stamp,
+    StateDownload,
+    of_kind,
+    read_events,
+)
+from swarm.node.config import PeerConfig
+from swarm.node.context import DataFactory
+from swarm.node.placement import choose_role, stage_loads
+from swarm.node.roles.full import FullModel
+from swarm.node.roles.trainer import wait_for_replicas
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, TrainerOptions
-from swarm.roles import wait_for_replicas
 from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
 from swarmtest.node import BackgroundNode
 from swarmtest.processes import swarmloco
@@ -149,20 +160,26 @@ def peer_id(node: BackgroundNode) -> str:
     return node.node.membership.peer_id.to_base58()
 
 
-def rounds(node: BackgroundNode, stage: int) -> list[dict]:
-    return [r for r in node.events("outer_round") if r["stage"] == stage and r["outcome"] == "done"]
+def rounds(node: BackgroundNode, stage: int) -> list[OuterRound]:
+    return [r for r in node.events(OuterRound) if r.stage == stage and r.outcome == "done"]
 
 
-def shared_rounds(full: BackgroundNode, others: dict[int, BackgroundNode]) -> dict[int, list[tuple[dict, dict]]]:
+def progress_of(node: BackgroundNode, role: str) -> list[Progress]:
+    return [r for r in node.events(Progress) if r.role == role]
+
+
+def shared_rounds(
+    full: BackgroundNode, others: dict[int, BackgroundNode]
+) -> dict[int, list[tuple[OuterRound, OuterRound]]]:
     """Per stage, the done rounds that the full peer and the stage's other replica both logged, with the other
     replica among the full peer's contributors: (the full peer's record, the other's)."""
     found = {}
     for stage, other in others.items():
-        theirs = {(r["round"], r["leader"]): r for r in rounds(other, stage)}
+        theirs = {(r.round, r.leader): r for r in rounds(other, stage)}
         found[stage] = [
-            (r, theirs[r["round"], r["leader"]])
+            (r, theirs[r.round, r.leader])
             for r in rounds(full, stage)
-            if peer_id(other) in r["contributor_ids"] and (r["round"], r["leader"]) in theirs
+            if peer_id(other) in r.contributor_ids and (r.round, r.leader) in theirs
         ]
     return found
 
@@ -202,37 +219,37 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
                 # the members of a round applied one set: the same global weights, on the full peer and on the other
                 for stage, pairs in shared.items():
                     for mine, theirs in pairs:
-                        assert peer_id(full) in theirs["contributor_ids"], (stage, theirs)
-                        assert mine["global_hash"] == theirs["global_hash"], (stage, mine, theirs)
+                        assert peer_id(full) in theirs.contributor_ids, (stage, theirs)
+                        assert mine.global_hash == theirs.global_hash, (stage, mine, theirs)
 
                 # every record the full peer announces says it takes no pipeline traffic
                 listed = full.call(lambda node: node.membership.all_replicas())
                 me = full.node.membership.peer_id
                 assert all(me in listed[s] and listed[s][me].serves is False for s in range(NUM_STAGES + 1))
                 # what it published, logged as it published it; its progress records carry no copy
-                published = [r["metrics"] for r in full.records if r.get("event") == "metrics"]
+                published = [r.metrics for r in full.events(Metrics)]
                 assert published and published[-1]["role"] == "full"
-                assert not any("metrics" in r for r in full.records if r.get("role") == "full")
+                assert not any("metrics" in r for r in progress_of(full, "full"))
 
-                trainer_records = [r for r in trainer.records if r.get("role") == "trainer"]
+                trainer_records = progress_of(trainer, "trainer")
 
                 # the newcomer: stage 1 held by the full peer alone, a new server takes its state from it
                 stage1_round = full.call(lambda node: node.membership.replicas(1))[me].outer_round
                 joined = stage1.stop()
                 assert joined["role"] == "stage"
                 with server(1, stage2.maddrs) as newcomer:
-                    download = newcomer.events("state_download")[0]
-                    assert download["reason"] == "join" and download["outer_round"] >= stage1_round
-                    (serving,) = newcomer.events("serving")
-                    assert serving["global_hash"]
+                    download = newcomer.events(StateDownload)[0]
+                    assert download.reason == "join" and download.outer_round >= stage1_round
+                    (serving,) = newcomer.events(Serving)
+                    assert serving.global_hash
                     # never ahead of its only source: the full peer had logged that round by now (its DHT record may
                     # lag by an announce period; its log line follows an install at once, the newcomer's download not)
                     held = [
-                        r["outer_round"]
+                        r.outer_round
                         for r in full.records
-                        if r.get("stage") == 1 and r.get("event") in ("outer_round", "state_download")
+                        if isinstance(r, (OuterRound, StateDownload)) and r.stage == 1
                     ]
-                    assert serving["outer_round"] <= max(held, default=0), (serving, held[-3:])
+                    assert serving.outer_round <= max(held, default=0), (serving, held[-3:])
                 full.stop()
             trainer.stop()
     # no microbatch ever went to the full peer: it serves no stage RPC, so one would have failed its hop
@@ -272,8 +289,8 @@ def test_a_serving_full_peer_carries_a_trainers_microbatches_through_its_stages_
         full.wait(
             "trainer microbatches completed through the full peer's stages",
             lambda: (
-                (done := [r for r in trainer.records if r.get("role") == "trainer" and r["completed"] > 0])
-                and (mine := [r for r in full.records if r.get("role") == "full" and r.get("served")])
+                (done := [r for r in progress_of(trainer, "trainer") if r["completed"] > 0])
+                and (mine := [r for r in progress_of(full, "full") if r.get("served")])
                 and all(
                     # served samples count on the stage's inner step: a served stage steps more than stage 0
                     mine[-1]["served"][str(s)]["backward"] > 0
@@ -290,8 +307,8 @@ def test_a_serving_full_peer_carries_a_trainers_microbatches_through_its_stages_
             180,
         )
         for mine, theirs in shared:  # the members of a round applied one set: the same global weights
-            assert mine["global_hash"] == theirs["global_hash"], (mine, theirs)
-            assert peer_id(full) in theirs["contributor_ids"], theirs
+            assert mine.global_hash == theirs.global_hash, (mine, theirs)
+            assert peer_id(full) in theirs.contributor_ids, theirs
 
         # its middle stages are announced as a server's (routing and status count it), stage 0 as a trainer-side replica
         listed = full.call(lambda node: node.membership.all_replicas())
@@ -302,7 +319,7 @@ def test_a_serving_full_peer_carries_a_trainers_microbatches_through_its_stages_
         trainer.stop()
         full.stop()
     # every hop went to the full peer (the only server) and none failed
-    trainer_records = [r for r in trainer.records if r.get("role") == "trainer"]
+    trainer_records = progress_of(trainer, "trainer")
     assert trainer_records[-1]["completed"] > 0
     assert all(r["hop_failures"] == 0 for r in trainer_records)
 
@@ -421,9 +438,9 @@ def test_swarmloco_local_with_a_full_peer_trains_and_lists_it(tmp_path: Path, ch
     assert "1 full peer(s)" in result.stdout
     (row,) = [line for line in result.stdout.splitlines() if line.startswith("full-0 ")]
     assert row.split()[1] == "full", row
-    records = [json.loads(line) for line in (out / "full-0.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in records if r.get("role") == "full") == 20
-    stages = {r["stage"] for r in records if r.get("event") == "outer_round" and r["outcome"] == "done"}
+    records = read_events(out / "full-0.jsonl")
+    assert max(r["step"] for r in of_kind(records, Progress) if r.role == "full") == 20
+    stages = {r.stage for r in of_kind(records, OuterRound) if r.outcome == "done"}
     assert stages == {0, 1, 2}  # a replica of every stage
 
 
@@ -433,14 +450,13 @@ def test_swarmloco_local_of_full_peers_only_meets_from_the_first_round(tmp_path:
     layout = ["--peers", "0", "--trainers", "0", "--full", "2", "--stages", "2", "--steps", str(4 * H + 2)]
     result, out = run_local(tmp_path, layout, child_processes)
     assert "0 trainer(s), 0 stage servers over 2 stages, 2 full peer(s)" in result.stdout
-    rounds: dict[tuple[int, int], list[dict]] = {}
+    rounds: dict[tuple[int, int], list[OuterRound]] = {}
     for name in ("full-0", "full-1"):
-        for r in map(json.loads, (out / f"{name}.jsonl").read_text().splitlines()):
-            if r.get("event") == "outer_round":
-                rounds.setdefault((r["stage"], r["round"]), []).append(r)
+        for r in of_kind(read_events(out / f"{name}.jsonl"), OuterRound):
+            rounds.setdefault((r.stage, r.round), []).append(r)
     # both full peers wait for each other before training (--wait-for-replicas), so neither runs a round alone: every
     # stage's H-step rounds (4 of them, the last 2 steps before the end) were done by both, with the same weights
     assert sorted(rounds) == [(stage, k) for stage in range(3) for k in range(4)]
     for key, records in rounds.items():
-        assert len(records) == 2 and all(r["outcome"] == "done" and r["contributors"] == 2 for r in records), key
-        assert records[0]["global_hash"] == records[1]["global_hash"], key
+        assert len(records) == 2 and all(r.outcome == "done" and r.contributors == 2 for r in records), key
+        assert records[0].global_hash == records[1].global_hash, key

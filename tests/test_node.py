@@ -10,9 +10,10 @@ import pytest
 from peer.data import load_corpus
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.errors import ConfigError
+from swarm.events import Fault, Progress, Serving
 from swarm.faults import FaultSchedule
-from swarm.node import DataFactory
-from swarm.peer_config import PeerConfig
+from swarm.node.config import PeerConfig
+from swarm.node.context import DataFactory
 from swarm.pipeline.trainer import Batch, TrainerOptions
 from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
 from swarmtest.node import BackgroundNode
@@ -85,17 +86,17 @@ def test_nodes_in_this_process_train_and_a_fault_keyed_by_peer_and_step_stops_on
         ),
         cfg,
     ) as server:
-        assert server.maddrs and server.events("serving")
+        assert server.maddrs and server.events(Serving)
         with trainer("doomed", server, steps=200, faults="doomed@step=4,stage1-a@step=2") as doomed:
             last = doomed.result(timeout=180)  # ends by itself: the fault crashed it
-            (fault,) = doomed.events("fault")
-            assert last == {} and fault["peer"] == "doomed" and fault["action"] == "crash" and fault["stage"] == 0
-            assert fault["step"] >= 4 and max(r["step"] for r in doomed.records if r.get("role") == "trainer") < 200
+            (fault,) = doomed.events(Fault)
+            assert last == {} and fault.peer == "doomed" and fault.action == "crash" and fault.stage == 0
+            assert fault.step >= 4 and max(r["step"] for r in doomed.events(Progress) if r.role == "trainer") < 200
         # a crash retires nothing: the newcomer finds the dead trainer listed for stage 0, and must neither give up
         # on it nor crash, but wait out the record and start (here the dead one was the only trainer)
         assert server.call(lambda node: node.membership.replicas(0)), "the dead trainer's record is still listed"
         with trainer("trainer-1", server, steps=6) as survivor:  # the swarm goes on without the dead peer
             last = survivor.result(timeout=180)
-            assert last["step"] == 6 and last["failed"] == 0 and not survivor.events("fault")
+            assert last["step"] == 6 and last["failed"] == 0 and not survivor.events(Fault)
         final = server.stop()
-    assert final["role"] == "stage" and final["stage"] == 1 and final["backward"] >= 6 and not server.events("fault")
+    assert final["role"] == "stage" and final["stage"] == 1 and final["backward"] >= 6 and not server.events(Fault)

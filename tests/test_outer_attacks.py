@@ -30,6 +30,7 @@ from swarm.dht.membership import Membership, round_key
 from swarm.dht.process import SwarmDHT
 from swarm.dht.records import PROTOCOL_VERSION, StageStatus
 from swarm.errors import ExportError
+from swarm.events import Event, OuterRound, OuterStrike, StateDownload, of_kind
 from swarm.export import download_model, export_sources
 from swarm.model.stages import build_stage, stage_template
 from swarm.outer.replica import ReplicaSync
@@ -132,12 +133,14 @@ class Peer:
 
 @dataclasses.dataclass
 class Replica:
-    """An honest replica of stage 1: it downloads the stage's state when it joins, trains, and takes part in rounds."""
+    """An honest replica of stage 1: it downloads the stage's state when it joins, trains, and takes part in rounds;
+    ``joined_from``: the outer round of the state it downloaded on joining (None: it started the stage)."""
 
     peer: Peer
     holder: StageHolder
     sync: ReplicaSync
-    events: list[dict[str, Any]]
+    events: list[Event]
+    joined_from: int | None = None
     training: asyncio.Task | None = None  # its inner steps; cancelled: no more rounds once the one under way is done
 
     @classmethod
@@ -146,12 +149,11 @@ class Replica:
         service = OuterService(cfg, peer.membership, peer.p2p)
         await service.servicer.add_p2p_handlers(peer.p2p, namespace=cfg.swarm_id)
         state = await service.download(STAGE)
-        holder, events = StageHolder(cfg, seed), []
-        sync = service.sync(STAGE, holder, lambda event: events.append(event.to_record()))
+        holder, events = StageHolder(cfg, seed), list[Event]()
+        sync = service.sync(STAGE, holder, events.append)
         if state is not None:
             await sync.adopt(state)
-            events.append({"event": "joined_from", "outer_round": state.round, "global_hash": sync.global_hash})
-        replica = cls(peer, holder, sync, events)
+        replica = cls(peer, holder, sync, events, joined_from=state.round if state is not None else None)
         peer.every(cfg.timeouts.announce_period_s, replica.announce)
         replica.training = peer.every(STEP_EVERY_S, holder.train)
         peer.tasks.append(asyncio.create_task(sync.run()))
@@ -161,12 +163,8 @@ class Replica:
         status = StageStatus(inner_steps=self.holder.inner_steps, **self.sync.status_fields())
         await self.peer.membership.announce(STAGE, status)
 
-    def rounds(self, *, contributors: int = 1) -> list[dict[str, Any]]:
-        return [
-            e
-            for e in self.events
-            if e["event"] == "outer_round" and e["outcome"] == "done" and e["contributors"] >= contributors
-        ]
+    def rounds(self, *, contributors: int = 1) -> list[OuterRound]:
+        return [e for e in of_kind(self.events, OuterRound) if e.outcome == "done" and e.contributors >= contributors]
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.holder.module.named_parameters()}
@@ -251,8 +249,7 @@ def test_a_peer_claiming_a_later_round_with_scaled_weights_takes_over_no_replica
             # a newcomer tries the liar's claim first (the latest round), refuses it, and takes a's state instead
             b = await Replica.start("b", cfg, a.peer.maddrs, seed=2)
             async with stopping(b):
-                (joined,) = [e for e in b.events if e["event"] == "joined_from"]
-                assert joined["outer_round"] < 1000
+                assert b.joined_from is not None and b.joined_from < 1000
                 await wait_for(
                     "two rounds of a and b together",
                     lambda: len(a.rounds(contributors=2)) >= 2 and len(b.rounds(contributors=2)) >= 2,
@@ -260,7 +257,8 @@ def test_a_peer_claiming_a_later_round_with_scaled_weights_takes_over_no_replica
                     lambda: (a.events[-5:], b.events[-5:]),
                 )
                 for replica in (a, b):
-                    assert not [e for e in replica.events if e.get("from") == liar.id], replica.events
+                    took = [e for e in of_kind(replica.events, StateDownload) if e.from_peer == liar.id]
+                    assert not took, replica.events
                     assert replica.sync.round < 1000
                     # the random inner steps grow the weights a little; a takeover would make them ×1000
                     assert largest_norm_ratio(replica.weights(), seeded) < 3.0
@@ -424,21 +422,21 @@ def test_a_member_sending_a_scaled_pseudo_gradient_is_dropped_named_and_banned_f
             {name: g - 1000.0 * (g - local[name]) for name, g in outer.global_params.items()}
         )
         async with stopping(a, x):
-            banned = lambda: [e for e in a.events if e["event"] == "outer_strike" and e["banned"]]  # noqa: E731
+            banned = lambda: [e for e in of_kind(a.events, OuterStrike) if e.banned]  # noqa: E731
             await wait_for("x banned by a", banned, 90, lambda: a.events[-5:])
             after = len(a.rounds())
             await wait_for("three rounds of a after the ban", lambda: len(a.rounds()) >= after + 3, 60)
         (ban,) = banned()
-        assert ban["peer"] == x.peer.id
-        strikes = [e for e in a.events if e["event"] == "outer_strike"]
-        assert [e["peer"] for e in strikes] == [x.peer.id] * 2 and "this replica's own" in strikes[0]["reason"]
+        assert ban.peer == x.peer.id
+        strikes = of_kind(a.events, OuterStrike)
+        assert [e.peer for e in strikes] == [x.peer.id] * 2 and "this replica's own" in strikes[0].reason
         together = a.rounds(contributors=2)
         assert together, "x never made it into a round"
         for r in together:  # x's Δ went into no round of a: dropped each time, never clipped and applied
-            assert r["dropped"] == [x.peer.id] and r["clipped"] == [], r
+            assert r.dropped == (x.peer.id,) and r.clipped == (), r
         for r in a.rounds()[after:]:  # banned: x is in no group of a any more
-            assert (r["group"], r["contributors"]) == (1, 1), r
-        assert not [e for e in a.events if e["event"] == "state_download" and e["from"] == x.peer.id]
+            assert (r.group, r.contributors) == (1, 1), r
+        assert not [e for e in of_kind(a.events, StateDownload) if e.from_peer == x.peer.id]
         assert largest_norm_ratio(a.weights(), seeded) < 3.0
         assert largest_norm_ratio(dict(a.sync.outer.global_params), seeded) < 3.0
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from swarm.config import TimeoutConfig
 from swarm.dht.records import StageStatus
+from swarm.events import OuterDeclared, StateDownload, of_kind
 from swarm.outer.accountability import OUTER_PEER_LIMITS
 from swarm.outer.allgather import allgather_round
 from swarm.outer.board import MAX_COMMIT_BYTES, Board, digest, parse_commit
@@ -429,7 +430,9 @@ def test_a_leader_whose_commit_was_lost_is_acquitted_when_it_next_leads_a_round_
     a.strike("b", lost.reason)
     assert not a.excluded("b"), "strikes taken back count towards no ban"
     a.accountability.unproven.add("b")
-    a.accountability.acquit(dataclasses.replace(done, contributors=("b",)), a.round, me="a")  # b's alone: no pardon
+    a.accountability.acquit(
+        dataclasses.replace(done, contributors=("b",)), a.round, me="a"
+    )  # b's alone: no proof, no pardon
     a.strike("b", lost.reason)
     assert a.excluded("b"), "a leader that withholds its commits round after round is banned"
     for sync in swarm.syncs.values():
@@ -468,19 +471,17 @@ def test_replicas_stepping_at_different_paces_hold_identical_global_weights_afte
     swarm = ReplicaGroup(sync_config(), ["a", "b", "c"])
 
     def three_rounds_two_with_everyone() -> bool:
-        return (
-            len({e["round"] for e in swarm.rounds()}) >= 3 and sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6
-        )
+        return len({e.round for e in swarm.rounds()}) >= 3 and sum(e.contributors == 3 for e in swarm.rounds()) >= 6
 
     asyncio.run(
         swarm.run({"a": 0.03, "b": 0.05, "c": 0.08}, three_rounds_two_with_everyone, 60)
     )  # c steps ~3x slower than a
     by_round: dict[int, set[str]] = {}
     for e in swarm.rounds():
-        by_round.setdefault(e["round"], set()).add(e["global_hash"])
+        by_round.setdefault(e.round, set()).add(e.global_hash)
     assert len(by_round) >= 3, swarm.events
     assert all(len(hashes) == 1 for hashes in by_round.values()), by_round
-    assert sum(e["contributors"] == 3 for e in swarm.rounds()) >= 6  # most rounds had everyone
+    assert sum(e.contributors == 3 for e in swarm.rounds()) >= 6  # most rounds had everyone
 
 
 def test_noloco_replicas_swap_payloads_with_one_partner_per_round_never_the_whole_group() -> None:
@@ -488,18 +489,18 @@ def test_noloco_replicas_swap_payloads_with_one_partner_per_round_never_the_whol
     swarm = ReplicaGroup(sync_config("noloco"), names)
 
     def four_paired_rounds_each() -> bool:
-        return all(sum(e["peer"] == n and e["contributors"] == 2 for e in swarm.rounds()) >= 4 for n in names)
+        return all(sum(e.contributors == 2 for e in swarm.rounds(n)) >= 4 for n in names)
 
     asyncio.run(swarm.run(dict.fromkeys(names, 0.03), four_paired_rounds_each, 60))
     # the largest payload any replica served, as the hub counted it: a round that received more than one of these per
     # partner fetched more than its partners' payloads (the whole group's, say)
     payload_bytes = max(size for blob, size in swarm.hub.fetched_bytes.items() if "/payload/" in blob)
     for name in names:
-        mine = [e for e in swarm.rounds() if e["peer"] == name]
-        assert all(e["contributors"] <= 3 and e["leader"] is None for e in mine), mine  # a pair, or a triple
-        partners_met = {p for e in mine for p in e["contributor_ids"] if p != name}
+        mine = swarm.rounds(name)
+        assert all(e.contributors <= 3 and e.leader is None for e in mine), mine  # a pair, or a triple
+        partners_met = {p for e in mine for p in e.contributor_ids if p != name}
         assert len(partners_met) >= 2, mine  # rounds pair them differently
-        assert all(e["received_bytes"] <= payload_bytes * (e["contributors"] - 1) for e in mine), (payload_bytes, mine)
+        assert all(e.received_bytes <= payload_bytes * (e.contributors - 1) for e in mine), (payload_bytes, mine)
     assert not any(name.endswith("commit") for _, _, name in swarm.hub.fetches)
     for sync in swarm.syncs.values():
         sync.close()
@@ -543,17 +544,15 @@ def test_a_replica_due_for_a_round_others_have_passed_downloads_instead_of_openi
                 swarm.syncs[name].outer.round = 2
             for _ in range(cfg.outer.inner_steps):
                 c.holder.train()
-            while not any(
-                e["peer"] == "c" and e["event"] in ("state_download", "outer_declared") for e in swarm.events
-            ):
+            while not any(isinstance(e, (StateDownload, OuterDeclared)) for e in swarm.of("c")):
                 await asyncio.sleep(0.01)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
-    first = next(e for e in swarm.events if e["peer"] == "c")
-    assert first["event"] == "state_download" and first["reason"] == "behind" and c.round == 2, swarm.events
+    first = swarm.of("c")[0]
+    assert isinstance(first, StateDownload) and first.reason == "behind" and c.round == 2, swarm.events
 
 
 def test_after_a_failed_round_a_replica_waits_for_progress_only_while_a_replica_could_make_it() -> None:
@@ -620,22 +619,21 @@ def test_an_idle_replica_catches_up_by_state_download() -> None:
     swarm = ReplicaGroup(sync_config(), ["a", "b", "c"])
 
     def c_downloaded_round_2() -> bool:
-        return any(e["event"] == "state_download" and e["peer"] == "c" and e["outer_round"] >= 2 for e in swarm.events)
+        return any(e.outer_round >= 2 for e in of_kind(swarm.of("c"), StateDownload))
 
     asyncio.run(swarm.run({"a": 0.03, "b": 0.03}, c_downloaded_round_2, 60))  # c takes no step: it never joins a round
-    downloads = [e for e in swarm.events if e["event"] == "state_download"]
-    assert [e for e in downloads if e["peer"] == "c" and e["reason"] == "behind"]
+    downloads = of_kind(swarm.events, StateDownload)
+    from_c = of_kind(swarm.of("c"), StateDownload)
+    assert [e for e in from_c if e.reason == "behind"]
     # every download holds the weights some replica reached in that round (under load a and b may split a round
     # for a while, each with its own weights, before one adopts the other's: either copy is a real round's)
     hashes_at: dict[int, set[str]] = {}
     for e in swarm.rounds():
-        hashes_at.setdefault(e["outer_round"], set()).add(e["global_hash"])
-    checked = [
-        e for e in downloads if e["outer_round"] in hashes_at
-    ]  # rounds with no round record yet: nothing to check
-    assert [e for e in checked if e["peer"] == "c"], (downloads, hashes_at)  # c's catch-ups are among those checked
-    assert all(e["global_hash"] in hashes_at[e["outer_round"]] for e in checked), (checked, hashes_at)
-    assert max(e["outer_round"] for e in downloads if e["peer"] == "c") >= 2
+        hashes_at.setdefault(e.outer_round, set()).add(e.global_hash)
+    checked = [e for e in downloads if e.outer_round in hashes_at]  # rounds with no round record yet: nothing to check
+    assert [e for e in checked if e in from_c], (downloads, hashes_at)  # c's catch-ups are among those checked
+    assert all(e.global_hash in hashes_at[e.outer_round] for e in checked), (checked, hashes_at)
+    assert max(e.outer_round for e in from_c) >= 2
 
 
 def test_groups_split_by_a_race_converge_on_the_smallest_peer_id() -> None:
@@ -720,7 +718,7 @@ def test_a_replica_alone_crosses_rounds_without_losing_progress(method: str) -> 
             await sync.step()
 
     asyncio.run(scenario())
-    assert sync.round == 2 and [e["contributors"] for e in swarm.rounds()] == [1, 1]
+    assert sync.round == 2 and [e.contributors for e in swarm.rounds()] == [1, 1]
     assert sync.global_hash == weights_hash(seen[-1])  # what a newcomer downloads is the replica's own progress
     assert all(torch.equal(p.detach(), seen[-1][n]) for n, p in params.items())
 

@@ -29,7 +29,8 @@ from peer.credentials import (
 )
 from swarm.config import TimeoutConfig
 from swarm.dht.start import JoinError, explain_daemon_error, start_dht
-from swarm.peer_config import PeerConfig
+from swarm.events import Revocations
+from swarm.node.config import PeerConfig
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, ask_gates, explain_refusal
 from swarm.rpc.auth import CertificateVerifier
@@ -284,8 +285,8 @@ def test_refused_joins_say_why(swarm_dir: tuple[Path, str], server: tuple[DHT, P
 TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 
 
-def revocation_events(node: BackgroundNode, sequence: int) -> list[dict]:
-    return [event for event in node.events("revocations") if event["sequence"] == sequence]
+def revocation_events(node: BackgroundNode, sequence: int) -> list[Revocations]:
+    return [event for event in node.events(Revocations) if event.sequence == sequence]
 
 
 @pytest.mark.slow
@@ -326,7 +327,7 @@ def test_running_peers_follow_a_revocation_published_in_the_dht(tmp_path: Path) 
             revoke(key, cfg.swarm_id, ids["c"], revocations=listing)  # list #2 replaces a's file while a runs
             (read,) = a.wait("a to read list #2 from its file", lambda: revocation_events(a, 2), 30)
             (spread,) = b.wait("b to learn list #2 from the DHT", lambda: revocation_events(b, 2), 30)
-            assert (read["source"], spread["source"], spread["revoked"]) == ("file", "dht", 2)
+            assert (read.source, spread.source, spread.revoked) == ("file", "dht", 2)
             answer = c_at_gate(b)
             assert not answer["admitted"] and answer["reason"] == "revoked", answer
             with pytest.raises(JoinError, match="revoked peer"):  # b's DHT process refuses c too

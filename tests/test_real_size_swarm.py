@@ -16,6 +16,7 @@ import pytest
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import TimeoutConfig
+from swarm.events import Metrics, OuterRound, StateDownload
 from swarm.model.sizing import stage_parameters
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm
@@ -43,7 +44,7 @@ def test_a_swarm_at_d768_seq1024_microbatch8_trains_3_steps_without_a_failed_hop
     assert last["step"] == 3, last
     assert last["failed"] == 0 and last["hop_timeouts"] == 0 and last["hop_failures"] == 0, last
     assert last["skipped_hops"] == 0, last
-    metrics = swarm.records("trainer-0", "metrics")[-1]["metrics"]
+    metrics = swarm.records("trainer-0", Metrics)[-1].metrics
     assert metrics["bytes_received"]["activations"] > 3 * (4 << 20)  # ≥ 3 replies, each over the unary bound
 
 
@@ -70,17 +71,17 @@ def test_a_125m_sized_stage_meets_in_outer_rounds_and_a_late_peer_downloads_it(
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", "5000", "--data", DATA)
     swarm.wait(
         "a round of both replicas of the stage",
-        lambda: [r for r in swarm.rounds("stage1-a") if r["contributors"] == 2],
+        lambda: [r for r in swarm.rounds("stage1-a") if r.contributors == 2],
         240,
     )
 
     swarm.spawn("late", "--role", "stage", "--stage", "1")
-    (download,) = swarm.wait("the late peer's download", lambda: swarm.records("late", "state_download"), 120)
-    assert download["outer_round"] >= 1, download  # a round's result, not the seeded weights
+    (download,) = swarm.wait("the late peer's download", lambda: swarm.records("late", StateDownload), 120)
+    assert download.outer_round >= 1, download  # a round's result, not the seeded weights
 
-    def together() -> list[dict]:  # a round of the late peer in one group with a replica it downloaded from
-        theirs = {(r["round"], r["leader"], r["global_hash"]) for r in swarm.rounds("stage1-a")}
-        return [r for r in swarm.rounds("late") if (r["round"], r["leader"], r["global_hash"]) in theirs]
+    def together() -> list[OuterRound]:  # a round of the late peer in one group with a replica it downloaded from
+        theirs = {(r.round, r.leader, r.global_hash) for r in swarm.rounds("stage1-a")}
+        return [r for r in swarm.rounds("late") if (r.round, r.leader, r.global_hash) in theirs]
 
     swarm.wait("a round of the late peer with the others, to the same weights", together, 120)
     swarm.stop(*swarm.procs)

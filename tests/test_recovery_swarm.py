@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.config import PathConfig, SwarmConfig, TimeoutConfig
 from swarm.dht.records import RecoveryClaim, StageStatus
+from swarm.events import Fault, Metrics, Move, Recovered, Serving
 from swarm.export import ExportError, download_model, export_sources
 from swarm.model.stages import build_stage
 from swarm.outer.claims import StateClaim
 from swarm.outer.state import StageState, pack_state, stream_state, unpack_state, weights_hash
-from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import checkfree_merge
 from swarm.recovery.rebuild import (
     PRIORITY_JOINER,
@@ -286,7 +286,7 @@ def test_with_nothing_vouched_a_rebuild_takes_current_weights_only_where_other_r
 
 
 def test_a_stage_checkpoint_needs_its_file_and_loads_back_checked(tmp_path: Path) -> None:
-    from swarm.peer_config import PeerConfig
+    from swarm.node.config import PeerConfig
     from swarm.recovery.rebuild import load_stage_checkpoint
 
     with pytest.raises(ValueError, match="stage_checkpoint") as error:
@@ -304,12 +304,12 @@ def test_a_stage_checkpoint_needs_its_file_and_loads_back_checked(tmp_path: Path
 # ---- real swarms ---------------------------------------------------------------------------------------
 
 
-def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, str]) -> dict:
+def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, str]) -> Recovered:
     """The rebuilder's ``recovered`` event matches the formula applied to the blobs its sources served; returns the event."""
     # the event comes once the rebuilt stage is installed, just after the move (or start) that led to it is logged
-    (event,) = swarm.wait(f"{rebuilder}'s recovered event", lambda: swarm.records(rebuilder, "recovered"), 30)
-    assert event["stage"] == stage and event["lr_scale"] == pytest.approx(1.1)
-    saved = torch.load(event["saved"], weights_only=False)
+    (event,) = swarm.wait(f"{rebuilder}'s recovered event", lambda: swarm.records(rebuilder, Recovered), 30)
+    assert event.stage == stage and event.lr_scale == pytest.approx(1.1) and event.saved is not None
+    saved = torch.load(event.saved, weights_only=False)
     inputs = {}
     for source in saved["sources"]:
         sha = hashlib.sha256(source["blob"]).hexdigest()[:16]
@@ -330,7 +330,7 @@ def check_rebuild(swarm: Swarm, rebuilder: str, stage: int, sources: dict[int, s
     else:
         ((expected, _),) = inputs.values()
     assert all(torch.equal(saved["params"][name], expected[name]) for name in expected)
-    assert event["weights_hash"] == event["installed_hash"] == weights_hash(saved["params"])  # and served exactly that
+    assert event.weights_hash == event.installed_hash == weights_hash(saved["params"])  # and served exactly that
     return event
 
 
@@ -349,7 +349,7 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
     for name, stage in (("stage3-a", 3), ("stage2-a", 2)):
         swarm.spawn(name, "--role", "stage", "--stage", str(stage), *faults)
     swarm.wait(
-        "stage 2 to serve", lambda: swarm.records("stage2-a", "serving"), 90
+        "stage 2 to serve", lambda: swarm.records("stage2-a", Serving), 90
     )  # else stage 1's movers would fill it
     pair = [
         "stage1-a",
@@ -359,17 +359,17 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
         swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "600", *faults)
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", str(steps), "--data", DATA)
 
-    (fault,) = swarm.wait("stage2-a to die at its step 10", lambda: swarm.records("stage2-a", "fault"), 120)
-    assert fault["step"] >= 10 and fault["stage"] == 2 and fault["action"] == "kill", fault
+    (fault,) = swarm.wait("stage2-a to die at its step 10", lambda: swarm.records("stage2-a", Fault), 120)
+    assert fault.step >= 10 and fault.stage == 2 and fault.action == "kill", fault
     swarm.wait("stage2-a's process to be gone", lambda: swarm.procs["stage2-a"].poll() is not None, 10)
-    killed_at = fault["time"]
+    killed_at = fault.time
     ((mover, move),) = swarm.wait(
-        "a stage-1 server to move", lambda: [(n, r) for n in pair for r in swarm.records(n, "move")], 60
+        "a stage-1 server to move", lambda: [(n, r) for n in pair for r in swarm.records(n, Move)], 60
     )
-    assert move["from"] == 1 and move["to"] == 2 and move["rebuilt"], move
+    assert move.from_stage == 1 and move.to_stage == 2 and move.rebuilt, move
     stayer = next(n for n in pair if n != mover)  # a merge source: stage 1 kept a replica
     event = check_rebuild(swarm, mover, 2, {1: stayer, 3: "stage3-a"})
-    assert event["kind"] == "merge" and event["time"] - killed_at < 30
+    assert event.kind == "merge" and event.time - killed_at < 30
     served = swarm.wait(
         "a microbatch through the rebuilt stage",
         lambda: [r for r in swarm.records(mover) if r.get("stage") == 2 and r.get("backward", 0) > 0],
@@ -397,9 +397,9 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
     swarm.stop("trainer-0", *pair, "stage3-a")
     last = swarm.progress("trainer-0")[-1]
     assert last["skipped_hops"] > 0 and last["failed"] <= 3, last  # stage 2 was skipped, not fatal
-    published = [r["metrics"] for r in swarm.records(mover, "metrics") if r["metrics"]["stage"] == 2]
+    published = [r.metrics for r in swarm.records(mover, Metrics) if r.metrics["stage"] == 2]
     assert published and published[-1]["recoveries"] == 1
-    assert not swarm.records(stayer, "move") and not swarm.records(stayer, "recovered")  # exactly one rebuilder
+    assert not swarm.records(stayer, Move) and not swarm.records(stayer, Recovered)  # exactly one rebuilder
 
 
 @pytest.mark.slow
@@ -423,9 +423,9 @@ def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_o
             2 * TIMEOUTS.record_ttl_s + 30,
         )
     swarm.spawn("joiner", "--role", "auto")  # --role auto: the empty stage first
-    event = swarm.wait("the joiner to rebuild stage 3", lambda: swarm.records("joiner", "recovered"), 90)[0]
+    event = swarm.wait("the joiner to rebuild stage 3", lambda: swarm.records("joiner", Recovered), 90)[0]
     event = check_rebuild(swarm, "joiner", 3, {2: "stage2-a"})
-    assert event["kind"] == "copy-swap-partner"
+    assert event.kind == "copy-swap-partner"
     swarm.wait(
         "a microbatch through the rebuilt stage",
         lambda: [r for r in swarm.records("joiner") if r.get("backward", 0) > 0],
@@ -434,4 +434,4 @@ def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_o
     swarm.stop("trainer-0", "stage1-a", "stage2-a", "joiner")
     last = swarm.progress("trainer-0")[-1]
     assert last["failed"] <= 3, last
-    assert event["time"] - killed_at < 90
+    assert event.time - killed_at < 90

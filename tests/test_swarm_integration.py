@@ -25,10 +25,10 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, launch_local
-from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.config import PathConfig, SwarmConfig, TimeoutConfig
+from swarm.events import Progress
 from swarm.model.transformer import Transformer
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
-from swarm.pipeline.routing import PathConfig
 from swarm.sim.centralized import evaluate
 from swarmtest.configs import BATCH, DATA, SEQ, tiny_config
 from swarmtest.processes import Swarm
@@ -53,7 +53,7 @@ def start_peers(swarm: Swarm, servers: list[tuple[str, int]], trainers: dict[str
         swarm.spawn(name, "--role", "trainer", "--steps", str(steps), "--seed", str(i), "--data", DATA)
 
 
-def assert_accounted(record: dict) -> None:
+def assert_accounted(record: Progress) -> None:
     """Every microbatch a trainer started ended as completed or failed."""
     assert record["started"] == record["completed"] + record["failed"] + record["cancelled"], record
 
@@ -107,7 +107,7 @@ def test_killed_stage_server_does_not_stop_training(tmp_path: Path, child_proces
     assert_accounted(last)
     swarm.stop("stage1-0", "stage2-0")
     survivor = swarm.records("stage1-0")
-    before = max((r["backward"] for r in survivor if r["time"] <= killed_at and "backward" in r), default=0)
+    before = max((r["backward"] for r in survivor if r.time <= killed_at and "backward" in r), default=0)
     assert survivor[-1]["backward"] - before >= steps - 60, (
         before,
         survivor[-1],

@@ -18,7 +18,8 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig, TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.node import choose_role, stage_loads
+from swarm.events import Move, OuterDeclared, OuterRound, Serving
+from swarm.node.placement import choose_role, stage_loads
 from swarm.outer.group import RoundTiming
 from swarm.recovery.rebalance import StageLoad
 from swarmtest.configs import DATA, tiny_config
@@ -60,12 +61,12 @@ def assert_groups_agree(swarm: Swarm, names: list[str]) -> dict[tuple[int, int, 
     for name in names:
         entered: dict[int, str] = {}  # stage → the global hash this member held entering its next round
         for r in swarm.rounds(name):
-            key = (r["stage"], r["round"], r["leader"])
-            hashes.setdefault(key, set()).add(r["global_hash"])
-            members.setdefault(key, []).append((name, entered.get(r["stage"], "")))
-            if r.get("dropped") or r.get("clipped"):
+            key = (r.stage, r.round, r.leader)
+            hashes.setdefault(key, set()).add(r.global_hash)
+            members.setdefault(key, []).append((name, entered.get(r.stage, "")))
+            if r.dropped or r.clipped:
                 excused.add(key)
-            entered[r["stage"]] = r["global_hash"]
+            entered[r.stage] = r.global_hash
     for key, joined in members.items():
         if len({start for _, start in joined}) > 1:
             excused.add(key)
@@ -91,37 +92,35 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
 
     swarm.wait(
         "two full rounds of the trainers",
-        lambda: all(sum(r["contributors"] == 3 for r in swarm.rounds(n)) >= 2 for n in trainers),
+        lambda: all(sum(r.contributors == 3 for r in swarm.rounds(n)) >= 2 for n in trainers),
         120,
     )
-    done_before = max(r["round"] for n in trainers for r in swarm.rounds(n))
+    done_before = max(r.round for n in trainers for r in swarm.rounds(n))
 
-    def next_declarations() -> dict[str, dict] | None:
+    def next_declarations() -> dict[str, OuterDeclared] | None:
         # one round all three declared: arrival times of different rounds (a trainer that skipped one by download)
         # say nothing about who leads
-        found = {
-            n: {r["round"]: r for r in swarm.records(n, "outer_declared") if r["round"] > done_before} for n in trainers
-        }
+        found = {n: {r.round: r for r in swarm.records(n, OuterDeclared) if r.round > done_before} for n in trainers}
         common = set.intersection(*(set(rounds) for rounds in found.values()))
         return {n: found[n][min(common)] for n in trainers} if common else None
 
     declared = swarm.wait("every trainer to declare the next round", next_declarations, 60)
     # the last to arrive, so not the leader (the earliest arrival): the others' round must end without it
-    victim = max(trainers, key=lambda n: declared[n]["opened_at"])  # the time the leader is chosen by, not the log's
+    victim = max(trainers, key=lambda n: declared[n].opened_at)  # the time the leader is chosen by, not the log's
     survivors = [n for n in trainers if n != victim]
     swarm.kill(victim)
-    killed_at, round_ = time.time(), declared[victim]["round"]
+    killed_at, round_ = time.time(), declared[victim].round
 
     for name in survivors:  # done with the members that delivered (the victim's payload only if fetched before it died)
         ended = swarm.wait(
             f"{name} to end round {round_}",
-            lambda: [r for r in swarm.records(name, "outer_round") if r["round"] == round_],
+            lambda: [r for r in swarm.records(name, OuterRound) if r.round == round_],
             MAX_ROUND_S + 10,
         )
-        assert ended[0]["outcome"] == "done" and ended[0]["time"] - killed_at < MAX_ROUND_S, ended
+        assert ended[0].outcome == "done" and ended[0].time - killed_at < MAX_ROUND_S, ended
     swarm.wait(
         "a round of the two survivors",
-        lambda: all([r for r in swarm.rounds(n) if r["round"] > round_ and r["contributors"] == 2] for n in survivors),
+        lambda: all([r for r in swarm.rounds(n) if r.round > round_ and r.contributors == 2] for n in survivors),
         60,
     )
     for name in survivors:
@@ -148,15 +147,15 @@ def test_noloco_trainers_swap_payloads_in_pairs_without_a_leader(tmp_path: Path,
 
     swarm.wait(
         "three paired rounds of every trainer",
-        lambda: all(sum(r["contributors"] == 2 for r in swarm.rounds(n)) >= 3 for n in trainers),
+        lambda: all(sum(r.contributors == 2 for r in swarm.rounds(n)) >= 3 for n in trainers),
         150,
     )
     for name in trainers:
-        done = [r for r in swarm.rounds(name) if r["stage"] == 0]
-        assert all(r["leader"] is None and r["contributors"] <= 3 for r in done), done  # a pair, or a triple
-        paired = [r for r in done if r["contributors"] == 2]
+        done = [r for r in swarm.rounds(name) if r.stage == 0]
+        assert all(r.leader is None and r.contributors <= 3 for r in done), done  # a pair, or a triple
+        paired = [r for r in done if r.contributors == 2]
         # one payload received per paired round: the partner's, never the other two replicas'
-        sizes = [r["received_bytes"] for r in paired]
+        sizes = [r.received_bytes for r in paired]
         assert 0 < max(sizes) < 1.5 * min(sizes), paired
     for name in trainers:
         last = swarm.finish(name)
@@ -182,17 +181,17 @@ def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves
     first = swarm.wait(
         "the late peer to serve", lambda: [r for r in swarm.records("late") if r.get("first_served_at")], 90
     )[0]
-    (serving,) = swarm.records("late", "serving")
-    round_at_join = max(r["outer_round"] for r in swarm.rounds("stage1-a") if r["time"] <= swarm.started["late"])
-    assert first["role"] == "stage" and first["stage"] == 1 and serving["stage"] == 1
-    assert serving["outer_round"] >= round_at_join  # it started from the stage's current state, not from scratch
+    (serving,) = swarm.records("late", Serving)
+    round_at_join = max(r.outer_round for r in swarm.rounds("stage1-a") if r.time <= swarm.started["late"])
+    assert first.role == "stage" and first["stage"] == 1 and serving.stage == 1
+    assert serving.outer_round >= round_at_join  # it started from the stage's current state, not from scratch
     # process start to first served request: scripts/bench_swarm.py --join measured 15-20 s here; allow for a loaded machine
     assert first["first_served_at"] - swarm.started["late"] < 90
-    assert first["first_served_at"] - serving["time"] < 10  # trainers route to it as soon as it announces itself
+    assert first["first_served_at"] - serving.time < 10  # trainers route to it as soon as it announces itself
 
-    def together() -> list[dict]:  # rounds both logged, in one group
-        theirs = {(r["round"], r["leader"]) for r in swarm.rounds("stage1-a")}
-        return [r for r in swarm.rounds("late") if r["contributors"] == 2 and (r["round"], r["leader"]) in theirs]
+    def together() -> list[OuterRound]:  # rounds both logged, in one group
+        theirs = {(r.round, r.leader) for r in swarm.rounds("stage1-a")}
+        return [r for r in swarm.rounds("late") if r.contributors == 2 and (r.round, r.leader) in theirs]
 
     swarm.wait("a round of the late peer and stage1-a together", together, 60)
     swarm.stop(*swarm.procs)
@@ -201,7 +200,7 @@ def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves
     assert [
         key for key, members in groups.items() if sorted(members) == ["late", "stage1-a"]
     ]  # rounds in one group: the same weights
-    assert not swarm.records("late", "move")
+    assert not swarm.records("late", Move)
 
 
 @pytest.mark.slow
@@ -215,18 +214,16 @@ def test_a_server_moves_to_an_unserved_stage_and_leaves_none_empty(tmp_path: Pat
     ready_at = time.time()
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", "30", "--data", DATA)
 
-    moves = swarm.wait("a move", lambda: [(n, r) for n in both for r in swarm.records(n, "move")], 30)
+    moves = swarm.wait("a move", lambda: [(n, r) for n in both for r in swarm.records(n, Move)], 30)
     ((mover, move),) = moves
-    assert move["from"] == 1 and move["to"] == 2 and move["time"] - ready_at < 20
+    assert move.from_stage == 1 and move.to_stage == 2 and move.time - ready_at < 20
     assert mover == min(both, key=lambda n: swarm.ids[n])  # plan_move's tie-break: no throughput yet, so the smaller id
     last = swarm.finish("trainer-0")
     assert last["step"] == 30, last
     swarm.stop(*both)
     stayer = next(n for n in both if n != mover)
-    assert not swarm.records(stayer, "move") and all(
-        r["stage"] == 1 for r in swarm.records(stayer) if "stage" in r and "role" in r
-    )
-    after = [r for r in swarm.records(mover) if r.get("role") == "stage" and r["time"] > move["time"]]
+    assert not swarm.records(stayer, Move) and all(r["stage"] == 1 for r in swarm.records(stayer) if "stage" in r)
+    after = [r for r in swarm.records(mover) if r.role == "stage" and r.time > move.time]
     assert after and all(r["stage"] == 2 for r in after) and after[-1]["backward"] > 0  # it serves stage 2 now
 
 

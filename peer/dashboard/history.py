@@ -29,6 +29,8 @@ Verdict = Literal["green", "yellow", "red"]
 
 @dataclass(frozen=True)
 class Event:
+    """A change the dashboard saw between two polls of the records (not a peer's logged ``swarm.events.Event``)."""
+
     time: float
     kind: str  # join | leave | move | state | recovery | ban
     peer: str
