@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from compress.codecs import PseudoGradientCodecName
 from compress.config import check_choices, check_non_negative, check_positive
 from compress.errors import ConfigError
 
 OuterMethod = Literal["none", "diloco", "sparseloco", "noloco"]  # none: replicas never sync
 OUTER_METHODS: tuple[OuterMethod, ...] = get_args(OuterMethod)
 # SparseLoCo sends its own codec (top-k with error feedback), and no other method can send it
-OWN_PSEUDO_GRADIENT_CODEC: dict[OuterMethod, str] = {"sparseloco": "sparseloco"}
+OWN_PSEUDO_GRADIENT_CODEC: dict[OuterMethod, PseudoGradientCodecName] = {"sparseloco": "sparseloco"}
 
 
 def pseudo_gradient_codec_problem(method: OuterMethod, codec: str) -> str | None:
@@ -28,7 +29,7 @@ def pseudo_gradient_codec_problem(method: OuterMethod, codec: str) -> str | None
     return f"{codec!r} does not fit outer.method={method!r}"
 
 
-def fitting_pseudo_gradient_codec(method: OuterMethod, codec: str) -> str:
+def fitting_pseudo_gradient_codec(method: OuterMethod, codec: PseudoGradientCodecName) -> PseudoGradientCodecName:
     """The codec ``method`` sends where ``codec`` was asked for: SparseLoCo's own, or "fp32" for another method that was
     given SparseLoCo's; else ``codec`` itself."""
     if method in OWN_PSEUDO_GRADIENT_CODEC:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from swarm.config import SwarmConfig, cli
 from swarm.dht.reachability import REACHABILITY_MODES, Reachability, ReachabilityMode, choose_reachability
@@ -262,7 +262,7 @@ class PeerConfig:
         unknown = sorted(set(options) - own - nested)
         if unknown:
             raise ConfigError(unknown[0], "not a per-peer option")
-        given = {}
+        given: dict[str, Any] = {}  # each value checked by the dataclass it goes to
         for key, value in options.items():
             if value is not None:
                 try:

@@ -47,7 +47,7 @@ class NodeContext:
     @property
     def me(self) -> str:
         """This peer's id, base58."""
-        return self.membership.peer_id.to_base58()
+        return str(self.membership.peer_id.to_base58())
 
 
 async def until_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:

@@ -53,7 +53,7 @@ def provide_local_state(ctx: NodeContext, syncs: Sequence[ReplicaSync]) -> None:
     held = {sync.stage: sync for sync in syncs}
 
     async def provide(name: str) -> BlobStream:
-        if (sync := held.get(held_stage(name))) is None:
+        if (stage := held_stage(name)) is None or (sync := held.get(stage)) is None:
             raise LookupError(f"this peer holds stages {sorted(held)}, not {name!r}")
         stage = sync.stage
         return stream_state(

@@ -160,7 +160,10 @@ class Node:
         replicas = pipeline_replicas(await ctx.membership.all_replicas())  # full peers serve no path
         if config.role == "auto":
             whole = StageFootprint.whole_model(cfg, outer=True).total_bytes <= available_memory(ctx.device)
-            role, stage = choose_role(replicas, cfg.stages.num_stages, whole_model_fits=whole and self.data is not None)
+            role, chosen = choose_role(
+                replicas, cfg.stages.num_stages, whole_model_fits=whole and self.data is not None
+            )
+            stage: int | None = chosen
             logger.info(f"--role auto: {role}" + (f" of stage {stage}" if role == "stage" else ""))
         else:
             role, stage = config.role, config.stage
@@ -168,18 +171,12 @@ class Node:
             self.reachability is not None and self.reachability.mode == "client" and role == "stage"
         ):  # it only calls out: nobody could call it
             role, stage = "trainer", None
-        if role == "stage":
-            stage = stage or pick_stage(replicas)
-        footprint = (
-            StageFootprint.whole_model(cfg, outer=True)
-            if role == "full"
-            else StageFootprint.of(cfg, stage if role == "stage" else EDGE_STAGE)
-        )
+        held = (stage or pick_stage(replicas)) if role == "stage" else EDGE_STAGE  # a full peer's: every stage
+        footprint = StageFootprint.whole_model(cfg, outer=True) if role == "full" else StageFootprint.of(cfg, held)
         logger.info(f"{describe(ctx.device)}: {footprint.describe()}")
         check_fits(footprint, available=available_memory(ctx.device), device=describe(ctx.device))
         if role == "stage":
-            assert stage is not None
-            return StageRole(ctx, stage)
+            return StageRole(ctx, held)
         if self.data is None:
             raise ValueError(f"this swarm needs a {role}, and a {role} needs data")
         return FullRole(ctx, self.data) if role == "full" else TrainerRole(ctx, self.data)
@@ -245,7 +242,7 @@ class Node:
         role = self.role
         seen = await wait_for_step(step, lambda: role.holder.inner_steps if role.holder is not None else None)
         stage = role.stage if isinstance(role, StageRole) else EDGE_STAGE
-        self.on_log(Fault(peer=self.peer_config.name, step=seen, stage=stage, action=self.on_fault))
+        self.on_log(Fault(peer=self.peer_config.name or "", step=seen, stage=stage, action=self.on_fault))
         logger.warning(f"fault injected: {self.peer_config.name} dies at its inner step {seen} ({self.on_fault})")
         if self.on_fault == "kill":
             kill_this_peer()

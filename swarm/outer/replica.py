@@ -2,8 +2,8 @@
 how it catches up, and the stage state it serves.
 
 It composes matchmaking and its method's round (``allgather_round``, or NoLoCo's ``pair_round``), the
-state format, claims, download and accountability; docs/architecture.md ("An outer round's path") tells
-the whole story. ``OuterService.sync`` makes one per replica a peer holds:
+state format, claims, download and accountability; docs/architecture.md (its outer/ paragraph and "An
+outer round's path") tells the whole story. ``OuterService.sync`` makes one per replica a peer holds:
 
     >>> sync = outer_service.sync(stage, server, on_log); await sync.adopt(state)
     >>> task = asyncio.create_task(sync.run())   # cancel to stop; sync.close() after
@@ -54,9 +54,16 @@ class StateChanged(Exception):
 class Holder(Protocol):
     """What the outer step needs of a trainer (stage 0) or a stage server."""
 
-    module: torch.nn.Module
-    inner_steps: int  # taken by this process
-    start_step: int  # where this process started on the lr schedule
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps taken by this process."""
+
+    @property
+    def start_step(self) -> int:
+        """Where this process started on the lr schedule."""
 
     async def exclusive(self, fn: Callable[[], T], *, change: WeightChange = "none") -> T:
         """``fn()`` on the compute thread: no inner step or request runs at the same time. ``change``: how ``fn``

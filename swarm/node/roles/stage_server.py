@@ -140,19 +140,19 @@ class StageRole:
         ctx = self.ctx
         self.holder = served.server
         await served.start()
-        watched = [
-            asyncio.create_task(ctx.stop.wait())
-        ]  # serving happens in the P2P handlers; this waits for the end or a move
-        if ctx.peer_config.rebalance_every_s:
-            watched.append(asyncio.create_task(self._next_move(ctx.peer_config.rebalance_every_s)))
+        # serving happens in the P2P handlers; this waits for the end or a move
+        stopped = asyncio.create_task(ctx.stop.wait())
+        period_s = ctx.peer_config.rebalance_every_s
+        moving = asyncio.create_task(self._next_move(period_s)) if period_s else None
         ctx.ready()
         move = None
         try:
-            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-            move = None if ctx.stop.is_set() else watched[1].result()
+            await asyncio.wait([stopped] + ([moving] if moving else []), return_when=asyncio.FIRST_COMPLETED)
+            move = None if ctx.stop.is_set() or moving is None else moving.result()
         finally:
-            for task in watched:
-                task.cancel()
+            for task in (stopped, moving):
+                if task is not None:
+                    task.cancel()
             await served.close(retire=move is not None)  # the new stage is announced as soon as it serves
         if move is not None:
             return move
