@@ -36,7 +36,7 @@ from peer.data import Shard, load_corpus, resolve_paths
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
 from swarm.config import SwarmConfig, follow_run, load_config, save_config
-from swarm.events import Event, Progress, Spawned, Stamp, as_event, of_kind, read_events
+from swarm.events import Event, Progress, Spawned, Stamp, of_kind, read_events
 from swarm.hardware import peak_gpu_memory
 from swarm.model.stages import StagesConfig
 from swarm.node.config import PeerConfig
@@ -88,17 +88,18 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         peer.out.mkdir(parents=True, exist_ok=True)
         metrics = (peer.out / f"{name}.jsonl").open("a")
 
-    def on_log(logged: Event | dict[str, Any]) -> None:  # TEMPORARY: dicts too, until every emitter logs events
+    def on_log(event: Event) -> None:
         # peak_rss_mb: the process' high-water mark so far (ru_maxrss is in KiB on Linux)
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         # peak_gpu_mb: once this process has used CUDA
-        stamp = Stamp(time=time.time(), peer=name, peak_rss_mb=round(peak_rss_mb, 1), **peak_gpu_memory())
-        event = as_event(logged).stamped(stamp)
+        stamped = event.stamped(
+            Stamp(time=time.time(), peer=name, peak_rss_mb=round(peak_rss_mb, 1), **peak_gpu_memory())
+        )
         if metrics is not None:
-            metrics.write(json.dumps(event.to_record()) + "\n")
+            metrics.write(json.dumps(stamped.to_record()) + "\n")
             metrics.flush()
-        if isinstance(event, Progress) and event.role in ("trainer", "full"):  # progress, not outer-step events
-            echo(progress_line(event, peer.steps))
+        if isinstance(stamped, Progress) and stamped.role in ("trainer", "full"):  # progress, not outer-step events
+            echo(progress_line(stamped, peer.steps))
 
     async def main() -> dict[str, Any]:
         node = Node(peer, cfg, data=batches, on_log=on_log, on_ready=on_ready)

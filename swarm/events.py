@@ -341,11 +341,6 @@ def of_kind(events: Iterable[Event], kind: type[E]) -> list[E]:
     return [event for event in events if isinstance(event, kind)]
 
 
-def as_event(record: Event | Mapping[str, Any]) -> Event:
-    """TEMPORARY (issue 35, until every emitter logs typed events): a sink's input, a dict literal parsed."""
-    return record if isinstance(record, Event) else parse_event(record)
-
-
 def _read_stamp(record: Mapping[str, Any], *, own: set[str]) -> Stamp | None:
     if "time" not in record:
         return None
