@@ -24,9 +24,9 @@ from swarm.events import Metrics, StageCheckpoint, StateDownload, StateServed
 from swarm.node.context import NodeContext, every
 from swarm.outer.replica import Holder, ReplicaSync
 from swarm.outer.service import held_stage
-from swarm.outer.transfer import StageState, TransferError, stream_state
+from swarm.outer.state import StageState, stream_state
 from swarm.recovery.rebuild import save_stage_checkpoint
-from swarm.rpc.blobs import BlobStream
+from swarm.rpc.blobs import BlobStream, TransferError
 
 logger = logging.getLogger(__name__)
 

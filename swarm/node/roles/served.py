@@ -19,7 +19,7 @@ from swarm.events import Progress, Recovered, Serving
 from swarm.hardware import describe
 from swarm.node.context import NodeContext
 from swarm.node.lifecycle import ReplicaLifecycle
-from swarm.outer.transfer import StageState, weights_hash
+from swarm.outer.state import StageState, weights_hash
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageServer

@@ -24,7 +24,7 @@ from swarm.node.lifecycle import download_state
 from swarm.node.placement import stage_loads
 from swarm.node.roles.served import ServedStage
 from swarm.outer.replica import Holder
-from swarm.outer.transfer import StageState, TransferError
+from swarm.outer.state import StageState
 from swarm.recovery.checkfree import NoRecoverySource
 from swarm.recovery.rebalance import next_check_delay, plan_move
 from swarm.recovery.rebuild import (
@@ -37,6 +37,7 @@ from swarm.recovery.rebuild import (
     rebuild_stage,
     swarm_has_trained,
 )
+from swarm.rpc.blobs import TransferError
 
 logger = logging.getLogger(__name__)
 
