@@ -18,9 +18,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from swarm.dht.membership import Membership
 from swarm.dht.metrics import Meter
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.events import Metrics, StageCheckpoint, StateDownload, StateServed
+from swarm.model.stages import EDGE_STAGE
 from swarm.node.context import NodeContext, every
 from swarm.outer.replica import Holder, ReplicaSync
 from swarm.outer.service import held_stage
@@ -164,3 +166,20 @@ class ReplicaLifecycle:
             task.cancel()
         for sync in self.syncs:
             sync.close()
+
+
+async def wait_for_replicas(membership: Membership, count: int, timeout_s: float) -> None:
+    """Start training once ``count`` replicas of stage 0 (trainers and full peers, this one included) are listed, or
+    train on after ``timeout_s``.
+
+    Replicas started together (``swarmloco local``) then meet from their first round: one that starts first would
+    otherwise run its first rounds alone, and the first full peer of a swarm without a pipeline would train alone
+    while the others start.
+    """
+    if count <= 0:  # not asked to wait: not even a look at the DHT
+        return
+    deadline, listed = time.monotonic() + timeout_s, 0
+    while (listed := len(await membership.replicas(EDGE_STAGE))) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    if listed < count:
+        logger.warning(f"{listed} of {count} replicas of stage 0 listed after {timeout_s:.0f}s: training on")

@@ -28,9 +28,8 @@ from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, split_model
 from swarm.model.step import Batch, InnerStep, WeightChange, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
 from swarm.node.context import DataFactory, NodeContext, until_stopped
-from swarm.node.lifecycle import ReplicaLifecycle
+from swarm.node.lifecycle import ReplicaLifecycle, wait_for_replicas
 from swarm.node.roles.served import stage_servicer
-from swarm.node.roles.trainer import wait_for_replicas
 from swarm.outer.replica import ReplicaSync
 from swarm.pipeline.boundary import full_replica_link
 from swarm.pipeline.protocol import StageServicer

@@ -12,14 +12,13 @@ import random
 import time
 from typing import Any
 
-from swarm.dht.membership import Membership
 from swarm.dht.metrics import Meter
 from swarm.dht.records import serving
 from swarm.events import Progress
 from swarm.hardware import describe
 from swarm.model.stages import EDGE_STAGE
 from swarm.node.context import DataFactory, NodeContext, until_stopped
-from swarm.node.lifecycle import ReplicaLifecycle
+from swarm.node.lifecycle import ReplicaLifecycle, wait_for_replicas
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Trainer
 
@@ -99,20 +98,3 @@ async def wait_for_stages(router: Router, num_stages: int, timeout_s: float) -> 
         await asyncio.sleep(0.5)
     if missing:
         logger.warning(f"no server for stages {missing} after {timeout_s:.0f}s: training skips them")
-
-
-async def wait_for_replicas(membership: Membership, count: int, timeout_s: float) -> None:
-    """Start training once ``count`` replicas of stage 0 (trainers and full peers, this one included) are listed, or
-    train on after ``timeout_s``.
-
-    Replicas started together (``swarmloco local``) then meet from their first round: one that starts first would
-    otherwise run its first rounds alone, and the first full peer of a swarm without a pipeline would train alone
-    while the others start.
-    """
-    if count <= 0:  # not asked to wait: not even a look at the DHT
-        return
-    deadline, listed = time.monotonic() + timeout_s, 0
-    while (listed := len(await membership.replicas(EDGE_STAGE))) < count and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-    if listed < count:
-        logger.warning(f"{listed} of {count} replicas of stage 0 listed after {timeout_s:.0f}s: training on")
