@@ -1,18 +1,9 @@
 """What a stage server's work is measured by: bytes on the wire by kind, and how busy it is.
 
-``MeteredBackend``, a thin wrapper around a stage server's ``StageBackend``, counts requests as
-received and replies as sent into the peer's ``Traffic`` (``swarm/dht/metrics.py``), which its
-metrics record publishes, with the frames it sent by codec (an adaptive swarm's replies are each in
-the codec its trainer chose for that link). A trainer counts its own calls (``Trainer._count``, which also knows
-what fp32 would have cost).
+``MeteredBackend`` wraps a stage server's ``StageBackend`` and counts the requests it receives and the replies
+it sends (by codec) into the peer's ``Traffic``; ``BusyTime`` is the server's busy fraction, whose complement
+is the pipeline's bubbles. More: docs/architecture.md, pipeline/.
 
-``BusyTime`` is the server's busy fraction: the time its compute thread spends on requests
-(forwards and backwards; not the outer step's work between them) over wall time, since its first
-request and over a recent window. In a pipeline it says how much of the time a stage waits for
-the others and for the wire (1 - busy): the bubbles.
-
-    >>> traffic = Traffic()
-    >>> servicer = StageServicer(MeteredBackend(server, traffic), stage=1, max_request_bytes=server.max_request_bytes)
     >>> busy = BusyTime(window_s=30.0); busy.add(start, end); busy.fractions()  # (recent, since the first request)
 """
 

@@ -1,18 +1,9 @@
 """Stage RPC: the messages, the hivemind servicer of a stage server and the trainer's client.
 
-A request or reply is a msgpack dict carried in the ``metadata`` bytes of hivemind's own
-``ExpertRequest`` / ``ExpertResponse``; the tensors inside are compress/ wire frames, opaque here.
-A call travels as a stream of chunks, both ways, when its request or the reply it can get is too
-large for one unary message (``needs_stream``); a unary reply that would not fit anyway is refused
-by the server as ``too_large`` and asked again by stream (docs/architecture.md, "Frames of any size"). The servicer is a
-``GuardedServicer`` (``swarm/rpc/servicer.py``): the envelope, the certificate of a private swarm,
-the per-peer rate limit and ban, and the error reply are the ones every service has. On top, it
-checks the microbatch id and the stage, bounds how many requests a server holds, and counts a bad
-tensor frame as an invalid request, so a bad request never takes the server down. What a stage
-computes lives behind ``StageBackend`` (``swarm/pipeline/server.py``).
+``Forward`` / ``Backward`` travel as msgpack in hivemind's ``ExpertRequest`` metadata (tensors as compress/
+frames), by stream when too large for one message (``needs_stream``); ``StageServicer`` is a ``GuardedServicer``
+in front of a ``StageBackend``, and ``StageClient`` calls it. More: docs/architecture.md, pipeline/ and rpc/.
 
-    >>> await StageServicer(backend, stage=2, max_request_bytes=1 << 20, verifier=creds.verifier).add_p2p_handlers(p2p, namespace=cfg.swarm_id)
-    >>> client = StageClient(p2p, namespace=cfg.swarm_id, credentials=creds)   # credentials: private swarms only
     >>> y = await client.forward(peer, Forward(mb="t1/7", stage=2, prev_stage=1, x=frame), timeout=30)
 """
 

@@ -1,20 +1,10 @@
 """Routing: which middle stages a microbatch visits, and which replica serves each hop (pure code).
 
-Paths follow SkipPipe: ``sample_path`` visits a uniform subset of the middle stages 1..S in
-increasing order, with a few disjoint adjacent pairs swapped. Replicas follow SWARM: one
-``StageBalancer`` per stage runs an interleaved weighted round-robin, so every replica gets work
-in proportion to its measured throughput (network included; a replica's first call, which also
-times the dial, is not counted, and the estimate is a mean in log space that starts from the
-stage's median, so one slow call cannot starve a replica); a replica's announced queue of other
-trainers' requests counts against it until its next announce (``update_queues``); a full peer's record, which takes
-no pipeline traffic, is never routed to (``update_records``). Time and randomness are injected,
-so all of it is unit-tested without sockets or sleeps.
+``Router.draw_path`` draws a SkipPipe path (skips, adjacent swaps) and ``Router.choose`` picks a replica per hop
+by SWARM's interleaved weighted round-robin (one ``StageBalancer`` per stage) over measured throughput; time
+and randomness are injected. More: docs/architecture.md, pipeline/.
 
-    >>> router = Router(num_stages=4, rng=random.Random(0))
-    >>> for stage in range(1, 5): router.update(stage, [f"s{stage}a", f"s{stage}b"])
-    >>> path = router.draw_path(PathConfig(skip_ratio=0.25, max_swaps=1))   # e.g. [1, 3, 2]
-    >>> peer = router.choose(path[0], task_size=16)                          # e.g. "s1b"
-    >>> router.report_success(path[0], peer, samples=16, seconds=0.8)
+    >>> peer = router.choose(router.draw_path(PathConfig(skip_ratio=0.25, max_swaps=1))[0], task_size=16)
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """A stage server: one middle stage computed for any trainer that calls it.
 
-Forward keeps the decoded input in a cache bounded by count and bytes, and each calling peer to a
-share of it; backward recomputes the stage from that input (or from an input the trainer resends
-when the entry is gone), so no autograd graph waits in memory between the two calls; if inner steps moved
-the weights in between, it differentiates a stashed copy of the weights the forward ran on (``WeightStash``). Each
-microbatch's parameter gradients are screened before they accumulate: a non-finite norm, or one
-far above the recent ones, is an invalid request (a strike against its sender), and the others'
-gradients stay as they were. An inner AdamW step is taken every ``train.inner_batch`` samples. All
-torch work runs on one worker thread: calls are serialised and the event loop stays free to
-accept (or refuse) requests. The share of wall time that thread spends on requests is the
-server's busy fraction (``BusyTime``, ``swarm/pipeline/metering.py``), in ``info()`` and its metrics.
+Forward caches its input, backward recomputes from it (on the weights the forward ran on, ``WeightStash``),
+each microbatch's gradients are screened before they accumulate, and an inner step is taken every
+``train.inner_batch`` samples; all torch work runs on one thread. More: docs/architecture.md, pipeline/.
 
-    >>> server = StageServer(cfg, stage=2)
-    >>> servicer = StageServicer(server, stage=2, max_request_bytes=server.max_request_bytes)
-    >>> await servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
+    >>> await StageServicer(StageServer(cfg, stage=2), stage=2, max_request_bytes=1 << 20).add_p2p_handlers(p2p, namespace=ns)
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """An in-process, deterministic swarm: the algorithms without the network.
 
-K replicas of every stage (stage 0 = K trainers, each with its own data stream). Every tick,
-each trainer pushes one microbatch along a freshly drawn path, through a random replica per
-stage, with the activation codec applied at every boundary in both directions: the runtime's
-microbatch step (``swarm/model/step.py``). Replicas take an inner step per ``train.inner_batch``
-samples served; every H ticks the replicas of each stage run the outer step (or, with
-``mode="ddp"``, average fp32 gradients every tick). Bytes that would cross the network are
-counted by kind.
+K replicas of every stage (stage 0: K trainers) train with the swarm's step, codecs and outer optimizers
+(``mode="ddp"``: fp32 gradient averaging instead), counting the bytes that would cross the network by kind.
+More: docs/architecture.md, sim/.
 
-    >>> result = simulate(cfg, SimulationConfig(replicas=2, tokens=200_000), streams, val_batches)
-    >>> result.val_loss, result.bytes_per_token["total"]
+    >>> simulate(cfg, SimulationConfig(replicas=2, tokens=200_000), streams, val_batches).bytes_per_token["total"]
 """
 
 from __future__ import annotations
@@ -49,8 +44,8 @@ class SimulationConfig:
     tokens: int = 500_000  # training tokens over all trainers
     seed: int = 0
     log_every: int = 25  # ticks
-    # replicas 0..full-1 are full peers (``swarm/full.py``): trainer k runs the whole model on its own copies k of
-    # every stage, every stage in order, with no wire between them; the others are pipelined among themselves
+    # replicas 0..full-1 are full peers (``swarm/node/roles/full.py``): trainer k runs the whole model on its own
+    # copies k of every stage, every stage in order, with no wire between them; the others are pipelined among themselves
     full: int = 0  # (their own boundaries are coded as the swarm config's ``codecs.full_boundaries`` says)
 
     def __post_init__(self) -> None:
@@ -162,6 +157,52 @@ def outer_round(group: list[Replica]) -> int:
     return sum(len(p) for p in payloads) * (len(group) - 1)  # all-gather: each payload reaches K−1 members
 
 
+def build_replicas(
+    cfg: SwarmConfig, k: int, *, total_steps: int, with_outer: bool, device: torch.device
+) -> tuple[dict[int, list[Replica]], Link, Link]:
+    """``k`` replicas of every stage; the link of pipelined hops (its bytes are counted) and the full peers' own."""
+    stages = range(cfg.stages.num_stages + 1)
+    replicas = {s: [make_replica(cfg, s, total_steps, with_outer, device) for _ in range(k)] for s in stages}
+    link = Link(*boundary_codecs(cfg), device=device)
+    # a full replica's boundaries are in its own memory: no bytes cross a wire (its link's bytes are not counted)
+    full_link = full_replica_link(cfg, device) or Link(*boundary_codecs(fp32_boundaries(cfg)), device=device)
+    return replicas, link, full_link
+
+
+def train_tick(
+    cfg: SwarmConfig,
+    sim: SimulationConfig,
+    replicas: dict[int, list[Replica]],
+    streams: list[Iterator[Batch]],
+    rng: random.Random,
+    *,
+    link: Link,
+    full_link: Link,
+) -> tuple[list[float], int]:
+    """Each trainer's microbatch of one tick, in trainer order: a full peer's through its own copy of every stage, in
+    order, over ``full_link``; a pipelined one's along a drawn path, a replica per hop. (losses, stage visits skipped)"""
+    S, losses, skipped = cfg.stages.num_stages, [], 0
+    pipelined = list(range(sim.full, sim.replicas))  # the replicas a pipelined trainer's hops choose among
+    for k, (trainer, stream) in enumerate(zip(replicas[EDGE_STAGE], streams)):
+        if k < sim.full:  # a full peer: its own copy of every stage, in order
+            path, hops = list(range(1, S + 1)), [replicas[s][k] for s in range(1, S + 1)]
+        else:
+            path = sample_path(S, cfg.paths, rng)
+            hops = [replicas[s][k] if sim.routing == "sticky" else replicas[s][rng.choice(pipelined)] for s in path]
+        skipped += S - len(path)
+        losses.append(
+            train_microbatch(
+                trainer,
+                hops,
+                next(stream),
+                full_link if k < sim.full else link,
+                step_when_due=sim.mode == "outer",
+                precision=cfg.train.precision,
+            )
+        )
+    return losses, skipped
+
+
 def simulate(
     cfg: SwarmConfig,
     sim: SimulationConfig,
@@ -183,33 +224,13 @@ def simulate(
     next_round_tick = cfg.outer.horizon(0) * ticks_per_step  # H counts inner steps (a warm start's are 1)
     with_outer = sim.mode == "outer" and cfg.outer.method != "none"
     inner_steps = max(1, ticks // ticks_per_step)
-    replicas = {s: [make_replica(cfg, s, inner_steps, with_outer, device) for _ in range(K)] for s in range(S + 1)}
-    link = Link(*boundary_codecs(cfg), device=device)
-    # a full replica's boundaries are in its own memory: no bytes cross a wire (its link's bytes are not counted)
-    full_link = full_replica_link(cfg, device) or Link(*boundary_codecs(fp32_boundaries(cfg)), device=device)
-    pipelined = list(range(sim.full, K))  # the replicas a pipelined trainer's hops choose among
+    replicas, link, full_link = build_replicas(cfg, K, total_steps=inner_steps, with_outer=with_outer, device=device)
     skipped = outer_rounds = 0
     log: list[dict[str, float]] = []
     started = time.perf_counter()
     for tick in range(1, ticks + 1):
-        losses = []
-        for k, (trainer, stream) in enumerate(zip(replicas[EDGE_STAGE], streams)):
-            if k < sim.full:  # a full peer: its own copy of every stage, in order
-                path, hops = list(range(1, S + 1)), [replicas[s][k] for s in range(1, S + 1)]
-            else:
-                path = sample_path(S, cfg.paths, rng)
-                hops = [replicas[s][k] if sim.routing == "sticky" else replicas[s][rng.choice(pipelined)] for s in path]
-            skipped += S - len(path)
-            losses.append(
-                train_microbatch(
-                    trainer,
-                    hops,
-                    next(stream),
-                    full_link if k < sim.full else link,
-                    step_when_due=sim.mode == "outer",
-                    precision=cfg.train.precision,
-                )
-            )
+        losses, skipped_now = train_tick(cfg, sim, replicas, streams, rng, link=link, full_link=full_link)
+        skipped += skipped_now
         if sim.mode == "ddp" and tick % ticks_per_step == 0:
             for group in replicas.values():
                 link.bytes["gradients"] += ddp_step(group)
