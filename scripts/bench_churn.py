@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,15 +28,11 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the tiny config the tests run
-
-from swarm_harness import DATA, tiny_config  # noqa: E402
-
-from peer.launch import spawn_peer, stop_processes, wait_for_address  # noqa: E402
-from swarm.config import save_config  # noqa: E402
-from swarm.events import Event, Metrics, Progress, of_kind, read_events  # noqa: E402
-from swarm.pipeline.trainer import TrainerOptions  # noqa: E402
+from peer.launch import spawn_peer, stop_processes, wait_for_address
+from swarm.config import save_config
+from swarm.events import Event, Metrics, Progress, of_kind, read_events
+from swarm.pipeline.trainer import TrainerOptions
+from swarmtest.configs import DATA, tiny_config
 
 STEPS = 1_000_000  # trainers train until stopped
 SAMPLE_EVERY_S = 2.0

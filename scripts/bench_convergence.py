@@ -36,6 +36,7 @@ from peer.data import Corpus, load_corpus
 from swarm.config import ConfigValue, OuterChoice, SwarmConfig, derive_config, parse_overrides
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import Routing, SimulationConfig, simulate
+from swarmtest.configs import STUDY_PRESETS
 
 RowOuter = Literal["centralized"] | OuterChoice
 
@@ -98,18 +99,6 @@ ROWS: list[Row] = [
     Row(name="sparseloco/warmup10", outer="sparseloco", overrides={"inner.warmup_steps": 10}),
     Row(name="sparseloco/warmup100", outer="sparseloco", overrides={"inner.warmup_steps": 100}),
 ]
-
-# the study's step: one microbatch of 16 per inner step (the swarm's default splits it in four, the same gradient in
-# more calls: the simulator would take longer for the same numbers, and one-process would train on batches of 4)
-STUDY: dict[str, ConfigValue] = {"train.microbatch_size": 16, "train.inner_batch": 16}
-SEQ64: dict[str, ConfigValue] = {"model.max_seq_len": 64, "stages.num_stages": 2, "train.seq_len": 64} | STUDY
-# micro, small and medium differ only in width and depth (sequences of 64, 2 middle stages): the model-size curve
-PRESETS: dict[str, dict[str, ConfigValue]] = {
-    "default": STUDY,
-    "micro": {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2} | SEQ64,
-    "small": {"model.d_model": 64, "model.n_layers": 4} | SEQ64,
-    "medium": {"model.d_model": 128, "model.n_layers": 8} | SEQ64,
-}
 
 
 def row_config(base: SwarmConfig, row: Row, *, codec: str, h: int, seed: int) -> SwarmConfig:
@@ -359,7 +348,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
+        choices=sorted(STUDY_PRESETS),
         default="default",
         help="small: a 64-wide, 4-layer, 2-stage model; micro (32, 2 layers) and medium (128, 8) beside it for the size curve",
     )
@@ -442,7 +431,7 @@ def main() -> None:
             plot(records, args.plot)
         return
     try:
-        base = derive_config(SwarmConfig(), PRESETS[args.preset] | parse_overrides(args.set))
+        base = derive_config(SwarmConfig(), STUDY_PRESETS[args.preset] | parse_overrides(args.set))
     except ValueError as e:  # a malformed pair, an unknown field, a value the config refuses
         raise SystemExit(f"--set: {e}") from None
     rows = [r for r in ROWS if not args.only or r.name in args.only]

@@ -1,7 +1,7 @@
 """End to end: the swarm in the WAN lab, each peer behind its own capped link, across codecs, outer methods and skips.
 
 Every run is a whole swarm (``launch_local``) with one peer per network namespace of a
-``WanLab`` (``scripts/wanlab.py``), all capped at the run's bandwidth in each direction (or
+``WanLab`` (``swarmtest/wanlab.py``), all capped at the run's bandwidth in each direction (or
 uncapped) and, with ``--rtt-ms``, behind the same round-trip delay (the lab's delay line; one
 value for every peer, or one per peer: the stage servers, then the trainers), training the
 default model on the default corpus for the same number of steps. Each stage server's busy
@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_swarm import run_swarm, window_args  # this directory is on sys.path when run as a script
-from wanlab import WanLab, parse_rtts, unsupported_reason
-
 from peer.launch import LocalSwarm, Placement, local_config
 from swarm.config import OuterChoice, SwarmConfig, derive_config
+from swarmtest.bench import run_swarm, window_args
+from swarmtest.wanlab import WanLab, parse_rtts, unsupported_reason
 
 LAYOUT = dict(trainers=2, stages=3)  # and one server per stage
 # "adaptive": each trainer picks per link from bf16/int8/int4 by the link's measured throughput (compress/adaptive.py)

@@ -27,23 +27,19 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_convergence import PRESETS  # noqa: E402  (this directory is on sys.path when run as a script)
-from bench_swarm import bench_config, read_peers, run_swarm  # noqa: E402
-
-from peer.data import load_corpus  # noqa: E402
-from peer.launch import READY_PREFIX, LocalSwarm, local_config  # noqa: E402
-from swarm.config import SwarmConfig, derive_config, load_config  # noqa: E402
-from swarm.events import Event, OuterRound, Serving, StateDownload  # noqa: E402
-from swarm.sim.simulate import SimulationConfig, simulate  # noqa: E402
+from peer.data import load_corpus
+from peer.launch import READY_PREFIX, LocalSwarm, local_config
+from swarm.config import SwarmConfig, derive_config, load_config
+from swarm.events import Event, OuterRound, Serving, StateDownload
+from swarm.sim.simulate import SimulationConfig, simulate
+from swarmtest.bench import bench_config, read_peers, run_swarm
+from swarmtest.configs import STUDY_PRESETS
 
 SMALL_MODEL = Path(__file__).resolve().parents[1] / "docs" / "data" / "small-model.toml"
 REPLICAS = 2  # of every stage, in every row
@@ -58,7 +54,7 @@ ROWS: dict[str, dict[str, Any]] = {  # name: full replicas of 2, codecs.full_bou
 
 def run(codec: str, row: dict[str, Any], *, seed: int, args: argparse.Namespace, corpus: Any) -> dict[str, Any]:
     overrides = {
-        **PRESETS["small"],
+        **STUDY_PRESETS["small"],
         "codecs.activations": codec,
         "codecs.full_boundaries": row["full_boundaries"],
         "outer.inner_steps": args.h,

@@ -29,14 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from peer.data import Corpus, load_corpus  # noqa: E402
-from swarm.config import SwarmConfig, derive_config, follow_run  # noqa: E402
-from swarm.model.sizing import model_parameters  # noqa: E402
-from swarm.sim.centralized import evaluate, train_centralized  # noqa: E402
+from peer.data import Corpus, load_corpus
+from swarm.config import SwarmConfig, derive_config, follow_run
+from swarm.model.sizing import model_parameters
+from swarm.sim.centralized import evaluate, train_centralized
 
 LN_VOCAB = math.log(256)  # the byte tokenizer: a uniform guess's loss
 HEADER = (

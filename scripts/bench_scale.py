@@ -72,7 +72,6 @@ import resource
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -80,14 +79,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from peer import launch, logs  # noqa: E402
-from peer.launch import LocalSwarm, launch_local, stop_processes  # noqa: E402
-from swarm.config import SwarmConfig, derive_config, follow_run, parse_overrides  # noqa: E402
-from swarm.events import (  # noqa: E402
+from peer import launch, logs
+from peer.launch import LocalSwarm, launch_local, stop_processes
+from swarm.config import SwarmConfig, derive_config, follow_run, parse_overrides
+from swarm.events import (
     Event,
     Metrics,
     OuterDeclared,
@@ -97,10 +94,10 @@ from swarm.events import (  # noqa: E402
     Spawned,
     StateDownload,
     of_kind,
-    read_events,
 )
-from swarm.hardware import available_memory, describe, resolve_device  # noqa: E402
-from swarm.model.sizing import StageDoesNotFit, StageFootprint, check_fits, model_parameters  # noqa: E402
+from swarm.hardware import available_memory, describe, resolve_device
+from swarm.model.sizing import StageDoesNotFit, StageFootprint, check_fits, model_parameters
+from swarmtest.bench import Peers, read_peers
 
 # Inner steps per preset when --steps does not say: the default run (20m and 125m at 8 x 1024) takes ~25 min on two
 # quiet cores (module docstring). The joiner is in from about the second step; with H = 2 its first 2-member round
@@ -115,14 +112,6 @@ RPC_S = 120.0  # a hop's timeout: a 125m stage's backward on one thread takes te
 # a quiet core is faster
 GFLOPS = 60.0
 SETTLE_S = 60.0  # after the trainer's last step: the longest wait for the servers' open rounds to end
-
-
-Peers = dict[str, list[Event]]  # each peer's events, by its name
-
-
-def read_peers(out: Path) -> Peers:
-    """Every peer's JSONL records, by peer name (a line still being written is left out)."""
-    return {path.stem: read_events(path) for path in sorted(out.glob("*.jsonl"))}
 
 
 def bench_config(preset: str, args: argparse.Namespace) -> SwarmConfig:

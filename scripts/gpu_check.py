@@ -43,15 +43,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from peer.launch import LocalSwarm
+from swarm.config import ConfigValue, SwarmConfig, load_config, parse_overrides
+from swarm.events import Progress, of_kind
+from swarm.model.sizing import StageFootprint, model_parameters
+from swarmtest.bench import read_peers, swarm_summary
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # run as `python3 scripts/gpu_check.py` with only PYTHONPATH set
-
-from bench_swarm import read_peers, swarm_summary  # noqa: E402
-
-from peer.launch import LocalSwarm  # noqa: E402
-from swarm.config import ConfigValue, SwarmConfig, load_config, parse_overrides  # noqa: E402
-from swarm.events import Progress, of_kind  # noqa: E402
-from swarm.model.sizing import StageFootprint, model_parameters  # noqa: E402
 
 # bf16 dense tensor-core peaks, TFLOP/s, by a substring of the device's name (first match)
 PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0))
@@ -328,7 +326,7 @@ def train_local_result(records: list[dict[str, Any]], cfg: SwarmConfig, peak_tfl
 
 
 def swarm_result(out: Path, layout: LocalSwarm) -> dict[str, Any]:
-    """The swarm's throughput, hops and rounds (``bench_swarm.swarm_summary``), its trainers' first and last windows'
+    """The swarm's throughput, hops and rounds (``swarmtest.bench.swarm_summary``), its trainers' first and last windows'
     loss (mean over trainers), every peer's peak GPU memory."""
     peers = {name: records for name, records in read_peers(out).items() if records}
     trainers = [f"trainer-{i}" for i in range(layout.trainers)]

@@ -1,7 +1,8 @@
-"""Time the tests control: a fake clock to hand to anything that takes ``clock=``, and an event loop on virtual time.
+"""Time the tests control: a fake clock to hand to anything that takes ``clock=``, and an event loop on virtual time
+(sleeps, windows and timeouts in it cost no wall time).
 
-clock = FakeClock(100.0); guard = PeerGuard(limits, clock); clock.advance(2.5)
-result, took_s = in_virtual_time(allgather_round(...))   # windows and timeouts cost no wall time
+    clock = FakeClock(100.0); guard = PeerGuard(limits, clock); clock.advance(2.5)
+    result, took_s = in_virtual_time(allgather_round(...))   # windows and timeouts cost no wall time
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The configs the tests and benchmarks run: the tiny swarm, and its outer-step and stage-RPC variants.
+"""The configs the tests and benchmarks run: the tiny swarm, its outer-step and stage-RPC variants, the test corpus
+and the convergence study's presets.
 
-cfg = tiny_config(stages=3, steps=400, model={"n_layers": 3}, outer={"method": "none"}, paths=None)
-cfg = outer_config("sparseloco", inner_steps=2, timeouts=TIMEOUTS)   # rounds from the first step
-cfg = rpc_config(stages=2, clip=0.0)   # stage RPC at RPC_BATCH × RPC_SEQ × RPC_WIDTH, fp32 on the wire
+    cfg = tiny_config(stages=3, steps=400, model={"n_layers": 3}, outer={"method": "none"}, paths=None)
+    cfg = outer_config("sparseloco", inner_steps=2, timeouts=TIMEOUTS)   # rounds from the first step
+    cfg = rpc_config(stages=2, clip=0.0)   # stage RPC at RPC_BATCH × RPC_SEQ × RPC_WIDTH, fp32 on the wire
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterMethod, OuterOptimConfig
-from swarm.config import PathConfig, SwarmConfig, TimeoutConfig, TrainConfig
+from swarm.config import ConfigValue, PathConfig, SwarmConfig, TimeoutConfig, TrainConfig
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import ModelConfig
 
@@ -32,6 +33,23 @@ QUICK_OUTER = OuterOptimConfig(warm_start_steps=0)
 
 # Outer rounds between replicas on loopback (swarmtest.loopback): a round every 0.3 s or so at an inner step every 0.1 s
 LOOPBACK_ROUND_TIMEOUTS = TimeoutConfig(rpc_s=2.0, matchmaking_s=1.0, announce_period_s=0.5, record_ttl_s=3.0)
+
+# The convergence study's configs (scripts/bench_convergence.py, bench_full_peers.py), as dotted overrides: one
+# microbatch of 16 per inner step (the swarm's default splits it in four, the same gradient in more calls: the simulator
+# would take longer for the same numbers, and one-process would train on batches of 4); micro, small and medium differ
+# only in width and depth (sequences of 64, 2 middle stages): the model-size curve
+STUDY_STEP: dict[str, ConfigValue] = {"train.microbatch_size": 16, "train.inner_batch": 16}
+STUDY_SEQ64: dict[str, ConfigValue] = {
+    "model.max_seq_len": 64,
+    "stages.num_stages": 2,
+    "train.seq_len": 64,
+} | STUDY_STEP
+STUDY_PRESETS: dict[str, dict[str, ConfigValue]] = {
+    "default": STUDY_STEP,
+    "micro": {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2} | STUDY_SEQ64,
+    "small": {"model.d_model": 64, "model.n_layers": 4} | STUDY_SEQ64,
+    "medium": {"model.d_model": 128, "model.n_layers": 8} | STUDY_SEQ64,
+}
 
 RPC_BATCH, RPC_SEQ, RPC_WIDTH = 4, 16, 32  # rpc_config's microbatches and width: exact fp32 checks in milliseconds
 FP32_BOUNDARIES = CodecConfig(activations="fp32", gradients="fp32")

@@ -3,6 +3,7 @@ step (``swarm.faults`` carries them out inside the peer), in a swarm of processe
 
     swarm.spawn("stage2-a", "--role", "stage", "--stage", "2", *fault_args(kill_at({"stage2-a": 10})))
     BackgroundNode(PeerConfig(role="trainer", name="doomed", faults=kill_at({"doomed": 4})), ...)
+
 In-memory networks take faults by peer: ``Hub.dead`` / ``cut`` / ``slow``, ``InProcessNetwork.dead`` (swarmtest.fakes).
 """
 

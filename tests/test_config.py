@@ -1,7 +1,6 @@
 """The swarm config tree: validation errors name the field path, Literal choices, TOML round trip, stable hash, one derivation."""
 
 import dataclasses
-import importlib
 import pickle
 from pathlib import Path
 from typing import Annotated, Literal
@@ -286,13 +285,11 @@ def test_simulate_keeps_its_flags() -> None:
 
 @pytest.mark.parametrize("codec", ["int8", "fp16", "subspace"])
 @pytest.mark.parametrize("outer", ["diloco", "sparseloco", "noloco"])
-def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(
-        str(Path(__file__).resolve().parents[1] / "scripts")
-    )  # bench_e2e imports its siblings by name
-    bench_e2e, bench_swarm = importlib.import_module("bench_e2e"), importlib.import_module("bench_swarm")
+def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod) -> None:
     from peer.launch import LocalSwarm, local_config
+    from scripts import bench_e2e
     from scripts.bench_convergence import Row, row_config
+    from swarmtest.bench import bench_config
 
     base, h = SwarmConfig(), 10
     cli = _cli_config(base, ["--outer", outer, "-H", str(h), "--act-codec", codec])
@@ -303,7 +300,7 @@ def test_every_caller_derives_the_same_config(codec: str, outer: OuterMethod, mo
     assert local == bench_e2e.run_config(
         base, bench_e2e.Run(bandwidth_mbit=None, act_codec=codec, outer=outer), layout, h
     )
-    assert local == bench_swarm.bench_config(local_config(base, layout), outer, h, codec)
+    assert local == bench_config(local_config(base, layout), outer, h, codec)
     ddp = _cli_config(base, ["--outer", "ddp", "-H", str(h), "--act-codec", codec])
     assert ddp.outer.method == "none" and ddp == row_config(
         base, Row(name="run", outer="ddp"), codec=codec, h=h, seed=0

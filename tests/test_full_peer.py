@@ -24,7 +24,6 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config, peer_roles
-from scripts.bench_swarm import swarm_summary
 from swarm.config import SwarmConfig, TimeoutConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
@@ -48,6 +47,7 @@ from swarm.node.roles.full import FullModel
 from swarm.node.roles.trainer import wait_for_replicas
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, TrainerOptions
+from swarmtest.bench import swarm_summary
 from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
 from swarmtest.node import BackgroundNode
 from swarmtest.processes import swarmloco

@@ -9,13 +9,13 @@ import pytest
 from hivemind.p2p import P2P
 
 from peer.launch import READY_PREFIX, LocalSwarm, Placement, launch_local
-from scripts.wanlab import PUBLIC_SUBNET, WanLab, unsupported_reason
 from swarm.config import TimeoutConfig
 from swarm.dht.reachability import Reachability, choose_reachability, use_static_relays
 from swarm.errors import ConfigError
 from swarm.peer_config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.records import records
+from swarmtest.wanlab import PUBLIC_SUBNET, WanLab, unsupported_reason
 
 PEER_ID = "12D3KooWEkdmeNHf5ezZeNHf1gq43NwBUadEVHipznHjrwpxh5h1"
 PUBLIC_PEER = f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}"

@@ -244,10 +244,11 @@ def test_the_convergence_study_gives_the_same_records_in_worker_processes() -> N
     gives, each at its plan index."""
     import argparse
 
-    from scripts.bench_convergence import PRESETS, ROWS, Planned, run_plan
+    from scripts.bench_convergence import ROWS, Planned, run_plan
     from swarm.config import derive_config
+    from swarmtest.configs import STUDY_PRESETS
 
-    base = derive_config(SwarmConfig(), PRESETS["micro"])
+    base = derive_config(SwarmConfig(), STUDY_PRESETS["micro"])
     rows = [r for r in ROWS if r.name in ("ddp", "sparseloco")]
     plan = [Planned(row, 2, seed) for row in rows for seed in (0, 1)]
     options = dict(

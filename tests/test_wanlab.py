@@ -14,10 +14,10 @@ import pytest
 
 from optim.config import InnerOptimConfig
 from peer.launch import LocalSwarm, Placement, launch_local
-from scripts.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, ping_ms, rtt_within, unsupported_reason
 from swarm.config import TimeoutConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.records import records
+from swarmtest.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, ping_ms, rtt_within, unsupported_reason
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wanlab.py"
 REASON = unsupported_reason()
@@ -140,7 +140,7 @@ def test_cli_up_comes_down_on_ctrl_c_even_when_its_parent_ignored_sigint() -> No
 
 def test_cleanup_removes_a_crashed_labs_leftovers() -> None:
     crash = (
-        "import os, signal, subprocess\nfrom scripts.wanlab import WanLab\n"
+        "import os, signal, subprocess\nfrom swarmtest.wanlab import WanLab\n"
         "lab = WanLab(caps_mbit=[10, 10]).__enter__()\n"
         "print(lab.prefix, lab.spawn(1, ['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
