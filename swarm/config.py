@@ -1,18 +1,10 @@
 """The swarm config: one tree of keyword-only dataclasses, TOML in and out, a stable hash, and its derivation rules.
 
-Each component keeps its config beside it (model, stages, codecs, optimizers, paths); this
-module composes them. The hash identifies the swarm: it is part of every DHT key, so peers
-with different configs never mix. A private swarm's config names its authority's public key, so
-two private swarms of one name never share an id (a public swarm's hash leaves the empty field out). The
-``[data]`` section (tokenizer, shards) is left out of the hash too while it holds its defaults, so byte-tokenizer
-swarms keep the ids they had before it existed. Choice fields are ``Literal`` types; every section validates
-in ``__post_init__`` and raises ``ConfigError`` with the field relative to itself, and
-``from_dict`` prefixes each enclosing section, so errors name the full dotted path.
+``SwarmConfig`` composes each component's config (model, stages, codecs, optimizers, paths); its ``hash()`` is
+part of every DHT key, so peers with different configs never mix, and a section's ``ConfigError`` names the full
+dotted path. What the hash leaves out and why: docs/architecture.md, the swarm config.
 
-    >>> cfg = SwarmConfig()
-    >>> save_config(cfg, "swarm.toml"); assert load_config("swarm.toml") == cfg  # each field's meaning commented above it
-    >>> cfg.hash()  # '3f9c…' (16 hex digits)
-    >>> derive_config(cfg, {"codecs.activations": "subspace"}, outer="ddp").model.subspace_rank  # 16 = d_model / 8
+    >>> save_config(cfg := SwarmConfig(), "swarm.toml"); assert load_config("swarm.toml") == cfg  # fields commented
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Deterministic fault injection for tests and the WAN lab: SIGKILL named peers at given steps or times.
 
-A schedule is a list of events, each "kill peer P once its step reaches N" or "once T seconds have
-elapsed". It parses from a short spec, prints back to the same spec, and can be drawn at random
-from a seed, so every failure run can be repeated exactly. Two ways to carry it out:
+A ``FaultSchedule`` ("kill P at its step N" or "at T seconds") parses from a short spec, prints back to it and
+can be drawn from a seed, so a failure run repeats exactly; a peer carries out its own step faults
+(``kill_this_peer``), a ``FaultInjector`` timed ones from outside. More: docs/architecture.md, fault injection.
 
-- inside the peer (``swarmloco run --faults stage2-a@step=40``, ``PeerConfig.faults``): the node
-  named ``stage2-a`` watches its own inner step and dies (``kill_this_peer``) the moment it reaches
-  40, as torchft injects faults keyed by (rank, step). Exact: no records to read, no lag.
-- from a supervisor (``FaultInjector``, e.g. timed faults in the WAN lab): it owns no processes;
-  given their pids, a clock and a kill function, its logic is tested without killing anything.
-
-    >>> schedule = FaultSchedule.parse("stage2-a@step=40,stage2-b@step=40,trainer1@t=30s")
-    >>> injector = FaultInjector(schedule, {"stage2-a": proc_a, "stage2-b": proc_b, "trainer1": proc_t})
-    >>> injector.poll({"stage2-a": 41, "stage2-b": 12})   # ['stage2-a'], killed once and never again
+    >>> FaultInjector(FaultSchedule.parse("stage2-a@step=40,trainer1@t=30s"), pids).poll({"stage2-a": 41})  # ['stage2-a']
 """
 
 from __future__ import annotations

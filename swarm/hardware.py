@@ -1,13 +1,9 @@
 """Where a peer computes: the device it picks (``--device``), the memory that device has free, and the precision it computes in.
 
-Weights, gradients and optimizer states stay fp32 (the master copy) on every device; ``[train] precision = "bf16"``
-runs the forward and backward under ``torch.autocast``, so matmuls run in bf16 on GPUs (and on CPUs that have it)
-while the parameters, their gradients and the loss stay fp32. Tensors that cross the wire are fp32 either way:
-the residual stream and the gradient w.r.t. it are fp32 (an fp32 residual plus a bf16 branch is fp32).
+Weights, gradients and optimizer states stay fp32 on every device; ``[train] precision = "bf16"`` runs the forward
+and backward under ``torch.autocast``, and the tensors on the wire stay fp32 (docs/architecture.md, Devices).
 
-    >>> device = resolve_device("auto")            # cuda when there is a GPU, else mps, else cpu
-    >>> with compute_precision(device, "bf16"): loss = model(tokens)
-    >>> available_memory(device)                   # bytes free now
+    >>> with compute_precision(resolve_device("auto"), "bf16"): loss = model(tokens)  # auto: cuda, else mps, else cpu
 """
 
 from __future__ import annotations

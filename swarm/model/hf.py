@@ -1,16 +1,10 @@
 """The model as a Hugging Face LLaMA: its ``config.json`` fields and its weights under LLaMA's names.
 
-``Transformer`` is a LLaMA already (RMSNorm, SwiGLU, RoPE, no biases, untied LM head) with three
-differences of layout, undone here: attention's q/k/v and the MLP's gate/up are fused into one
-matrix each, and RoPE rotates interleaved pairs (x[2i], x[2i+1]) where LLaMA's ``rotate_half``
-rotates (x[i], x[i + hd/2]). Both rotate pair i by the same angle, so reordering each head's q and k
-rows to evens-then-odds makes LLaMA compute the same function (q·k is unchanged when q and k are
-permuted alike; v and the output projection keep their order). A subspace-constrained model
-(``subspace_rank > 0``) adds a fixed token table and projects through a basis: no LLaMA expresses
-that, so it is refused.
+``llama_config`` gives the config and ``to_llama_state_dict`` the weights, with the fused q/k/v and gate/up
+matrices split and each head's q and k rows reordered for LLaMA's RoPE; a subspace-constrained model is
+refused. Why the reordering is exact: docs/architecture.md, model/.
 
-    >>> config = llama_config(cfg.model)                 # dict for config.json
-    >>> tensors = to_llama_state_dict(model)             # {"model.layers.0.self_attn.q_proj.weight": ..., ...}
+    >>> tensors = to_llama_state_dict(model)  # {"model.layers.0.self_attn.q_proj.weight": ..., ...}
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """How big a model and each of its stages are, and how much memory serving a stage takes, computed before anything is allocated.
 
-Counts are exact (``tests/test_model.py`` checks them against the built modules). The memory estimate
-is an upper bound of what a peer holds for one stage while it trains:
+Parameter counts are exact; ``StageFootprint`` is an upper bound of what a peer holds for one stage while it
+trains (weights, gradients and AdamW; the outer step's state; activations; the process). What each part costs:
+docs/architecture.md, model/.
 
-- fp32 weights, their gradients and AdamW's two moments: 16 bytes per parameter; on a middle stage also the stage
-  server's stash of the weights of its last two inner steps (``WeightStash``), 8 more;
-- the outer step's state: the global weights of the last round and the outer momentum (DiLoCo, NoLoCo) or
-  the error-feedback buffer (SparseLoCo), 8 bytes per parameter, and during a round the snapshot of the local
-  weights, the installed target and the pseudo-gradient, 12 more (none without an outer step);
-- activations: what one microbatch's backward keeps per block (the server recomputes the forward, so only
-  one microbatch's graph is alive at a time), doubled for the forward of the next one, plus on the edge
-  stage the logits and their gradient. bf16 halves the activations, not the weights;
-- the process itself (Python, torch, the DHT and its daemon, buffers): 0.5 GiB.
-
-``bench_scale.py`` sets the estimate beside each peer's measured peak RSS (docs/benchmarks.md).
-
-    >>> stage_parameters(ModelConfig(preset="125m"), num_stages=2, stage=1)  # blocks 0-5 of 12
-    42467328
-    >>> print(StageFootprint.of(cfg, stage=1).describe())
-    stage 1: 42.5M parameters, needs ≈ 2.64 GiB (weights, gradients, AdamW 0.95 GiB; outer state 0.79 GiB; activations 0.40 GiB; the process 0.50 GiB)
+    >>> print(StageFootprint.of(cfg, stage=1).describe())  # stage 1: 42.5M parameters, needs ≈ 2.64 GiB (…)
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """One microbatch's training step, defined once for the swarm, the simulator and the centralized baseline.
 
-The runtime (a trainer holding the edge stage, one stage server per hop, an RPC between them),
-the simulator (``swarm/sim/simulate.py``) and the centralized baseline (``swarm/sim/centralized.py``)
-all run a microbatch as these calls, in this order, so they compute the same gradients and take
-the same inner steps (``tests/test_training_step.py`` checks it):
+The runtime, the simulator (``swarm/sim/simulate.py``) and the centralized baseline (``swarm/sim/centralized.py``)
+all run a microbatch as these calls, in one order — embed, stage forwards, head backward, stage backwards, embed
+backward, ``InnerStep.add`` — so they compute the same gradients (``tests/test_training_step.py``). The six steps
+and how the trainer and servers split them: docs/architecture.md, model/.
 
-1. ``h0 = embed(edge, tokens)``: the edge stage's embedding; its graph is kept until step 5
-2. ``y = stage_forward(stage, x)`` for each middle stage on the path
-3. ``loss, grad = head_backward(edge, h, targets, inner_batch=...)``: the microbatch's mean
-   cross-entropy, backpropagated with weight ``loss_weight(samples, inner_batch)``, so the
-   gradients summed over an inner batch are those of the inner batch's mean loss (a trainer with
-   microbatches in flight across inner steps takes it in two: ``head_gradients``, held until the
-   microbatch lands, then ``add_gradients`` with step 5, so each step holds whole microbatches)
-4. ``grad = stage_backward(stage, x, grad)`` for each middle stage, last hop first (a stage server
-   takes it in two: ``stage_gradients``, screened, then ``add_gradients``)
-5. ``embed_backward(h0, grad)``
-6. ``inner.add(samples)`` on every stage copy that took part (an ``InnerStep``): once ``inner_batch``
-   samples' gradients are in, clip the copy's gradients, step its AdamW and schedule, zero them
-
-Between any two stages a boundary codec may encode and decode the tensor (the wire); in process that
-is the ``send`` hook of ``run_microbatch``. Stages hold disjoint parameters, so when in step 6 a copy
-adds its samples (right after its own backward, or after the whole microbatch) changes nothing.
-
-    >>> edge, *middles = split_model(Transformer(cfg.model), cfg.stages.num_stages)
-    >>> inner = InnerStep(edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
-    >>> loss = run_microbatch(edge, middles, (inputs, targets), inner_batch=cfg.train.inner_batch)  # steps 1-5
-    >>> inner.add(inputs.shape[0])  # step 6 (True when it stepped)
+    >>> loss = run_microbatch(edge, middles, (inputs, targets), inner_batch=cfg.train.inner_batch)  # then inner.add(B)
 """
 
 from __future__ import annotations

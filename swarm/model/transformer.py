@@ -1,17 +1,10 @@
 """LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, causal SDPA), defined once as a plain nn.Module.
 
-How the model is cut into pipeline stages lives in `swarm/model/stages.py`; this module knows nothing
-of stages, peers or the network.
+How the model is cut into pipeline stages lives in `swarm/model/stages.py`; this module knows nothing of stages,
+peers or the network. With ``subspace_rank=k`` its residual stream is subspace-constrained (Protocol Models):
+h = z @ U.T + T[tok] between any two blocks (docs/architecture.md, model/).
 
-Optional subspace-constrained residual stream (Protocol Models): with ``subspace_rank=k`` the
-embedding and the output projections of attention and MLP write only into span(U), where U (d×k)
-is a seeded orthonormal basis, and the embedding adds a seeded fixed token table T. The hidden
-state between any two blocks is then exactly ``h = z @ U.T + T[tok]`` with z of width k, so a
-stage boundary can ship k numbers per token plus the token id.
-
-    >>> cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=32, subspace_rank=16)
-    >>> model = Transformer(cfg)
-    >>> logits = model(torch.randint(0, 256, (2, 32)))  # (B, T, vocab)
+    >>> logits = Transformer(ModelConfig(preset="tiny"))(torch.randint(0, 256, (2, 32)))  # (B, T, vocab)
 """
 
 from __future__ import annotations
