@@ -22,7 +22,7 @@ from swarm.dht.membership import Membership, metrics_key, stage_validator
 from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.process import SwarmDHT
 from swarm.dht.records import MAX_KINDS, PROTOCOL_VERSION, STATES, PeerMetrics, RecoveryClaim, StageStatus
-from swarm.parts import publish_metrics
+from swarm.node.lifecycle import publish_metrics
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
 
@@ -282,7 +282,7 @@ async def _counted_stores(peer_dht: SwarmDHT, client_dht: SwarmDHT) -> None:
 
 def test_a_peer_name_the_record_cannot_carry_is_refused_when_the_peer_is_configured() -> None:
     from swarm.errors import ConfigError
-    from swarm.peer_config import PeerConfig
+    from swarm.node.config import PeerConfig
 
     assert PeerConfig(name="trainer-0.lab_2").name == "trainer-0.lab_2"
     for bad in ("with space", "x" * 65, "-dash", "naïve", ""):
@@ -298,7 +298,9 @@ def test_a_published_record_is_logged_as_it_is_published() -> None:
     async def publish(metrics: PeerMetrics) -> None:
         published.append(metrics)
 
-    parts = SimpleNamespace(membership=SimpleNamespace(publish_metrics=publish), on_log=logged.append)
+    ctx = SimpleNamespace(membership=SimpleNamespace(publish_metrics=publish), on_log=logged.append)
     record = Meter(role="stage", stage=1, state="serving").sample(StageStatus(inner_steps=3), tokens=100)
-    asyncio.run(publish_metrics(parts, record))  # type: ignore[arg-type]
-    assert published == [record] and logged == [{"event": "metrics", "metrics": record.dict()}]
+    asyncio.run(publish_metrics(ctx, record))  # type: ignore[arg-type]
+    assert published == [record] and [event.to_record() for event in logged] == [
+        {"event": "metrics", "metrics": record.dict()}
+    ]

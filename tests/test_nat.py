@@ -12,7 +12,7 @@ from peer.launch import READY_PREFIX, LocalSwarm, Placement, launch_local
 from swarm.config import TimeoutConfig
 from swarm.dht.reachability import Reachability, choose_reachability, use_static_relays
 from swarm.errors import ConfigError
-from swarm.peer_config import PeerConfig
+from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.records import records
 from swarmtest.wanlab import PUBLIC_SUBNET, WanLab, unsupported_reason
@@ -93,7 +93,7 @@ def test_peers_behind_a_firewall_serve_and_train_in_the_wan_lab(tmp_path: Path) 
     assert "reachability: public" in logs["stage1-0"]
     for trainer in ("trainer-0", "trainer-1"):
         assert records(tmp_path, trainer)[-1]["step"] == layout.steps, logs[trainer][-3000:]
-    behind_firewall = [r for r in records(tmp_path, "stage1-1") if r.get("role") == "stage"]
+    behind_firewall = [r for r in records(tmp_path, "stage1-1") if r.role == "stage"]
     assert behind_firewall and "stage1-1: stage of swarm ready" in logs["stage1-1"], logs["stage1-1"][-3000:]
     (joined,) = [line for line in logs["stage1-1"].splitlines() if line.startswith(READY_PREFIX)]
     relay = f"/ip4/{lab.hosts[0].address}/tcp/"
