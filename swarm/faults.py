@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 _PEER_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _EVENT = re.compile(
@@ -50,7 +51,7 @@ class FaultEvent:
         """Whether the event has come, given the peer's step and the seconds elapsed (None: unknown)."""
         if self.step is not None:
             return step is not None and step >= self.step
-        return elapsed_s is not None and elapsed_s >= self.at_s
+        return elapsed_s is not None and self.at_s is not None and elapsed_s >= self.at_s
 
     def __str__(self) -> str:
         return f"{self.peer}@step={self.step}" if self.step is not None else f"{self.peer}@t={self.at_s!r}s"
@@ -106,13 +107,13 @@ def random_failures(peers: Iterable[str], rate_per_hour: float, duration_s: floa
         raise ValueError(f"rate_per_hour must be finite and non-negative, got {rate_per_hour}")
     if not duration_s >= 0:
         raise ValueError(f"duration_s must be non-negative, got {duration_s}")
-    events = []
+    times = []
     for peer in sorted(set(peers)):
         rng = random.Random(f"{seed}/{peer}")  # str seeds hash with sha512: stable across runs and platforms
         at_s = rng.expovariate(rate_per_hour / 3600) if rate_per_hour > 0 else math.inf
         if at_s < duration_s:
-            events.append(FaultEvent(peer=peer, at_s=round(at_s, 3)))  # ms: a readable, exact spec
-    return FaultSchedule(tuple(sorted(events, key=lambda e: e.at_s)))
+            times.append((round(at_s, 3), peer))  # ms: a readable, exact spec
+    return FaultSchedule(tuple(FaultEvent(peer=peer, at_s=at_s) for at_s, peer in sorted(times)))
 
 
 class FaultInjector:
@@ -126,7 +127,7 @@ class FaultInjector:
     def __init__(
         self,
         schedule: FaultSchedule,
-        processes: Mapping[str, subprocess.Popen | int],
+        processes: Mapping[str, subprocess.Popen[Any] | int],
         clock: Callable[[], float] = time.monotonic,
         *,
         kill: Callable[[int, int], None] = os.kill,

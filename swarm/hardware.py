@@ -64,7 +64,7 @@ def available_memory(device: torch.device) -> int:
 def peak_gpu_memory() -> dict[str, float]:
     """For a metrics record: ``peak_gpu_mb``, the most memory this process has held in CUDA tensors so far
     (``torch.cuda.max_memory_allocated``, over its GPUs); empty while it has not used CUDA."""
-    if not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch.cuda.is_initialized has no annotations
         return {}
     peak = sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
     return {"peak_gpu_mb": round(peak / 2**20, 1)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tomllib
+from types import GenericAlias
 from typing import Any, TypeVar
 
 import pydantic.v1 as pydantic
@@ -82,7 +83,7 @@ class _Records(pydantic.BaseModel):
     """The validator's schema: a parsed record reads back without the fields its sender left out, so hivemind's
     check that parsing changed nothing lets a record omit a field that was added later with a default."""
 
-    def dict(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def dict(self, **kwargs: Any) -> dict[str, Any]:
         return super().dict(**{**kwargs, "exclude_unset": True})  # nested records too
 
 
@@ -95,7 +96,11 @@ class SwarmSchemaValidator(SchemaValidator):
 
     def __init__(self, keys: dict[str, str]) -> None:
         self.keys = dict(keys)
-        fields = {key: (dict[BytesWithPublicKey, RECORD_TYPES[kind] | None], None) for key, kind in self.keys.items()}
+        # each key's value: dict[BytesWithPublicKey, its record type | None], a type made at run time
+        fields: dict[str, Any] = {
+            key: (GenericAlias(dict, (BytesWithPublicKey, RECORD_TYPES[kind] | None)), None)
+            for key, kind in self.keys.items()
+        }
         super().__init__(pydantic.create_model("SwarmRecords", __base__=_Records, **fields), allow_extra_keys=True)
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, str]]]:

@@ -67,7 +67,12 @@ class SwarmDHT(DHT):
         """The DHT process: hivemind's loop, with a watchdog that ends it when the peer is gone or on SIGTERM."""
         wake, stop = threading.Event(), threading.Event()
         signal.set_wakeup_fd(-1)  # inherited from the peer's event loop: our signals must not reach the peer's
-        signal.signal(signal.SIGTERM, lambda *_: (stop.set(), wake.set()))
+
+        def on_sigterm(*_: object) -> None:
+            stop.set()
+            wake.set()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
         signal.signal(PARENT_DEATH_SIGNAL, lambda *_: wake.set())
         set_parent_death_signal(PARENT_DEATH_SIGNAL)
         threading.Thread(target=self._watch, args=(wake, stop), name="dht-lifeline", daemon=True).start()
@@ -96,7 +101,8 @@ def set_parent_death_signal(sig: signal.Signals) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    status: int = libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    return status == 0
 
 
 def kill_children(pid: int) -> None:

@@ -74,10 +74,11 @@ def use_static_relays() -> None:
     def with_static_relays(*args: Any, **kwargs: Any) -> list[str]:
         if kwargs.get("trustedRelays"):
             kwargs.setdefault("relayDiscovery", False)
-        return make_args(*args, **kwargs)
+        command_line: list[str] = make_args(*args, **kwargs)
+        return command_line
 
-    with_static_relays.static_relays = True  # type: ignore[attr-defined]
-    P2P._make_process_args = staticmethod(with_static_relays)  # type: ignore[method-assign]
+    with_static_relays.static_relays = True  # type: ignore[attr-defined]  # marks the patch, so it is applied once
+    P2P._make_process_args = staticmethod(with_static_relays)
 
 
 RELAY_WAIT_S = 15.0  # a static relay slot is reserved within a second of joining (WAN lab); beyond this, say so
@@ -171,7 +172,7 @@ def machine_addresses() -> list[str]:
     (a UDP "connect" sends nothing); loopback where there is nothing else."""
     addresses: set[str] = set()
     try:
-        addresses |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+        addresses |= {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
     except OSError:
         pass
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

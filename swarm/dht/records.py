@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Dict, Optional, TypeVar
+from typing import TYPE_CHECKING, Dict, Optional, TypeVar
 
 import pydantic.v1 as pydantic
 
@@ -23,24 +23,69 @@ MAX_CONFIG_CHARS = 1 << 16
 # far above any honest skew, and it keeps absurd times (0, the far future) out of every honest node.
 MAX_DECLARED_TIME_OFFSET_S = 86400.0
 K = TypeVar("K")  # how a caller names a peer: PeerID or its base58 text
+MAX_REVOCATIONS_BYTES = 1 << 16  # a signed list grows ~60 bytes per revoked peer: about a thousand peers
+# joining: not yet working (state download, waiting for stages)
+STATES = (
+    "joining",
+    "serving",
+    "training",
+    "recovering",
+)
+MAX_KINDS = 16
+# a peer's --name: also a file name (OUT/<name>.jsonl) and a dashboard label, so short and plain
+PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+# The field types. pydantic v1's constrained types are made by calls, which a type checker cannot read in an
+# annotation: it reads the plain type each one constrains (pydantic's advice), pydantic the constraint.
+if TYPE_CHECKING:
+    Count = int
+    AtLeastOne = int
+    NonNegative = float
+    Fraction = float
+    GlobalHash = str
+    ConfigHash = str
+    ConfigToml = str
+    Kind = str
+    CodecKind = str
+    Role = str
+    PeerName = str
+    State = str
+    Device = str
+    SignedRevocations = bytes
+else:
+    Count = pydantic.conint(ge=0, strict=True)
+    AtLeastOne = pydantic.conint(ge=1, strict=True)
+    NonNegative = pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)
+    Fraction = pydantic.confloat(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)
+    GlobalHash = pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True)  # none yet, or 16 hex digits
+    ConfigHash = pydantic.constr(regex=r"^[0-9a-f]{16}$", strict=True)
+    ConfigToml = pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)
+    Kind = pydantic.constr(regex=r"^[a-z][a-z0-9_]{0,31}$", strict=True)  # activations, gradients, eval, ...
+    CodecKind = pydantic.constr(regex=r"^[a-z][a-z0-9_+]{0,31}$", strict=True)  # int8, subspace+int8, ...
+    Role = pydantic.constr(regex=r"^(trainer|stage|full)$", strict=True)  # full: the whole model (swarm/node/roles)
+    PeerName = pydantic.constr(regex=PEER_NAME_PATTERN, strict=True)
+    State = pydantic.constr(regex=rf"^({'|'.join(STATES)})$", strict=True)
+    Device = pydantic.constr(regex=r"^[\w:.() -]{1,80}$", strict=True)
+    SignedRevocations = pydantic.conbytes(max_length=MAX_REVOCATIONS_BYTES, strict=True)
+ByteCounts = Dict[Kind, Count]
+FrameCounts = Dict[CodecKind, Count]
+Loss = Optional[NonNegative]
 
 
 class StageStatus(pydantic.BaseModel):
     """What a peer tells the swarm about itself; strict types, as hivemind's SchemaValidator requires."""
 
-    samples_per_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # throughput EMA
-    queue: pydantic.conint(ge=0, strict=True) = 0  # requests waiting or running
-    inner_steps: pydantic.conint(ge=0, strict=True) = 0  # hook for the outer step: H inner steps per round
-    outer_round: pydantic.conint(ge=0, strict=True) = 0
-    global_hash: pydantic.constr(regex=r"^([0-9a-f]{16})?$", strict=True) = (
-        ""  # weights after that round: equal on agreeing replicas
-    )
-    grad_norm: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # last inner step, pre-clip
+    samples_per_s: NonNegative = 0.0  # throughput EMA
+    queue: Count = 0  # requests waiting or running
+    inner_steps: Count = 0  # hook for the outer step: H inner steps per round
+    outer_round: Count = 0
+    global_hash: GlobalHash = ""  # weights after that round: equal on agreeing replicas
+    grad_norm: NonNegative = 0.0  # last inner step, pre-clip
     recovered: pydantic.StrictBool = False  # this replica was rebuilt from its neighbours (CheckFree), not downloaded
     # False: a full peer's record (``swarm/full.py``), a replica for the outer step, state downloads and exports only,
     # never called for a microbatch. Came later with a default, so records without it stay valid (and serve).
     serves: pydantic.StrictBool = True
-    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+    version: Count = PROTOCOL_VERSION
 
 
 def serving(records: Mapping[K, StageStatus]) -> dict[K, StageStatus]:
@@ -51,9 +96,9 @@ def serving(records: Mapping[K, StageStatus]) -> dict[K, StageStatus]:
 class RecoveryClaim(pydantic.BaseModel):
     """A peer's claim to rebuild a stage nobody serves (``swarm/recovery/rebuild.py``); the lowest (priority, peer id) wins."""
 
-    priority: pydantic.conint(ge=0, strict=True)  # 0: a joining peer, 1: a server the rebalancer moves
-    claimed_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
-    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+    priority: Count  # 0: a joining peer, 1: a server the rebalancer moves
+    claimed_at: NonNegative  # DHT time
+    version: Count = PROTOCOL_VERSION
 
 
 class RoundDeclaration(pydantic.BaseModel):
@@ -63,9 +108,9 @@ class RoundDeclaration(pydantic.BaseModel):
     DHT's schema validator knows (keys holding round numbers could not be listed, so went unchecked).
     """
 
-    round: pydantic.conint(ge=0, strict=True)
-    opened_at: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)  # DHT time
-    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+    round: Count
+    opened_at: NonNegative  # DHT time
+    version: Count = PROTOCOL_VERSION
 
     @pydantic.validator("opened_at")
     def _about_now(cls, opened_at: float) -> float:
@@ -74,37 +119,17 @@ class RoundDeclaration(pydantic.BaseModel):
         return opened_at
 
 
-MAX_REVOCATIONS_BYTES = 1 << 16  # a signed list grows ~60 bytes per revoked peer: about a thousand peers
-
-
 class RevocationRecord(pydantic.BaseModel):
     """The authority's signed revocation list (``swarm/rpc/auth.py``) as a peer republishes it
     (``swarm/dht/revocations.py``); readers check the authority's signature, not the publisher's word."""
 
-    signed: pydantic.conbytes(max_length=MAX_REVOCATIONS_BYTES, strict=True)
-    version: pydantic.conint(ge=0, strict=True) = PROTOCOL_VERSION
+    signed: SignedRevocations
+    version: Count = PROTOCOL_VERSION
 
 
 class ConfigRecord(pydantic.BaseModel):
-    hash: pydantic.constr(regex=r"^[0-9a-f]{16}$", strict=True)
-    toml: pydantic.constr(max_length=MAX_CONFIG_CHARS, strict=True)
-
-
-# joining: not yet working (state download, waiting for stages)
-STATES = (
-    "joining",
-    "serving",
-    "training",
-    "recovering",
-)
-MAX_KINDS = 16
-
-Kind = pydantic.constr(regex=r"^[a-z][a-z0-9_]{0,31}$", strict=True)  # activations, gradients, eval, ...
-ByteCounts = Dict[Kind, pydantic.conint(ge=0, strict=True)]
-FrameCounts = Dict[pydantic.constr(regex=r"^[a-z][a-z0-9_+]{0,31}$", strict=True), pydantic.conint(ge=0, strict=True)]
-Loss = Optional[pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)]
-# a peer's --name: also a file name (OUT/<name>.jsonl) and a dashboard label, so short and plain
-PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+    hash: ConfigHash
+    toml: ConfigToml
 
 
 class PeerMetrics(pydantic.BaseModel):
@@ -116,35 +141,35 @@ class PeerMetrics(pydantic.BaseModel):
     schema forbids unknown fields), as it refuses role "full".
     """
 
-    role: pydantic.constr(regex=r"^(trainer|stage|full)$", strict=True)  # full: the whole model (``swarm/full.py``)
-    name: Optional[pydantic.constr(regex=PEER_NAME_PATTERN, strict=True)] = None  # the peer's --name
-    stage: pydantic.conint(ge=0, strict=True)  # 0 = trainers (the edge stage)
-    state: pydantic.constr(regex=rf"^({'|'.join(STATES)})$", strict=True)
-    step: pydantic.conint(ge=0, strict=True)  # inner steps of its stage replica
+    role: Role
+    name: Optional[PeerName] = None  # the peer's --name
+    stage: Count  # 0 = trainers (the edge stage)
+    state: State
+    step: Count  # inner steps of its stage replica
     train_loss: Loss = None  # trainers: mean over the last logged steps
     val_loss: Loss = None  # trainers: the last validation pass
-    tokens_per_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # over the last period
-    tokens: pydantic.conint(ge=0, strict=True) = 0  # processed since the peer started (a counter, unlike the rate)
-    uptime_s: pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False) = 0.0  # since the peer started
+    tokens_per_s: NonNegative = 0.0  # over the last period
+    tokens: Count = 0  # processed since the peer started (a counter, unlike the rate)
+    uptime_s: NonNegative = 0.0  # since the peer started
     bytes_sent: ByteCounts = {}  # wire frames by kind, since the peer started
     bytes_received: ByteCounts = {}
     # activation and gradient frames sent, by codec (an adaptive swarm's mix: compress/adaptive.py), since it started
     frames_sent: FrameCounts = {}
-    outer_round: pydantic.conint(ge=0, strict=True) = 0
-    recoveries: pydantic.conint(ge=0, strict=True) = 0  # stages this peer rebuilt from their neighbours
-    bans: pydantic.conint(ge=0, strict=True) = 0  # peers it refuses to call right now
+    outer_round: Count = 0
+    recoveries: Count = 0  # stages this peer rebuilt from their neighbours
+    bans: Count = 0  # peers it refuses to call right now
     # stage servers: compute time over wall time in the last window (swarm/pipeline/metering.py BusyTime)
-    busy_fraction: Optional[pydantic.confloat(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)] = None
+    busy_fraction: Optional[Fraction] = None
     # where it computes (``swarm.hardware.describe``): "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"
-    device: Optional[pydantic.constr(regex=r"^[\w:.() -]{1,80}$", strict=True)] = None
+    device: Optional[Device] = None
     # trainers (swarm/pipeline/trainer.py): microbatches the window keeps in flight, and the inner steps between a
     # microbatch's start and its landing over the last logged steps
-    window: Optional[pydantic.conint(ge=1, strict=True)] = None
-    staleness_mean: Optional[pydantic.confloat(ge=0.0, strict=True, allow_inf_nan=False)] = None
-    staleness_max: Optional[pydantic.conint(ge=0, strict=True)] = None
+    window: Optional[AtLeastOne] = None
+    staleness_mean: Optional[NonNegative] = None
+    staleness_max: Optional[Count] = None
     # records the peer stored in the DHT since it started (stage, config, metrics, round declarations, claims…)
-    dht_stores: pydantic.conint(ge=0, strict=True) = 0
-    version: pydantic.conint(ge=0, strict=True)
+    dht_stores: Count = 0
+    version: Count
 
     @pydantic.validator("bytes_sent", "bytes_received", "frames_sent")
     def _few_kinds(cls, counts: dict[str, int]) -> dict[str, int]:

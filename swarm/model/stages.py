@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final, Literal, overload
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torch import nn
 from swarm.errors import ConfigError
 from swarm.model.transformer import ModelConfig, Transformer, init_std, seeded_init
 
-EDGE_STAGE = 0
+EDGE_STAGE: Final = 0
 
 
 @dataclass(kw_only=True)
@@ -54,14 +55,19 @@ class EdgeStage(nn.Module):
         self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # alias so nn.Module tooling works
-        return self.embed(tokens)
+        h: torch.Tensor = self.embed(tokens)
+        return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))  # (B, T, d) → (B, T, vocab)
+        logits: torch.Tensor = self.lm_head(self.norm(h))  # (B, T, d) → (B, T, vocab)
+        return logits
 
 
 class MiddleStage(nn.Module):
     """Stage i ≥ 1: blocks ``layers`` of the model. Its state dict uses local block indices."""
+
+    rope_cos: torch.Tensor  # buffers
+    rope_sin: torch.Tensor
 
     def __init__(self, model: Transformer, layers: range) -> None:
         super().__init__()
@@ -76,6 +82,10 @@ class MiddleStage(nn.Module):
         return h
 
 
+@overload
+def build_stage(cfg: ModelConfig, num_stages: int, stage: Literal[0]) -> EdgeStage: ...
+@overload
+def build_stage(cfg: ModelConfig, num_stages: int, stage: int) -> EdgeStage | MiddleStage: ...
 def build_stage(cfg: ModelConfig, num_stages: int, stage: int) -> EdgeStage | MiddleStage:
     """The seeded initial weights of one stage (identical on every peer, and to the same part of ``Transformer(cfg)``).
 

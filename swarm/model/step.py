@@ -30,6 +30,7 @@ from swarm.model.transformer import loss_fn
 WeightChange = Literal["none", "moved", "replaced"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
+Gradients = Sequence[torch.Tensor | None]  # one per trainable parameter, in ``trainable``'s order; None where unused
 # what the receiver of a tensor gets: (kind "activations" | "activation_gradients", tensor, token ids) → decoded tensor
 Send = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,13 +43,15 @@ def loss_weight(samples: int, inner_batch: int) -> float:
 def embed(edge: EdgeStage, tokens: torch.Tensor) -> torch.Tensor:
     """Step 1: (B, T) token ids → (B, T, d), with the graph ``embed_backward`` runs back through."""
     with torch.enable_grad():
-        return edge.embed(tokens)
+        h: torch.Tensor = edge.embed(tokens)
+    return h
 
 
 @torch.no_grad()
 def stage_forward(stage: MiddleStage, x: torch.Tensor) -> torch.Tensor:
     """Step 2 on a stage server: no graph waits in memory until the backward (it recomputes)."""
-    return stage(x)
+    y: torch.Tensor = stage(x)
+    return y
 
 
 def head_backward(
@@ -62,7 +65,7 @@ def head_backward(
 
 def head_gradients(
     edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int
-) -> tuple[float, torch.Tensor, list[torch.Tensor | None]]:
+) -> tuple[float, torch.Tensor, Gradients]:
     """Step 3 held apart: the loss, the gradient w.r.t. ``h``, and the head's parameter gradients (in
     ``trainable(edge)`` order, None for the embedding), not yet accumulated (``add_gradients`` does)."""
     h = h.detach().requires_grad_()
@@ -72,7 +75,7 @@ def head_gradients(
         grad_h, *grads = torch.autograd.grad(
             loss * loss_weight(targets.shape[0], inner_batch), [h, *params], allow_unused=True
         )
-    return loss.item(), grad_h, grads
+    return float(loss.item()), grad_h, grads
 
 
 def stage_backward(
@@ -88,8 +91,8 @@ def stage_backward(
         add_gradients(stage, grads)
         return grad_x
     with torch.enable_grad():
-        y.backward(grad)
-    return x.grad  # type: ignore[return-value]
+        torch.autograd.backward(y, grad)  # y.backward(grad), typed
+    return x.grad  # type: ignore[return-value]  # set by that backward: y was computed from x, which requires grad
 
 
 def trainable(stage: nn.Module) -> list[nn.Parameter]:
@@ -98,7 +101,7 @@ def trainable(stage: nn.Module) -> list[nn.Parameter]:
 
 def stage_gradients(
     stage: MiddleStage, x: torch.Tensor, grad: torch.Tensor, *, weights: Mapping[str, torch.Tensor] | None = None
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+) -> tuple[torch.Tensor, Gradients]:
     """Step 4 recomputed from ``x``, held apart: the gradient w.r.t. ``x`` and this microbatch's parameter
     gradients (in ``trainable(stage)`` order, None where unused), not yet accumulated.
 
@@ -107,6 +110,8 @@ def stage_gradients(
     to differentiate at instead of the stage's current ones: a stashed copy of the weights the forward ran on.
     """
     x = x.detach().requires_grad_()
+    params: Sequence[torch.Tensor]
+    run: Callable[[torch.Tensor], torch.Tensor]
     if weights is None:
         params, run = trainable(stage), stage
     else:
@@ -118,7 +123,7 @@ def stage_gradients(
     return grad_x, grads
 
 
-def add_gradients(stage: nn.Module, grads: Sequence[torch.Tensor | None]) -> None:
+def add_gradients(stage: nn.Module, grads: Gradients) -> None:
     """Accumulate ``stage_gradients``' (or ``head_gradients``') parameter gradients into ``.grad``, as ``backward``
     would have."""
     with torch.no_grad():
@@ -133,7 +138,7 @@ def add_gradients(stage: nn.Module, grads: Sequence[torch.Tensor | None]) -> Non
 
 def embed_backward(h0: torch.Tensor, grad: torch.Tensor) -> None:
     """Step 5: the embedding's parameter gradients."""
-    h0.backward(grad)
+    torch.autograd.backward(h0, grad)  # h0.backward(grad), typed
 
 
 def no_wire(kind: str, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -223,4 +228,4 @@ class InnerStep:
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])

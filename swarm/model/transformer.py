@@ -26,7 +26,7 @@ from swarm.errors import ConfigError
 Preset = Literal["tiny", "20m", "125m", "350m", "1b", "custom"]
 # LLaMA-style shapes; the names count parameters with a ~32k-token vocabulary (the byte tokenizer's 256 gives fewer):
 # tiny 1.6M, 20m 21M + embeddings, 125m 85M + 49M, 350m 302M + 66M, 1b 1.0B + 131M (``parameter_count`` is exact)
-PRESETS: dict[str, dict[str, Any]] = {
+PRESETS: dict[Preset, dict[str, Any]] = {
     "tiny": {"d_model": 128, "n_layers": 8, "n_heads": 4, "max_seq_len": 128, "ffn_mult": 8 / 3},
     "20m": {"d_model": 384, "n_layers": 12, "n_heads": 6, "max_seq_len": 1024, "ffn_mult": 8 / 3},
     "125m": {"d_model": 768, "n_layers": 12, "n_heads": 12, "max_seq_len": 1024, "ffn_mult": 8 / 3},
@@ -43,7 +43,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # 1.0) are those recipes' at every size: the ``InnerOptimConfig`` defaults. The field comments there cite the same
 # numbers (``swarmloco config show`` prints them; tests/test_config.py checks they agree). tiny's are the defaults
 # themselves, so swarms of the default model keep their ids.
-PRESET_INNER: dict[str, dict[str, Any]] = {
+PRESET_INNER: dict[Preset, dict[str, Any]] = {
     "tiny": {"lr": 3e-3, "warmup_steps": 30},
     "20m": {"lr": 1e-3, "warmup_steps": 50},
     "125m": {"lr": 6e-4, "warmup_steps": 100},
@@ -72,7 +72,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        self.preset = next(  # type: ignore[assignment]
+        self.preset = next(
             (name for name, shape in PRESETS.items() if all(getattr(self, k) == v for k, v in shape.items())), "custom"
         )
         check_positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
@@ -104,6 +104,8 @@ def subspace_basis(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 class SubspaceLinear(nn.Module):
     """y = (x @ W.T) @ U.T with W of shape (k, in): the output lies in span(U) after any update."""
+
+    basis: torch.Tensor  # a buffer
 
     def __init__(self, in_features: int, basis: torch.Tensor) -> None:
         super().__init__()
@@ -140,7 +142,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3×(B, H, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -151,7 +154,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        out: torch.Tensor = self.down(F.silu(gate) * up)
+        return out
 
 
 class Block(nn.Module):
@@ -164,11 +168,15 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), cos, sin)
-        return h + self.mlp(self.mlp_norm(h))
+        h = h + self.mlp(self.mlp_norm(h))
+        return h
 
 
 class Embedding(nn.Module):
     """Token embedding; in subspace mode T[tok] + U·e[tok] with only e (vocab×k) trained."""
+
+    basis: torch.Tensor | None  # buffers
+    table: torch.Tensor | None
 
     def __init__(self, cfg: ModelConfig, basis: torch.Tensor | None, table: torch.Tensor | None) -> None:
         super().__init__()
@@ -179,7 +187,7 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         e = F.embedding(tokens, self.weight)  # (B, T, d) or (B, T, k)
-        if self.basis is None:
+        if self.basis is None or self.table is None:  # (both or neither)
             return e
         return F.linear(e, self.basis) + F.embedding(tokens, self.table)
 
@@ -190,6 +198,9 @@ class Transformer(nn.Module):
     ``init=False`` leaves the weights unset (memory allocated, never touched): a stage (``build_stage``) draws only its
     own part with ``seeded_init``, as the whole model would.
     """
+
+    rope_cos: torch.Tensor  # buffers
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, *, init: bool = True) -> None:
         super().__init__()
@@ -215,13 +226,15 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # tokens: (B, T) int64 → logits (B, T, vocab)
-        return self.lm_head(self.norm(self.run_blocks(self.embed(tokens))))
+        logits: torch.Tensor = self.lm_head(self.norm(self.run_blocks(self.embed(tokens))))
+        return logits
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:
     """A bias-free ``nn.Linear`` without its default (Kaiming) init, which ``seeded_init`` would overwrite anyway: at
     1B sizes that init alone took seconds per stage."""
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, device=torch.get_default_device())
+    # what nn.utils.skip_init does (typed): built on the meta device, then given memory it leaves as it is
+    return nn.Linear(in_features, out_features, bias=False, device="meta").to_empty(device=torch.get_default_device())
 
 
 # values drawn from one seed: a parameter's chunks are drawn in parallel, the same bits on any thread count

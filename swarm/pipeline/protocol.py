@@ -46,7 +46,7 @@ MICROBATCH_ID = re.compile(r"[\w.:/-]{1,128}")  # e.g. "mb17"; servers key input
 # DEFAULT_MAX_MSG_SIZE (4 MiB) with its envelopes, and drops a larger unary reply without a word (1.1.12's oversize
 # branch builds its error with a field the protobuf lacks, so not even an error arrives and the caller times out).
 # 64 KiB below it leaves room for those envelopes; hivemind's own request bound, MAX_UNARY_PAYLOAD_SIZE, is 2 MiB.
-MAX_UNARY_REPLY_BYTES = DEFAULT_MAX_MSG_SIZE - (64 << 10)
+MAX_UNARY_REPLY_BYTES: int = DEFAULT_MAX_MSG_SIZE - (64 << 10)
 REPLY_SLACK_BYTES = 4 << 10  # a reply's envelope around its frame: the msgpack map and the server's timings
 # A streamed call's server says "still on it" this often while the request waits and computes; its caller gives up
 # after its timeout (``rpc_s``) of silence, or after MAX_STREAM_CALL_TIMEOUTS timeouts in all (a server that only ever
@@ -87,7 +87,8 @@ def max_reply_bytes(message: Forward | Backward) -> int:
 
 def needs_stream(payload: bytes, message: Forward | Backward) -> bool:
     """Whether a call must go by stream: its request is over hivemind's unary bound, or the reply it can get is."""
-    return len(payload) > MAX_UNARY_PAYLOAD_SIZE or max_reply_bytes(message) > MAX_UNARY_REPLY_BYTES
+    request_too_large: bool = len(payload) > MAX_UNARY_PAYLOAD_SIZE  # (hivemind's bound is untyped)
+    return request_too_large or max_reply_bytes(message) > MAX_UNARY_REPLY_BYTES
 
 
 def unpack(data: bytes, kind: type[Forward] | type[Backward], *, max_bytes: int) -> Forward | Backward:
@@ -126,7 +127,8 @@ _TIMINGS = ("server_s", "compute_s")
 
 def _reply(frame: bytes) -> bytes:
     timings = {name: value for name in _TIMINGS if (value := getattr(frame, name, None)) is not None}
-    return msgpack.packb({"y": frame, **timings}, use_bin_type=True)
+    reply: bytes = msgpack.packb({"y": frame, **timings}, use_bin_type=True)
+    return reply
 
 
 def parse_reply(data: bytes) -> Reply:
@@ -135,7 +137,7 @@ def parse_reply(data: bytes) -> Reply:
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise RemoteError(RequestError.INTERNAL, f"unreadable reply: {e}") from None
     if isinstance(body, dict) and isinstance(body.get("y"), bytes):
-        return Reply(body["y"], **{name: _seconds(body.get(name)) for name in _TIMINGS})
+        return Reply(body["y"], server_s=_seconds(body.get("server_s")), compute_s=_seconds(body.get("compute_s")))
     if (error := remote_error(body)) is not None:
         raise error
     raise RemoteError(RequestError.INTERNAL, "reply holds neither a frame nor an error")
@@ -292,8 +294,9 @@ class StageServicer(GuardedServicer):
                 raise RequestError(
                     RequestError.NOT_FOUND, f"this server holds stage {held}, not {request.stage} (it may have moved)"
                 )
-            call = backend.forward if kind is Forward else backend.backward
-            return _reply(await call(peer, request))
+            if isinstance(request, Forward):
+                return _reply(await backend.forward(peer, request))
+            return _reply(await backend.backward(peer, request))
         except Exception as e:  # refuse() tells the sender's faults from ours
             return self.refuse(e, peer)
 
@@ -327,6 +330,8 @@ class StageClient:
         info = msgpack.unpackb(reply.serialized_info, raw=False)
         if (error := remote_error(info)) is not None:
             raise error
+        if not isinstance(info, dict):
+            raise RemoteError(RequestError.INTERNAL, f"info reply is not a map: {info!r:.80}")
         return info
 
     def certificate(self) -> bytes | None:

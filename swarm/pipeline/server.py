@@ -31,7 +31,8 @@ from swarm.model.stages import MiddleStage, build_stage
 from swarm.model.step import InnerStep, WeightChange, add_gradients, stage_forward, stage_gradients
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.metering import BusyTime
-from swarm.pipeline.protocol import Backward, Forward, Reply, RequestError
+from swarm.pipeline.protocol import Backward, Forward, Reply
+from swarm.rpc.servicer import RequestError
 
 T = TypeVar("T")
 FRAME_SLACK_BYTES = 64 << 10  # frame header, codec metadata and token ids on top of fp32 values
@@ -117,7 +118,8 @@ class ActivationCache:
             self._evict(max(self._owner_bytes, key=self._owner_bytes.__getitem__))
 
     def pop(self, owner: Hashable, key: Hashable) -> CacheEntry | None:
-        entry = self._owners.get(owner, {}).pop(key, None)
+        entries = self._owners.get(owner)
+        entry = None if entries is None else entries.pop(key, None)
         if entry is not None:
             self._count(owner, -self._size(entry))
         return entry
@@ -176,6 +178,7 @@ class StageServer:
         self._owns_compute = compute is None  # its thread is shut down with the server; an owner's is the owner's
         if compute is None:
             module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
+            assert isinstance(module, MiddleStage)  # 1 ≤ stage, checked above
             inner = InnerStep(
                 module.parameters(),
                 cfg.inner,
@@ -283,7 +286,7 @@ class StageServer:
     async def exclusive(self, fn: Callable[[], T], *, change: WeightChange = "none") -> T:
         """``fn()`` on the compute thread, between requests (the outer step's snapshot and weight install), which
         changes the weights as ``change`` says (``change_weights``)."""
-        return (await self._run(self.change_weights, fn, change))[0]
+        return (await self._run(lambda: self.change_weights(fn, change)))[0]
 
     def change_weights(self, fn: Callable[[], T], change: WeightChange) -> T:
         """``fn()``, which changes the weights as ``change`` says (on the compute thread, between requests).

@@ -52,11 +52,20 @@ from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
-from swarm.model.step import InnerStep, WeightChange, add_gradients, embed, embed_backward, head_gradients
+from swarm.model.step import (
+    Gradients,
+    InnerStep,
+    WeightChange,
+    add_gradients,
+    embed,
+    embed_backward,
+    head_gradients,
+)
 from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_ladders
-from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
+from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
+from swarm.rpc.servicer import RemoteError, RequestError
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
@@ -311,7 +320,8 @@ class Trainer:
         on_log: Callable[[dict[str, Any]], None] = lambda record: None,
     ) -> dict[str, Any]:
         """Run until ``steps`` inner steps of stage 0; returns the last progress record."""
-        started, losses, logged, failures_in_a_row = time.perf_counter(), [], self.inner_steps, 0
+        started, logged, failures_in_a_row = time.perf_counter(), self.inner_steps, 0
+        losses: list[float] = []
         record = self.progress(started, losses)
         tasks: set[asyncio.Task[float | None]] = set()
         try:
@@ -413,7 +423,7 @@ class Trainer:
         """Mean validation loss over the full plain path 1..S (stages with no live replica skipped)."""
         total, count = 0.0, 0
         size = self.cfg.train.microbatch_size  # the most a server accepts
-        for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(t.split(size) for t in batch))):
+        for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(torch.split(t, size) for t in batch))):
             mb = Microbatch(f"eval{next(self._ids)}", (*inputs.shape, self.cfg.model.d_model), train=False)
             h0 = await self._run(self._embed_eval, inputs)
             _, h = await self._forward_path(mb, sorted(self.router.live_stages()), h0, inputs)
@@ -480,13 +490,15 @@ class Trainer:
         """One RPC, with the router and the link estimate told how it went: the reply (decoded, its token ids, the
         frame, its codec), or None to move on. ``codec``: the request's frame's; ``x_codec``: a resent input's."""
         stage, timeout, started = request.stage, self.cfg.timeouts.rpc_s, time.perf_counter()
-        forward = isinstance(request, Forward)
-        kind, call = ("activations", self.calls.forward) if forward else ("gradients", self.calls.backward)
-        sent = self._count(mb, kind, request.x if forward else request.grad, sent=True, codec=codec)
-        if not forward and request.x is not None:
-            sent += self._count(mb, "activations", request.x, sent=True, codec=x_codec)
+        if isinstance(request, Forward):
+            kind, frame, resent = "activations", request.x, None
+        else:
+            kind, frame, resent = "gradients", request.grad, request.x
+        sent = self._count(mb, kind, frame, sent=True, codec=codec)
+        if resent is not None:
+            sent += self._count(mb, "activations", resent, sent=True, codec=x_codec)
         try:
-            out = await call(peer, request, timeout=timeout)
+            out = await self._send(peer, request, timeout)
             wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
             received = self._count(mb, kind, out, sent=False)
             # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
@@ -517,6 +529,11 @@ class Trainer:
         self.router.report_success(stage, peer, samples=mb.shape[0], seconds=elapsed)
         self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
         return value, tokens, out, reply_codec
+
+    async def _send(self, peer: Peer, request: Forward | Backward, timeout: float) -> bytes:
+        if isinstance(request, Forward):
+            return await self.calls.forward(peer, request, timeout=timeout)
+        return await self.calls.backward(peer, request, timeout=timeout)
 
     def _count(self, mb: Microbatch, kind: str, frame: bytes, *, sent: bool, codec: str | None = None) -> int:
         """The one count of a trainer's wire traffic (and of the frames it sends by ``codec``); fp32_bytes: what the
@@ -550,11 +567,10 @@ class Trainer:
     @torch.no_grad()
     def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
         with self._precision():
-            return self.edge.embed(inputs.to(self.device))
+            h: torch.Tensor = self.edge.embed(inputs.to(self.device))
+        return h
 
-    def _head_gradients(
-        self, h: torch.Tensor, targets: torch.Tensor
-    ) -> tuple[float, torch.Tensor, list[torch.Tensor | None]]:
+    def _head_gradients(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor, Gradients]:
         # held apart until the microbatch lands: an inner step taken meanwhile must not get half of its gradients
         with self._precision():
             return head_gradients(
@@ -566,9 +582,7 @@ class Trainer:
         with self._precision():
             return loss_fn(self.edge.head(h.to(self.device)), targets.to(self.device)).item()
 
-    def _land(
-        self, departure: Departure, h0: torch.Tensor, grad: torch.Tensor, head_grads: list[torch.Tensor | None]
-    ) -> int:
+    def _land(self, departure: Departure, h0: torch.Tensor, grad: torch.Tensor, head_grads: Gradients) -> int:
         """A microbatch's stage-0 gradients (and its tokens) join the inner step (step 3's held part, 5 and 6), unless
         it landed more than ``max_staleness`` steps after its start or began on weights a download has since
         replaced (dropped and counted). Its staleness."""

@@ -118,6 +118,8 @@ def _weighted_blocks(sources: list[tuple[StateDict, float]], num_blocks: int) ->
             shapes = [tuple(block[name].shape) for block, _ in picks]
             if len(set(shapes)) > 1:
                 raise ValueError(f"blocks.{j}.{name}: the sources' shapes differ: {shapes}")
-            merged = sum(weight * block[name].double() for block, weight in picks) / total  # one tensor at a time
+            # one tensor at a time; a tensor start (not 0) gives the sum a tensor's type, and the same values
+            zero = torch.zeros((), dtype=torch.float64)
+            merged = sum((weight * block[name].double() for block, weight in picks), zero) / total
             out[f"blocks.{j}.{name}"] = merged.to(picks[0][0][name].dtype)  # a new tensor, never a source's
     return out

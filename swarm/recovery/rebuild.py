@@ -210,11 +210,14 @@ async def _borne_out_local(
     failures: dict[str, str] = {}
     seeded = lambda state: check_plausible(state.params, template, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
 
+    def blame(peer: str, why: str) -> None:  # a peer's first reason stays
+        failures.setdefault(peer, why)
+
     async def local(peer: str) -> StageState | None:  # each replica is asked once
         if peer not in delivered:
             try:
                 _, delivered[peer] = await download_state(
-                    fetch, [peer], stage=stage, template=template, blob="local", check=seeded, blame=failures.setdefault
+                    fetch, [peer], stage=stage, template=template, blob="local", check=seeded, blame=blame
                 )
             except TransferError as e:
                 delivered[peer] = None

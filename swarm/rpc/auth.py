@@ -75,7 +75,8 @@ def peer_id_of_public_key(public_key: bytes) -> str:
         raise ValueError(f"expected an RSA public key, got {type(key).__name__}")
     der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), "sha2-256")).to_base58()
+    peer_id: str = PeerID(multihash.encode(hashlib.sha256(encoded).digest(), "sha2-256")).to_base58()
+    return peer_id
 
 
 def format_time(unix_s: float) -> str:

@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
 
 import msgpack
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -188,7 +188,7 @@ class BlobClient:
         self.p2p, self.namespace, self.certificate = p2p, namespace, certificate
         self.received_bytes = 0
 
-    async def fetch(self, peer: str | PeerID, name: str, *, timeout: float, max_bytes: int) -> bytes:
+    async def fetch(self, peer: str | PeerID, name: str, *, timeout: float, max_bytes: int) -> bytearray:
         """The blob, whole and hash-checked, within ``timeout`` seconds; else ``TransferError``. (A ``bytearray``:
         the buffer it arrived in.)
 
@@ -257,7 +257,7 @@ class BlobClient:
             await stream.aclose()
 
 
-def _control(peer: PeerID, message: runtime_pb2.ExpertResponse | None, what: str) -> dict:
+def _control(peer: PeerID, message: runtime_pb2.ExpertResponse | None, what: str) -> dict[str, Any]:
     """A blob stream's header or trailer: a small map; TransferError if it is missing or unreadable."""
     if message is None:
         raise StreamCut(f"{peer} ended the stream before its {what}")

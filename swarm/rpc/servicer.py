@@ -17,7 +17,7 @@ import logging
 import time
 import types
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar, get_args, get_type_hints
+from typing import TYPE_CHECKING, TypeVar, get_args, get_type_hints
 
 import msgpack
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID, ServicerBase
@@ -26,9 +26,12 @@ from hivemind.proto import runtime_pb2
 from swarm.rpc.auth import CERTIFICATE_FIELD, AccessDenied, CertificateVerifier
 from swarm.rpc.defences import PeerGuard, PeerLimits
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 logger = logging.getLogger(__name__)
 
-Request = TypeVar("Request")  # a dataclass whose fields are the envelope's
+Request = TypeVar("Request", bound="DataclassInstance")  # a dataclass whose fields are the envelope's
 MAX_STR_LEN = 1024  # the longest string any request field holds (ids and names; frames are bytes)
 # dead or unreachable peers
 TRANSPORT_ERRORS = (
@@ -61,17 +64,19 @@ class RemoteError(RequestError):
     """The error reply of a remote server, raised on the client."""
 
 
-def pack_envelope(request: object, certificate: bytes | None = None) -> bytes:
+def pack_envelope(request: DataclassInstance, certificate: bytes | None = None) -> bytes:
     """The envelope of a request dataclass: a msgpack map of its fields, and the sender's certificate in a private swarm."""
     fields = dataclasses.asdict(request)
     if certificate is not None:
         fields[CERTIFICATE_FIELD] = certificate
-    return msgpack.packb(fields, use_bin_type=True)
+    envelope: bytes = msgpack.packb(fields, use_bin_type=True)
+    return envelope
 
 
 def error_reply(error: RequestError) -> bytes:
     """The one error-reply format of every service."""
-    return msgpack.packb({"error": error.code, "message": error.message}, use_bin_type=True)
+    reply: bytes = msgpack.packb({"error": error.code, "message": error.message}, use_bin_type=True)
+    return reply
 
 
 def remote_error(body: object) -> RemoteError | None:
@@ -82,7 +87,7 @@ def remote_error(body: object) -> RemoteError | None:
 
 
 @functools.cache
-def _field_types(kind: type) -> dict[str, tuple[type, ...]]:
+def _field_types(kind: type[DataclassInstance]) -> dict[str, tuple[type, ...]]:
     """Each field of the request dataclass ``kind`` and the types it accepts (``bytes | None`` → (bytes, NoneType))."""
     hints = get_type_hints(kind)
     return {

@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ class Replica:
 
     module: EdgeStage | MiddleStage
     inner: InnerStep  # its AdamW, and the samples served since its last inner step
-    outer: OuterOptimizer | None
+    outer: OuterOptimizer[Any] | None
 
     @property
     def params(self) -> dict[str, nn.Parameter]:
@@ -135,7 +135,7 @@ def ddp_step(group: list[Replica]) -> int:
     scale = group[0].inner.inner_batch / served
     params = [list(r.module.parameters()) for r in group]
     for column in zip(*params):
-        total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in column) * scale
+        total = sum((p.grad if p.grad is not None else torch.zeros_like(p) for p in column), torch.zeros(())) * scale
         for p in column:
             p.grad = total.clone()
     for r in group:
