@@ -1,31 +1,11 @@
 """The trainer loop: data → stage 0 → a sampled path of stage servers → loss → backward along the same hops.
 
-A trainer holds the edge stage (embedding, final norm, LM head), so labels never leave it. Each
-microbatch draws a fresh path (skips and swaps, ``swarm/pipeline/routing.py``) and a replica per hop
-(SWARM's weighted round-robin). Microbatches stream through the swarm as in SWARM: a window of
-them is in flight at once, across inner-step boundaries, so no stage idles while another computes
-or bytes cross the wire. The window is a transport window (``Window``: one more than the measured
-round trip × delivery rate, up to ``in_flight``) and never holds microbatches that would land more
-than ``max_staleness`` inner steps after their forward began; stage 0 accumulates each
-microbatch's gradients when it lands and steps every ``inner_batch`` samples, as stage servers do.
-One that lands too stale anyway (overtaken by later ones: a retry, a slow replica), or that began
-on weights a download has since replaced, has its stage-0 gradients dropped and counted; an outer
-round's install only moves the weights, and what began before it lands as usual. A
-hop that fails is retried on another replica; a stage with no live replica is skipped on the way
-forward. On the way back a lost forward input is resent (stateless recompute). Every microbatch
-ends as completed or failed, and every failure is counted, so none is lost silently. Each frame goes in the codec
-``LinkCodecs`` chooses for its destination's link (``codecs.* = "adaptive"``: by the link's measured throughput,
-``compress/adaptive.py``); a frame relayed from one hop to the next is re-encoded only when the next link's codec
-differs. What a
-microbatch computes What a
-microbatch computes (loss weight, accumulation, clip and inner step) is ``swarm/model/step.py``'s,
-the same as in the simulator and the centralized baseline; this module only carries it over the network.
+``Trainer`` holds the edge stage (labels never leave it) and keeps a transport ``Window`` of microbatches in
+flight across inner steps, within ``max_staleness``; ``RemoteStages`` carries each one's frames along its hops
+(a replica per hop, a codec per link from ``LinkCodecs``, retries, resent inputs). The math is
+``swarm/model/step.py``'s. Window, staleness and drops: docs/architecture.md, pipeline/.
 
-The network is a ``StageCalls`` object: the real ``StageClient`` or, in tests, direct calls.
-
-    >>> trainer = Trainer(cfg, StageClient(p2p, namespace=cfg.swarm_id), router)
-    >>> await trainer.train(batches, steps=100, on_log=print)  # records: window, staleness_mean/max, drops, links
-    >>> await trainer.evaluate(val_batches)  # mean loss over the full plain path
+    >>> await Trainer(cfg, StageClient(p2p, namespace=cfg.swarm_id), router).train(batches, steps=100, on_log=print)
 """
 
 from __future__ import annotations
@@ -275,7 +255,145 @@ class CacheMiss(Exception):
     """The server no longer holds the microbatch's forward input."""
 
 
+class RemoteStages:
+    """The middle stages as a trainer reaches them: a replica chosen per hop, each frame coded for its link, a failed
+    call retried on another replica (a lost forward input resent), and the router, the link estimates and the
+    trainer's counters and traffic told how every call went."""
+
+    def __init__(
+        self,
+        cfg: SwarmConfig,
+        calls: StageCalls,
+        router: Router,
+        options: TrainerOptions,
+        *,
+        codecs: LinkCodecs,
+        counters: Counter[str],
+        traffic: Traffic,
+        fp32_bytes: Counter[str],
+    ) -> None:
+        self.cfg, self.calls, self.router, self.options = cfg, calls, router, options
+        self.codecs, self.counters, self.traffic, self.fp32_bytes = codecs, counters, traffic, fp32_bytes
+
+    async def forward_path(
+        self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[list[Hop], torch.Tensor]:
+        """The hops taken and the decoded output of the last one (``h0`` itself if none was)."""
+        hops, prev, outgoing = [], EDGE_STAGE, Outgoing(h0, tokens)
+        for stage in path:
+            try:
+                hop, outgoing = await self.forward_hop(mb, stage, prev, outgoing)
+            except HopFailed as e:
+                self.counters["skipped_hops"] += 1  # go on without this stage, as SkipPipe paths do
+                logger.warning(f"{mb.id}: skipping stage {stage}: {e}")
+                continue
+            hops.append(hop)
+            prev = stage
+        return hops, outgoing.value
+
+    async def forward_hop(self, mb: Microbatch, stage: int, prev: int, x: Outgoing) -> tuple[Hop, Outgoing]:
+        tried: list[Peer] = []
+        for _ in range(self.options.max_attempts):
+            peer = self._choose(stage, tried)
+            tried.append(peer)
+            codec = self.codecs.choose("activations", peer, mb.shape)
+            frame = x.frame(codec)
+            request = Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
+            if (reply := await self._call(mb, peer, request, codec.name)) is not None:
+                return Hop(stage, peer, frame, codec.name), Outgoing(*reply)
+        raise HopFailed(f"stage {stage}: {len(tried)} replicas failed")
+
+    async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
+        """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again."""
+        peer, tried, resend = hop.peer, [hop.peer], False
+        for _ in range(self.options.max_attempts):
+            self.counters["resent_inputs"] += resend
+            codec = self.codecs.choose("gradients", peer, mb.shape)
+            request = Backward(mb=mb.id, stage=hop.stage, grad=grad.frame(codec), x=hop.x if resend else None)
+            try:
+                reply = await self._call(mb, peer, request, codec.name, hop.x_codec)
+            except CacheMiss:  # the server dropped the input: resend it, to the same server
+                resend = True
+                continue
+            if reply is not None:
+                return Outgoing(*reply)
+            resend = True  # another replica never saw this microbatch
+            peer = self._choose(hop.stage, tried)
+            tried.append(peer)
+        raise HopFailed(f"backward of stage {hop.stage}: {len(tried)} attempts failed")
+
+    def _choose(self, stage: int, tried: list[Peer]) -> Peer:
+        try:
+            return self.router.choose(stage, task_size=self.cfg.train.microbatch_size, exclude=tried)
+        except NoLiveReplica as e:
+            raise HopFailed(f"stage {stage}: {e}") from None
+
+    async def _call(
+        self, mb: Microbatch, peer: Peer, request: Forward | Backward, codec: str, x_codec: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bytes, Codec] | None:
+        """One RPC, with the router and the link estimate told how it went: the reply (decoded, its token ids, the
+        frame, its codec), or None to move on. ``codec``: the request's frame's; ``x_codec``: a resent input's."""
+        stage, timeout, started = request.stage, self.cfg.timeouts.rpc_s, time.perf_counter()
+        if isinstance(request, Forward):
+            kind, frame, resent = "activations", request.x, None
+        else:
+            kind, frame, resent = "gradients", request.grad, request.x
+        sent = self._count(mb, kind, frame, sent=True, codec=codec)
+        if resent is not None:
+            sent += self._count(mb, "activations", resent, sent=True, codec=x_codec)
+        try:
+            out = await self._send(peer, request, timeout)
+            wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
+            received = self._count(mb, kind, out, sent=False)
+            # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
+            reply_codec, value, tokens = self.codecs.ladders[kind].decode(out, expected_shape=mb.shape)
+        except TimeoutError:
+            self.counters["hop_timeouts"] += 1
+            self.router.report_timeout(stage, peer, timeout, reason=f"no reply within rpc_s = {timeout:g} s")
+            return None
+        except RemoteError as e:
+            if e.code == RequestError.CACHE_MISS:
+                raise CacheMiss(str(e)) from None
+            self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
+            # busy: alive but loaded; invalid: it refused what this trainer sent (a gradient its screen would not
+            # take, a frame it could not read): this trainer's fault, not the server's. Either way charge it the
+            # time (a server refusing everything falls behind in the routing) but do not ban it.
+            if e.code in (RequestError.BUSY, RequestError.INVALID):
+                self.router.report_timeout(stage, peer, time.perf_counter() - started, reason=str(e))
+            else:
+                self.router.report_failure(stage, peer, reason=str(e))
+            logger.info(f"stage {stage} peer {peer}: {e}")
+            return None
+        except WireError as e:  # the reply does not decode
+            self.counters["hop_failures"] += 1
+            self.router.report_failure(stage, peer, reason=f"unreadable reply: {type(e).__name__}: {e}")
+            logger.info(f"stage {stage} peer {peer}: call failed: {type(e).__name__}: {e}")
+            return None
+        elapsed = time.perf_counter() - started
+        self.router.report_success(stage, peer, samples=mb.shape[0], seconds=elapsed)
+        self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
+        return value, tokens, out, reply_codec
+
+    async def _send(self, peer: Peer, request: Forward | Backward, timeout: float) -> bytes:
+        if isinstance(request, Forward):
+            return await self.calls.forward(peer, request, timeout=timeout)
+        return await self.calls.backward(peer, request, timeout=timeout)
+
+    def _count(self, mb: Microbatch, kind: str, frame: bytes, *, sent: bool, codec: str | None = None) -> int:
+        """The one count of a trainer's wire traffic (and of the frames it sends by ``codec``); fp32_bytes: what the
+        same tensor would cost uncompressed. Returns the frame's bytes."""
+        kind = kind if mb.train else "eval"  # validation traffic apart: per-token costs are of training
+        (self.traffic.sent if sent else self.traffic.received)[kind] += len(frame)
+        self.fp32_bytes[kind] += 4 * math.prod(mb.shape)
+        if codec is not None:
+            self.traffic.frames[codec] += 1
+        return len(frame)
+
+
 class Trainer:
+    """Stage 0 (embedding, head, loss) and its inner step, keeping a window of microbatches going through the
+    middle stages (``RemoteStages``) and landing each one's gradients."""
+
     def __init__(
         self,
         cfg: SwarmConfig,
@@ -287,7 +405,7 @@ class Trainer:
         traffic: Traffic | None = None,
         device: torch.device = CPU,
     ) -> None:
-        self.cfg, self.calls, self.router = cfg, calls, router
+        self.cfg, self.router = cfg, router
         self.options = options or TrainerOptions()
         self.device = device  # the edge stage's; token batches and decoded frames are moved here
         self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE).to(device)
@@ -300,6 +418,16 @@ class Trainer:
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # (+ hop_refused_<code> when servers refuse)
         self.traffic = traffic or Traffic()  # frame bytes by kind and direction: the peer's metrics publish it
         self.fp32_bytes: Counter[str] = Counter()  # what the same tensors cost as raw fp32
+        self.remote = RemoteStages(
+            cfg,
+            calls,
+            router,
+            self.options,
+            codecs=self.codecs,
+            counters=self.counters,
+            traffic=self.traffic,
+            fp32_bytes=self.fp32_bytes,
+        )
         # tokens of the training microbatches whose stage-0 gradients were taken on landing and not dropped since by
         # a download (``_drop_held_gradients``): counted on the edge thread, with the gradients
         self.tokens = 0
@@ -400,11 +528,11 @@ class Trainer:
             self.counters["skipped_hops"] += path_length(self.cfg.stages.num_stages, self.cfg.paths) - len(path)
             # the steps of swarm/model/step.py, with an RPC per middle-stage hop
             h0, departure = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
-            hops, h = await self._forward_path(mb, path, h0.detach(), inputs)
+            hops, h = await self.remote.forward_path(mb, path, h0.detach(), inputs)
             loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
             outgoing = Outgoing(grad, None)
             for hop in reversed(hops):
-                outgoing = await self._backward_hop(mb, hop, outgoing)
+                outgoing = await self.remote.backward_hop(mb, hop, outgoing)
             grad = outgoing.value
             staleness = await self._run(self._land, departure, h0, grad, head_grads)
         except asyncio.CancelledError:
@@ -426,124 +554,10 @@ class Trainer:
         for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(torch.split(t, size) for t in batch))):
             mb = Microbatch(f"eval{next(self._ids)}", (*inputs.shape, self.cfg.model.d_model), train=False)
             h0 = await self._run(self._embed_eval, inputs)
-            _, h = await self._forward_path(mb, sorted(self.router.live_stages()), h0, inputs)
+            _, h = await self.remote.forward_path(mb, sorted(self.router.live_stages()), h0, inputs)
             total += await self._run(self._head_eval, h, targets) * inputs.shape[0]
             count += inputs.shape[0]
         return total / count
-
-    async def _forward_path(
-        self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor
-    ) -> tuple[list[Hop], torch.Tensor]:
-        """The hops taken and the decoded output of the last one (``h0`` itself if none was)."""
-        hops, prev, outgoing = [], EDGE_STAGE, Outgoing(h0, tokens)
-        for stage in path:
-            try:
-                hop, outgoing = await self._forward_hop(mb, stage, prev, outgoing)
-            except HopFailed as e:
-                self.counters["skipped_hops"] += 1  # go on without this stage, as SkipPipe paths do
-                logger.warning(f"{mb.id}: skipping stage {stage}: {e}")
-                continue
-            hops.append(hop)
-            prev = stage
-        return hops, outgoing.value
-
-    async def _forward_hop(self, mb: Microbatch, stage: int, prev: int, x: Outgoing) -> tuple[Hop, Outgoing]:
-        tried: list[Peer] = []
-        for _ in range(self.options.max_attempts):
-            peer = self._choose(stage, tried)
-            tried.append(peer)
-            codec = self.codecs.choose("activations", peer, mb.shape)
-            frame = x.frame(codec)
-            request = Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
-            if (reply := await self._call(mb, peer, request, codec.name)) is not None:
-                return Hop(stage, peer, frame, codec.name), Outgoing(*reply)
-        raise HopFailed(f"stage {stage}: {len(tried)} replicas failed")
-
-    async def _backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
-        """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again."""
-        peer, tried, resend = hop.peer, [hop.peer], False
-        for _ in range(self.options.max_attempts):
-            self.counters["resent_inputs"] += resend
-            codec = self.codecs.choose("gradients", peer, mb.shape)
-            request = Backward(mb=mb.id, stage=hop.stage, grad=grad.frame(codec), x=hop.x if resend else None)
-            try:
-                reply = await self._call(mb, peer, request, codec.name, hop.x_codec)
-            except CacheMiss:  # the server dropped the input: resend it, to the same server
-                resend = True
-                continue
-            if reply is not None:
-                return Outgoing(*reply)
-            resend = True  # another replica never saw this microbatch
-            peer = self._choose(hop.stage, tried)
-            tried.append(peer)
-        raise HopFailed(f"backward of stage {hop.stage}: {len(tried)} attempts failed")
-
-    def _choose(self, stage: int, tried: list[Peer]) -> Peer:
-        try:
-            return self.router.choose(stage, task_size=self.cfg.train.microbatch_size, exclude=tried)
-        except NoLiveReplica as e:
-            raise HopFailed(f"stage {stage}: {e}") from None
-
-    async def _call(
-        self, mb: Microbatch, peer: Peer, request: Forward | Backward, codec: str, x_codec: str | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, bytes, Codec] | None:
-        """One RPC, with the router and the link estimate told how it went: the reply (decoded, its token ids, the
-        frame, its codec), or None to move on. ``codec``: the request's frame's; ``x_codec``: a resent input's."""
-        stage, timeout, started = request.stage, self.cfg.timeouts.rpc_s, time.perf_counter()
-        if isinstance(request, Forward):
-            kind, frame, resent = "activations", request.x, None
-        else:
-            kind, frame, resent = "gradients", request.grad, request.x
-        sent = self._count(mb, kind, frame, sent=True, codec=codec)
-        if resent is not None:
-            sent += self._count(mb, "activations", resent, sent=True, codec=x_codec)
-        try:
-            out = await self._send(peer, request, timeout)
-            wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
-            received = self._count(mb, kind, out, sent=False)
-            # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
-            reply_codec, value, tokens = self.codecs.ladders[kind].decode(out, expected_shape=mb.shape)
-        except TimeoutError:
-            self.counters["hop_timeouts"] += 1
-            self.router.report_timeout(stage, peer, timeout, reason=f"no reply within rpc_s = {timeout:g} s")
-            return None
-        except RemoteError as e:
-            if e.code == RequestError.CACHE_MISS:
-                raise CacheMiss(str(e)) from None
-            self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
-            # busy: alive but loaded; invalid: it refused what this trainer sent (a gradient its screen would not
-            # take, a frame it could not read): this trainer's fault, not the server's. Either way charge it the
-            # time (a server refusing everything falls behind in the routing) but do not ban it.
-            if e.code in (RequestError.BUSY, RequestError.INVALID):
-                self.router.report_timeout(stage, peer, time.perf_counter() - started, reason=str(e))
-            else:
-                self.router.report_failure(stage, peer, reason=str(e))
-            logger.info(f"stage {stage} peer {peer}: {e}")
-            return None
-        except WireError as e:  # the reply does not decode
-            self.counters["hop_failures"] += 1
-            self.router.report_failure(stage, peer, reason=f"unreadable reply: {type(e).__name__}: {e}")
-            logger.info(f"stage {stage} peer {peer}: call failed: {type(e).__name__}: {e}")
-            return None
-        elapsed = time.perf_counter() - started
-        self.router.report_success(stage, peer, samples=mb.shape[0], seconds=elapsed)
-        self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
-        return value, tokens, out, reply_codec
-
-    async def _send(self, peer: Peer, request: Forward | Backward, timeout: float) -> bytes:
-        if isinstance(request, Forward):
-            return await self.calls.forward(peer, request, timeout=timeout)
-        return await self.calls.backward(peer, request, timeout=timeout)
-
-    def _count(self, mb: Microbatch, kind: str, frame: bytes, *, sent: bool, codec: str | None = None) -> int:
-        """The one count of a trainer's wire traffic (and of the frames it sends by ``codec``); fp32_bytes: what the
-        same tensor would cost uncompressed. Returns the frame's bytes."""
-        kind = kind if mb.train else "eval"  # validation traffic apart: per-token costs are of training
-        (self.traffic.sent if sent else self.traffic.received)[kind] += len(frame)
-        self.fp32_bytes[kind] += 4 * math.prod(mb.shape)
-        if codec is not None:
-            self.traffic.frames[codec] += 1
-        return len(frame)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
