@@ -31,6 +31,9 @@ DEFAULT_SWARM_HASH = "695ed322fad08987"
 # (the default warm start, 100 steps of a round after every step, is exercised by the main job and its own tests).
 QUICK_OUTER = OuterOptimConfig(warm_start_steps=0)
 
+# Swarms of nodes or processes that must see a dead peer's records go within seconds (announced every second, 4 s TTL)
+FAST_TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+
 # Outer rounds between replicas on loopback (swarmtest.loopback): a round every 0.3 s or so at an inner step every 0.1 s
 LOOPBACK_ROUND_TIMEOUTS = TimeoutConfig(rpc_s=2.0, matchmaking_s=1.0, announce_period_s=0.5, record_ttl_s=3.0)
 

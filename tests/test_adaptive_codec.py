@@ -146,7 +146,7 @@ def test_the_reply_message_carries_the_times_and_ignores_junk_ones() -> None:
 # a trainer over links of a given bandwidth
 
 
-class Link:
+class TimedWire:
     """``StageCalls`` into one ``StageServer`` of stage 1 over a wire of ``bytes_per_s`` (None: instant), each direction
     an ``asyncio.sleep`` of its frames' bytes."""
 
@@ -181,7 +181,7 @@ def batches(seed: int = 0) -> Iterator[Batch]:
 
 def train_over(bytes_per_s: float | None, steps: int = 8) -> tuple[Trainer, dict]:
     cfg = adaptive(steps=steps)
-    link = Link(cfg, bytes_per_s=bytes_per_s)
+    link = TimedWire(cfg, bytes_per_s=bytes_per_s)
     trainer = Trainer(cfg, link, link.router, options=TrainerOptions(in_flight=1, log_every=steps))
     try:
         record = asyncio.run(trainer.train(batches(), steps=steps))

@@ -281,7 +281,9 @@ def test_certified_dht_peers_store_and_get(members: tuple[DHT, DHT], swarm_dir: 
     assert a.get("from-b", latest=True).value == "hi"
 
 
-def join(members: tuple[DHT, DHT], identity: Path, auth: CertificateAuthorizer | None) -> tuple[Found, Found, Found]:
+def join_newcomer(
+    members: tuple[DHT, DHT], identity: Path, auth: CertificateAuthorizer | None
+) -> tuple[Found, Found, Found]:
     """Start a peer at ``members``, let it store a key; what it reads of the members' key, and what they read of its key."""
     a, b = members
     assert a.store("members-only", "secret", get_dht_time() + 60)
@@ -297,7 +299,7 @@ def join(members: tuple[DHT, DHT], identity: Path, auth: CertificateAuthorizer |
 @pytest.mark.timeout(60)
 def test_dht_admits_a_certified_newcomer(members: tuple[DHT, DHT], swarm_dir: Path) -> None:
     """The control for the refusals below: the same join, with a valid certificate, works."""
-    theirs, at_a, at_b = join(
+    theirs, at_a, at_b = join_newcomer(
         members, swarm_dir / "newcomer.id", authorizer(load_identity_key(swarm_dir / "newcomer.id"))
     )
     assert theirs.value == "secret"
@@ -318,5 +320,5 @@ def test_dht_refuses_peers_without_a_valid_certificate(
         )  # "revoked": issued before the revocation
         swarm = "other-0123456789abcdef" if intruder == "other swarm" else SWARM
         auth = authorizer(load_identity_key(identity), swarm=swarm, issued=issued, clock=issued + 60)
-    assert join(members, identity, auth) == (None, None, None)
+    assert join_newcomer(members, identity, auth) == (None, None, None)
     assert members[1].get("members-only", latest=True).value == "secret"  # the members still work

@@ -24,7 +24,7 @@ from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config, peer_roles
-from swarm.config import SwarmConfig, TimeoutConfig, save_config
+from swarm.config import SwarmConfig, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.errors import ConfigError
@@ -48,12 +48,11 @@ from swarm.node.roles.trainer import wait_for_replicas
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, TrainerOptions
 from swarmtest.bench import swarm_summary
-from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, tiny_config
 from swarmtest.node import BackgroundNode
 from swarmtest.processes import swarmloco
 
 H = 5
-TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 NUM_STAGES = 2
 
 
@@ -139,7 +138,7 @@ def full_config(steps: int) -> SwarmConfig:
         steps=steps,
         outer=OuterOptimConfig(warm_start_steps=0, method="sparseloco", inner_steps=H),
         codecs=CodecConfig(pseudo_gradients="sparseloco"),
-        timeouts=TIMEOUTS,
+        timeouts=FAST_TIMEOUTS,
     )
 
 
@@ -375,7 +374,7 @@ def test_a_replica_trains_once_enough_replicas_are_listed_or_after_the_timeout(
     assert lonely.looks >= 2 and "1 of 2 replicas of stage 0 listed" in caplog.text  # it gave up, and said so
 
 
-def progress(name: str, role: str, **fields: object) -> list[Event]:
+def bench_records(name: str, role: str, **fields: object) -> list[Event]:
     """A peer's records as bench_swarm reads them: spawned, one done round, the last progress record."""
     done = OuterRound(
         stage=0,
@@ -405,15 +404,15 @@ def test_bench_swarm_summarises_a_swarm_with_full_peers_or_only_full_peers() -> 
         **dict(started=10, completed=10),
     }
     peers = {
-        "trainer-0": progress("trainer-0", "trainer", pseudo_grad_bytes=100, **pipeline),
-        "full-0": progress("full-0", "full", pseudo_grad_bytes=300),  # its stages' pseudo-gradients, summed
+        "trainer-0": bench_records("trainer-0", "trainer", pseudo_grad_bytes=100, **pipeline),
+        "full-0": bench_records("full-0", "full", pseudo_grad_bytes=300),  # its stages' pseudo-gradients, summed
     }
     mixed = swarm_summary(peers, LocalSwarm(peers=2, trainers=1, stages=1, full=1))
     assert mixed["tokens"] == 2000 and mixed["val_losses"] == {"trainer-0": 3.0, "full-0": 2.0}
     assert mixed["val_loss"] == 3.0  # trainer-0's
     assert mixed["bytes_per_token"] == {"activations": 1.5, "gradients": 2.5, "total": 4.0}  # per token of both
     assert mixed["pseudo_grad_bytes_per_token"] == 0.2  # the full peer's count too
-    only_full = {name: progress(name, "full", pseudo_grad_bytes=300) for name in ("full-0", "full-1")}
+    only_full = {name: bench_records(name, "full", pseudo_grad_bytes=300) for name in ("full-0", "full-1")}
     alone = swarm_summary(only_full, LocalSwarm(peers=0, trainers=0, stages=1, full=2))
     assert alone["tokens"] == 2000 and alone["val_loss"] == 2.0 and alone["bytes_per_token"]["total"] == 0
     assert alone["pseudo_grad_bytes_per_token"] == 0.3 and alone["microbatches"]["started"] == 0

@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.data import load_corpus
-from swarm.config import SwarmConfig, TimeoutConfig, dumps_config
+from swarm.config import SwarmConfig, dumps_config
 from swarm.dht.identity import (
     OwnerBindingValidator,
     identity_peer_id,
@@ -48,7 +48,7 @@ from swarm.peer_config import PeerConfig
 from swarm.pipeline.trainer import Batch
 from swarm.rpc.auth import encode_public_key
 from swarmtest.attacks import forge_replicas, modified_peer, stored_subkeys
-from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, tiny_config
 from swarmtest.node import BackgroundNode
 
 CFG = SwarmConfig()
@@ -259,9 +259,6 @@ async def _membership_over_dht(first: SwarmDHT, second: SwarmDHT) -> None:
         assert found.value[creator.subkey].value == {"round": 3, "opened_at": now, "version": PROTOCOL_VERSION}
 
 
-TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
-
-
 def corpus_batches(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], list[Batch]]:
     corpus = load_corpus([DATA])
     kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
@@ -271,7 +268,7 @@ def corpus_batches(cfg: SwarmConfig, peer_id: str) -> tuple[Iterator[Batch], lis
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stage_records_under_made_up_peer_ids_are_refused_and_never_routed_to() -> None:
-    cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=TIMEOUTS)
+    cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=FAST_TIMEOUTS)
     key = stage_key(cfg.swarm_id, 1)
     with BackgroundNode(PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK_MADDRS), cfg) as server:
         honest = server.call(lambda node: asyncio.sleep(0, node.dht.peer_id))

@@ -8,17 +8,16 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from peer.data import load_corpus
-from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
 from swarm.events import Fault, Progress, Serving
 from swarm.faults import FaultSchedule
 from swarm.node.config import PeerConfig
 from swarm.node.context import DataFactory
 from swarm.pipeline.trainer import Batch, TrainerOptions
-from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, tiny_config
+from swarmtest.faults import kill_at
 from swarmtest.node import BackgroundNode
-
-TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 
 
 def test_a_flat_namespace_fills_the_tree_and_every_bad_value_names_its_field() -> None:
@@ -62,7 +61,7 @@ def batches(data: Sequence[str], seed: int) -> DataFactory:
     return make
 
 
-def trainer(name: str, server: BackgroundNode, *, steps: int, faults: str = "") -> BackgroundNode:
+def trainer(name: str, server: BackgroundNode, *, steps: int, faults: FaultSchedule | None = None) -> BackgroundNode:
     config = PeerConfig(
         role="trainer",
         name=name,
@@ -70,7 +69,7 @@ def trainer(name: str, server: BackgroundNode, *, steps: int, faults: str = "") 
         host_maddrs=LOOPBACK_MADDRS,
         steps=steps,
         trainer=TrainerOptions(log_every=1),
-        faults=FaultSchedule.parse(faults),
+        faults=faults or FaultSchedule(),
     )
     return BackgroundNode(config, data=batches([DATA], seed=len(name)))
 
@@ -78,16 +77,14 @@ def trainer(name: str, server: BackgroundNode, *, steps: int, faults: str = "") 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_nodes_in_this_process_train_and_a_fault_keyed_by_peer_and_step_stops_only_that_peer_there() -> None:
-    cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=TIMEOUTS)
+    cfg = tiny_config(stages=1, steps=200, outer={"method": "none"}, timeouts=FAST_TIMEOUTS)
     # the server's schedule names another peer only: it must not fire here
     with BackgroundNode(
-        PeerConfig(
-            role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK_MADDRS, faults=FaultSchedule.parse("x@step=1")
-        ),
+        PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK_MADDRS, faults=kill_at({"x": 1})),
         cfg,
     ) as server:
         assert server.maddrs and server.events(Serving)
-        with trainer("doomed", server, steps=200, faults="doomed@step=4,stage1-a@step=2") as doomed:
+        with trainer("doomed", server, steps=200, faults=kill_at({"doomed": 4, "stage1-a": 2})) as doomed:
             last = doomed.result(timeout=180)  # ends by itself: the fault crashed it
             (fault,) = doomed.events(Fault)
             assert last == {} and fault.peer == "doomed" and fault.action == "crash" and fault.stage == 0

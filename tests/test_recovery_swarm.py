@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.config import PathConfig, SwarmConfig, TimeoutConfig
+from swarm.config import PathConfig, SwarmConfig
 from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.events import Fault, Metrics, Move, Recovered, Serving
 from swarm.export import ExportError, download_model, export_sources
@@ -35,15 +35,14 @@ from swarm.recovery.rebuild import (
     swarm_has_trained,
 )
 from swarm.rpc.blobs import Sink, TransferError, feed
-from swarmtest.configs import DATA, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, tiny_config
+from swarmtest.faults import fault_args, kill_at
 from swarmtest.processes import Swarm, swarmloco
-
-TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
 
 
 def recovery_config(*, steps: int, paths: PathConfig | None = None) -> SwarmConfig:
     return tiny_config(
-        stages=3, steps=steps, model={"n_layers": 3}, outer={"method": "none"}, paths=paths, timeouts=TIMEOUTS
+        stages=3, steps=steps, model={"n_layers": 3}, outer={"method": "none"}, paths=paths, timeouts=FAST_TIMEOUTS
     )
 
 
@@ -341,10 +340,7 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
 ) -> None:
     steps = 5000  # trains on while the test looks (it must not finish first, however fast it runs); stopped at the end
     swarm = Swarm(tmp_path, recovery_config(steps=steps), child_processes)
-    faults = [
-        "--faults",
-        "stage2-a@step=10",
-    ]  # every peer gets the schedule; stage2-a SIGKILLs itself at its own inner step 10
+    faults = fault_args(kill_at({"stage2-a": 10}))  # every peer gets it; stage2-a SIGKILLs itself at its inner step 10
     swarm.gone.add("stage2-a")
     for name, stage in (("stage3-a", 3), ("stage2-a", 2)):
         swarm.spawn(name, "--role", "stage", "--stage", str(stage), *faults)
@@ -420,7 +416,7 @@ def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_o
         swarm.wait(
             "the dead peer's record to expire",
             lambda: not asyncio.run(membership.replicas(3)),
-            2 * TIMEOUTS.record_ttl_s + 30,
+            2 * FAST_TIMEOUTS.record_ttl_s + 30,
         )
     swarm.spawn("joiner", "--role", "auto")  # --role auto: the empty stage first
     event = swarm.wait("the joiner to rebuild stage 3", lambda: swarm.records("joiner", Recovered), 90)[0]
