@@ -1,13 +1,10 @@
-"""The one lifecycle of the replicas a role holds: start (download or seed), announce, outer sync, checkpoint, close.
-
-Every role (trainer, stage server, full peer) holds its replicas through a ``ReplicaLifecycle``; what differs
-between roles (their record's fields, what their metrics count) comes in as callbacks.
+"""The one lifecycle of the replicas a role holds: start (download or seed), announce, outer sync, checkpoint, close;
+what differs between roles (their records, their metrics' counts) comes in as callbacks.
 
     >>> life = ReplicaLifecycle(ctx, meter, checkpoint_stage=EDGE_STAGE)
-    >>> state = await life.download(EDGE_STAGE)                # a live replica's state; None: the seeded weights
+    >>> state = await life.download(EDGE_STAGE)      # a live replica's state; None: the seeded weights
     >>> await life.hold({EDGE_STAGE: trainer}, {EDGE_STAGE: state} if state else {})
-    >>> life.start(status=lambda stage: trainer.status(), usage=lambda: {"tokens": trainer.tokens})
-    >>> ...; await life.checkpoint(); await life.close()
+    >>> life.start(status=lambda stage: trainer.status()); ...; await life.checkpoint(); life.close()
 """
 
 from __future__ import annotations
