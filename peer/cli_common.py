@@ -8,7 +8,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 USER_ERRORS = (ConfigError, DataError, CheckpointError, StageDoesNotFit, TokenizerError)
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
@@ -101,9 +101,9 @@ def user_errors(fn: F) -> F:
     level = inspect.Parameter(
         "log_level", inspect.Parameter.KEYWORD_ONLY, default=logs.DEFAULT_LEVEL, annotation=LogLevelOpt
     )
-    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), level])  # type: ignore[attr-defined]
+    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), level])  # type: ignore[attr-defined]  # typer reads it; typeshed's functions have no __signature__
     wrapper.__annotations__ = {**fn.__annotations__, "log_level": LogLevelOpt}
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # fn's own type: the same command, with --log-level added
 
 
 def path_error(e: OSError) -> str:

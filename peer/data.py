@@ -308,7 +308,9 @@ def load_corpus(
     """Read and tokenize a corpus (default: the stdlib sources): the validation documents and ``shard``'s training ones."""
     files = corpus_files(paths)
     where = ", ".join(map(str, paths or ["the stdlib"]))
-    train, val, other_shards = [], [], 0
+    train: list[np.ndarray] = []
+    val: list[np.ndarray] = []
+    other_shards = 0
     for docs in batched(d for d in iter_documents(files) if d.text):
         held_out = [is_validation_file(d.key) for d in docs]
         mine = [not v and shard.holds(d.key) for d, v in zip(docs, held_out)]

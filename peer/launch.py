@@ -254,7 +254,8 @@ def launch_local(
             procs[name] = spawn(name, [*args, *join])
         trainers = [f"trainer-{i}" for i in range(layout.trainers)]
         full = [f"full-{i}" for i in range(layout.full)]
-        joiners, join_at = [f"joiner-{i}" for i in range(layout.joiners)], []
+        joiners = [f"joiner-{i}" for i in range(layout.joiners)]
+        join_at: list[float] = []  # (monotonic) when the joiners start
 
         def start_joiners() -> None:  # join_after_s once every trainer has logged progress: the swarm is running
             if joiners and not join_at and all(has_trained(out / f"{name}.jsonl") for name in trainers):

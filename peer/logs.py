@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal, get_args
+from typing import Literal, TextIO, get_args
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 DEFAULT_LEVEL: LogLevel = "info"
 FORMAT = "%(asctime)s %(levelname)-7s [%(peer)s] %(name)s: %(message)s"
 # not logging.getLevelName: hivemind renames WARNING to WARN when imported
-NUMERIC: dict[str, int] = {
+NUMERIC: dict[LogLevel, int] = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
     "warning": logging.WARNING,
@@ -40,7 +40,7 @@ class _PeerName(logging.Filter):
 
 
 _stamp = _PeerName()
-_handler: logging.Handler | None = None
+_handler: logging.StreamHandler[TextIO] | None = None
 
 
 def configure(level: LogLevel = DEFAULT_LEVEL) -> None:

@@ -139,7 +139,12 @@ def seeded_norms(cfg: ModelConfig, num_stages: int, stage: int) -> dict[str, flo
 
 def split_model(model: Transformer, num_stages: int) -> list[EdgeStage | MiddleStage]:
     """All stages of one model, sharing its parameters: [edge, stage 1, ..., stage S]."""
-    return [EdgeStage(model)] + [MiddleStage(model, r) for r in split_layers(model.cfg.n_layers, num_stages)]
+    return [EdgeStage(model), *middle_stages(model, num_stages)]
+
+
+def middle_stages(model: Transformer, num_stages: int) -> list[MiddleStage]:
+    """Stages 1..S of one model, sharing its parameters."""
+    return [MiddleStage(model, r) for r in split_layers(model.cfg.n_layers, num_stages)]
 
 
 def run_path(edge: EdgeStage, middles: dict[int, MiddleStage], path: list[int], tokens: torch.Tensor) -> torch.Tensor:

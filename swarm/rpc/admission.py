@@ -32,8 +32,10 @@ PROBE_TIMEOUT_S = 10.0
 class Credentials(Protocol):
     """What a peer of a private swarm runs with (``peer.credentials.PeerCredentials``)."""
 
-    identity: Path
-    verifier: CertificateVerifier
+    @property
+    def identity(self) -> Path: ...
+    @property
+    def verifier(self) -> CertificateVerifier: ...
 
     def certificate_bytes(self) -> bytes: ...
 

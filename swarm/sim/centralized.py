@@ -17,7 +17,7 @@ import torch
 
 from swarm.config import SwarmConfig
 from swarm.hardware import CPU, Precision, compute_precision, peak_gpu_memory
-from swarm.model.stages import split_model
+from swarm.model.stages import EdgeStage, middle_stages
 from swarm.model.step import InnerStep, run_microbatch
 from swarm.model.transformer import Transformer, loss_fn
 
@@ -44,8 +44,7 @@ def evaluate(
 
 def train_microbatch(model: Transformer, batch: Batch, *, num_stages: int, inner_batch: int) -> float:
     """The swarm's microbatch step through all ``num_stages`` stages of ``model`` in order; gradients accumulate in ``model``."""
-    edge, *middles = split_model(model, num_stages)
-    return run_microbatch(edge, middles, batch, inner_batch=inner_batch)  # type: ignore[arg-type]
+    return run_microbatch(EdgeStage(model), middle_stages(model, num_stages), batch, inner_batch=inner_batch)
 
 
 def train_centralized(

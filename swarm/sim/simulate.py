@@ -73,6 +73,27 @@ class Replica:
     def params(self) -> dict[str, nn.Parameter]:
         return dict(self.module.named_parameters())
 
+    @property
+    def edge(self) -> EdgeStage:
+        """The module of a replica of stage 0."""
+        if not isinstance(self.module, EdgeStage):
+            raise TypeError(f"a replica of a middle stage holds no edge stage: {type(self.module).__name__}")
+        return self.module
+
+    @property
+    def middle(self) -> MiddleStage:
+        """The module of a replica of a middle stage."""
+        if not isinstance(self.module, MiddleStage):
+            raise TypeError(f"a replica of stage 0 holds no middle stage: {type(self.module).__name__}")
+        return self.module
+
+    @property
+    def outer_step(self) -> OuterOptimizer[Any]:
+        """Its outer optimizer, in a simulation that has one."""
+        if self.outer is None:
+            raise TypeError("this simulation has no outer step")
+        return self.outer
+
 
 @dataclass
 class SimulationResult:
@@ -115,8 +136,7 @@ def train_microbatch(
 ) -> float:
     """One microbatch along ``hops`` and back through the link's codecs, as in the swarm: gradients accumulate,
     and each replica takes its inner step once it has served an inner batch (unless ``step_when_due`` is off: DDP)."""
-    edge: EdgeStage = trainer.module  # type: ignore[assignment]
-    middles: list[MiddleStage] = [r.module for r in hops]  # type: ignore[misc]
+    edge, middles = trainer.edge, [r.middle for r in hops]
     inputs, targets = (t.to(link.device) for t in batch)
     with compute_precision(link.device, precision):
         loss = run_microbatch(edge, middles, (inputs, targets), inner_batch=trainer.inner.inner_batch, send=link.send)
@@ -147,11 +167,11 @@ def ddp_step(group: list[Replica]) -> int:
 def outer_round(group: list[Replica]) -> int:
     """One outer step of a stage's replicas via an in-process all-gather; returns bytes moved."""
     if len(group) == 1:  # nobody to agree with: nothing is sent, nothing lost
-        group[0].outer.apply_alone(group[0].params)  # type: ignore[union-attr]
+        group[0].outer_step.apply_alone(group[0].params)
         return 0
-    payloads = [r.outer.make_payload(r.params) for r in group]  # type: ignore[union-attr]
+    payloads = [r.outer_step.make_payload(r.params) for r in group]
     for r in group:
-        r.outer.apply(payloads, r.params)  # type: ignore[union-attr]
+        r.outer_step.apply(payloads, r.params)
     if isinstance(group[0].outer, NoLoCo):  # each payload reaches its partner(s) only
         return sum(len(payloads[i]) * (len(pair) - 1) for pair in partners(len(group), 0) for i in pair)
     return sum(len(p) for p in payloads) * (len(group) - 1)  # all-gather: each payload reaches K−1 members
@@ -268,8 +288,8 @@ def full_pipeline_loss(
     replicas: dict[int, list[Replica]], num_stages: int, val_batches: list[Batch], *, device: torch.device = CPU
 ) -> float:
     """Validation loss of replica 0 of every stage through the full path 1..S, no codec, no skips."""
-    edge: EdgeStage = replicas[EDGE_STAGE][0].module  # type: ignore[assignment]
-    middles: dict[int, MiddleStage] = {s: replicas[s][0].module for s in range(1, num_stages + 1)}  # type: ignore[misc]
+    edge = replicas[EDGE_STAGE][0].edge
+    middles = {s: replicas[s][0].middle for s in range(1, num_stages + 1)}
     modules = [edge, *middles.values()]
     for m in modules:
         m.eval()
