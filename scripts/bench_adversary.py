@@ -1,14 +1,14 @@
 """Every attack of issue 20 against a small swarm, next to a clean run of the same swarm: does the honest side hold?
 
 The attacks are the ones the tests reproduce (tests/test_stage_poisoning.py, test_outer_attacks.py,
-test_membership.py, test_outer.py), played here with their own helpers:
+test_membership.py, test_outer.py), played here with the same helpers (swarmtest.attacks, .loopback, .node):
 
 - stage-nan, cache-flood, forged-records: a real stage server and a real trainer (tiny model, in-process
   ``BackgroundNode``s on loopback) train ``--steps`` inner steps on Python's email sources while the attacker
   poisons backward gradients (an int8 scale of 3.4e38, or ×10⁴), floods forwards, or forges stage records; the
   honest outcome is the trainer's validation loss against the clean run's.
-- state-liar, round-staller, pg-x1000: honest replicas of stage 1 (the tests' ``Replica``: real membership,
-  outer service and rounds, H = 3; each trains its own stage 0 and stage 1 on its own text, ``TrainingHolder``)
+- state-liar, round-staller, pg-x1000: honest replicas of stage 1 (``LoopbackReplica``: real membership, outer
+  service and rounds, H = 3; each trains its own stage 0 and stage 1 on its own text, ``TrainingHolder``)
   take ``--steps`` inner steps with a peer serving ×1000 weights under a later round, declaring every round long
   opened, or sending a ×1000 pseudo-gradient as the only other member of the round. The honest outcome is the
   honest replicas' mean validation loss against the clean run's, and the outer rounds they completed.
@@ -34,9 +34,6 @@ import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the attacks are the tests' own helpers
 
 ATTACKS = (
     "stage-nan",
@@ -65,18 +62,17 @@ def peak_rss_mb() -> float:
 def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
     import torch
     from hivemind.p2p import P2P, PeerID
-    from node_harness import LOOPBACK, BackgroundNode
-    from swarm_harness import DATA, tiny_config
-    from test_membership import TIMEOUTS, forge_replicas, modified_peer, stored_subkeys
-    from test_stage_poisoning import INT8, activations, microbatch, poisoned
 
     from peer.data import load_corpus
     from swarm.dht.membership import stage_key
     from swarm.node.config import PeerConfig
     from swarm.pipeline.protocol import Forward, RemoteError, RequestError, StageClient
+    from swarmtest.attacks import INT8, activations, forge_replicas, microbatch, modified_peer, poisoned, stored_subkeys
+    from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, tiny_config
+    from swarmtest.node import BackgroundNode
 
     torch.set_num_threads(1)
-    cfg = tiny_config(stages=1, steps=steps, outer={"method": "none"}, timeouts=TIMEOUTS)
+    cfg = tiny_config(stages=1, steps=steps, outer={"method": "none"}, timeouts=FAST_TIMEOUTS)
 
     def data(cfg: Any, peer_id: str) -> Any:
         corpus = load_corpus([DATA])
@@ -88,7 +84,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
 
     def attacker(server_maddrs: list[str], server: PeerID) -> None:
         async def play() -> None:
-            p2p = await P2P.create(initial_peers=server_maddrs, host_maddrs=LOOPBACK)
+            p2p = await P2P.create(initial_peers=server_maddrs, host_maddrs=LOOPBACK_MADDRS)
             client = StageClient(p2p, namespace=cfg.swarm_id)
             refused = sent = 0
             try:
@@ -112,7 +108,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
 
         asyncio.run(play())
 
-    stage = PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK)
+    stage = PeerConfig(role="stage", stage=1, name="stage1-a", host_maddrs=LOOPBACK_MADDRS)
     with BackgroundNode(stage, cfg) as server_node:
         server = server_node.call(lambda node: asyncio.sleep(0, node.dht.peer_id))
         forger = None
@@ -127,7 +123,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
             outcome["banned"] = "no"
             thread = threading.Thread(target=attacker, args=(server_node.maddrs, server), daemon=True)
         trainer = PeerConfig(
-            role="trainer", name="trainer", initial_peers=server_node.maddrs, host_maddrs=LOOPBACK, steps=steps
+            role="trainer", name="trainer", initial_peers=server_node.maddrs, host_maddrs=LOOPBACK_MADDRS, steps=steps
         )
         try:
             with BackgroundNode(trainer, data=data) as peer:
@@ -161,7 +157,7 @@ STEP_EVERY_S = 0.3  # an inner step runs on the event loop: leave the rounds' tr
 
 
 class TrainingHolder:
-    """A ``Holder`` of stage 1 (the tests' ``StageHolder`` interface) whose inner step is a real one: the replica
+    """A ``Holder`` of stage 1 (``RandomStepHolder``'s interface) whose inner step is a real one: the replica
     trains its own stage 0 and stage 1 on its own microbatches (stage 0 never syncs), so the honest outcome of an
     outer attack is a validation loss, that of the replica's whole model, as in the pipeline attacks."""
 
@@ -170,11 +166,10 @@ class TrainingHolder:
     go = False  # set once every replica has joined: they train side by side, as a stage's replicas do
 
     def __init__(self, cfg: Any, seed: int) -> None:
-        from swarm_harness import DATA
-
         from peer.data import load_corpus
         from swarm.pipeline.boundary import Link, boundary_codecs
         from swarm.sim.simulate import make_replica
+        from swarmtest.configs import DATA
 
         corpus = load_corpus([DATA])
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
@@ -202,43 +197,33 @@ class TrainingHolder:
 
 
 def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any]:
-    import test_outer_attacks
     import torch
-    from test_outer_attacks import (
-        LOOPBACK,
-        Replica,
-        largest_norm_ratio,
-        outer_config,
-        seeded_weights,
-        start_round_staller,
-        start_state_liar,
-        stopping,
-    )
 
-    from swarm.dht.process import SwarmDHT
     from swarm.events import OuterStrike, StateDownload, of_kind
+    from swarmtest.attacks import start_round_staller, start_state_liar
+    from swarmtest.configs import LOOPBACK_ROUND_TIMEOUTS, outer_config
+    from swarmtest.loopback import LoopbackReplica, largest_norm_ratio, seeded_weights, stopping
 
-    async def start_dht(initial_peers: list[str]) -> SwarmDHT:
-        # Membership signs with SwarmDHT's identity key since item 6; the test module still starts a plain DHT
-        return await asyncio.to_thread(SwarmDHT, initial_peers=initial_peers or None, host_maddrs=[LOOPBACK])
+    def start(name: str, cfg: Any, initial_peers: list[str], *, seed: int) -> Any:
+        """A replica that trains on text instead of random steps, an inner step every STEP_EVERY_S."""
+        return LoopbackReplica.start(
+            name, cfg, initial_peers, seed=seed, make_holder=TrainingHolder, step_every_s=STEP_EVERY_S
+        )
 
-    test_outer_attacks.start_dht = start_dht
-    test_outer_attacks.StageHolder = TrainingHolder  # the replicas train on text instead of random steps
-    test_outer_attacks.STEP_EVERY_S = STEP_EVERY_S
     TrainingHolder.steps = steps
     torch.set_num_threads(1)
-    cfg = outer_config()
+    cfg = outer_config(timeouts=LOOPBACK_ROUND_TIMEOUTS)
     seeded = seeded_weights(cfg)
 
     async def scenario() -> dict[str, Any]:
-        a = await Replica.start("a", cfg, [], seed=1)
+        a = await start("a", cfg, [], seed=1)
         extra: list[Any] = []
         outcome: dict[str, Any] = {"banned": "n.a."}
         if attack == "state-liar":
             liar = await start_state_liar(cfg, a.peer.maddrs, round_=1000, scale=1000.0)
             extra.append(liar)
             await asyncio.sleep(3.0)  # a has seen the claim before b joins
-        b = await Replica.start("x" if attack == "pg-x1000" else "b", cfg, a.peer.maddrs, seed=2)
+        b = await start("x" if attack == "pg-x1000" else "b", cfg, a.peer.maddrs, seed=2)
         if attack == "pg-x1000":  # b is the attacker: 1000 × its Δ = θ_global − θ_local, every round
             outer, make_payload = b.sync.outer, b.sync.outer.make_payload
             outer.make_payload = lambda local: make_payload(
@@ -285,13 +270,13 @@ def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any
 
 def memory_bomb_run(attack: str | None) -> dict[str, Any]:
     import torch
-    from test_outer import bomb_frame, minus
 
     from compress.config import CodecConfig
     from compress.wire import CodecId, decode_frame
     from optim.config import OuterOptimConfig
     from optim.factory import build_outer_optimizer
     from optim.outer import _pack, _unpack, max_payload_bytes
+    from swarmtest.attacks import bomb_frame
 
     peaks, dropped, equal = {}, 0, True
     for method in ("sparseloco", "diloco"):
@@ -300,7 +285,7 @@ def memory_bomb_run(attack: str | None) -> dict[str, Any]:
         start = {"w": torch.randn(64, 64)}
         reference = build_outer_optimizer(start, OuterOptimConfig(method=method), codecs)
         opt = build_outer_optimizer(start, OuterOptimConfig(method=method), codecs)
-        payloads = [reference.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
+        payloads = [reference.make_payload({"w": start["w"] - torch.randn(64, 64)}) for _ in range(2)]
         if attack:
             round_, frames = _unpack(payloads[0], max_bytes=max_payload_bytes(start))
             if method == "sparseloco":

@@ -1,9 +1,10 @@
 """Outer-round time against group size: n replicas of one stage in real rounds on loopback, and a projection to 1,000.
 
-Each replica is the tests' ``Replica`` (tests/test_outer_attacks.py): its own hivemind DHT node (``SwarmDHT``), libp2p
-daemon, ``Membership``, ``OuterService`` and ``ReplicaSync`` on stage 1 of the tiny model, whose inner step is a small
-seeded random move of every weight (H = 3 inner steps every 0.1 s; matchmaking window 1 s, RPC timeout 2 s, as the
-tests run). n replicas start, then run until each has done ``--rounds`` rounds with all n together (or ``--timeout``).
+Each replica is a ``swarmtest.loopback.LoopbackReplica``, as tests/test_outer_attacks.py runs them: its own hivemind
+DHT node (``SwarmDHT``), libp2p daemon, ``Membership``, ``OuterService`` and ``ReplicaSync`` on stage 1 of the tiny
+model, whose inner step is a small seeded random move of every weight (H = 3 inner steps every 0.1 s; matchmaking
+window 1 s, RPC timeout 2 s, as the tests run). n replicas start, then run until each has done ``--rounds`` rounds
+with all n together (or ``--timeout``).
 Per round the script keeps what ``ReplicaSync`` logs (``round_s``, group, contributors, ``received_bytes``), the size of
 each replica's own payload, and the DHT reads its ``Membership`` made (calls and records returned, by record kind).
 
@@ -31,9 +32,6 @@ from typing import Any
 
 from swarm.events import OuterRound, of_kind
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the replicas are the tests' own helpers
-
 PROJECT_TO = (16, 100, 1000)
 PAIRWISE = ("noloco",)  # methods whose live round swaps payloads in pairs (``pair_round``)
 LINK_MBIT = 100.0  # the projection's per-replica download link
@@ -50,12 +48,13 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
     import dataclasses
 
     import torch
-    from test_outer_attacks import Replica, outer_config, stopping
 
     from swarm.dht.membership import Membership
+    from swarmtest.configs import LOOPBACK_ROUND_TIMEOUTS, outer_config
+    from swarmtest.loopback import LoopbackReplica, stopping
 
     torch.set_num_threads(1)
-    cfg = outer_config(method)
+    cfg = outer_config(method, timeouts=LOOPBACK_ROUND_TIMEOUTS)
     if window_s is not None:
         cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, matchmaking_s=window_s))
     reads: dict[int, Counter] = {}  # id(membership) -> kind -> calls / records
@@ -72,8 +71,10 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
 
     async def scenario() -> dict[str, Any]:
         t0 = time.perf_counter()
-        first = await Replica.start("r0", cfg, [], seed=1)
-        rest = await asyncio.gather(*(Replica.start(f"r{i}", cfg, first.peer.maddrs, seed=i + 1) for i in range(1, n)))
+        first = await LoopbackReplica.start("r0", cfg, [], seed=1)
+        rest = await asyncio.gather(
+            *(LoopbackReplica.start(f"r{i}", cfg, first.peer.maddrs, seed=i + 1) for i in range(1, n))
+        )
         replicas = [first, *rest]
         payload_bytes: list[int] = []
         for r in replicas:  # the size of each payload this replica offers

@@ -157,7 +157,7 @@ async def start_round_staller(cfg: SwarmConfig, initial_peers: list[str], honest
             await declare(get_dht_time() - cfg.timeouts.matchmaking_s - 0.5)
             await asyncio.sleep(0.1)
 
-    dht.stall = asyncio.create_task(stall())  # type: ignore[attr-defined]
+    dht.stall = asyncio.create_task(stall())  # type: ignore[attr-defined]  # kept on the DHT: lives as long as it
     return dht
 
 
