@@ -33,7 +33,7 @@ VARIANTS = {"plain": "none", "keep": "sparseloco", "diloco-step": "diloco", "spa
 def outer_step_on_own_delta(group: list[Replica]) -> int:
     """The rejected alternative: a lone replica's outer step applies its own (encoded) Δ."""
     for r in group:
-        r.outer.apply([r.outer.make_payload(r.params)], r.params)  # type: ignore[union-attr]
+        r.outer_step.apply([r.outer_step.make_payload(r.params)], r.params)
     return 0
 
 

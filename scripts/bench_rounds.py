@@ -67,7 +67,7 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
         tally[f"{kind.__name__}_records"] += len(out)
         return out
 
-    Membership._read = counted_read  # type: ignore[method-assign]
+    Membership._read = counted_read  # type: ignore[method-assign]  # counts every read (put back below)
 
     async def scenario() -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -130,7 +130,7 @@ def group_run(n: int, method: str, rounds: int, timeout_s: float, window_s: floa
     try:
         return asyncio.run(scenario())
     finally:
-        Membership._read = original_read  # type: ignore[method-assign]
+        Membership._read = original_read  # type: ignore[method-assign]  # put back
 
 
 def met_all(event: OuterRound, n: int, method: str) -> bool:

@@ -66,7 +66,7 @@ def test_every_config_field_has_a_meaning() -> None:
 
     def sections(cls: type) -> list[type]:
         nested = [hint for hint in typing.get_type_hints(cls).values() if dataclasses.is_dataclass(hint)]
-        return [cls, *(s for n in nested for s in sections(n))]  # type: ignore[arg-type]
+        return [cls, *(s for n in nested for s in sections(n))]  # type: ignore[arg-type]  # type hints: classes, not instances
 
     for section in sections(SwarmConfig):
         _, docs = class_docs(section)

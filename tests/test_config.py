@@ -186,10 +186,10 @@ def test_an_unknown_choice_lists_the_choices(data: dict, field: str, choices: tu
 
 def test_choices_are_checked_when_built_in_python_too() -> None:
     with pytest.raises(ConfigError, match="choose from none, diloco, sparseloco") as err:
-        OuterOptimConfig(method="adam")  # type: ignore[arg-type]
+        OuterOptimConfig(method="adam")  # type: ignore[arg-type]  # a wrong value, on purpose
     assert err.value.field == "method"
     with pytest.raises(ConfigError) as err:
-        CodecConfig(activations="subspace+int2")  # type: ignore[arg-type]
+        CodecConfig(activations="subspace+int2")  # type: ignore[arg-type]  # a wrong value, on purpose
     assert err.value.field == "activations"
 
 

@@ -197,7 +197,7 @@ def test_a_full_peer_meets_every_stage_agrees_serves_no_path_and_seeds_a_newcome
 
     def trainer_like(role: str, initial: list[str]) -> BackgroundNode:
         config = PeerConfig(
-            role=role,  # type: ignore[arg-type]
+            role=role,  # type: ignore[arg-type]  # a Role: "full" or "trainer"
             name=role,
             initial_peers=initial,
             host_maddrs=LOOPBACK_MADDRS,
@@ -273,14 +273,14 @@ def test_a_serving_full_peer_carries_a_trainers_microbatches_through_its_stages_
 
     def peer(role: str, initial: list[str], **options: object) -> BackgroundNode:
         config = PeerConfig(
-            role=role,  # type: ignore[arg-type]
+            role=role,  # type: ignore[arg-type]  # a Role: "full" or "trainer"
             name=role,
             initial_peers=initial,
             host_maddrs=LOOPBACK_MADDRS,
             steps=400,
             wait_for_replicas=2,  # both train once both are listed: they meet in stage 0 from its first round
             trainer=TrainerOptions(log_every=5),
-            **options,  # type: ignore[arg-type]
+            **options,  # type: ignore[arg-type]  # PeerConfig fields (serve=True)
         )
         return BackgroundNode(config, cfg if not initial else None, data=batches(seed=len(role)))
 
@@ -366,11 +366,11 @@ def test_a_replica_trains_once_enough_replicas_are_listed_or_after_the_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     membership = ListedReplicas(most=2)
-    asyncio.run(wait_for_replicas(membership, 2, timeout_s=30))  # type: ignore[arg-type]
+    asyncio.run(wait_for_replicas(membership, 2, timeout_s=30))  # type: ignore[arg-type]  # a stand-in Membership
     assert membership.looks == 2  # it looked until the second replica was listed, and no longer
     lonely = ListedReplicas(most=1)
     with caplog.at_level(logging.WARNING):
-        asyncio.run(wait_for_replicas(lonely, 2, timeout_s=0.6))  # type: ignore[arg-type]
+        asyncio.run(wait_for_replicas(lonely, 2, timeout_s=0.6))  # type: ignore[arg-type]  # a stand-in Membership
     assert lonely.looks >= 2 and "1 of 2 replicas of stage 0 listed" in caplog.text  # it gave up, and said so
 
 

@@ -18,7 +18,7 @@ def test_configured_lines_carry_level_peer_and_module_and_honour_the_level(capsy
     logging.getLogger("optim.outer").info("hidden")
     assert capsys.readouterr().err == "" and logs.current_level() == "warning"
     with pytest.raises(ValueError, match="log level must be one of"):
-        logs.configure("loud")  # type: ignore[arg-type]
+        logs.configure("loud")  # type: ignore[arg-type]  # a wrong value, on purpose
 
 
 def test_records_still_reach_the_root_handlers_once_configured(caplog: pytest.LogCaptureFixture) -> None:

@@ -187,7 +187,7 @@ class Echo:
             raise ConnectionError("gone")
         return bytes(self.reply_bytes)
 
-    backward = forward  # type: ignore[assignment]
+    backward = forward  # type: ignore[assignment]  # the same reply either way
 
     def info(self) -> dict[str, int]:
         return {"forward": 1}
@@ -300,7 +300,7 @@ def test_a_published_record_is_logged_as_it_is_published() -> None:
 
     ctx = SimpleNamespace(membership=SimpleNamespace(publish_metrics=publish), on_log=logged.append)
     record = Meter(role="stage", stage=1, state="serving").sample(StageStatus(inner_steps=3), tokens=100)
-    asyncio.run(publish_metrics(ctx, record))  # type: ignore[arg-type]
+    asyncio.run(publish_metrics(ctx, record))  # type: ignore[arg-type]  # a stand-in: what publish_metrics reads
     assert published == [record] and [event.to_record() for event in logged] == [
         {"event": "metrics", "metrics": record.dict()}
     ]

@@ -41,7 +41,7 @@ def test_auto_chooses_a_relay_only_when_nothing_says_others_can_dial_this_peer()
     asked = choose_reachability("client", initial_peers=[], host_maddrs=ANY, announce_maddrs=[])
     assert asked == Reachability("client", "as asked with --reachability")
     with pytest.raises(ValueError, match="must be one of auto, public, relay, client"):
-        choose_reachability("nat", initial_peers=[], host_maddrs=ANY, announce_maddrs=[])  # type: ignore[arg-type]
+        choose_reachability("nat", initial_peers=[], host_maddrs=ANY, announce_maddrs=[])  # type: ignore[arg-type]  # a wrong value, on purpose
 
 
 def test_a_peer_behind_nat_is_a_dht_client_that_reserves_a_slot_on_its_initial_peers() -> None:
@@ -59,7 +59,7 @@ def test_a_client_cannot_be_a_stage_server() -> None:
     with pytest.raises(ConfigError, match="use --reachability relay"):
         PeerConfig(role="stage", stage=1, reachability="client", initial_peers=[PUBLIC_PEER])
     with pytest.raises(ConfigError, match="reachability"):
-        PeerConfig(reachability="nat")  # type: ignore[arg-type]
+        PeerConfig(reachability="nat")  # type: ignore[arg-type]  # a wrong value, on purpose
     assert PeerConfig(role="auto", reachability="client").chosen_reachability().mode == "client"
 
 

@@ -417,7 +417,7 @@ def test_failed_replicas_are_retried_elsewhere_and_nothing_is_lost() -> None:
     net.router.update(2, ["2a", "2b"])
     net.dead.clear()
     net.router.update(1, ["1b"])
-    net.backward = stage2_dies_after_forward  # type: ignore[method-assign]
+    net.backward = stage2_dies_after_forward  # type: ignore[method-assign]  # 2a dies between forward and backward
     asyncio.run(trainer.train(batches(), steps=4))
     counters = trainer.counters
     assert (

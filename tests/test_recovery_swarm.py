@@ -209,7 +209,7 @@ def lying_swarm(cfg: SwarmConfig, stage: int, liar_scale: float) -> tuple[dict[s
         scale = {"0liar": liar_scale, "9late": liar_scale}.get(peer, 1.1)
         return await feed(source_blob(cfg, stage, scale, step=30, round_=3), sink)
 
-    fetch.asked = asked  # type: ignore[attr-defined]
+    fetch.asked = asked  # type: ignore[attr-defined]  # the test reads whom it asked
     return records, fetch
 
 

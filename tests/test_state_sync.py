@@ -284,7 +284,7 @@ def test_state_bound_covers_weights_and_a_momentum_buffer() -> None:
 class LyingServicer(BlobServicer):
     """Sends the real size and hash, with a bit flipped in the last byte of the last chunk (a value, not a header)."""
 
-    async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]
+    async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]  # BlobServicer's stream, its types the base's
         messages = [message async for message in super().rpc_blob(request, context)]
         if len(messages) > 2:
             last = messages[-2].metadata
@@ -300,7 +300,7 @@ class CuttingServicer(BlobServicer):
         super().__init__()
         self.cuts, self.after_header, self.requests = cuts, after_header, 0
 
-    async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]
+    async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]  # BlobServicer's stream, its types the base's
         self.requests += 1
         messages = [message async for message in super().rpc_blob(request, context)]
         if self.requests <= self.cuts:

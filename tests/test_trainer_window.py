@@ -267,7 +267,7 @@ def test_a_download_drops_the_gradients_of_microbatches_begun_on_the_old_weights
 
     stage = Stage1(cfg, hold=hold_from_mb3)
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3))
-    sync = ReplicaSync(cfg, EDGE_STAGE, trainer, net=None, board=None, replicas=None, fetch=None)  # type: ignore[arg-type]
+    sync = ReplicaSync(cfg, EDGE_STAGE, trainer, net=None, board=None, replicas=None, fetch=None)  # type: ignore[arg-type]  # no network: what the test calls needs none
 
     async def scenario() -> tuple[int, int, dict]:
         training = asyncio.create_task(trainer.train(batches(), steps=6))

@@ -89,7 +89,7 @@ def runtime(
     ``in_loop``: through ``Trainer.train`` (both microbatches in flight at once), gradients not looked at."""
     net = LocalStages(cfg)
     trainer = Trainer(cfg, net, net.router, options=TrainerOptions(in_flight=2))
-    net.router.draw_path = lambda paths: list(path)  # type: ignore[method-assign]
+    net.router.draw_path = lambda paths: list(path)  # type: ignore[method-assign]  # every microbatch takes this path
 
     async def scenario() -> Tensors | None:
         if in_loop:
@@ -130,7 +130,7 @@ def centralized(cfg: SwarmConfig, batches: list[Batch]) -> tuple[Tensors, Tensor
     """The same in the centralized baseline (full path, no codec, one optimizer)."""
     model = Transformer(cfg.model)
     centralized_microbatch(model, batches[0], num_stages=STAGES, inner_batch=cfg.train.inner_batch)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]  # all set by the step
     trained = train_centralized(cfg, iter(batches), [batches[0]], steps=1)
     return grads, {name: p.detach().clone() for name, p in trained.named_parameters()}
 
@@ -172,7 +172,7 @@ def test_a_microbatch_weighs_its_share_of_the_inner_batch() -> None:
     model = Transformer(cfg.model)
     for batch in batches:
         centralized_microbatch(model, batch, num_stages=STAGES, inner_batch=cfg.train.inner_batch)
-    accumulated = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+    accumulated = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]  # all set
     model.zero_grad()
     inputs, targets = (torch.cat(t) for t in zip(*batches))
     torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
