@@ -20,7 +20,6 @@ import pytest
 import torch
 from pydantic.v1 import ValidationError
 
-from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config, peer_roles
@@ -48,7 +47,7 @@ from swarm.node.roles.trainer import wait_for_replicas
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, TrainerOptions
 from swarmtest.bench import swarm_summary
-from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, outer_config, tiny_config
 from swarmtest.node import BackgroundNode
 from swarmtest.processes import swarmloco
 
@@ -133,13 +132,7 @@ def test_a_full_replicas_own_boundaries_are_coded_only_when_the_swarm_says_so() 
 
 
 def full_config(steps: int) -> SwarmConfig:
-    return tiny_config(
-        stages=NUM_STAGES,
-        steps=steps,
-        outer=OuterOptimConfig(warm_start_steps=0, method="sparseloco", inner_steps=H),
-        codecs=CodecConfig(pseudo_gradients="sparseloco"),
-        timeouts=FAST_TIMEOUTS,
-    )
+    return outer_config("sparseloco", inner_steps=H, stages=NUM_STAGES, steps=steps, timeouts=FAST_TIMEOUTS)
 
 
 def batches(seed: int) -> DataFactory:

@@ -16,28 +16,21 @@ from hivemind.p2p import PeerID
 
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
-from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.events import Move, OuterDeclared, OuterRound, Serving
 from swarm.node.placement import choose_role, stage_loads
 from swarm.outer.group import RoundTiming
 from swarm.recovery.rebalance import StageLoad
-from swarmtest.configs import DATA, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, outer_config
 from swarmtest.processes import Swarm
 
 H = 5
-TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
-MAX_ROUND_S = RoundTiming.of(TIMEOUTS).max_round_s
+MAX_ROUND_S = RoundTiming.of(FAST_TIMEOUTS).max_round_s
 
 
-def outer_config(*, stages: int = 1, steps: int = 60) -> SwarmConfig:
-    return tiny_config(
-        stages=stages,
-        steps=steps,
-        outer=OuterOptimConfig(warm_start_steps=0, method="sparseloco", inner_steps=H),
-        codecs=CodecConfig(pseudo_gradients="sparseloco"),
-        timeouts=TIMEOUTS,
-    )
+def sparseloco_config(*, stages: int, steps: int) -> SwarmConfig:
+    return outer_config("sparseloco", inner_steps=H, stages=stages, steps=steps, timeouts=FAST_TIMEOUTS)
 
 
 def start_trainers_behind_one_server(swarm: Swarm, trainers: list[str], *, steps: int) -> None:
@@ -87,7 +80,7 @@ def test_replicas_agree_after_every_round_and_a_member_killed_in_the_exchange_do
     trainers = [
         f"trainer-{i}" for i in range(3)
     ]  # the replicas of stage 0: each steps on its own data, so all take part
-    swarm = Swarm(tmp_path, outer_config(stages=1, steps=300), child_processes)
+    swarm = Swarm(tmp_path, sparseloco_config(stages=1, steps=300), child_processes)
     start_trainers_behind_one_server(swarm, trainers, steps=300)
 
     swarm.wait(
@@ -138,7 +131,7 @@ def test_noloco_trainers_swap_payloads_in_pairs_without_a_leader(tmp_path: Path,
     # four replicas of stage 0: a group round would have each fetch three payloads and follow a leader's commit
     trainers = [f"trainer-{i}" for i in range(4)]
     cfg = dataclasses.replace(
-        outer_config(stages=1, steps=200),
+        sparseloco_config(stages=1, steps=200),
         outer=OuterOptimConfig(warm_start_steps=0, method="noloco", inner_steps=H),
         codecs=CodecConfig(pseudo_gradients="fp32"),
     )
@@ -168,7 +161,7 @@ def test_noloco_trainers_swap_payloads_in_pairs_without_a_leader(tmp_path: Path,
 def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves_within_seconds(
     tmp_path: Path, child_processes: list
 ) -> None:
-    swarm = Swarm(tmp_path, outer_config(stages=1, steps=5000), child_processes)
+    swarm = Swarm(tmp_path, sparseloco_config(stages=1, steps=5000), child_processes)
     swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
     swarm.ready("stage1-a")
     swarm.spawn(
@@ -206,7 +199,7 @@ def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_server_moves_to_an_unserved_stage_and_leaves_none_empty(tmp_path: Path, child_processes: list) -> None:
-    swarm = Swarm(tmp_path, outer_config(stages=2, steps=30), child_processes)
+    swarm = Swarm(tmp_path, sparseloco_config(stages=2, steps=30), child_processes)
     both = ["stage1-a", "stage1-b"]
     for name in both:  # both on stage 1, rebalancing every 2 ± 0.4 s: stage 2 has nobody
         swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "2")
