@@ -64,9 +64,8 @@ class ConfigOption:
 
     def annotation(self) -> object:
         kind = self.kind or field_type(self.field, self.root)
-        return Annotated[
-            kind if self.default is not None else kind | None, typer.Option(*self.flags, help=self.help, **self.limits)
-        ]  # type: ignore[operator]
+        option = typer.Option(*self.flags, help=self.help, min=self.limits.get("min"), max=self.limits.get("max"))
+        return Annotated[kind if self.default is not None else typing.Optional[kind], option]  # noqa: UP045 (a value)
 
 
 def field_options(root: type, *, section: type | None = None, prefix: str = "") -> tuple[ConfigOption, ...]:
@@ -115,8 +114,9 @@ def config_options(*options: ConfigOption, into: str = OVERRIDES_PARAM) -> Calla
             overrides = {o.field: value for o in options if (value := kwargs.pop(o.param)) is not None}
             return command(**kwargs, **{into: overrides})
 
+        # typer reads the options from __signature__, which functions have at run time but not in typeshed
         wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
         wrapper.__annotations__ = {p.name: p.annotation for p in params}
-        return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]  # F's signature, rewritten for typer, is not F's type
 
     return decorate

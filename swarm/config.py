@@ -26,7 +26,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import tomli_w
 
@@ -43,6 +43,10 @@ from swarm.hardware import Precision
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import PRESET_INNER, PRESETS, ModelConfig
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D")  # a config section's dataclass
 ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
 
 
@@ -254,7 +258,7 @@ def derive_config(
         typing.cast(ModelConfig, sections["model"]),
         typing.cast(OuterOptimConfig, sections["outer"]).method,
     )
-    return SwarmConfig(**sections)  # type: ignore[arg-type]
+    return SwarmConfig(**sections)  # type: ignore[arg-type]  # each section built and checked by _fields_from_dict
 
 
 def preset_fields(preset: object) -> dict[str, dict[str, Any]]:
@@ -344,7 +348,7 @@ def _join(section: str, name: str) -> str:
     return f"{section}.{name}" if section else name
 
 
-def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
+def from_dict(cls: type[D], data: dict[str, Any], path: str = "") -> D:
     """Build dataclass ``cls`` (at dotted ``path`` in the tree) from nested dicts; errors name the full dotted field path."""
     kwargs = _fields_from_dict(cls, data, path)
     try:
@@ -370,6 +374,7 @@ def _fields_from_dict(cls: type, data: dict[str, Any], path: str) -> dict[str, o
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
+            # a section's dataclass, read from the type hints (is_dataclass narrows it to an instance-or-type union)
             kwargs[name] = from_dict(hint, value, _join(path, name))  # type: ignore[arg-type]
         else:
             kwargs[name] = _check_scalar(value, hint, _join(path, name))
@@ -386,7 +391,7 @@ def _check_scalar(value: object, hint: object, path: str) -> object:
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in allowed):  # type: ignore[arg-type]
+    if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in allowed):
         names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
         raise ConfigError(path, f"expected {names}, got {type(value).__name__} {value!r}")
     return value
@@ -448,7 +453,8 @@ def class_docs(cls: type) -> tuple[str, dict[str, str]]:
     for statement in node.body:
         if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
             continue
-        above, line = [], statement.lineno - 1
+        above: list[str] = []
+        line = statement.lineno - 1
         while line in comments and comments[line][1]:
             above.insert(0, comments[line][0])
             line -= 1
@@ -459,7 +465,7 @@ def class_docs(cls: type) -> tuple[str, dict[str, str]]:
     return " ".join((ast.get_docstring(node) or "").split()), docs
 
 
-def _commented_table(section: object, path: tuple[str, ...], lines: list[str]) -> None:
+def _commented_table(section: DataclassInstance, path: tuple[str, ...], lines: list[str]) -> None:
     """Append dataclass ``section`` (at ``path`` in the tree) as TOML, each field's meaning above it: its own fields
     first, then its sections (TOML puts a table's keys before its sub-tables)."""
     cls = type(section)
@@ -467,10 +473,10 @@ def _commented_table(section: object, path: tuple[str, ...], lines: list[str]) -
     hints = typing.get_type_hints(cls)
     if path:
         lines += ["", *_comment(doc), f"[{'.'.join(path)}]"]
-    sections = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    sections: list[tuple[str, DataclassInstance]] = []
+    for f in dataclasses.fields(cls):
         value = getattr(section, f.name)
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
             sections.append((f.name, value))
             continue
         lines += _comment(docs.get(f.name, ""))

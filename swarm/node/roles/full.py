@@ -24,7 +24,7 @@ from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
 from swarm.events import Progress, ServesStages
 from swarm.hardware import compute_precision, describe
-from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, split_model
+from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, middle_stages
 from swarm.model.step import Batch, InnerStep, WeightChange, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
 from swarm.node.context import DataFactory, NodeContext, until_stopped
@@ -46,7 +46,9 @@ class FullModel:
     def __init__(self, cfg: SwarmConfig, *, start_steps: Sequence[int], device: torch.device) -> None:
         self.cfg, self.device = cfg, device
         self.model = Transformer(cfg.model).to(device)  # seeded: its stages start as every other replica's
-        self.stages: list[EdgeStage | MiddleStage] = split_model(self.model, cfg.stages.num_stages)
+        self.edge = EdgeStage(self.model)
+        self.middles = middle_stages(self.model, cfg.stages.num_stages)  # stage i is middles[i - 1]
+        self.stages: list[EdgeStage | MiddleStage] = [self.edge, *self.middles]
         self.inners = [
             InnerStep(stage.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start)
             for stage, start in zip(self.stages, start_steps, strict=True)
@@ -59,7 +61,7 @@ class FullModel:
 
     def compute(self, stage: int) -> StageCompute:
         """Middle stage ``stage`` as a ``StageServer`` serves it: these weights and inner step, on this compute thread."""
-        return StageCompute(self.stages[stage], self.inners[stage], self._executor)  # type: ignore[arg-type]
+        return StageCompute(self.middles[stage - 1], self.inners[stage], self._executor)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the compute thread: after or before a whole microbatch, never within one."""
@@ -84,11 +86,10 @@ class FullModel:
         return await self.run(run)
 
     def _train(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        edge, *middles = self.stages
         with compute_precision(self.device, self.cfg.train.precision):
             loss = run_microbatch(
-                edge,  # type: ignore[arg-type]
-                middles,  # type: ignore[arg-type]
+                self.edge,
+                self.middles,
                 (inputs.to(self.device), targets.to(self.device)),
                 inner_batch=self.cfg.train.inner_batch,
                 send=self.link.send if self.link else no_wire,
