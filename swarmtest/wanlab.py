@@ -1,39 +1,12 @@
-"""WAN lab: peers in network namespaces on a private bridge, each behind its own bandwidth cap and delay.
-
-Every host gets a namespace with loopback up and one veth into a bridge that lives in a hub
-namespace of its own, so nothing is added to the root namespace and no route leads outside the
-lab's private subnet (10.77.0.0/24: no default route, no NAT). A host's cap is a ``tc tbf`` on
-both ends of its veth: its own end shapes what it sends, the bridge end what it receives, so a
-transfer between two hosts runs at the smaller of the sender's and the receiver's caps.
-
-A host's round-trip delay (``rtts_ms``, 0: none) is a user-space delay line: this kernel has
-neither ``netem`` nor any qdisc that honours a departure time (``fq``, ``etf``), and no compiler
-for a BPF program, so a small forwarder (``delay_line``, one process per delayed host, in the hub)
-takes the host's veth end off the bridge and copies every frame between it and a second veth
-pair into the bridge, each after a fixed delay. It reads and writes with ``AF_PACKET`` sockets
-carrying a virtio-net header, so a TCP segmentation-offload frame of up to 64 KiB crosses as
-one: well over 500 Mbit/s on a loaded core, far above the caps it is used with. Host i's link
-delays each direction by ``rtts_ms[i] / 4``, so the round trip between hosts i and j is
-``(rtts_ms[i] + rtts_ms[j]) / 2``: every host at 100 gives 100 ms between any two. The cap's
-``tbf`` on the bridge end still shapes what the host receives (the forwarder sends through it).
-
-Everything is named ``slab<owner pid>-…``. Closing the lab (normal exit, an exception, Ctrl+C,
-SIGTERM) stops every process in its namespaces and deletes them, which deletes their links. A
-crashed owner leaves namespaces whose pid is dead; the next lab, or ``wanlab.py cleanup``,
-removes them. Needs root and iproute2 (``ip``, ``tc``).
+"""WAN lab: peers in network namespaces on a private bridge, each behind its own bandwidth cap (``tc tbf``
+on both ends of its veth) and round-trip delay (a user-space delay line); no route leads out of the lab's subnet.
+Closing the lab deletes its namespaces; a crashed owner's are removed by the next lab or ``scripts/wanlab.py
+cleanup``. Needs root and iproute2. How it works: docs/architecture.md, "WAN lab"; its command line: scripts/wanlab.py.
 
     with WanLab(caps_mbit=[20, 20, 100], rtts_ms=[100, 100, 0]) as lab:
         server = lab.spawn(2, ["python", "-m", "http.server", "--bind", lab.hosts[2].address])
         lab.run(0, ["python", "-c", "..."])  # reaches http://10.77.0.3:8000 at up to 20 Mbit/s
-        lab.set_cap(0, 50)
         ping_ms(lab, 0, 1)  # ~100 (ICMP echo round trips, median)
-
-    sudo python scripts/wanlab.py check
-    sudo python scripts/wanlab.py selftest --caps 20,100     # measured TCP throughput against each cap
-    sudo python scripts/wanlab.py selftest --caps 20 --rtt-ms 100  # ... with the delay on, and ping against it
-    sudo python scripts/wanlab.py up --peers 3 --caps 20 --rtt-ms 100  # prints the hosts, holds the lab until Ctrl+C
-    sudo python scripts/wanlab.py run --caps 20,100 -- python my_peer.py --host {addr} --index {i} --all {addrs}
-    sudo python scripts/wanlab.py cleanup
 """
 
 from __future__ import annotations
