@@ -1,6 +1,7 @@
-"""A peer's JSONL records as the tests and benchmarks read them: ``out/<name>.jsonl``, one typed event a line.
+"""A peer's JSONL records as the tests and benchmarks read them: ``out/<name>.jsonl``, one typed event a line
+(``swarm.events``), picked by kind.
 
-served = records(out, "stage1-a", StateServed)   # no kind: the progress records (``Progress``)
+    served = records(out, "stage1-a", StateServed)   # no kind: the progress records (``Progress``)
 """
 
 from __future__ import annotations
