@@ -218,7 +218,7 @@ def test_authorizer_checks_its_own_certificate_and_picks_up_a_renewal(rsa_keys: 
 # ---- real hivemind DHT peers on loopback ----
 
 
-def start_dht(
+def start_member_dht(
     identity: Path, authorizer: CertificateAuthorizer | None, initial_peers: list | None = None, **kwargs
 ) -> DHT:
     return DHT(
@@ -260,7 +260,9 @@ def members(swarm_dir: Path) -> Iterator[tuple[DHT, DHT]]:
             invite(swarm_dir / "authority.key", SWARM, peer_id_of_identity(identity), days=1, out=cert)
             creds = load_credentials(identity, cert, SWARM, revocations=swarm_dir / "revocations.json")
             peers.append(
-                start_dht(identity, creds.dht_authorizer(), [str(m) for p in peers for m in p.get_visible_maddrs()])
+                start_member_dht(
+                    identity, creds.dht_authorizer(), [str(m) for p in peers for m in p.get_visible_maddrs()]
+                )
             )
         yield peers[0], peers[1]
     finally:
@@ -288,7 +290,9 @@ def join_newcomer(
     a, b = members
     assert a.store("members-only", "secret", get_dht_time() + 60)
     key = f"newcomer-{uuid.uuid4().hex}"
-    newcomer = start_dht(identity, auth, [str(m) for m in a.get_visible_maddrs()], ensure_bootstrap_success=False)
+    newcomer = start_member_dht(
+        identity, auth, [str(m) for m in a.get_visible_maddrs()], ensure_bootstrap_success=False
+    )
     try:
         newcomer.store(key, str(identity), get_dht_time() + 60)
         return newcomer.get("members-only", latest=True), a.get(key, latest=True), b.get(key, latest=True)

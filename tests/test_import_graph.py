@@ -163,7 +163,7 @@ def swarm_unit(module: str) -> str | None:
     return parts[1] if parts[0] == "swarm" and len(parts) > 1 else None
 
 
-def describe(circle: Sequence[Import]) -> str:
+def circle_text(circle: Sequence[Import]) -> str:
     names = " → ".join([circle[0].importer, *(imp.target for imp in circle)])
     return f"{names}\n" + "".join(f"      {imp}\n" for imp in circle)
 
@@ -189,7 +189,7 @@ def test_every_import_of_a_package_names_a_module() -> None:
 def test_no_import_circle_between_modules() -> None:
     found = cycles(_edges(IMPORTS))
     assert not found, "import circles (restructure so the dependency points one way):\n  " + "  ".join(
-        map(describe, found)
+        map(circle_text, found)
     )
 
 
@@ -226,7 +226,7 @@ def test_swarm_units_are_layered() -> None:
         + "\n  ".join(map(str, found))
     )
     circles = cycles(_edges(inside, swarm_unit))
-    assert not circles, "swarm's units import each other:\n  " + "  ".join(map(describe, circles))
+    assert not circles, "swarm's units import each other:\n  " + "  ".join(map(circle_text, circles))
 
 
 def test_the_checks_find_a_circle_and_an_upward_import(tmp_path: Path) -> None:
@@ -244,7 +244,7 @@ def test_the_checks_find_a_circle_and_an_upward_import(tmp_path: Path) -> None:
         (tmp_path / name).write_text(text)
     imports, missing = import_graph(find_modules(tmp_path, ("a", "b")))
     assert missing == ["b.w (line 2) imports a.gone, which is no module"]
-    assert [describe(circle).splitlines()[0] for circle in cycles(_edges(imports))] == [
+    assert [circle_text(circle).splitlines()[0] for circle in cycles(_edges(imports))] == [
         "a.x → a.y → a.x",
         "a.z → b.w → a.z",
     ]

@@ -317,7 +317,7 @@ class OnlyOk:
             raise AccessDenied("missing", f"{peer} has no certificate")
 
 
-def serve(servicer: BlobServicer, blobs: dict[str, bytes | bytearray]) -> BlobServicer:
+def serve_blobs(servicer: BlobServicer, blobs: dict[str, bytes | bytearray]) -> BlobServicer:
     async def provide(name: str) -> bytes | bytearray:
         if name == "state/hang":
             await asyncio.sleep(3600)
@@ -348,13 +348,13 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
     async def body(peers: list[P2P]) -> None:
         honest, liar, private, me = peers
         # "state/relayed": a blob this peer fetched and hands on, as a round's leader does (a bytearray)
-        await serve(BlobServicer(), {"state/2": good, "state/relayed": bytearray(good)}).add_p2p_handlers(
+        await serve_blobs(BlobServicer(), {"state/2": good, "state/relayed": bytearray(good)}).add_p2p_handlers(
             honest, namespace="t"
         )
         await BlobServicer().add_p2p_handlers(
-            liar, wrapper=serve(LyingServicer(), {"state/2": good}), namespace="t"
+            liar, wrapper=serve_blobs(LyingServicer(), {"state/2": good}), namespace="t"
         )  # under BlobServicer's names
-        await serve(BlobServicer(verifier=OnlyOk()), {"state/2": good}).add_p2p_handlers(private, namespace="t")
+        await serve_blobs(BlobServicer(verifier=OnlyOk()), {"state/2": good}).add_p2p_handlers(private, namespace="t")
         client = BlobClient(me, namespace="t")
         fetch = lambda peer, name, **kw: client.fetch(peer, name, **({"timeout": 10, "max_bytes": 1 << 20} | kw))
 
@@ -402,8 +402,8 @@ def test_a_fetch_whose_stream_ends_early_asks_once_more(after_header: bool) -> N
             CuttingServicer(1, after_header=after_header),
             CuttingServicer(9, after_header=after_header),
         )
-        await BlobServicer().add_p2p_handlers(once, wrapper=serve(cut_once, {"state/2": good}), namespace="t")
-        await BlobServicer().add_p2p_handlers(always, wrapper=serve(cut_always, {"state/2": good}), namespace="t")
+        await BlobServicer().add_p2p_handlers(once, wrapper=serve_blobs(cut_once, {"state/2": good}), namespace="t")
+        await BlobServicer().add_p2p_handlers(always, wrapper=serve_blobs(cut_always, {"state/2": good}), namespace="t")
         client = BlobClient(me, namespace="t")
         assert await client.fetch(once.peer_id, "state/2", timeout=10, max_bytes=1 << 20) == good
         assert cut_once.requests == 2
