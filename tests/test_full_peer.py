@@ -41,9 +41,9 @@ from swarm.events import (
 )
 from swarm.node.config import PeerConfig
 from swarm.node.context import DataFactory
+from swarm.node.lifecycle import wait_for_replicas
 from swarm.node.placement import choose_role, stage_loads
 from swarm.node.roles.full import FullModel
-from swarm.node.roles.trainer import wait_for_replicas
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Batch, TrainerOptions
 from swarmtest.bench import swarm_summary

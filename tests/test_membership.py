@@ -44,7 +44,7 @@ from swarm.dht.membership import (
 from swarm.dht.process import SwarmDHT
 from swarm.dht.records import PROTOCOL_VERSION
 from swarm.model.transformer import ModelConfig
-from swarm.peer_config import PeerConfig
+from swarm.node.config import PeerConfig
 from swarm.pipeline.trainer import Batch
 from swarm.rpc.auth import encode_public_key
 from swarmtest.attacks import forge_replicas, modified_peer, stored_subkeys

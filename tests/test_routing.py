@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarm.config import PathConfig
 from swarm.errors import ConfigError
 from swarm.pipeline.routing import (
     NoLiveReplica,
-    PathConfig,
     Router,
     StageBalancer,
     is_valid_path,

@@ -12,8 +12,8 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarm.config import TimeoutConfig
-from swarm.node import Node
-from swarm.peer_config import PeerConfig
+from swarm.node.config import PeerConfig
+from swarm.node.node import Node
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer
 from swarm.pipeline.server import StageServer
 from swarm.rpc.defences import PeerLimits

@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm.config import SwarmConfig
+from swarm.config import PathConfig, SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.model.stages import EDGE_STAGE, split_layers, stage_template
@@ -35,7 +35,6 @@ from swarm.outer.claims import (
 )
 from swarm.outer.download import StreamFetch, download_claimed, download_state
 from swarm.outer.state import StageState, pack_state, state_bytes_bound, unpack_state, weights_hash
-from swarm.pipeline.routing import PathConfig
 from swarm.recovery.checkfree import RecoveryPlan, apply_recovery, recovery_source
 from swarm.rpc.blobs import Sink, TransferError
 
