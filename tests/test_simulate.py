@@ -45,12 +45,16 @@ def run(
     replicas: int = 2,
     mode: str = "outer",
     val_sequences: int = 2 * MICRO,
+    seed: int = 0,
     **sim_options,
 ) -> SimulationResult:
-    streams = [corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=k) for k in range(replicas)]
+    """``seed`` seeds the routing and, with ``replicas`` streams per seed, the trainers' data (seed 0: streams 0..K-1)."""
+    streams = [
+        corpus.sample_batches("train", batch_size=MICRO, seq_len=SEQ, seed=seed * replicas + k) for k in range(replicas)
+    ]
     val = corpus.val_batches(batch_size=MICRO, seq_len=SEQ, num_sequences=val_sequences)
     sim = SimulationConfig(
-        replicas=replicas, mode=mode, tokens=ticks * replicas * MICRO * SEQ, log_every=ticks, **sim_options
+        replicas=replicas, mode=mode, tokens=ticks * replicas * MICRO * SEQ, log_every=ticks, seed=seed, **sim_options
     )
     return simulate(cfg, sim, streams, val)
 
@@ -198,35 +202,57 @@ def test_averaging_every_step_tracks_data_parallel_training(corpus) -> None:
     assert every_step.val_loss < 1.03 * ddp.val_loss < 0.9 * 5.55  # both learned (ln 256 at initialisation)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
-# One seed on a d32 model: with the per-chunk seeded init (79a795c, same distribution, other bits) DiLoCo's gap at 50
-# steps is already 1.026 (was 1.12) and reads 1.044 at 200; the claim needs seeds averaged (open, see the closing note)
-@pytest.mark.xfail(reason="single-seed ratio moved with the new init bits; to be restated over seeds", strict=False)
-def test_the_gap_to_data_parallel_training_at_fixed_h_narrows_as_tokens_grow(corpus, method: str) -> None:
-    """K = 4 replicas of one middle stage, H = 5: the outer method's loss over ddp's falls from 50 to 200 inner steps.
+GAP_SEEDS = (0, 1, 2)  # init, data and routing seeds: the per-seed ratios spread by ±0.1, their changes by ±0.05
 
-    Each run fits its lr schedule to its own length, as the benchmarks do. docs/benchmarks.md ("The gap against tokens
-    at ≥1000×") measures the same at 8M tokens; here: DiLoCo 1.12 → 1.04, SparseLoCo 1.26 → 1.18 (seed 0)."""
-    cfg = tiny(
-        stages=StagesConfig(num_stages=1),
-        model=dataclasses.replace(tiny().model, n_layers=2),
-        outer=OuterOptimConfig(warm_start_steps=0, method=method, inner_steps=5),
-        codecs=CodecConfig(
-            activations="fp32",
-            gradients="fp32",
-            pseudo_gradients="fp32" if method == "diloco" else "sparseloco",
-            topk=8,
-        ),
-    )
-    ratios = []
-    for ticks in (50, 200):
-        ddp = run(cfg, corpus, ticks=ticks, replicas=4, mode="ddp", val_sequences=64)
-        outer = run(cfg, corpus, ticks=ticks, replicas=4, val_sequences=64)
-        assert outer.outer_rounds == ticks // 5 and ddp.val_loss < 0.9 * 5.55  # it met every H steps; ddp learned
-        ratios.append(outer.val_loss / ddp.val_loss)
-    assert ratios[1] < ratios[0] - 0.03, ratios
+
+@pytest.fixture
+def one_thread():
+    """A d32 model on one thread: a second only waits on the first (and, on a loaded machine, for a core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gaps_to_ddp(corpus, ticks: int, seed: int) -> dict[str, float]:
+    """K = 4 replicas of one middle stage, ``ticks`` inner steps: DiLoCo's and SparseLoCo's (H = 5) loss over ddp's."""
+    model = dataclasses.replace(tiny().model, n_layers=2, init_seed=seed)
+    losses = {}
+    for method, pseudo in (("none", "fp32"), ("diloco", "fp32"), ("sparseloco", "sparseloco")):
+        cfg = tiny(
+            stages=StagesConfig(num_stages=1),
+            model=model,
+            outer=OuterOptimConfig(warm_start_steps=0, method=method, inner_steps=5),
+            codecs=CodecConfig(activations="fp32", gradients="fp32", pseudo_gradients=pseudo, topk=8),
+        )
+        mode = "ddp" if method == "none" else "outer"
+        result = run(cfg, corpus, ticks=ticks, replicas=4, mode=mode, val_sequences=64, seed=seed)
+        assert result.outer_rounds == (0 if mode == "ddp" else ticks // 5)  # it met every H steps
+        losses[method] = result.val_loss
+    assert losses["none"] < 0.9 * 5.55  # ddp learned (ln 256 at initialisation)
+    return {method: losses[method] / losses["none"] for method in ("diloco", "sparseloco")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_at_fixed_h_sparselocos_gap_to_data_parallel_training_narrows_as_tokens_grow(corpus, one_thread) -> None:
+    """From 50 to 200 inner steps (K = 4, H = 5, the mean of 3 seeds): SparseLoCo's loss over ddp's falls, and so does
+    what its compression adds over DiLoCo's; DiLoCo stays within 10% of ddp.
+
+    Each run fits its lr schedule to its own length, as the benchmarks do. Measured (seeds 0-3, mean): SparseLoCo
+    1.27 → 1.24 of ddp, SparseLoCo − DiLoCo 0.23 → 0.18 (narrower on every seed), DiLoCo 1.045 → 1.068. DiLoCo's own
+    gap does not narrow at these sizes: with 4 sequences per replica step, ddp's 4× batch gains more per step as the
+    loss falls (docs/benchmarks.md, "Why the gap grows with tokens"); the narrowing in "The gap against tokens at
+    ≥1000×" was measured at 8M tokens, 80× these runs'. SparseLoCo's does: what its compression costs shrinks (error
+    feedback sends, round after round, what top-k held back) faster than the batch's cost grows."""
+    gaps = {ticks: [gaps_to_ddp(corpus, ticks, seed) for seed in GAP_SEEDS] for ticks in (50, 200)}
+    mean = {
+        ticks: {m: sum(g[m] for g in per_seed) / len(per_seed) for m in per_seed[0]} for ticks, per_seed in gaps.items()
+    }
+    early, late = mean[50], mean[200]
+    assert late["sparseloco"] < early["sparseloco"] - 0.01, gaps
+    assert late["sparseloco"] - late["diloco"] < early["sparseloco"] - early["diloco"] - 0.02, gaps
+    assert early["diloco"] < 1.1 and late["diloco"] < 1.1, gaps
 
 
 def test_noloco_pairs_replicas_without_forcing_them_equal(corpus) -> None:
