@@ -10,10 +10,10 @@ import torch
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
-from swarm.config import SwarmConfig
+from swarm.config import PathConfig, SwarmConfig
 from swarm.model.stages import StagesConfig
 from swarm.pipeline.boundary import boundary_codecs
-from swarm.pipeline.routing import PathConfig, path_length
+from swarm.pipeline.routing import path_length
 from swarm.sim.simulate import SimulationConfig, SimulationResult, simulate
 from swarmtest.configs import tiny_config
 
