@@ -186,6 +186,27 @@ def test_download_moves_on_to_the_next_replica_until_one_delivers() -> None:
         download([])
 
 
+def test_a_state_stream_cut_short_is_asked_for_once_more_from_the_same_replica() -> None:
+    """A stream that ends part way (seen on loopback between healthy peers) is asked for again before the download moves
+    on: a rebuild must not take a live neighbour's stage as lost for one cut stream. A second cut moves on."""
+    asked: list[str] = []
+    data = pack_state(state(round_=9))
+
+    async def fetch(peer: str, name: str, sink: Sink) -> str:
+        asked.append(peer)
+        if peer == "cut twice" or (peer == "cut once" and asked.count(peer) == 1):
+            sink.open(len(data))
+            sink.write(data[: len(data) // 2])
+            raise StreamCut(f"blob from {peer} does not match its header: it ended after {len(data) // 2} bytes")
+        return await feed(data, sink)
+
+    peer, got = asyncio.run(download_state(fetch, ["cut once"], stage=2, template=template()))
+    assert (peer, got.round, asked) == ("cut once", 9, ["cut once", "cut once"])
+    asked.clear()
+    peer, got = asyncio.run(download_state(fetch, ["cut twice", "good"], stage=2, template=template()))
+    assert (peer, asked) == ("good", ["cut twice", "cut twice", "good"])
+
+
 def test_a_holder_whose_record_lags_its_state_is_refused_for_a_vouched_claim_but_not_blamed() -> None:
     """A holder that did a round after it last announced serves the later state: not the claimed one (nothing vouches
     for it), so it is refused, but no strike; a holder serving an earlier round or other weights is blamed."""

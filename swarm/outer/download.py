@@ -24,7 +24,7 @@ from swarm.outer.claims import (
     newcomer_acceptance,
 )
 from swarm.outer.state import StageState, StateDecoder, state_bytes_bound
-from swarm.rpc.blobs import Sink, TransferError
+from swarm.rpc.blobs import Sink, StreamCut, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,9 @@ async def download_state(
     """
     failures = []
     for peer in peers:
-        decoder = StateDecoder(stage=stage, template=template)
         try:
             try:
-                await fetch(peer, f"{blob}/{stage}", decoder)
-                state = decoder.result()
+                state = await _stream_state(fetch, peer, f"{blob}/{stage}", stage=stage, template=template)
                 check(state)
             except RecordBehind:
                 raise  # its record lags its state: try the next holder, blame nobody
@@ -74,6 +72,22 @@ async def download_state(
     raise TransferError(
         f"no replica of stage {stage} delivered its state ({'; '.join(failures) or 'no replica to ask'})"
     )
+
+
+async def _stream_state(
+    fetch: StreamFetch, peer: str, name: str, *, stage: int, template: Mapping[str, torch.Tensor]
+) -> StageState:
+    """Blob ``name`` from ``peer`` decoded as it streams; a stream cut short is asked for once more, into a fresh
+    decoder, as ``BlobClient.fetch`` asks for a blob: on loopback a healthy replica's 200 KB state was seen to end
+    part way (a rebuild then took the stage as lost, and copied a neighbour instead of merging)."""
+    decoder = StateDecoder(stage=stage, template=template)
+    try:
+        await fetch(peer, name, decoder)
+    except StreamCut as e:
+        logger.info(f"{e}; asking {peer} again")
+        decoder = StateDecoder(stage=stage, template=template)
+        await fetch(peer, name, decoder)
+    return decoder.result()
 
 
 async def download_claimed(
