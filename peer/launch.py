@@ -132,7 +132,7 @@ def progress_line(record: Progress, steps: int) -> str:
 @dataclasses.dataclass(kw_only=True)
 class LocalSwarm:
     """The process layout of a loopback swarm: ``peers`` pipeline processes, ``trainers`` of them trainers, and ``full``
-    full peers besides (each the whole model, one more replica of every stage; ``swarm/full.py``). A swarm of full peers
+    full peers besides (each the whole model, one more replica of every stage; ``swarm/node/roles/full.py``). A swarm of full peers
     only has no pipeline: no trainer, no server (``peers=0, trainers=0``).
 
     ``joiners`` more peers start with ``--role auto`` ``join_after_s`` seconds after the trainers start training:

@@ -82,7 +82,7 @@ class StageStatus(pydantic.BaseModel):
     global_hash: GlobalHash = ""  # weights after that round: equal on agreeing replicas
     grad_norm: NonNegative = 0.0  # last inner step, pre-clip
     recovered: pydantic.StrictBool = False  # this replica was rebuilt from its neighbours (CheckFree), not downloaded
-    # False: a full peer's record (``swarm/full.py``), a replica for the outer step, state downloads and exports only,
+    # False: a full peer's record (``swarm/node/roles/full.py``), a replica for the outer step, state downloads and exports only,
     # never called for a microbatch. Came later with a default, so records without it stay valid (and serve).
     serves: pydantic.StrictBool = True
     version: Count = PROTOCOL_VERSION

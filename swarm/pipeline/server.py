@@ -144,7 +144,7 @@ class ActivationCache:
 @dataclass(frozen=True)
 class StageCompute:
     """A middle stage's weights, inner step and compute thread when another owner trains them too (a full peer that
-    serves, ``swarm/full.py``): requests then compute on those, between the owner's own calls on that thread."""
+    serves, ``swarm/node/roles/full.py``): requests then compute on those, between the owner's own calls on that thread."""
 
     module: MiddleStage
     inner: InnerStep
