@@ -2,7 +2,7 @@
 what differs between roles (their records, their metrics' counts) comes in as callbacks.
 
     >>> life = ReplicaLifecycle(ctx, meter, checkpoint_stage=EDGE_STAGE)
-    >>> state = await life.download(EDGE_STAGE)      # a live replica's state; None: the seeded weights
+    >>> state = await download_state(ctx, EDGE_STAGE)   # a live replica's state; None: the seeded weights
     >>> await life.hold({EDGE_STAGE: trainer}, {EDGE_STAGE: state} if state else {})
     >>> life.start(status=lambda stage: trainer.status()); ...; await life.checkpoint(); life.close()
 """
@@ -54,7 +54,6 @@ def provide_local_state(ctx: NodeContext, syncs: Sequence[ReplicaSync]) -> None:
     async def provide(name: str) -> BlobStream:
         if (stage := held_stage(name)) is None or (sync := held.get(stage)) is None:
             raise LookupError(f"this peer holds stages {sorted(held)}, not {name!r}")
-        stage = sync.stage
         return stream_state(
             await sync.local_state(),
             on_sent=lambda sha256: ctx.on_log(StateServed(stage=stage, sha256=sha256[:16])),
@@ -84,9 +83,6 @@ class ReplicaLifecycle:
         self._usage: Callable[[], Mapping[str, Any]] = dict
         self._refresh: Callable[[], Awaitable[None]] | None = None
         self._on_announced: Callable[[], None] | None = None
-
-    async def download(self, stage: int) -> StageState | None:
-        return await download_state(self.ctx, stage)
 
     async def hold(self, holders: Mapping[int, Holder], states: Mapping[int, StageState]) -> list[ReplicaSync]:
         """Take part in the outer step of each holder (stage → holder), serve their local states, and adopt the start

@@ -28,7 +28,7 @@ from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, middle_stages
 from swarm.model.step import Batch, InnerStep, WeightChange, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
 from swarm.node.context import DataFactory, NodeContext, until_stopped
-from swarm.node.lifecycle import ReplicaLifecycle, wait_for_replicas
+from swarm.node.lifecycle import ReplicaLifecycle, download_state, wait_for_replicas
 from swarm.node.roles.served import stage_servicer
 from swarm.outer.replica import ReplicaSync
 from swarm.pipeline.boundary import full_replica_link
@@ -155,7 +155,7 @@ class FullRole:
         meter = Meter(role="full", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(ctx.device))
         life = ReplicaLifecycle(ctx, meter, checkpoint_stage=EDGE_STAGE)
         stages = range(cfg.stages.num_stages + 1)
-        states = {stage: state for stage in stages if (state := await life.download(stage)) is not None}
+        states = {stage: state for stage in stages if (state := await download_state(ctx, stage)) is not None}
         full = FullModel(
             cfg, start_steps=[states[s].schedule_step if s in states else 0 for s in stages], device=ctx.device
         )

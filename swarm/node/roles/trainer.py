@@ -18,7 +18,7 @@ from swarm.events import Progress
 from swarm.hardware import describe
 from swarm.model.stages import EDGE_STAGE
 from swarm.node.context import DataFactory, NodeContext, until_stopped
-from swarm.node.lifecycle import ReplicaLifecycle, wait_for_replicas
+from swarm.node.lifecycle import ReplicaLifecycle, download_state, wait_for_replicas
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Trainer
 
@@ -42,7 +42,9 @@ class TrainerRole:
         router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{ctx.membership.peer_id}"))
         meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(ctx.device))
         life = ReplicaLifecycle(ctx, meter, checkpoint_stage=EDGE_STAGE)
-        state = await life.download(EDGE_STAGE)  # a trainer joining mid-run starts from the other trainers' stage 0
+        state = await download_state(
+            ctx, EDGE_STAGE
+        )  # a trainer joining mid-run starts from the other trainers' stage 0
         self.holder = trainer = Trainer(
             cfg,
             ctx.client,
