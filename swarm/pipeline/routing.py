@@ -231,7 +231,18 @@ class StageBalancer:
         if replica is None or replica.banned_until is not None:
             return  # already banned: this failure comes from an RPC sent before the ban
         replica.failures += 1
-        replica.banned_until = self._clock() + BAN_S * 2 ** (replica.failures - 1)
+        self._ban(peer, replica, BAN_S * 2 ** (replica.failures - 1))
+
+    def ban(self, peer: Peer, seconds: float, reason: str) -> None:
+        """Ban the peer for ``seconds`` from now (longer than a ban it has: the longer one stands), whatever its
+        failures: a verdict on its work (``swarm/pipeline/checking.py``), not a call that failed."""
+        self._readmit_expired()
+        if (replica := self._replicas.get(peer)) is not None:
+            replica.last_error = reason
+            self._ban(peer, replica, seconds)
+
+    def _ban(self, peer: Peer, replica: _Replica, seconds: float) -> None:
+        replica.banned_until = max(replica.banned_until or 0.0, self._clock() + seconds)
         self._heap = [entry for entry in self._heap if entry[2] != peer]
         heapq.heapify(self._heap)
 
@@ -289,6 +300,9 @@ class Router:
 
     def report_failure(self, stage: int, peer: Peer, reason: str) -> None:
         self.balancers[stage].report_failure(peer, reason)
+
+    def ban(self, stage: int, peer: Peer, seconds: float, reason: str) -> None:
+        self.balancers[stage].ban(peer, seconds, reason)
 
     def live_stages(self) -> list[int]:
         """Middle stages with at least one replica that is not banned."""

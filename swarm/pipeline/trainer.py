@@ -43,7 +43,9 @@ from swarm.model.step import (
 )
 from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_ladders
-from swarm.pipeline.protocol import Backward, Forward
+from swarm.pipeline.checking import CheckRule, HopChecker
+from swarm.pipeline.deadlines import DeadlineRule, Deadlines
+from swarm.pipeline.protocol import KEEPALIVE_S, Backward, Forward, needs_stream
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
 from swarm.rpc.servicer import RemoteError, RequestError
 
@@ -53,7 +55,9 @@ T = TypeVar("T")
 # microbatches: started = completed + failed + cancelled (on shutdown) + in flight; of the completed, those whose
 # stage-0 gradients were dropped: landed more than max_staleness inner steps after their start, or began before a
 # download replaced the weights (with those landed since the last inner step; the name is older); hops: failed attempts (retried
-# elsewhere), timeouts, stages skipped on the way forward, inputs resent for a backward
+# elsewhere), timeouts (deadlines missed), stages skipped on the way forward, inputs resent for a backward; bans for
+# deadlines missed in a row; checked forwards (checking.py): checks done, disagreements, servers condemned by a
+# referee, disagreements no referee could settle
 COUNTERS = (
     "started",
     "completed",
@@ -65,6 +69,11 @@ COUNTERS = (
     "hop_timeouts",
     "skipped_hops",
     "resent_inputs",
+    "deadline_bans",
+    "checks",
+    "check_disagreements",
+    "check_strikes",
+    "checks_unresolved",
 )
 
 
@@ -107,14 +116,29 @@ class TrainerOptions:
     )
     max_failures_in_a_row: int = 50  # then the swarm is unusable: stop with an error instead of spinning
     log_every: int = 10  # inner steps between progress records
+    check_rate: float = field(
+        default=0.02,
+        metadata=cli(
+            "Trainers: fraction of forward hops recomputed by another replica of the stage and compared (checked "
+            "pipeline work; new and suspect servers are checked more); 0 turns checking off.",
+            min=0.0,
+        ),
+    )
+    check_tolerance: float = 1.0  # relative L2 error within which two replicas' outputs agree (checking.py)
+    deadline_multiple: float = 4.0  # a hop's deadline: this × the server's recent p95 service time (deadlines.py)
+    deadline_floor_s: float = 2.0  # the least time a hop gets
+    deadline_misses: int = 3  # deadlines missed in a row that ban a server (for a growing back-off)
     eval_every: int = field(
         default=0, metadata=cli("Trainers: validation pass every N inner steps (0: only at the end).", min=0)
     )
 
     def __post_init__(self) -> None:
         if (
-            min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every) < 1
+            min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every, self.deadline_misses) < 1
             or min(self.eval_every, self.max_staleness) < 0
+            or not 0.0 <= self.check_rate <= 1.0
+            or min(self.check_tolerance, self.deadline_floor_s) <= 0
+            or self.deadline_multiple < 1
         ):
             raise ValueError(f"trainer options must be positive (eval_every, max_staleness non-negative), got {self}")
 
@@ -258,7 +282,9 @@ class CacheMiss(Exception):
 class RemoteStages:
     """The middle stages as a trainer reaches them: a replica chosen per hop, each frame coded for its link, a failed
     call retried on another replica (a lost forward input resent), and the router, the link estimates and the
-    trainer's counters and traffic told how every call went."""
+    trainer's counters and traffic told how every call went. Each call's deadline follows its server's service times
+    (``Deadlines``); a sampled fraction of training forwards is recomputed by another replica, off the microbatch's
+    critical path, and a server a referee finds wrong is condemned and routed around (``HopChecker``)."""
 
     def __init__(
         self,
@@ -274,6 +300,22 @@ class RemoteStages:
     ) -> None:
         self.cfg, self.calls, self.router, self.options = cfg, calls, router, options
         self.codecs, self.counters, self.traffic, self.fp32_bytes = codecs, counters, traffic, fp32_bytes
+        self.deadlines = Deadlines(
+            DeadlineRule(
+                rpc_s=cfg.timeouts.rpc_s,
+                multiple=options.deadline_multiple,
+                floor_s=options.deadline_floor_s,
+                misses=options.deadline_misses,
+            )
+        )
+        rate = options.check_rate  # 0: off, probation and suspects included (the cost measurement's baseline)
+        rule = (
+            CheckRule(rate=rate, tolerance=options.check_tolerance)
+            if rate
+            else CheckRule(rate=0.0, probation_rate=0.0, suspect_rate=0.0, tolerance=options.check_tolerance)
+        )
+        self.checker = HopChecker(rule)
+        self._checks: set[asyncio.Task[None]] = set()  # checks under way, off the microbatches' paths
 
     async def forward_path(
         self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor
@@ -300,8 +342,70 @@ class RemoteStages:
             frame = x.frame(codec)
             request = Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
             if (reply := await self._call(mb, peer, request, codec.name)) is not None:
+                if mb.train and self.checker.should_check(peer):
+                    task = asyncio.create_task(self._check(mb, request, codec.name, peer, reply[0]))
+                    self._checks.add(task)
+                    task.add_done_callback(self._checks.discard)
                 return Hop(stage, peer, frame, codec.name), Outgoing(*reply)
         raise HopFailed(f"stage {stage}: {len(tried)} replicas failed")
+
+    async def _check(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: torch.Tensor) -> None:
+        """The hop's forward again, on another replica (and a third if the two disagree): the odd one out condemned."""
+        try:
+            stage = request.stage
+            checker_peer, y_checker = await self._recompute(mb, request, codec, [peer])
+            if checker_peer is None or y_checker is None:
+                return  # no other replica, or it failed: unchecked
+            self.counters["checks"] += 1
+            if self.checker.agree(y, y_checker):
+                self.checker.clear(peer)
+                self.checker.clear(checker_peer)
+                return
+            self.counters["check_disagreements"] += 1
+            referee, z = await self._recompute(mb, request, codec, [peer, checker_peer])
+            if z is None:  # no third replica: the trainer's loss spikes on each one's paths may tell
+                wrong = self.checker.tie_break(peer, checker_peer)
+            else:
+                wrong = self.checker.referee(peer, y, checker_peer, y_checker, z)
+            if wrong is None:
+                self.counters["checks_unresolved"] += 1
+                self.checker.suspect(peer, checker_peer, *([] if referee is None else [referee]))
+                logger.warning(f"stage {stage}: {peer} and {checker_peer} disagree on {mb.id}; no referee settled it")
+                return
+            self._condemn(stage, wrong, mb)
+        except Exception as e:  # a check is a side job: it must never take the trainer down
+            logger.warning(f"check of {mb.id} at stage {request.stage} failed: {type(e).__name__}: {e}")
+
+    async def _recompute(
+        self, mb: Microbatch, request: Forward, codec: str, tried: list[Peer]
+    ) -> tuple[Peer | None, torch.Tensor | None]:
+        """Another replica's output for the same input (its forward not kept: ``train=False``), or Nones."""
+        try:
+            peer = self._choose(request.stage, tried)
+        except HopFailed:
+            return None, None
+        again = Forward(
+            mb=f"{mb.id}.check{len(tried)}",
+            stage=request.stage,
+            prev_stage=request.prev_stage,
+            x=request.x,
+            train=False,
+        )
+        reply = await self._call(mb, peer, again, codec)
+        return peer, None if reply is None else reply[0]
+
+    def _condemn(self, stage: int, peer: Peer, mb: Microbatch) -> None:
+        seconds = self.checker.condemn(peer)
+        self.counters["check_strikes"] += 1
+        reason = f"its forward of {mb.id} disagreed with two other replicas"
+        self.router.ban(stage, peer, seconds, reason=reason)
+        logger.warning(f"stage {stage}: {peer} condemned ({reason}); banned for {seconds:.0f} s")
+
+    async def close(self) -> None:
+        """Cancel the checks under way."""
+        for task in list(self._checks):
+            task.cancel()
+        await asyncio.gather(*self._checks, return_exceptions=True)
 
     async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
         """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again."""
@@ -323,8 +427,11 @@ class RemoteStages:
         raise HopFailed(f"backward of stage {hop.stage}: {len(tried)} attempts failed")
 
     def _choose(self, stage: int, tried: list[Peer]) -> Peer:
+        """A replica of ``stage`` not in ``tried`` and not condemned (its router ban may have ended with a DHT
+        re-listing, which forgets bans)."""
+        exclude = set(tried) | self.checker.condemned_now()
         try:
-            return self.router.choose(stage, task_size=self.cfg.train.microbatch_size, exclude=tried)
+            return self.router.choose(stage, task_size=self.cfg.train.microbatch_size, exclude=exclude)
         except NoLiveReplica as e:
             raise HopFailed(f"stage {stage}: {e}") from None
 
@@ -333,7 +440,7 @@ class RemoteStages:
     ) -> tuple[torch.Tensor, torch.Tensor | None, bytes, Codec] | None:
         """One RPC, with the router and the link estimate told how it went: the reply (decoded, its token ids, the
         frame, its codec), or None to move on. ``codec``: the request's frame's; ``x_codec``: a resent input's."""
-        stage, timeout, started = request.stage, self.cfg.timeouts.rpc_s, time.perf_counter()
+        stage, started = request.stage, time.perf_counter()
         if isinstance(request, Forward):
             kind, frame, resent = "activations", request.x, None
         else:
@@ -341,6 +448,7 @@ class RemoteStages:
         sent = self._count(mb, kind, frame, sent=True, codec=codec)
         if resent is not None:
             sent += self._count(mb, "activations", resent, sent=True, codec=x_codec)
+        timeout = self._deadline(peer, request, sent)
         try:
             out = await self._send(peer, request, timeout)
             wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
@@ -348,8 +456,7 @@ class RemoteStages:
             # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
             reply_codec, value, tokens = self.codecs.ladders[kind].decode(out, expected_shape=mb.shape)
         except TimeoutError:
-            self.counters["hop_timeouts"] += 1
-            self.router.report_timeout(stage, peer, timeout, reason=f"no reply within rpc_s = {timeout:g} s")
+            self._missed(stage, peer, timeout)
             return None
         except RemoteError as e:
             if e.code == RequestError.CACHE_MISS:
@@ -371,8 +478,29 @@ class RemoteStages:
             return None
         elapsed = time.perf_counter() - started
         self.router.report_success(stage, peer, samples=mb.shape[0], seconds=elapsed)
+        self.deadlines.observe(stage, peer, elapsed)
         self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
         return value, tokens, out, reply_codec
+
+    def _deadline(self, peer: Peer, request: Forward | Backward, sent: int) -> float:
+        """This call's deadline: from the server's service times, the link's transfer estimate for a reply as large as
+        the request (a frame larger than those measured gets its time), and for a streamed call room for its
+        keep-alives (its deadline is a bound on silence)."""
+        link = self.codecs.links.get(peer)
+        transfer_s = 0.0 if link is None else 2 * sent * link.seconds_per_byte + link.compute_s
+        frame = request.x if isinstance(request, Forward) else request.grad
+        floor_s = 2 * KEEPALIVE_S if needs_stream(frame, request) else 0.0
+        return self.deadlines.deadline(request.stage, peer, transfer_s=transfer_s, floor_s=floor_s)
+
+    def _missed(self, stage: int, peer: Peer, timeout: float) -> None:
+        """A deadline missed: charged as busy time, and after ``deadline_misses`` in a row a ban (growing)."""
+        self.counters["hop_timeouts"] += 1
+        reason = f"no reply within its deadline of {timeout:.1f} s"
+        if self.deadlines.miss(stage, peer):
+            self.counters["deadline_bans"] += 1
+            self.router.report_failure(stage, peer, reason=f"{reason}, {self.deadlines.misses(stage, peer)} in a row")
+        else:
+            self.router.report_timeout(stage, peer, timeout, reason=reason)
 
     async def _send(self, peer: Peer, request: Forward | Backward, timeout: float) -> bytes:
         if isinstance(request, Forward):
@@ -479,6 +607,7 @@ class Trainer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.remote.close()
         return record
 
     def _may_start(self, in_flight: int, steps: int) -> bool:
@@ -530,6 +659,7 @@ class Trainer:
             h0, departure = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
             hops, h = await self.remote.forward_path(mb, path, h0.detach(), inputs)
             loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
+            self.remote.checker.observe_loss(loss, [hop.peer for hop in hops])  # spikes make a path's servers suspect
             outgoing = Outgoing(grad, None)
             for hop in reversed(hops):
                 outgoing = await self.remote.backward_hop(mb, hop, outgoing)
@@ -630,6 +760,12 @@ class Trainer:
     @property
     def inner_steps(self) -> int:
         return self.inner.steps
+
+    @property
+    def condemned(self) -> set[Peer]:
+        """Servers whose checked work a referee found wrong (banned now): the outer step leaves their pseudo-gradients
+        out of the round."""
+        return self.remote.checker.condemned_now()
 
     @property
     def module(self) -> EdgeStage:

@@ -1,0 +1,163 @@
+"""Checked pipeline work (swarm/pipeline/checking.py): the comparison at real shapes accepts honest replicas H inner
+steps apart and rejects random activations of the true norm; the sampling and the verdicts; and a trainer whose
+stage has a garbling replica among three strikes it, routes around it and trains on.
+
+The trainer test calls real ``StageServer``s directly (no network), as tests/test_trainer_window.py does."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from peer.data import load_corpus
+from swarm.model.step import stage_forward
+from swarm.pipeline.boundary import Link, boundary_codecs
+from swarm.pipeline.checking import CheckRule, HopChecker, relative_error
+from swarm.pipeline.protocol import Backward, Forward
+from swarm.pipeline.routing import Router
+from swarm.pipeline.server import StageServer
+from swarm.pipeline.trainer import Trainer, TrainerOptions
+from swarm.sim.simulate import make_replica, train_microbatch
+from swarmtest.attacks import garble, true_norm_noise
+from swarmtest.clock import FakeClock
+from swarmtest.configs import BATCH, DATA, SEQ, tiny_config
+
+TOLERANCE = CheckRule().tolerance
+
+
+def honest_pair(lr: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two replicas of stage 1 (d_model 768, 2 layers) from the shared start, each ``steps`` inner steps on its own
+    text at peak ``lr`` (the first round from the start: the most replicas drift apart, as measured), through one
+    trainer's stage 0; their outputs for one microbatch of 8 × 1024 tokens."""
+    cfg = tiny_config(
+        stages=1,
+        steps=200,
+        model={"d_model": 768, "n_layers": 2, "n_heads": 12, "max_seq_len": 1024},
+        train={"seq_len": 64, "microbatch_size": 2, "inner_batch": 2},  # short steps: the drift is per step, not token
+        inner={"lr": lr, "warmup_steps": 1},
+    )
+    corpus = load_corpus([DATA])
+    streams = [corpus.sample_batches("train", seed=seed, batch_size=2, seq_len=64) for seed in (1, 2)]
+    edge, link = make_replica(cfg, 0, 200, with_outer=False), Link(*boundary_codecs(cfg))
+    middles = [make_replica(cfg, 1, 200, with_outer=False) for _ in streams]
+    for _ in range(steps):
+        for middle, stream in zip(middles, streams, strict=True):
+            train_microbatch(edge, [middle], next(stream), link)
+    (inputs, _), *_ = corpus.val_batches(num_sequences=8, batch_size=8, seq_len=1024)
+    with torch.no_grad():
+        x = edge.edge.embed(inputs)
+        ya, yb = (stage_forward(m.middle, x) for m in middles)
+    return ya, yb
+
+
+@pytest.mark.timeout(600)
+def test_honest_replicas_h_steps_apart_agree_and_random_activations_of_the_true_norm_do_not() -> None:
+    """Real shapes: a microbatch of 8 × 1024 tokens at d_model 768; replicas 10 steps (H) apart at the 125m preset's lr
+    (measured 0.59; at 5× that lr 0.82; later rounds 0.3-0.45)."""
+    torch.manual_seed(0)
+    ya, yb = honest_pair(lr=6e-4, steps=10)
+    honest, garbled = relative_error(ya, yb), relative_error(ya, true_norm_noise(ya))
+    one_sample = ya.clone()
+    one_sample[3] = true_norm_noise(ya[3])
+    print(f"relative error: honest replicas {honest:.3f}, random of the true norm {garbled:.3f}")
+    assert ya.shape == (8, 1024, 768) and 0.0 < honest < 0.8 * TOLERANCE  # drift, well inside the tolerance
+    assert garbled > 1.35 and relative_error(ya, one_sample) > 1.35  # √2, even for one garbled sample of eight
+    checker = HopChecker(CheckRule())
+    assert checker.agree(ya, yb) and not checker.agree(ya, true_norm_noise(ya))
+
+
+def test_new_and_suspect_servers_are_checked_more_and_a_rate_of_zero_checks_nothing() -> None:
+    rule = CheckRule(rate=0.02, probation_hops=200, probation_rate=0.25, suspect_rate=0.5)
+    checker = HopChecker(rule, random.Random(0))
+    probation = sum(checker.should_check("new") for _ in range(200))
+    settled = sum(checker.should_check("new") for _ in range(2000))
+    checker.suspect("new")
+    suspect = sum(checker.should_check("new") for _ in range(200))
+    assert 30 < probation < 70 and 20 < settled < 65 and 75 < suspect < 125
+    off = HopChecker(CheckRule(rate=0.0, probation_rate=0.0, suspect_rate=0.0))
+    off.suspect("x")
+    assert not any(off.should_check("x") for _ in range(100))
+
+
+def test_the_referee_condemns_the_odd_one_out_and_bans_grow() -> None:
+    clock = FakeClock(0.0)
+    checker = HopChecker(CheckRule(ban_s=10.0), clock=clock)
+    y = torch.randn(8, 16, 32)
+    honest, garbled = y + 1e-3 * torch.randn_like(y), true_norm_noise(y)
+    assert checker.referee("bad", garbled, "good", honest, y) == "bad"
+    assert checker.referee("good", honest, "bad", garbled, y) == "bad"
+    assert checker.referee("a", garbled, "b", true_norm_noise(y), y) is None  # agrees with neither: unresolved
+    assert checker.condemn("bad") == 10.0 and checker.is_condemned("bad")
+    clock.advance(10.5)
+    assert not checker.is_condemned("bad") and checker.condemn("bad") == 20.0
+
+
+def test_loss_spikes_over_represented_on_one_servers_paths_make_it_suspect_and_break_a_tie() -> None:
+    checker = HopChecker(CheckRule())
+    rng = random.Random(0)
+    for i in range(300):
+        peer = ["a", "b", "c"][i % 3]
+        loss = 6.0 if peer == "c" else 3.0 + 0.05 * rng.random()
+        checker.observe_loss(loss, [peer])
+    assert checker.suspects == {"c"}
+    assert checker.tie_break("a", "c") == "c" and checker.tie_break("a", "b") is None
+
+
+# ---- a trainer with three replicas of stage 1, one garbling ------------------------------------------------------
+
+
+class Replicas:
+    """``StageCalls`` into several ``StageServer``s of stage 1 by name, called directly."""
+
+    def __init__(self, servers: dict[str, StageServer]) -> None:
+        self.servers = servers
+        self.forwards = dict.fromkeys(servers, 0)
+
+    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
+        await asyncio.sleep(0.001)
+        self.forwards[peer] += request.train
+        return await self.servers[peer].forward("trainer", request)
+
+    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
+        await asyncio.sleep(0.001)
+        return await self.servers[peer].backward("trainer", request)
+
+
+def train(*, garbling: bool, check_rate: float) -> tuple[dict[str, Any], Trainer, Replicas]:
+    """60 inner steps of the tiny model on text through three replicas of stage 1 (the first garbling, if asked);
+    the last progress record (with the validation loss), the trainer and the calls."""
+    torch.manual_seed(0)
+    cfg = tiny_config(stages=1, steps=60)
+    servers = {name: StageServer(cfg, 1) for name in ("evil" if garbling else "s0", "s1", "s2")}
+    if garbling:
+        garble(servers["evil"])
+    calls, router = Replicas(servers), Router(1, random.Random(0))
+    router.update(1, list(servers))
+    corpus = load_corpus([DATA])
+    kw = {"batch_size": BATCH, "seq_len": SEQ}
+    options = TrainerOptions(in_flight=2, log_every=20, check_rate=check_rate)
+    trainer = Trainer(cfg, calls, router, options=options)
+    try:
+        batches, val = corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_sequences=32, **kw)
+        return asyncio.run(trainer.train(batches, steps=60, val_batches=val)), trainer, calls
+    finally:
+        trainer.shutdown()
+        for server in servers.values():
+            server.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_garbling_replica_is_struck_and_routed_around_and_the_trainer_trains_on() -> None:
+    clean, _, _ = train(garbling=False, check_rate=CheckRule().rate)
+    last, trainer, calls = train(garbling=True, check_rate=CheckRule().rate)
+    assert last["step"] == 60 and last["failed"] == 0
+    assert last["check_strikes"] == 1 and last["checks"] >= 1
+    assert trainer.condemned == {"evil"} and "evil" not in trainer.router.balancers[1].live_peers()
+    assert calls.forwards["evil"] < 15  # caught on probation: the other two served the rest
+    assert clean["check_strikes"] == 0  # honest replicas are never condemned
+    print(f"val loss: clean {clean['val_loss']:.3f}, one garbling replica of three {last['val_loss']:.3f}")
+    assert last["val_loss"] < 1.05 * clean["val_loss"]  # unchecked, the garbler's share of the hops would ruin it
