@@ -24,7 +24,7 @@ from swarm.outer.service import OuterService
 from swarm.outer.state import StageState, weights_hash
 from swarm.recovery.rebuild import rebuild_stage
 from swarm.rpc.blobs import BlobClient, TransferError
-from swarmtest.attacks import start_round_staller, start_state_liar
+from swarmtest.attacks import garbage_weights, start_round_staller, start_state_liar
 from swarmtest.configs import LOOPBACK_ROUND_TIMEOUTS, outer_config
 from swarmtest.loopback import STAGE, LoopbackReplica, Peer, largest_norm_ratio, seeded_weights, stopping, wait_for
 
@@ -62,6 +62,44 @@ def test_a_peer_claiming_a_later_round_with_scaled_weights_takes_over_no_replica
                     # the random inner steps grow the weights a little; a takeover would make them ×1000
                     assert largest_norm_ratio(replica.weights(), seeded) < 3.0
                     assert largest_norm_ratio(dict(replica.sync.outer.global_params), seeded) < 3.0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(180)
+def test_two_colluders_announcing_a_far_round_with_garbage_weights_take_over_no_replica_and_are_banned() -> None:
+    cfg = outer_config(timeouts=LOOPBACK_ROUND_TIMEOUTS)
+    seeded = seeded_weights(cfg)
+    garbage = garbage_weights(cfg)  # the seeded weights' norms: no norm check refuses them; both serve the same
+
+    async def scenario() -> None:
+        a = await LoopbackReplica.start("a", cfg, [], seed=1)
+        b = await LoopbackReplica.start("b", cfg, a.peer.maddrs, seed=2)
+        async with stopping(a, b):
+            await wait_for(
+                "a round of a and b together", lambda: a.rounds(contributors=2) and b.rounds(contributors=2), 90
+            )
+            liars = [
+                await start_state_liar(cfg, a.peer.maddrs, round_=10**6, scale=1.0, weights=garbage, name=name)
+                for name in ("liar1", "liar2")
+            ]
+            async with stopping(*liars):
+                ids = {liar.id for liar in liars}
+                banned = lambda r: {e.peer for e in of_kind(r.events, OuterStrike) if e.banned}  # noqa: E731
+                await wait_for("both liars banned by a and b", lambda: all(banned(r) >= ids for r in (a, b)), 60)
+                rounds = [len(r.rounds(contributors=2)) for r in (a, b)]
+                await wait_for(
+                    "two more rounds of a and b together",
+                    lambda: all(len(r.rounds(contributors=2)) >= n + 2 for r, n in zip((a, b), rounds)),
+                    60,
+                    lambda: (a.events[-5:], b.events[-5:]),
+                )
+            for replica in (a, b):
+                assert not [e for e in of_kind(replica.events, StateDownload) if e.from_peer in ids], replica.events
+                assert replica.sync.round < 1000
+                reasons = [e.reason for e in of_kind(replica.events, OuterStrike) if e.peer in ids]
+                assert reasons and all("beyond reach" in why for why in reasons), reasons
+                assert largest_norm_ratio(replica.weights(), seeded) < 3.0
 
     asyncio.run(scenario())
 

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from swarm.config import TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.events import OuterDeclared, StateDownload, of_kind
+from swarm.errors import ConfigError
+from swarm.events import OuterDeclared, OuterStrike, StateDownload, of_kind
 from swarm.outer.accountability import OUTER_PEER_LIMITS
 from swarm.outer.allgather import allgather_round
 from swarm.outer.board import MAX_COMMIT_BYTES, Board, digest, parse_commit
@@ -26,8 +27,8 @@ from swarm.outer.group import P2PGroupNetwork, RoundKey, RoundResult, RoundTimin
 from swarm.outer.matchmaking import window_opening
 from swarm.outer.pairs import pair_round
 from swarm.outer.replica import ReplicaSync, StateChanged, snapshot_weights
-from swarm.outer.state import StageState, StateDecoder, weights_hash
-from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError, feed
+from swarm.outer.state import StageState, StateDecoder, stream_state, weights_hash
+from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
 from swarmtest.clock import in_virtual_time
 from swarmtest.configs import outer_config
 from swarmtest.fakes import Hub, MemoryNet
@@ -182,6 +183,57 @@ def test_a_liar_declaring_a_time_that_would_close_the_window_stalls_no_round(dec
     hub.declared[KEY] = {"0liar": declared_at if declared_at in (0.0, 1e6) else time.monotonic() + declared_at}
     results, _ = play(hub, {"a": 0.0, "b": 0.05})
     assert [(r.outcome, r.contributors, r.leader) for r in results.values()] == [("done", ("a", "b"), "a")] * 2
+
+
+def stalled_round(delays: dict[str, float], sybils: dict[str, float]) -> tuple[dict[str, RoundResult], set[tuple]]:
+    """Members arriving after ``delays`` (seconds) at round ``KEY``, which ``sybils`` declared for at (seconds from the
+    start) without a payload; each member's result, and the (member, blamed peer) pairs."""
+    hub, blamed = Hub(), set[tuple]()
+
+    async def one(name: str, delay: float) -> RoundResult:
+        await asyncio.sleep(delay)
+        clock, net = asyncio.get_running_loop().time, MemoryNet(hub, name)
+        blame = lambda peer, why: blamed.add((name, peer))  # noqa: E731
+        return await allgather_round(net, hub.boards[name], KEY, name.encode(), TIMING, clock=clock, blame=blame)
+
+    async def scenario() -> dict[str, RoundResult]:
+        for name in delays:
+            hub.join(name)
+        now = asyncio.get_running_loop().time()
+        hub.declared[KEY] = {peer: now + at for peer, at in sybils.items()}
+        results = await asyncio.gather(*(one(name, delay) for name, delay in delays.items()))
+        return dict(zip(delays, results))
+
+    return in_virtual_time(scenario())[0], blamed
+
+
+def test_declarations_long_opened_with_no_payload_make_nobody_late_and_their_declarers_are_blamed() -> None:
+    # two identities declare a second before the round (a time a live round can have, older than any clock skew): the
+    # window would have closed before a and b arrived, but neither shows a payload, so they close nothing
+    sybils = {"0s1": -1.0, "0s2": -1.0}
+    results, blamed = stalled_round({"a": 0.0, "b": 0.05}, sybils)
+    assert [(r.outcome, r.contributors, r.leader) for r in results.values()] == [("done", ("a", "b"), "a")] * 2
+    assert blamed == {(m, s) for m in ("a", "b") for s in sybils}
+
+
+def test_a_replica_arriving_after_a_real_window_is_still_late_and_blames_nobody() -> None:
+    # a and b declared and show their payloads: z, arriving after their window, is late as before (and downloads)
+    results, blamed = stalled_round({"a": 0.0, "b": 0.05, "z": TIMING.window_s + 0.3}, {})
+    assert results["z"].outcome == "late" and results["a"].contributors == ("a", "b")
+    assert not blamed
+    # with a sybil besides them: still late (a and b back the window), and only the sybil is blamed
+    results, blamed = stalled_round({"a": 0.0, "b": 0.05, "z": TIMING.window_s + 0.3}, {"0s": -1.0})
+    assert results["z"].outcome == "late" and results["a"].contributors == ("a", "b")
+    assert {peer for _, peer in blamed} <= {"0s"}
+
+
+def test_the_clock_skew_is_validated_and_bounded_by_half_the_window() -> None:
+    with pytest.raises(ConfigError):
+        TimeoutConfig(clock_skew_s=0.0)
+    with pytest.raises(ValueError):
+        RoundTiming(window_s=1, timeout_s=1, clock_skew_s=-1)
+    assert RoundTiming.of(TimeoutConfig(matchmaking_s=1.0, clock_skew_s=5.0)).clock_skew_s == 0.5
+    assert RoundTiming.of(TimeoutConfig()).clock_skew_s == 1.0
 
 
 def test_a_member_that_dies_in_the_window_leads_nothing_and_the_others_go_on_without_it() -> None:
@@ -657,6 +709,81 @@ def test_groups_split_by_a_race_converge_on_the_smallest_peer_id() -> None:
         sync.fetch = both.fetch_state
     assert not asyncio.run(a.catch_up())  # a has the smallest id: it keeps its weights
     assert asyncio.run(b.catch_up()) and b.global_hash == a.global_hash and b.round == 1
+
+
+class WithColluders(ReplicaGroup):
+    """Replicas, and two identities x and y that announce ``lie``'s round and weights hash and serve it (once set)."""
+
+    colluders = ("x", "y")
+    lie: StageState | None = None
+
+    async def others(self, me: str) -> dict[str, StageStatus]:
+        found = await super().others(me)
+        if self.lie is not None:
+            claim = StageStatus(outer_round=self.lie.round, global_hash=weights_hash(self.lie.params))
+            found |= dict.fromkeys(self.colluders, claim)
+        return found
+
+    async def fetch_state(self, peer: str, name: str, sink: Sink) -> str:
+        if peer in self.colluders and self.lie is not None:
+            return await feed(stream_state(self.lie), sink)
+        return await super().fetch_state(peer, name, sink)
+
+
+def garbage_like(params: dict[str, torch.Tensor], round_: int) -> StageState:
+    """Random weights with the norms of ``params``, tensor by tensor: every norm check passes them."""
+    weights = {n: (r := torch.randn_like(t)) * (t.norm() / r.norm()) for n, t in params.items()}
+    return StageState(stage=1, round=round_, schedule_step=0, params=weights, optimizer=None)
+
+
+@pytest.mark.parametrize("ahead", [10**6, 1])
+def test_two_colluders_vouching_for_garbage_take_over_no_replica_and_are_struck(ahead: int) -> None:
+    swarm = WithColluders(sync_config(), ["a", "b"])
+    a, b = swarm.syncs["a"], swarm.syncs["b"]
+    together = lambda: all(len(swarm.rounds(n)) >= 2 for n in "ab")  # noqa: E731
+    asyncio.run(swarm.run({"a": 0.03, "b": 0.03}, together, 60))
+    before = (a.round, a.global_hash)
+    swarm.lie = garbage_like(dict(a.outer.global_params), a.round + ahead)
+    swarm.hub.dead.add("b")  # b gone (its claim would vouch for a's own, and a would follow no lone claim at all)
+    for _ in range(2):  # x and y vouch for each other, but took part in none of a's rounds: their word is theirs alone
+        assert not asyncio.run(a.catch_up())
+    assert (a.round, a.global_hash) == before and not of_kind(swarm.of("a"), StateDownload)
+    strikes = of_kind(swarm.of("a"), OuterStrike)
+    why = "beyond reach" if ahead > 1 else "from this replica's global ones"  # never downloaded; downloaded, refused
+    assert {e.peer for e in strikes} == {"x", "y"} and all(why in e.reason for e in strikes), strikes
+    assert a.excluded("x") and a.excluded("y") and not a.excluded("b")
+    b.close(), a.close()
+
+
+def test_two_identities_declaring_every_round_long_opened_stall_no_round_and_are_banned() -> None:
+    cfg = sync_config()
+    swarm = ReplicaGroup(cfg, ["a", "b"])
+    sybils = ("0s1", "0s2")  # sorted first: were one the leader, its missing commit would fail the round
+    skew = RoundTiming.of(cfg.timeouts).clock_skew_s
+
+    async def stall() -> None:  # each round a and b are at, declared for at twice the skew ago (a live round's time)
+        while True:
+            now = asyncio.get_running_loop().time()
+            for r in {s.round for s in swarm.syncs.values()}:
+                swarm.hub.declared.setdefault(RoundKey(1, r), {}).update(dict.fromkeys(sybils, now - 2 * skew - 0.3))
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        staller = asyncio.create_task(stall())
+        try:
+            done = lambda: all(len(swarm.rounds(n)) >= 4 for n in "ab")  # noqa: E731
+            await swarm.run({"a": 0.03, "b": 0.03}, done, 60)
+        finally:
+            staller.cancel()
+
+    asyncio.run(scenario())
+    for name in "ab":
+        sync = swarm.syncs[name]
+        assert all(sync.excluded(s) for s in sybils), swarm.of(name)
+        assert len(swarm.rounds(name)) >= 4 and sync.counters["outer_late"] <= 1, sync.counters
+        banned = {e.peer for e in of_kind(swarm.of(name), OuterStrike) if e.banned}
+        assert banned == set(sybils)
+        sync.close()
 
 
 class PausedNet(MemoryNet):

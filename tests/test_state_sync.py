@@ -24,12 +24,14 @@ from swarm.outer.claims import (
     RecordBehind,
     StateClaim,
     catch_up_claims,
+    claims_to_follow,
     newcomer_acceptance,
     newcomer_claims,
     stage_claims,
 )
 from swarm.outer.download import download_state
 from swarm.outer.state import StageState, StateDecoder, pack_state, state_bytes_bound, unpack_state, weights_hash
+from swarm.outer.trust import StateTrust
 from swarm.rpc.auth import AccessDenied
 from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, StreamCut, TransferError, feed
 
@@ -255,6 +257,56 @@ def test_a_replica_follows_a_claim_two_replicas_vouch_for_and_never_one_peer_aga
     assert follows(liar, "c", (5, H5)) == [(1000, LIE, ("liar",))]
 
 
+def test_only_peers_of_the_recent_rounds_vouch_and_a_claim_beyond_reach_is_not_followed() -> None:
+    statuses = {
+        "x": StageStatus(outer_round=1000, global_hash=LIE),  # two fresh identities, one claim: free to make
+        "y": StageStatus(outer_round=1000, global_hash=LIE),
+        "a": StageStatus(outer_round=6, global_hash=H6),
+    }
+    follow = lambda **kw: [  # noqa: E731
+        (c.round, c.holders, c.vouched)
+        for c in claims_to_follow(statuses, me="c", round_=5, weights_hash=H5, last_group=(), **kw)
+    ]
+    # everyone's word counts (a newcomer's rule): x and y vouch, and only their claim is followed
+    assert follow() == [(1000, ("x", "y"), True)]
+    # only a took part in c's recent rounds: x and y's claim is two lone words, tried after nothing vouched...
+    assert follow(known={"a"}) == [(1000, ("x", "y"), False), (6, ("a",), False)]
+    # ... and beyond what c can reach it is not followed at all
+    assert follow(known={"a"}, reach=7) == [(6, ("a",), False)]
+    # a and b, both in c's recent rounds, vouch for round 6: the claim to take
+    statuses["b"] = StageStatus(outer_round=6, global_hash=H6)
+    assert follow(known={"a", "b"}, reach=7) == [(6, ("a", "b"), True)]
+
+
+def test_reach_grows_with_time_at_the_fastest_pace_a_round_can_go() -> None:
+    trust = StateTrust()
+    assert trust.reach(now=0.0, inner_steps=0, horizon=20, floor_s=0.25) is None  # no history: newcomer rules
+    trust.adopted(10, now=0.0, inner_steps=0)
+    assert trust.reach(now=0.0, inner_steps=0, horizon=20, floor_s=0.25) == 11  # the next round, no more
+    assert trust.reach(now=1.0, inner_steps=0, horizon=20, floor_s=0.25) == 15  # no steps measured: the floor paces
+    # 2 inner steps/s here: another replica takes H = 20 steps in 20 / (16 × 2) s at the fastest
+    assert trust.reach(now=10.0, inner_steps=20, horizon=20, floor_s=0.25) == 10 + 1 + int(10 / 0.625)
+    assert not trust.absurd(30, 26) and trust.absurd(10**6, 26)  # 10⁶ is no fast peer: it is struck
+
+
+def test_a_state_far_from_the_own_weights_for_its_round_is_refused_even_when_vouched() -> None:
+    own = state(round_=5).params
+    trust = StateTrust()
+    assert trust.weights_check(own, 5, horizon=10) is None  # no round done yet: the norm check alone
+    trust.did_round(5, ("a", "b"), now=0.0, inner_steps=10, moved=0.1, steps=10)  # 0.01 per inner step
+    check = trust.state_check(own, round_=5, horizon=10, reach=8)
+    near = {n: t + 0.02 / math.sqrt(t.numel() * len(own)) for n, t in own.items()}  # 0.02 away: a round's move
+    check(StageState(stage=1, round=6, schedule_step=0, params=near, optimizer=None))
+    # garbage of the same norms: the norm check passes it, the distance does not (0.4 allowed for one round ahead)
+    garbage = {n: torch.randn_like(t) * t.norm() / torch.randn_like(t).norm() for n, t in own.items()}
+    vouched = StateClaim(round=6, weights_hash=weights_hash(garbage), holders=("x", "y"))
+    lie = StageState(stage=1, round=6, schedule_step=0, params=garbage, optimizer=None)
+    with pytest.raises(ValueError, match="from this replica's global ones"):
+        vouched.acceptance(own, max_norm_ratio=10, also=check)(lie)
+    with pytest.raises(ValueError, match="beyond round 8 that this replica reaches"):
+        check(StageState(stage=1, round=9, schedule_step=0, params=near, optimizer=None))
+
+
 def test_a_newcomer_tries_vouched_claims_first_and_lone_ones_only_when_no_two_replicas_agree() -> None:
     status = lambda r, h: StageStatus(outer_round=r, global_hash=h)
     claims = stage_claims({"a": status(5, H5), "b": status(5, H5), "liar": status(1000, LIE)})
@@ -277,7 +329,8 @@ def test_a_downloaded_state_must_be_the_claimed_one_and_a_lone_claim_plausible()
     with pytest.raises(ValueError, match="beyond ×10"):
         lone.acceptance(good.params, max_norm_ratio=10)(scaled)
     vouched = StateClaim(round=5, weights_hash=weights_hash(scaled.params), holders=("a", "b"))
-    vouched.acceptance(good.params, max_norm_ratio=10)(scaled)  # two replicas' word: a replica may have diverged
+    with pytest.raises(ValueError, match="beyond ×10"):  # two identities' word is no check skipped: they cost nothing
+        vouched.acceptance(good.params, max_norm_ratio=10)(scaled)
 
 
 def test_a_newcomer_decodes_into_the_stage_shapes_and_holds_a_lone_claim_to_the_seeded_norms() -> None:

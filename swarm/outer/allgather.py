@@ -53,15 +53,25 @@ async def allgather_round(
     expected: Collection[str] | None = None,
     excluded: Callable[[str], bool] = lambda peer: False,
     on_declared: Callable[[float], None] = lambda opened_at: None,
+    blame: Callable[[str, str], None] = lambda peer, why: None,
 ) -> RoundResult:
     """Take part in outer round ``key`` with ``payload``; returns the agreed payloads or why there are none.
 
-    ``expected``, ``excluded`` and ``on_declared`` go to the matchmaking (``meet``).
+    ``expected``, ``excluded``, ``on_declared`` and ``blame`` go to the matchmaking (``meet``).
     """
     mine = digest(payload)
     earlier = board.earlier_tries(key, mine)  # recorded even if late: a leader may have taken what this peer offered
     met = await meet(
-        net, board, key, payload, timing, clock=clock, expected=expected, excluded=excluded, on_declared=on_declared
+        net,
+        board,
+        key,
+        payload,
+        timing,
+        clock=clock,
+        expected=expected,
+        excluded=excluded,
+        on_declared=on_declared,
+        blame=blame,
     )
     if isinstance(met, RoundResult):
         return met

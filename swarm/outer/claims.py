@@ -1,8 +1,9 @@
 """Claims: which state a replica may download, and what the state it gets must pass.
 
 Replicas announce ``(outer_round, global_hash)`` in their stage records. A claim announced by two or
-more replicas is *vouched for*; whenever a stage has one, lone claims are ignored, and a lone claim's
-weights must stay near the downloader's own (``check_plausible``): one peer's word installs nothing.
+more replicas (for a replica catching up: two that took part in its recent rounds) is *vouched for*;
+whenever a stage has one, lone claims are ignored. Every claim's weights, vouched or not, must stay near
+the downloader's own (``check_plausible``): neither one peer's word nor many identities install anything.
 
     >>> claims = catch_up_claims(stage_claims(others, me=(me, 7, own_hash)), round_=7, weights_hash=own_hash, me=me)
 """
@@ -40,11 +41,17 @@ class StateClaim:
     round: int
     weights_hash: str  # "" when the stage has no outer step (nothing to vouch for)
     holders: tuple[str, ...]  # peer ids, sorted; the downloader's own id when it holds this state too
+    known: frozenset[str] | None = None  # the holders whose word counts (None: every one's; ``StateTrust.known``)
+
+    @property
+    def vouchers(self) -> tuple[str, ...]:
+        """The holders whose word counts towards vouching."""
+        return self.holders if self.known is None else tuple(p for p in self.holders if p in self.known)
 
     @property
     def vouched(self) -> bool:
-        """Announced by more than one replica: no single peer's word."""
-        return len(self.holders) >= 2 and bool(self.weights_hash)
+        """Announced by more than one replica whose word counts: no single peer's word."""
+        return len(self.vouchers) >= 2 and bool(self.weights_hash)
 
     def check(self, state: StageState) -> None:
         """ValueError unless ``state`` is exactly the claimed one: its round, and weights that hash as announced
@@ -56,30 +63,43 @@ class StateClaim:
         if self.weights_hash and (served := weights_hash(state.params)) != self.weights_hash:
             raise ValueError(f"served weights hashing to {served}, its record claims {self.weights_hash}")
 
-    def acceptance(self, reference: Reference, *, max_norm_ratio: float) -> StateCheck:
+    def acceptance(self, reference: Reference, *, max_norm_ratio: float, also: StateCheck | None = None) -> StateCheck:
         """What a state downloaded for this claim must pass: when vouched for, be exactly the claimed one (``check``);
         on one peer's word only, be of the claimed round or a later one (the peer may have done rounds since it
-        announced; its word is all there is either way) and hold weights whose norms stay within
-        ``max_norm_ratio`` of ``reference``'s (``check_plausible``)."""
-        if self.vouched:
-            return self.check
+        announced; its word is all there is either way). Either way its weights' norms stay within
+        ``max_norm_ratio`` of ``reference``'s (``check_plausible``: identities are free, so vouching skips no check),
+        and it passes ``also`` (the downloader's own: ``StateTrust``'s reach and distance)."""
 
         def check(state: StageState) -> None:
-            if state.round < self.round:
+            if self.vouched:
+                self.check(state)
+            elif state.round < self.round:
                 raise ValueError(f"served the state of round {state.round}, its record claims round {self.round}")
             check_plausible(state.params, reference, max_norm_ratio=max_norm_ratio)
+            if also is not None:
+                also(state)
 
         return check
 
 
-def stage_claims(others: Mapping[str, StageStatus], *, me: tuple[str, int, str] | None = None) -> list[StateClaim]:
-    """The stage's claims from its replicas' records (``others``) and, as (peer id, round, hash), the downloader's own."""
+def stage_claims(
+    others: Mapping[str, StageStatus],
+    *,
+    me: tuple[str, int, str] | None = None,
+    known: Collection[str] | None = None,
+) -> list[StateClaim]:
+    """The stage's claims from its replicas' records (``others``) and, as (peer id, round, hash), the downloader's own.
+    ``known``: the peers whose word vouches (the downloader itself always does), None: everyone's."""
     holders: dict[tuple[int, str], list[str]] = {}
     for peer, status in others.items():
         holders.setdefault((status.outer_round, status.global_hash), []).append(peer)
     if me is not None and me[2]:
         holders.setdefault((me[1], me[2]), []).append(me[0])
-    return [StateClaim(round=r, weights_hash=h, holders=tuple(sorted(peers))) for (r, h), peers in holders.items()]
+    counted = None if known is None else frozenset(known) | ({me[0]} if me is not None else set())
+    return [
+        StateClaim(round=r, weights_hash=h, holders=tuple(sorted(peers)), known=counted)
+        for (r, h), peers in holders.items()
+    ]
 
 
 def newcomer_claims(claims: Sequence[StateClaim]) -> list[StateClaim]:
@@ -127,9 +147,12 @@ def claims_to_follow(
     weights_hash: str,
     last_group: Collection[str],
     replicas_agree: bool = True,
+    known: Collection[str] | None = None,
+    reach: int | None = None,
 ) -> list[StateClaim]:
     """The claims a replica at ``round_`` holding ``weights_hash`` catches up to, best first (``catch_up_claims``),
-    from the records of its stage's other replicas (``others``).
+    from the records of its stage's other replicas (``others``). Only ``known`` peers vouch (None: all), and a claim
+    past round ``reach`` (None: no bound) is not followed: nothing honest gets there from where this replica was.
 
     A member of its last round (``last_group``) applied the same commit: other weights for that round are its own
     doing (its screening differed, or it lies), not a split group to converge with, so that record is left out.
@@ -139,7 +162,8 @@ def claims_to_follow(
     disowned = {
         p for p, s in others.items() if p in last_group and s.outer_round == round_ and s.global_hash != weights_hash
     }
-    claims = stage_claims({p: s for p, s in others.items() if p not in disowned}, me=(me, round_, weights_hash))
+    within = {p: s for p, s in others.items() if p not in disowned and (reach is None or s.outer_round <= reach)}
+    claims = stage_claims(within, me=(me, round_, weights_hash), known=known)
     follow = catch_up_claims(claims, round_=round_, weights_hash=weights_hash, me=me)
     return follow if replicas_agree else [claim for claim in follow if claim.round > round_]
 

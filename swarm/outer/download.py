@@ -131,18 +131,20 @@ async def download_claim(
     stage: int,
     template: Mapping[str, torch.Tensor],
     reference: Reference,
+    also: StateCheck | None = None,
     blame: Callable[[str, str], None] = lambda peer, why: None,
 ) -> tuple[str, StageState]:
     """A replica's catch-up: the state ``claim`` announces, from one of its holders but ``me``, held to the claim
-    (vouched: exactly the claimed weights; lone: within ``LONE_CLAIM_MAX_NORM_RATIO`` of ``reference``, the
-    replica's own global weights); ``TransferError`` if none delivers it."""
+    (vouched: exactly the claimed weights) and, vouched or not, within ``LONE_CLAIM_MAX_NORM_RATIO`` of
+    ``reference``, the replica's own global weights, and to ``also`` (``StateTrust``'s reach and distance);
+    ``TransferError`` if none delivers it."""
     return await download_state(
         fetch,
         [peer for peer in claim.holders if peer != me],
         stage=stage,
         template=template,
         blame=lambda peer, why: blame(peer, f"its state for round {claim.round}: {why}"),
-        check=claim.acceptance(reference, max_norm_ratio=LONE_CLAIM_MAX_NORM_RATIO),
+        check=claim.acceptance(reference, max_norm_ratio=LONE_CLAIM_MAX_NORM_RATIO, also=also),
     )
 
 

@@ -39,16 +39,22 @@ class RoundTiming:
     window_s: float  # matchmaking window, from the first arrival
     timeout_s: float  # one payload transfer
     settle_s: float = 0.5  # after the window closes, before reading who came: the last declarations land
+    # a declared time older than this when read is one peer's word: it makes nobody late unless its payload is shown
+    clock_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.window_s > 0 and self.timeout_s > 0 and self.settle_s >= 0):
+        if not (self.window_s > 0 and self.timeout_s > 0 and self.settle_s >= 0 and self.clock_skew_s >= 0):
             raise ValueError(f"round timing must be positive, got {self}")
 
     @classmethod
     def of(cls, timeouts: TimeoutConfig) -> RoundTiming:
-        """The swarm's round timing: the matchmaking window, the RPC timeout, settling for half the window (at most 0.5 s)."""
+        """The swarm's round timing: the matchmaking window, the RPC timeout, settling for half the window (at most
+        0.5 s), the clock skew (at most half the window: a declaration that makes a replica late is older than that)."""
         return cls(
-            window_s=timeouts.matchmaking_s, timeout_s=timeouts.rpc_s, settle_s=min(0.5, timeouts.matchmaking_s / 2)
+            window_s=timeouts.matchmaking_s,
+            timeout_s=timeouts.rpc_s,
+            settle_s=min(0.5, timeouts.matchmaking_s / 2),
+            clock_skew_s=min(timeouts.clock_skew_s, timeouts.matchmaking_s / 2),
         )
 
     @property

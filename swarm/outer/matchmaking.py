@@ -2,7 +2,9 @@
 
 A replica declares its arrival in the DHT; the window closes ``window_s`` after it opened (at the
 second earliest plausible arrival: one early declaration closes nobody's window), or as soon as every
-replica it expects is in. A replica that finds the window closed is late and catches up by download.
+replica it expects is in. A replica that finds the window closed is late and catches up by download, once
+the declarations that closed it are backed by their payloads: a time older than the clock skew is only a
+word, and a declarer that shows no payload for the round it opened is struck and left out.
 
     >>> met = await meet(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)   # Group or late RoundResult
 """
@@ -15,7 +17,9 @@ from dataclasses import dataclass
 
 from swarm.dht.records import StageStatus
 from swarm.outer.board import Board
-from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming
+from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming, gather_payloads
+
+Blame = Callable[[str, str], None]  # (peer, why): a strike (``Accountability.strike``)
 
 
 @dataclass(frozen=True)
@@ -37,15 +41,18 @@ async def meet(
     expected: Collection[str] | None = None,
     excluded: Callable[[str], bool] = lambda peer: False,
     on_declared: Callable[[float], None] = lambda opened_at: None,
+    blame: Blame = lambda peer, why: None,
 ) -> Group | RoundResult:
     """Offer ``payload`` on the board, declare for ``key``, wait out the window: the group, or a late ``RoundResult``.
 
     Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s`` (at once for an
     empty set); None waits it out. Peers ``excluded`` (banned) count as not declared. ``on_declared`` is told the
-    declared arrival time once the declaration is stored.
+    declared arrival time once the declaration is stored. ``blame`` hears of each declarer that would close the
+    window on a stale time and shows no payload (``Backing``).
     """
+    backing = Backing(net, key, timing, clock, excluded, blame)
     now = clock()
-    declared = await _declarations(net, key, excluded)
+    declared = await backing.read(own=now)
     if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
         return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
     opened = now
@@ -53,7 +60,7 @@ async def meet(
     await net.declare(key, opened, opened + timing.max_round_s)
     on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
     waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
-    seen = await _arrivals(net, key, opened, waited_for, timing, clock, excluded)
+    seen = await _arrivals(backing, opened, waited_for, timing, clock)
     now = clock()
     close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
     members = tuple(
@@ -108,18 +115,65 @@ def plausible_arrivals(arrivals: Mapping[str, float], now: float, timing: RoundT
     return [(peer, t) for peer, t in arrivals.items() if now - timing.max_round_s <= t <= now + timing.window_s]
 
 
+class Backing:
+    """The declarations for one round as one replica reads them, backed: a declaration whose time is older than
+    ``timing.clock_skew_s`` when read is one peer's word, and would it close this replica's window (make it late),
+    its declarer must show its payload for the round (every honest declarer offers one before it declares; its
+    board keeps it for ``max_round_s``). One that does not, within the transfer timeout, is blamed and left out."""
+
+    def __init__(
+        self,
+        net: GroupNetwork,
+        key: RoundKey,
+        timing: RoundTiming,
+        clock: Callable[[], float],
+        excluded: Callable[[str], bool],
+        blame: Blame,
+    ) -> None:
+        self.net, self.key, self.timing, self.clock, self.excluded, self.blame = (
+            net,
+            key,
+            timing,
+            clock,
+            excluded,
+            blame,
+        )
+        self.backed: set[str] = set()  # declarers that showed their payload
+        self.unbacked: set[str] = set()  # declarers that did not: left out of this round
+
+    async def read(self, *, own: float) -> dict[str, float]:
+        """The other peers' declared arrivals for the round, as this replica arriving at ``own`` may count them."""
+        while True:
+            declared = await _declarations(self.net, self.key, self.excluded)
+            seen = {p: t for p, t in declared.items() if p not in self.unbacked}
+            now = self.clock()
+            opening = window_opening(seen, own=own, now=now, timing=self.timing)
+            if own <= opening + self.timing.window_s:
+                return seen  # the window is open for this replica: no declaration makes it late
+            stale = now - self.timing.clock_skew_s
+            closers = [p for p, t in plausible_arrivals(seen, now, self.timing) if t <= min(opening, stale)]
+            unproven = [p for p in closers if p not in self.backed]
+            if not unproven:
+                return seen
+            shown = await gather_payloads(self.net, self.key, unproven, self.timing.timeout_s)
+            self.backed |= shown.keys()
+            for peer in set(unproven) - shown.keys():
+                self.unbacked.add(peer)
+                self.blame(peer, f"it declared for {self.key} long opened and shows no payload for it")
+            if not self.unbacked & set(unproven):
+                return seen
+
+
 async def _arrivals(
-    net: GroupNetwork,
-    key: RoundKey,
+    backing: Backing,
     opened: float,
     expected: set[str] | None,
     timing: RoundTiming,
     clock: Callable[[], float],
-    excluded: Callable[[str], bool],
 ) -> dict[str, float]:
-    """Who else declared for ``key``: read until the window has closed and settled, or until every expected peer is in."""
+    """Who else declared for the round: read until the window has closed and settled, or until every expected peer is in."""
     while True:
-        seen = await _declarations(net, key, excluded)
+        seen = await backing.read(own=opened)
         remaining = window_opening(seen, own=opened, now=clock(), timing=timing) + timing.window_s
         remaining += timing.settle_s - clock()
         if remaining <= 0 or (expected is not None and expected <= seen.keys()):

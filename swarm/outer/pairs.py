@@ -28,14 +28,24 @@ async def pair_round(
     expected: Collection[str] | None = None,
     excluded: Callable[[str], bool] = lambda peer: False,
     on_declared: Callable[[float], None] = lambda opened_at: None,
+    blame: Callable[[str, str], None] = lambda peer, why: None,
 ) -> RoundResult:
     """Take part in NoLoCo round ``key`` with ``payload``: the payloads of this member and its partner (or why none).
 
     Members are never forced equal (gossip), so a pairing that differs between two members' views of the group (a
-    DHT race) costs nothing but an uneven pair. ``expected``, ``excluded`` and ``on_declared`` go to ``meet``.
+    DHT race) costs nothing but an uneven pair. ``expected``, ``excluded``, ``on_declared`` and ``blame`` go to ``meet``.
     """
     met = await meet(
-        net, board, key, payload, timing, clock=clock, expected=expected, excluded=excluded, on_declared=on_declared
+        net,
+        board,
+        key,
+        payload,
+        timing,
+        clock=clock,
+        expected=expected,
+        excluded=excluded,
+        on_declared=on_declared,
+        blame=blame,
     )
     if isinstance(met, RoundResult):
         return met

@@ -38,6 +38,7 @@ from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming
 from swarm.outer.matchmaking import expected_members, window_open
 from swarm.outer.pairs import pair_round
 from swarm.outer.state import StageState, stream_state, weights_hash
+from swarm.outer.trust import StateTrust, distance
 from swarm.rpc.blobs import BlobStream, TransferError
 from swarm.rpc.defences import PeerGuard
 
@@ -112,6 +113,8 @@ class ReplicaSync:
         self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())  # a dense fp32 Δ: what a payload saves
         self._changes = 0  # changes of the outer state (global weights, optimizer, round): a served stream's version
         self._last_group: tuple[str, ...] = ()  # contributors of the last round done
+        self.trust = StateTrust()  # whose word vouches, which rounds are within reach, how far a state may be
+        self._moved = 0.0  # how far the last round installed moved the global weights (at most)
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
 
@@ -200,6 +203,7 @@ class ReplicaSync:
             expected=self._expected(),
             excluded=self.excluded,
             on_declared=lambda at: self.on_log(OuterDeclared(stage=self.stage, round=key.round, opened_at=at)),
+            blame=self.strike,
         )
         result = _lone_leader_is_late(result, key, self.net.me)
         fp32_bytes = result.received * self._fp32_bytes
@@ -208,6 +212,10 @@ class ReplicaSync:
         screening = None
         if result.outcome == "done":
             screening = await self._apply(result, snapshot, key.round)
+            now, taken = asyncio.get_running_loop().time(), steps - self.synced_at
+            self.trust.did_round(
+                self.round, result.contributors, now=now, inner_steps=steps, moved=self._moved, steps=taken
+            )
             self.synced_at, self._last_group = steps, result.contributors
             self.round_s.append(time.perf_counter() - started)
         else:
@@ -222,6 +230,10 @@ class ReplicaSync:
         """Download the stage's state if the records show a better claim than this replica's own (``claims_to_follow``:
         a later round, or this round with other weights held by more replicas); True if it did."""
         self._others = await self._live_others()
+        now, steps = asyncio.get_running_loop().time(), self.holder.inner_steps
+        reach = self.trust.reach(now=now, inner_steps=steps, horizon=self.horizon, floor_s=self.poll_s)
+        for peer in self.trust.liars(self._others, reach):  # an identity announcing a round no training reaches lies
+            self.strike(peer, f"it claims outer round {self._others[peer].outer_round}, beyond reach ({reach})")
         follow = claims_to_follow(
             self._others,
             me=self.net.me,
@@ -229,9 +241,11 @@ class ReplicaSync:
             weights_hash=self.global_hash,
             last_group=self._last_group,
             replicas_agree=self.outer is None or self.outer.replicas_agree,
+            known=self.trust.known if self.trust.has_history else None,
+            reach=reach,
         )
         for claim in follow:
-            if await self._download(claim, "behind" if claim.round > self.round else "diverged"):
+            if await self._download(claim, "behind" if claim.round > self.round else "diverged", reach):
                 return True
         return False
 
@@ -242,6 +256,7 @@ class ReplicaSync:
         await self.holder.exclusive(functools.partial(_copy_into, self.params, state.params), change="replaced")
         self.synced_at = self.holder.inner_steps
         self.global_hash = weights_hash(state.params) if self.outer else ""
+        self.trust.adopted(state.round, now=asyncio.get_running_loop().time(), inner_steps=self.synced_at)
 
     async def export_state(self, name: str) -> BlobStream:
         """The ``state/<stage>`` blob (global weights, outer optimizer state, round, schedule step), streamed: each chunk
@@ -251,26 +266,7 @@ class ReplicaSync:
             raise LookupError(f"this peer holds stage {self.stage}")
         if self.outer is None:  # no outer step: the local weights are the stage's weights
             return stream_state(await self.local_state())
-        outer = self.outer
-
-        def take() -> tuple[int, StageState]:  # on the outer thread: the references, and the version they are of
-            state = StageState(
-                stage=self.stage,
-                round=outer.round,
-                schedule_step=self.schedule_step,
-                params=dict(outer.global_params),
-                optimizer=outer.optimizer.state_dict(),  # its tensors are the live buffers, not copies
-            )
-            return self._changes, state
-
-        version, state = await self._on_thread(take)
-
-        def unchanged(copy: Callable[[], bytes]) -> bytes:
-            if self._changes != version:
-                raise StateChanged(f"stage {self.stage}'s outer state changed while it was sent")
-            return copy()
-
-        return stream_state(state, read=lambda copy: self._on_thread(unchanged, copy))
+        return await _stream_outer(self, self.outer)
 
     async def local_state(self) -> StageState:
         """This replica's current (local) weights as a stage state, no optimizer: what a rebuild merges, an export saves,
@@ -302,13 +298,16 @@ class ReplicaSync:
         outer = self._outer
         if payloads is None:
             # nothing to agree on: the local weights, and the progress since the snapshot, stay as they are
+            self._moved = await self._on_thread(distance, snapshot, outer.global_params)
             await self._changing(outer.apply_alone, snapshot)
             self.global_hash = await self._on_thread(weights_hash, outer.global_params)
             return None
         target = {name: torch.empty_like(t) for name, t in snapshot.items()}
         old_global = {name: g.clone() for name, g in outer.global_params.items()} if keep_own else None
+        own = await self._on_thread(distance, snapshot, outer.global_params)  # with the move below: ≥ the global's move
         screening: Screening = await self._changing(outer.apply, list(payloads), target)  # target ← new global weights
         self.global_hash = await self._on_thread(weights_hash, outer.global_params)
+        self._moved = own + await self._on_thread(distance, outer.global_params, snapshot)
         if old_global is not None:
             for name, t in target.items():
                 t.add_(snapshot[name] - old_global[name])  # + this replica's Δ, which the group did not receive
@@ -344,8 +343,9 @@ class ReplicaSync:
         logger.warning(f"stage {self.stage}: no replica got past outer round {round_}; keeping it")
         return False
 
-    async def _download(self, claim: StateClaim, reason: str) -> bool:
-        """Download and adopt the state ``claim`` announces, from one of its holders; False if none delivers it."""
+    async def _download(self, claim: StateClaim, reason: str, reach: int | None) -> bool:
+        """Download and adopt the state ``claim`` announces, from one of its holders, if its round is within ``reach``
+        and its weights near this replica's (``StateTrust.state_check``); False if none delivers it."""
         started = time.perf_counter()
         reference = self.outer.global_params if self.outer else self.params
         try:
@@ -356,6 +356,7 @@ class ReplicaSync:
                 stage=self.stage,
                 template=self.params,
                 reference=reference,
+                also=self.trust.state_check(reference, round_=self.round, horizon=self.horizon, reach=reach),
                 blame=self.strike,
             )
         except TransferError as e:
@@ -377,6 +378,29 @@ class ReplicaSync:
             return fn(*args)
 
         return await self._on_thread(change)
+
+
+async def _stream_outer(sync: ReplicaSync, outer: OuterOptimizer[Any]) -> BlobStream:
+    """``sync``'s outer state (``ReplicaSync.export_state``), cut short by a change of it (``StateChanged``)."""
+
+    def take() -> tuple[int, StageState]:  # on the outer thread: the references, and the version they are of
+        state = StageState(
+            stage=sync.stage,
+            round=outer.round,
+            schedule_step=sync.schedule_step,
+            params=dict(outer.global_params),
+            optimizer=outer.optimizer.state_dict(),  # its tensors are the live buffers, not copies
+        )
+        return sync._changes, state
+
+    version, state = await sync._on_thread(take)
+
+    def unchanged(copy: Callable[[], bytes]) -> bytes:
+        if sync._changes != version:
+            raise StateChanged(f"stage {sync.stage}'s outer state changed while it was sent")
+        return copy()
+
+    return stream_state(state, read=lambda copy: sync._on_thread(unchanged, copy))
 
 
 def _load_outer(outer: OuterOptimizer[Any], state: StageState) -> None:
@@ -444,7 +468,7 @@ def download_event(sync: ReplicaSync, peer: str, claim: StateClaim, reason: str,
         stage=sync.stage,
         from_peer=peer,
         reason=reason,
-        vouched_by=len(claim.holders),
+        vouched_by=len(claim.vouchers),
         download_s=download_s,
         outer_round=sync.round,
         global_hash=sync.global_hash,
