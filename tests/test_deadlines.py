@@ -1,0 +1,131 @@
+"""Adaptive hop deadlines (swarm/pipeline/deadlines.py): the rule, the ban on deadlines missed in a row (the router's
+growing back-off, on a ``FakeClock``), and a trainer's hops to a silent replica beside an honest one, in virtual time:
+each silent call costs its adaptive deadline, not ``rpc_s``, and the silent replica leaves routing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from swarm.dht.metrics import Traffic
+from swarm.pipeline.boundary import boundary_ladders
+from swarm.pipeline.deadlines import MIN_SAMPLES, NEW_PEER_SLACK, DeadlineRule, Deadlines
+from swarm.pipeline.protocol import Backward, Forward
+from swarm.pipeline.routing import BAN_S, Router
+from swarm.pipeline.trainer import LinkCodecs, Microbatch, Outgoing, RemoteStages, TrainerOptions
+from swarmtest.attacks import INT8
+from swarmtest.clock import FakeClock
+from swarmtest.configs import BATCH, SEQ, tiny_config
+
+RPC_S = 30.0
+
+
+def rule(**kw: float) -> DeadlineRule:
+    return DeadlineRule(rpc_s=RPC_S, **kw)  # type: ignore[arg-type]
+
+
+def test_a_deadline_is_a_multiple_of_the_servers_p95_floored_and_capped() -> None:
+    deadlines = Deadlines(rule(multiple=4.0, floor_s=2.0))
+    assert deadlines.deadline(1, "a") == RPC_S  # nothing known: rpc_s
+    for seconds in [1.0] * 19 + [2.5]:  # p95 of 20 samples: the largest
+        deadlines.observe(1, "a", seconds)
+    assert deadlines.deadline(1, "a") == 10.0
+    assert deadlines.deadline(1, "a", transfer_s=4.0) == 16.0  # a frame larger than those measured gets its time
+    assert deadlines.deadline(1, "a", transfer_s=100.0) == RPC_S  # capped
+    fast = Deadlines(rule(multiple=4.0, floor_s=2.0))
+    for _ in range(MIN_SAMPLES):
+        fast.observe(1, "a", 0.01)
+    assert fast.deadline(1, "a") == 2.0 and fast.deadline(1, "a", floor_s=10.0) == 10.0  # floors (a streamed call's)
+    # a new server of a measured stage: the stage's p95 with more slack; of another stage: rpc_s
+    assert fast.deadline(1, "new") == 2.0 and deadlines.deadline(1, "new") == min(RPC_S, NEW_PEER_SLACK * 4 * 2.5)
+    assert fast.deadline(2, "new") == RPC_S
+
+
+def test_misses_in_a_row_ask_for_a_ban_at_each_further_miss_until_a_success() -> None:
+    deadlines = Deadlines(rule(misses=3))
+    assert [deadlines.miss(1, "a") for _ in range(4)] == [False, False, True, True]
+    deadlines.observe(1, "a", 0.1)
+    assert not deadlines.miss(1, "a") and deadlines.misses(1, "a") == 1
+
+
+def test_the_router_bans_a_server_for_a_growing_back_off_and_a_verdict_for_its_own_time() -> None:
+    clock = FakeClock(0.0)
+    router = Router(1, random.Random(0), clock)
+    router.update(1, ["a", "b"])
+    router.report_failure(1, "a", "missed")
+    assert router.balancers[1].live_peers() == ["b"]
+    clock.advance(BAN_S + 0.1)
+    assert sorted(router.balancers[1].live_peers()) == ["a", "b"]
+    router.report_failure(1, "a", "missed again")  # no success between: twice as long
+    clock.advance(BAN_S + 0.1)
+    assert router.balancers[1].live_peers() == ["b"]
+    clock.advance(BAN_S)
+    assert "a" in router.balancers[1].live_peers()
+    router.ban(1, "b", 600.0, "condemned")
+    clock.advance(599.0)
+    assert router.balancers[1].live_peers() == ["a"]
+
+
+class SilentAndHonest:
+    """``StageCalls``: "honest" echoes its input after 10 ms, "silent" never answers (the caller's timeout ends it);
+    the deadlines each was given."""
+
+    def __init__(self) -> None:
+        self.timeouts: dict[str, list[float]] = {"honest": [], "silent": []}
+
+    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
+        self.timeouts[peer].append(timeout)
+        if peer == "silent":
+            await asyncio.wait_for(asyncio.Event().wait(), timeout)
+        await asyncio.sleep(0.01)
+        return request.x
+
+    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
+        raise AssertionError("forwards only")
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_replica_costs_its_adaptive_deadline_not_rpc_s_and_leaves_routing() -> None:
+    cfg = tiny_config(stages=1, steps=10, timeouts={"rpc_s": RPC_S})
+    options = TrainerOptions(check_rate=0.0, deadline_floor_s=0.2)
+    router = Router(1, random.Random(0))
+    router.update(1, ["honest"])
+    calls, counters = SilentAndHonest(), Counter[str]()
+    activations, gradients = boundary_ladders(cfg)
+    remote = RemoteStages(
+        cfg,
+        calls,
+        router,
+        options,
+        codecs=LinkCodecs({"activations": activations, "gradients": gradients}),
+        counters=counters,
+        traffic=Traffic(),
+        fp32_bytes=Counter(),
+    )
+    x = Outgoing(torch.randn(BATCH, SEQ, cfg.model.d_model), None, INT8.encode(torch.randn(BATCH, SEQ, 64)), INT8)
+
+    async def hop(i: int) -> None:
+        await remote.forward_hop(Microbatch(f"mb{i}", (BATCH, SEQ, cfg.model.d_model), train=True), 1, 0, x)
+
+    async def scenario() -> float:
+        for i in range(10):  # the honest replica's service times
+            await hop(i)
+        router.update(1, ["honest", "silent"])  # a new replica joins: it answers nothing
+        started = time.monotonic()
+        for i in range(10, 1000):  # a silent replica charged its deadline is picked again once the honest catches up
+            if counters["deadline_bans"]:
+                break
+            await hop(i)
+        return time.monotonic() - started
+
+    waited = asyncio.run(scenario())
+    silent = calls.timeouts["silent"]
+    assert len(silent) == options.deadline_misses and counters["deadline_bans"] == 1  # then banned
+    assert all(t < RPC_S / 10 for t in silent), silent  # the stage's p95 × slack, or the floor; not rpc_s
+    assert counters["hop_timeouts"] == len(silent) and "silent" not in router.balancers[1].live_peers()
+    assert waited < sum(silent) + 30.0  # without: 3 × rpc_s of waiting
