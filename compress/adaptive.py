@@ -57,10 +57,11 @@ class Ladder:
         if expected_shape is not None:
             shape = tuple(expected_shape)
             shape_limits = max(candidates, key=lambda codec: codec.payload_bytes(shape)).limits_for(shape)
-        frame = decode_frame(data, limits=receiver_limits(limits, shape_limits), expected_shape=expected_shape)
+        bounds = receiver_limits(limits, shape_limits)
+        frame = decode_frame(data, limits=bounds, expected_shape=expected_shape)
         for codec in candidates:
             if codec.matches(frame):
-                return codec, *codec.from_frame(frame, allow_nonfinite=allow_nonfinite)
+                return codec, *codec.from_frame(frame, allow_nonfinite=allow_nonfinite, max_abs=bounds.max_abs)
         raise UnknownCodec(f"frame's subspace inner codec is not one of {', '.join(self.names)}")
 
 

@@ -20,7 +20,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from compress.errors import MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
+from compress.errors import LimitExceeded, MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
 from compress.wire import (
     BytesLike,
     CodecId,
@@ -33,6 +33,11 @@ from compress.wire import (
 )
 
 Kind = Literal["activation", "gradient"]
+FP32_MAX = torch.finfo(torch.float32).max
+# The largest |value| a receiver of boundary tensors accepts (``WireLimits.max_abs``, set by the stage server): a
+# value whose square overflows fp32 makes the receiver's norms (an activation's RMSNorm, the gradient norm a stage
+# server screens) inf, which no model in training produces; refused at decode, before any compute is spent on it.
+BOUNDARY_MAX_ABS = 2.0**64
 
 
 def to_bytes(t: torch.Tensor) -> bytes:
@@ -47,11 +52,25 @@ def from_bytes(buf: BytesLike, dtype: torch.dtype, count: int, what: str) -> tor
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """No NaN or ±inf in ``x`` (aminmax is ~10× faster than isfinite().all() on CPU)."""
+    """No NaN or ±inf in ``x`` (aminmax is ~10× faster than isfinite().all() on CPU, and reads bf16 as it is)."""
+    lo, hi = value_range(x)
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
+def value_range(x: torch.Tensor) -> tuple[float, float]:
+    """The smallest and largest value of ``x`` (NaN if it holds one; (0, 0) if empty), in one pass."""
     if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x.float() if x.dtype not in (torch.float32, torch.float64) else x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+        return 0.0, 0.0
+    lo, hi = torch.aminmax(x if x.dtype.is_floating_point else x.float())
+    return float(lo), float(hi)
+
+
+def largest_value(dtype: torch.dtype) -> float:
+    """The largest magnitude a finite tensor of ``dtype`` holds, as far as an fp32 scale can carry it: what bounds
+    the scale of a frame an honest encoder made from that tensor."""
+    if dtype.is_floating_point:
+        return min(torch.finfo(dtype).max, FP32_MAX)
+    return 1.0 if dtype == torch.bool else min(float(-torch.iinfo(dtype).min), FP32_MAX)
 
 
 class Codec(ABC):
@@ -92,20 +111,30 @@ class Codec(ABC):
         ``limits`` (default ``DEFAULT_LIMITS``) tighten that further.
         """
         shape_limits = None if expected_shape is None else self.limits_for(tuple(expected_shape))
-        frame = decode_frame(data, limits=receiver_limits(limits, shape_limits), expected_shape=expected_shape)
-        return self.from_frame(frame, allow_nonfinite=allow_nonfinite)
+        bounds = receiver_limits(limits, shape_limits)
+        frame = decode_frame(data, limits=bounds, expected_shape=expected_shape)
+        return self.from_frame(frame, allow_nonfinite=allow_nonfinite, max_abs=bounds.max_abs)
 
     def limits_for(self, shape: tuple[int, ...]) -> WireLimits:
         """The bounds of a frame of ``shape`` in this codec: no more metadata and body than the shape needs."""
         needed = self.payload_bytes(shape)  # meta + body
         return WireLimits.for_shape(shape, body_bytes=needed, meta_bytes=needed)
 
-    def from_frame(self, frame: Frame, *, allow_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def from_frame(
+        self, frame: Frame, *, allow_nonfinite: bool = False, max_abs: float = math.inf
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frame's tensor and token ids; refused if it holds NaN or inf (unless allowed) or |values| > ``max_abs``."""
         if not self.matches(frame):
             raise UnknownCodec(f"frame has codec id {frame.codec_id}, expected {self.name!r} (id {int(self.codec_id)})")
         x, tokens = self.unpack(frame)
-        if not allow_nonfinite and not all_finite(x):
+        lo, hi = value_range(x)
+        if not allow_nonfinite and not (math.isfinite(lo) and math.isfinite(hi)):
             raise NonFiniteValues(f"{self.name} frame of shape {frame.shape} decodes to NaN or inf values")
+        if max(-lo, hi) > max_abs:
+            raise LimitExceeded(
+                f"{self.name} frame of shape {frame.shape} decodes to values up to {max(-lo, hi):.3g} in magnitude, "
+                f"over the receiver's limit of {max_abs:.3g}"
+            )
         return x, tokens
 
     def matches(self, frame: Frame) -> bool:
@@ -142,8 +171,12 @@ class FloatCodec(Codec):
 
     def pack(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[bytes, bytes]:
         y = x.to(self.dtype)
-        if self.dtype == torch.float16 and all_finite(x) and not all_finite(y):
-            raise ValueError("values beyond fp16's range (±65504); use bf16")
+        if self.dtype in (torch.float16, torch.bfloat16) and not all_finite(y) and all_finite(x):
+            if self.dtype == torch.float16:
+                raise ValueError("values beyond fp16's range (±65504); use bf16")
+            # fp32 values beyond bf16's largest (3.3895e38) cast to inf: saturated instead, within bf16's 0.4% step
+            top = torch.finfo(torch.bfloat16).max
+            y = x.clamp(-top, top).to(self.dtype)
         return b"", to_bytes(y)
 
     def unpack(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -156,6 +189,15 @@ class FloatCodec(Codec):
 _SCALE_STEPS = 16.0  # token scale = top · 2**(-s / 16): steps of 4.4%, range 2**-16 below the largest
 
 
+def _largest_top(levels: int) -> float:
+    """The largest fp32 ``top`` whose full-scale value, levels · (top / levels) in fp32 as ``IntCodec.unpack``
+    computes it, is finite: 127 · (FP32_MAX / 127) rounds to inf."""
+    top = torch.tensor(FP32_MAX)
+    while not torch.isfinite(levels * (top / levels)):
+        top = torch.nextafter(top, torch.tensor(0.0))
+    return float(top)
+
+
 class IntCodec(Codec):
     """Symmetric per-token (last dim) absmax quantisation to int8, or int4 packed two per byte."""
 
@@ -163,6 +205,7 @@ class IntCodec(Codec):
         self.bits = bits
         self.levels: int = 2 ** (bits - 1) - 1  # ±127 or ±7
         self.name, self.codec_id = {8: ("int8", CodecId.INT8), 4: ("int4", CodecId.INT4)}[bits]
+        self.largest_top = _largest_top(self.levels)
 
     def row_bytes(self, d: int) -> int:
         return d if self.bits == 8 else (d + 1) // 2
@@ -175,7 +218,7 @@ class IntCodec(Codec):
         top = amax.max() if len(amax) else amax.new_zeros(())
         if not torch.isfinite(top):
             raise ValueError(f"{self.name} cannot encode NaN or inf values")
-        top = torch.where(top > 0, top, 1.0)  # an all-zero tensor still gets a usable scale
+        top = torch.where(top > 0, top, 1.0).clamp_(max=self.largest_top)  # all-zero: a usable scale; see _largest_top
         # largest s with top·2^(-s/16) ≥ amax, so no value clips; the clamp absorbs rounding
         steps = (-_SCALE_STEPS * torch.log2(amax / top)).floor_().clamp_(0, 255).to(torch.uint8)
         q = (x2 / self.scales(steps, top)[:, None]).round_().clamp_(-self.levels, self.levels).to(torch.int8)
@@ -194,7 +237,7 @@ class IntCodec(Codec):
             )
         d = frame.shape[-1]
         n = math.prod(frame.shape[:-1])
-        top = torch.tensor(struct.unpack("<f", frame.meta)[0])
+        top = torch.tensor(self._scale(frame))
         steps = from_bytes(frame.body[:n], torch.uint8, n, f"{self.name} scales")
         q = from_bytes(frame.body[n:], torch.uint8, n * self.row_bytes(d), f"{self.name} values").view(
             n, self.row_bytes(d)
@@ -204,6 +247,18 @@ class IntCodec(Codec):
         else:
             q = torch.stack((q & 15, q >> 4), dim=-1).view(n, 2 * q.shape[1])[:, :d].to(torch.int8) - 8
         return (q * self.scales(steps, top)[:, None]).reshape(frame.shape), None
+
+    def _scale(self, frame: Frame) -> float:
+        """The frame's ``top``, refused beyond what the encoder makes of a finite tensor of the frame's dtype: the
+        absmax of its values (a bf16 one is at most 3.3895e38, an fp16 one 65504), 1.0 for all zeros, never ≤ 0."""
+        top: float = struct.unpack("<f", frame.meta)[0]
+        bound = min(largest_value(frame.dtype), self.largest_top)
+        if not 0 < top <= bound:
+            raise MalformedFrame(
+                f"{self.name} frame's scale {top:.6g} is outside (0, {bound:.6g}], what a finite {frame.dtype} tensor "
+                "can be coded with"
+            )
+        return top
 
     def payload_bytes(self, x_shape: tuple[int, ...]) -> int:
         return 4 + math.prod(x_shape[:-1]) * (1 + self.row_bytes(x_shape[-1]))
@@ -304,6 +359,7 @@ class SubspaceCodec(Codec):
         inner = replace(
             frame,
             codec_id=self.inner.codec_id,
+            dtype=torch.float32,  # the sender coded z = (x − T[tok]) U in fp32, whatever x's dtype
             shape=(*frame.shape[:-1], self.k),
             meta=frame.meta[_SUBSPACE_META.size :],
             body=frame.body[n_tok:],

@@ -264,12 +264,12 @@ def _quantize(values: np.ndarray, tiling: _Tiling) -> tuple[np.ndarray, np.ndarr
     mag = tiling.grouped(np.abs(values))  # (G, S)
     counted = np.full(len(mag), mag.shape[1])  # values per group, the fill of the last one left out
     counted[-1:] -= mag.size - values.size
-    total = mag.sum(axis=1)
+    total = mag.sum(axis=1, dtype=np.float64)  # in fp64: a sum of fp32 magnitudes near 3.4e38 overflows in fp32
     big = mag * counted[:, None] > total[:, None]
     n_big, levels = big.sum(axis=1), np.empty((len(mag), 2), dtype=np.float32)
-    levels[:, 1] = (mag * big).sum(axis=1)
-    levels[:, 0] = (total - levels[:, 1]) / np.maximum(counted - n_big, 1)
-    levels[:, 1] /= np.maximum(n_big, 1)  # 0 when nothing is big, and then unused
+    big_total = (mag * big).sum(axis=1, dtype=np.float64)
+    levels[:, 0] = (total - big_total) / np.maximum(counted - n_big, 1)  # means of finite fp32 values: finite
+    levels[:, 1] = big_total / np.maximum(n_big, 1)  # 0 when nothing is big, and then unused
     codes = big.reshape(-1, tiling.k)[: len(values)].view(np.uint8) + 2 * np.signbit(values).view(np.uint8)
     return codes, _to_bf16(levels)
 

@@ -91,11 +91,12 @@ class CodecId(IntEnum):
 
 @dataclass(kw_only=True)
 class WireLimits:
-    """What a receiver is willing to allocate for one frame.
+    """What a receiver is willing to allocate for one frame, and the largest |value| it takes from one.
 
     The defaults bound a receiver that knows nothing of the tensor it expects; every receiver of
     the swarm's own traffic knows more (``expected_shape``, the stage server's limits) and is
-    tighter. 64 MiB holds a microbatch of 16 × 1024 tokens of width 1024 in fp32.
+    tighter. 64 MiB holds a microbatch of 16 × 1024 tokens of width 1024 in fp32. ``max_abs`` is
+    checked on the decoded tensor (``compress.codecs``; by default only finiteness).
     """
 
     max_frame_bytes: int = 64 << 20  # the encoded frame as received
@@ -103,10 +104,11 @@ class WireLimits:
     max_meta_bytes: int = 64 << 10
     max_elements: int = 16 << 20  # elements of the declared tensor shape
     max_ndim: int = 8
+    max_abs: float = math.inf  # of a decoded value (compress/codecs.py, BOUNDARY_MAX_ABS)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value <= 0:
+            if not value > 0:
                 raise ValueError(f"WireLimits.{name} must be positive, got {value}")
         if self.max_ndim > 255:
             raise ValueError(f"WireLimits.max_ndim is at most 255 (one header byte), got {self.max_ndim}")

@@ -3,7 +3,7 @@ screen a stage server runs on each microbatch's gradient before it counts.
 
 >>> opt, sched = make_inner_optimizer(model.parameters(), InnerOptimConfig())
 >>> loss.backward(); clip_and_step(opt, sched, cfg.grad_clip)   # skips the step if the norm is not finite
->>> screen = GradNormScreen(); screen.refusal(norm) or screen.accept(norm)
+>>> verdict = screen.judge(norm, peer); verdict.refusal or (verdict.scale_(grads), screen.accept(verdict, peer))
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +25,24 @@ logger = logging.getLogger(__name__)
 # norms drift (lr warmup, loss decay) and vary between microbatches, and early in training, with a replica
 # just killed and its microbatches rerouted, an honest one measured 144× and 150× the median of the 13
 # accepted before it (tests/test_swarm_integration.py::test_killed_stage_server_does_not_stop_training);
-# refusing honest data is a strike, so only a gradient three orders of magnitude out is refused
+# refusing honest data is a strike, so while the window fills only a gradient three orders of magnitude out is refused
 MAX_GRAD_NORM_RATIO = 1000.0
+# once a full window of norms is in, the refusal bound: honest norms measured at most 2.7× their median there (and
+# 13× before, same test); an honest outlier between the clip bound and this one is clipped, not refused
+SETTLED_GRAD_NORM_RATIO = 100.0
+# the clip bound, median · e^(CLIP_SIGMAS·σ) of the log-norms (σ from their MAD), held within these ratios: a norm
+# above it still counts, scaled down to it, with no strike (an honest spike loses only its excess)
+CLIP_SIGMAS = 4.0
+CLIP_MIN_RATIO, CLIP_MAX_RATIO = 4.0, 32.0
+# once a stage has an established peer (PROBATION_MICROBATCHES counted), a new one's first microbatches count at this
+# weight and are clipped at √(clip ratio): a fresh identity starts below an established one, so discarding an identity
+# buys nothing. Before that every peer is new: weighing them all alike leaves the step as it was (runtime = simulator)
+PROBATION_MICROBATCHES = 32
+PROBATION_WEIGHT = 0.5
+MAX_SCREENED_PEERS = (
+    4096  # peers whose standing the screen remembers (the longest-silent forgotten: on probation again)
+)
+_MAD_TO_SIGMA = 1.4826  # MAD · this estimates a normal distribution's σ
 
 
 def lr_factor(step: int, cfg: InnerOptimConfig) -> float:
@@ -97,36 +114,115 @@ def clip_and_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LR
     return norm
 
 
-class GradNormScreen:
-    """Refuses a gradient whose norm is not finite, or far above the recent accepted ones.
+@dataclass(frozen=True)
+class Verdict:
+    """What the screen made of one microbatch's gradient: refused (why), or counted with its gradients scaled by
+    ``weight`` (the clip factor times the probation weight); ``counted`` is its norm after clipping."""
 
-    The reference is the median of the last ``window`` accepted norms, so a minority of outsized
-    gradients cannot move it; until ``warmup`` norms are in only finiteness is checked.
+    refusal: str | None = None
+    weight: float = 1.0
+    clipped: bool = False
+    counted: float = 0.0
+
+    def scale_(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Scale the microbatch's gradients in place by ``weight``."""
+        if self.weight != 1.0:
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(self.weight)
+
+
+@dataclass
+class Standing:
+    """One peer's record at a stage's screen: microbatches counted, of them clipped, and refused."""
+
+    accepted: int = 0
+    clipped: int = 0
+    refused: int = 0
+
+
+class GradNormScreen:
+    """Judges each microbatch's gradient norm against the stage's own recent accepted norms, whoever sent them.
+
+    A non-finite norm, or one over MAX_GRAD_NORM_RATIO × the median of the last ``window`` (SETTLED_GRAD_NORM_RATIO
+    once the window is full), is refused (the sender struck); one over the clip bound (module constants) counts
+    scaled down to it. The statistics are the stage's, so a new identity meets the same bounds, and once some peer
+    is established its first ``probation`` microbatches count at ``probation_weight``, clipped tighter. Until
+    ``warmup`` norms are in the clip ratio is CLIP_MAX_RATIO; the stage's first norm has no reference but finiteness.
     """
 
-    def __init__(self, *, ratio: float = MAX_GRAD_NORM_RATIO, window: int = 64, warmup: int = 8) -> None:
-        if ratio <= 1 or window < 1 or not 1 <= warmup <= window:
-            raise ValueError(f"need ratio > 1 and 1 ≤ warmup ≤ window, got {ratio}, {warmup}, {window}")
-        self.ratio, self.warmup = ratio, warmup
-        self.recent: deque[float] = deque(maxlen=window)  # accepted norms, oldest first
-
-    @property
-    def limit(self) -> float:
-        """The largest norm accepted now."""
-        if len(self.recent) < self.warmup:
-            return math.inf
-        return self.ratio * statistics.median(self.recent)
-
-    def refusal(self, norm: float) -> str | None:
-        """Why a gradient of this norm is refused, or None if it is accepted."""
-        if not math.isfinite(norm):
-            return f"gradient norm is {norm}"
-        if norm > self.limit:
-            return (
-                f"gradient norm {norm:.3g} is over {self.ratio:g}× the median {self.limit / self.ratio:.3g} "
-                f"of the last {len(self.recent)} accepted"
+    def __init__(
+        self,
+        *,
+        window: int = 64,
+        warmup: int = 8,
+        probation: int = PROBATION_MICROBATCHES,
+        probation_weight: float = PROBATION_WEIGHT,
+        max_peers: int = MAX_SCREENED_PEERS,
+    ) -> None:
+        if window < 1 or not 1 <= warmup <= window or probation < 0 or not 0 < probation_weight <= 1 or max_peers < 1:
+            raise ValueError(
+                f"need 1 ≤ warmup ≤ window, probation ≥ 0, 0 < probation_weight ≤ 1, max_peers ≥ 1; got {warmup}, "
+                f"{window}, {probation}, {probation_weight}, {max_peers}"
             )
-        return None
+        self.warmup, self.max_peers = warmup, max_peers
+        self.probation, self.probation_weight = probation, probation_weight
+        self.recent: deque[float] = deque(maxlen=window)  # counted (clipped) norms, oldest first
+        self.peers: OrderedDict[Hashable, Standing] = OrderedDict()  # the most recently seen last
+        self.established = 0  # peers in ``peers`` past their probation
 
-    def accept(self, norm: float) -> None:
-        self.recent.append(norm)
+    def bounds(self) -> tuple[float, float, float]:
+        """(median of the recent counted norms, clip ratio, refusal ratio); a median of 0 when there is none."""
+        positive = [n for n in self.recent if n > 0]
+        if not positive:
+            return 0.0, math.inf, math.inf
+        median = statistics.median(positive)
+        refusal = SETTLED_GRAD_NORM_RATIO if len(self.recent) == self.recent.maxlen else MAX_GRAD_NORM_RATIO
+        if len(positive) < self.warmup:
+            return median, CLIP_MAX_RATIO, refusal
+        logs = [math.log(n / median) for n in positive]
+        sigma = _MAD_TO_SIGMA * statistics.median(abs(x) for x in logs)
+        return median, min(CLIP_MAX_RATIO, max(CLIP_MIN_RATIO, math.exp(CLIP_SIGMAS * sigma))), refusal
+
+    def on_probation(self, peer: Hashable) -> bool:
+        """Whether the peer's microbatches count less: it is new (or forgotten) at a stage that knows another."""
+        standing = self.peers.get(peer)
+        return self.established > 0 and (standing is None or standing.accepted < self.probation)
+
+    def judge(self, norm: float, peer: Hashable) -> Verdict:
+        """The verdict on a gradient of norm ``norm`` from ``peer``; a refusal is counted against the peer here."""
+        median, clip_ratio, refusal_ratio = self.bounds()
+        refusal = None
+        if not math.isfinite(norm):
+            refusal = f"gradient norm is {norm}"
+        elif median > 0 and norm > refusal_ratio * median:
+            refusal = (
+                f"gradient norm {norm:.3g} is over {refusal_ratio:g}× the median {median:.3g} of the stage's last "
+                f"{len(self.recent)} accepted"
+            )
+        if refusal is not None:
+            self._standing(peer).refused += 1
+            return Verdict(refusal=refusal)
+        probation = self.on_probation(peer)
+        limit = median * (math.sqrt(clip_ratio) if probation else clip_ratio) if median > 0 else math.inf
+        clip = limit / norm if norm > limit else 1.0
+        weight = clip * (self.probation_weight if probation else 1.0)
+        return Verdict(weight=weight, clipped=clip < 1.0, counted=norm * clip)
+
+    def accept(self, verdict: Verdict, peer: Hashable) -> None:
+        """Count a judged gradient that went into the stage's accumulated gradients."""
+        self.recent.append(verdict.counted)
+        standing = self._standing(peer)
+        standing.accepted += 1
+        standing.clipped += verdict.clipped
+        self.established += standing.accepted == self.probation
+
+    def _standing(self, peer: Hashable) -> Standing:
+        standing = self.peers.get(peer)
+        if standing is None:
+            standing = self.peers[peer] = Standing()
+            if len(self.peers) > self.max_peers:
+                _, forgotten = self.peers.popitem(last=False)
+                self.established -= 0 < self.probation <= forgotten.accepted
+        self.peers.move_to_end(peer)
+        return standing

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
+import struct
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compress.codecs import CODEC_NAMES, Codec, get_codec
-from compress.errors import LimitExceeded, NonFiniteValues, ShapeMismatch, UnknownCodec, WireError
+from compress.adaptive import Ladder
+from compress.codecs import BOUNDARY_MAX_ABS, CODEC_NAMES, Codec, all_finite, get_codec
+from compress.errors import LimitExceeded, MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec, WireError
+from compress.sparseloco import SparseLoCoCodec
 from compress.wire import CodecId, WireLimits, decode_frame, encode_frame
 from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
+from swarmtest.attacks import huge_scale
 
 torch.manual_seed(0)
 SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=16, subspace_rank=8)
@@ -243,3 +249,67 @@ def test_default_limits_keep_a_small_frame_from_becoming_a_huge_body() -> None:
     assert len(bomb) < 16 << 10
     with pytest.raises(LimitExceeded):
         get_codec("fp32").decode(bomb)
+
+
+# ---- frame scales: bounded by what an encoder makes of finite values -------------------------------------------
+
+F32_MAX, BF16_MAX = torch.finfo(torch.float32).max, torch.finfo(torch.bfloat16).max
+
+
+def with_scale(frame: bytes, top: float, dtype: torch.dtype | None = None) -> bytes:
+    """The int8/int4 frame with its scale (``top``) and, if given, its declared dtype replaced."""
+    parsed = decode_frame(frame)
+    return encode_frame(
+        parsed.codec_id, parsed.body, dtype=dtype or parsed.dtype, shape=parsed.shape, meta=struct.pack("<f", top)
+    )
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_scale_no_encoder_makes_from_finite_values_is_refused(name: str) -> None:
+    codec = get_codec(name)
+    frame = codec.encode(torch.randn(2, 5, 16))
+    beyond = (F32_MAX,) if name == "int8" else ()  # int8's full scale, 127 · (F32_MAX / 127), rounds to inf in fp32
+    for top in (math.inf, math.nan, 0.0, -1.0, *beyond):
+        with pytest.raises(MalformedFrame, match="scale"):
+            codec.decode(with_scale(frame, top))
+    with pytest.raises(MalformedFrame, match=r"what a finite torch.bfloat16 tensor can be coded with"):
+        codec.decode(with_scale(frame, 3.4e38, torch.bfloat16))  # over bf16's largest, 3.3895e38
+    with pytest.raises(MalformedFrame, match="scale"):
+        codec.decode(with_scale(frame, 65536.0, torch.float16))
+    # an fp32 tensor can hold 3.4e38, so the codec takes it; a receiver of boundary tensors (the stage server) does not
+    attack = huge_scale(get_codec("int8").encode(torch.randn(2, 5, 16)))
+    assert get_codec("int8").decode(attack).abs().max() > 1e38
+    with pytest.raises(LimitExceeded, match="over the receiver's limit of 1.84e\\+19"):
+        get_codec("int8").decode(attack, limits=WireLimits(max_abs=BOUNDARY_MAX_ABS))
+    with pytest.raises(LimitExceeded):  # the stage server's ladder of codecs applies it too
+        Ladder([get_codec("bf16"), get_codec("int8")]).decode(attack, limits=WireLimits(max_abs=BOUNDARY_MAX_ABS))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "subspace+int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_frame_encoded_from_finite_values_decodes_even_at_the_extremes(name: str, dtype: torch.dtype) -> None:
+    """At the real shape (8 × 1024 × 768): the largest finite values of the dtype, and 3.38e38, decode finite."""
+    basis = torch.linalg.qr(torch.randn(768, 96)).Q
+    codec = get_codec(name, basis=basis, kind="gradient")
+    x = torch.randn(8, 1024, 768).to(dtype)
+    extremes = (F32_MAX if dtype == torch.float32 else BF16_MAX, 3.38e38, 1e-38)
+    if name.startswith("subspace"):
+        extremes = (1e37, 1e-38)  # z = x U: an fp32 value of 3.4e38 projects beyond fp32; 1e37 does not
+    for i, value in enumerate(extremes):
+        x[i, 0, :4] = torch.tensor([value, -value, value, -value], dtype=dtype)
+    y = codec.decode(codec.encode(x))
+    assert y.shape == x.shape and all_finite(y)
+    if not name.startswith("subspace"):  # the extremes come back within the codec's own precision (bf16: 0.4%)
+        assert torch.allclose(y[:2, 0, :4], x[:2, 0, :4].float(), rtol=1e-2, atol=0.0)
+
+
+def test_a_sparseloco_frame_of_finite_extremes_decodes_finite() -> None:
+    """SparseLoCo's value scales are bf16 means of the sent magnitudes: from finite fp32 values they are finite (the
+    means are summed in fp64; in fp32 two values near 3.4e38 summed to inf), so finiteness is their bound."""
+    codec = SparseLoCoCodec(topk=64)
+    for value in (3.38e38, F32_MAX):
+        delta = torch.randn(128, 256)
+        delta[:8, :70] = value
+        delta[8:16, :70] = -value
+        sent = codec.decode(codec.encode("w", delta, codec.new_state()))
+        assert all_finite(sent.values) and sent.values.abs().max() >= 3.37e38

@@ -124,7 +124,8 @@ def test_bf16_trains_with_fp32_master_weights_and_sends_fp32_on_the_wire() -> No
     server = StageServer(cfg, 1, device=CPU)
     x = torch.randn(2, cfg.train.seq_len, cfg.model.d_model)
     y = server._compute_forward(x)
-    grad_x = server._compute_backward(CacheEntry(x=x, tokens=None, forward_s=0.0, weights=0), torch.randn_like(y))
+    entry = CacheEntry(x=x, tokens=None, forward_s=0.0, weights=0)
+    grad_x = server._compute_backward(entry, torch.randn_like(y), "trainer")
     assert y.dtype == grad_x.dtype == torch.float32
     with compute_precision(CPU, "bf16"):  # the blocks did run in bf16
         assert server.module.blocks[0].attn.qkv(x).dtype == torch.bfloat16

@@ -1,15 +1,31 @@
 """The inner optimizer factory: warmup, cosine decay, parameter groups, schedule offset; no step on a non-finite
 gradient norm, and the screen of outsized gradients."""
 
+import asyncio
 import logging
 import math
+import statistics
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from optim.config import InnerOptimConfig
-from optim.inner import GradNormScreen, clip_and_step, lr_factor, make_inner_optimizer
+from optim.inner import (
+    CLIP_MAX_RATIO,
+    PROBATION_MICROBATCHES,
+    PROBATION_WEIGHT,
+    GradNormScreen,
+    Verdict,
+    clip_and_step,
+    lr_factor,
+    make_inner_optimizer,
+)
 from swarm.model.step import InnerStep
+from swarm.pipeline.protocol import Backward, Forward, RequestError
+from swarm.pipeline.server import StageServer
+from swarmtest.attacks import HONEST_SCALE, INT8, activations
+from swarmtest.configs import BATCH, SEQ, tiny_config
 
 CFG = InnerOptimConfig(lr=1e-3, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
 
@@ -80,16 +96,139 @@ def test_a_peer_whose_steps_pass_the_schedule_warns_once(caplog: pytest.LogCaptu
     assert any("ended at step 110" in r.getMessage() for r in caplog.records), "and says so"
 
 
-def test_the_screen_refuses_non_finite_norms_always_and_outsized_ones_after_warmup() -> None:
-    screen = GradNormScreen(ratio=10.0, window=5, warmup=3)
-    assert screen.refusal(math.inf) and screen.refusal(math.nan)
-    assert screen.refusal(1e30) is None, "in warm-up only finiteness is checked"
-    for norm in (1.0, 2.0, 3.0):
-        screen.accept(norm)
-    assert screen.limit == 20.0  # 10 × the median of (1, 2, 3)
-    assert screen.refusal(20.0) is None and "over 10× the median 2" in (screen.refusal(20.1) or "")
-    for norm in (100.0, 100.0):  # outsized norms that got in cannot carry the median alone
-        screen.accept(norm)
-    assert screen.limit == 30.0
+def honest_norms(n: int, *, seed: int = 0, sigma: float = 0.4) -> list[float]:
+    """Per-microbatch gradient norms as a stage sees them later in training: lognormal about 0.3, a few ×2.5
+    (tests/test_swarm_integration.py's killed-stage run measured at most 2.7× the median after 64 norms)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [0.3 * math.exp(sigma * float(z)) for z in torch.randn(n, generator=gen)]
+
+
+def feed(screen: GradNormScreen, norms: list[float], peer: str) -> list[Verdict]:
+    verdicts: list[Verdict] = []
+    for norm in norms:
+        verdict = screen.judge(norm, peer)
+        assert verdict.refusal is None, verdict.refusal
+        screen.accept(verdict, peer)
+        verdicts.append(verdict)
+    return verdicts
+
+
+def test_the_screen_refuses_non_finite_norms_and_those_far_above_the_stages_median() -> None:
+    screen = GradNormScreen(window=8, warmup=3)
+    assert screen.judge(math.inf, "a").refusal and screen.judge(math.nan, "a").refusal
+    first = screen.judge(1e30, "a")  # no reference yet: only finiteness (and no one established to weigh it against)
+    assert first.refusal is None and first.weight == 1.0 and not first.clipped
+    screen = GradNormScreen(window=8, warmup=3)
+    feed(screen, [1.0, 2.0, 3.0], "a")
+    assert screen.bounds()[0] == 2.0 and "over 1000× the median 2" in (screen.judge(2001.0, "b").refusal or "")
+    assert screen.judge(1999.0, "b").clipped, "below the refusal bound: clipped, no strike"
+    assert screen.peers["b"].refused == 1 and screen.peers["b"].accepted == 0
+    feed(screen, [2.0] * 5, "a")  # the window is full: the settled bound
+    assert "over 100× the median" in (screen.judge(201.0, "b").refusal or "") and not screen.judge(199.0, "b").refusal
     with pytest.raises(ValueError):
-        GradNormScreen(ratio=1.0)
+        GradNormScreen(window=4, warmup=5)
+
+
+def test_570x_gradients_from_seven_fresh_identities_move_the_weights_no_more_than_an_honest_microbatch() -> None:
+    """The issue's attack: 65 microbatches at ~570× the median from 7 new identities, among an honest trainer's."""
+    screen = GradNormScreen()
+    honest = honest_norms(400)
+    counted = [v.weight * n for v, n in zip(feed(screen, honest[:40], "honest"), honest[:40], strict=True)]
+    median = statistics.median(honest[:40])
+    outcomes = {"refused": 0, "clipped": 0}
+    for i in range(65):
+        norm = 570 * median
+        verdict = screen.judge(norm, f"sybil{i % 7}")
+        if verdict.refusal is not None:  # once the window holds 64 norms: over 100× its median
+            outcomes["refused"] += 1
+        else:
+            outcomes["clipped"] += verdict.clipped
+            assert verdict.clipped and verdict.weight * norm <= max(counted), (i, verdict)
+            screen.accept(verdict, f"sybil{i % 7}")
+        counted += [v.weight * n for v, n in zip(feed(screen, honest[40 + 2 * i : 42 + 2 * i], "honest"), honest)]
+    assert outcomes["refused"] > 0 and outcomes["refused"] + outcomes["clipped"] == 65, outcomes
+    # each counted at most √(clip ratio) × the median at half weight: below an established honest microbatch's bound
+    assert all(s.accepted < PROBATION_MICROBATCHES for peer, s in screen.peers.items() if peer != "honest")
+    assert screen.bounds()[0] < 1.5 * median, "a minority of clipped norms cannot carry the median"
+
+
+def test_an_early_honest_spike_is_clipped_not_refused() -> None:
+    """Early in training the killed-stage test once measured honest norms 144× and 150× the median of the 13 accepted
+    before them: no strike for those (and a norm that large is clipped, at most to CLIP_MAX_RATIO × the median)."""
+    screen = GradNormScreen()
+    early = honest_norms(13, sigma=1.0)
+    feed(screen, early, "trainer")
+    for ratio in (144.0, 150.0):
+        median = screen.bounds()[0]
+        verdict = screen.judge(ratio * median, "trainer")
+        assert verdict.refusal is None and verdict.clipped
+        assert verdict.counted == pytest.approx(CLIP_MAX_RATIO * median)
+        screen.accept(verdict, "trainer")
+    assert screen.peers["trainer"].refused == 0
+    # and honest drift within the window's spread is counted whole
+    steady = GradNormScreen()
+    verdicts = feed(steady, honest_norms(300, seed=1), "trainer")
+    assert sum(v.clipped for v in verdicts) <= 1
+
+
+def test_a_new_peer_is_on_probation_for_its_first_microbatches_and_the_table_is_bounded() -> None:
+    screen = GradNormScreen(probation=4, max_peers=3)
+    assert [v.weight for v in feed(screen, [1.0] * 10, "old")] == [1.0] * 10, "no one established: all alike"
+    assert screen.established == 1
+    assert [v.weight for v in feed(screen, [1.0] * 6, "new")] == [PROBATION_WEIGHT] * 4 + [1.0] * 2
+    median, clip_ratio, _ = screen.bounds()
+    newcomer, established = screen.judge(3.0, "newer"), screen.judge(3.0, "new")
+    assert newcomer.clipped and newcomer.counted == pytest.approx(math.sqrt(clip_ratio) * median)  # a tighter bound
+    assert newcomer.weight == pytest.approx(PROBATION_WEIGHT * newcomer.counted / 3.0)
+    assert not established.clipped and established.weight == 1.0
+    for peer in ("p1", "p2", "p3"):  # bounded: the longest-silent are forgotten, and start over on probation
+        screen.accept(screen.judge(1.0, peer), peer)
+    assert list(screen.peers) == ["p1", "p2", "p3"] and screen.established == 0 and not screen.on_probation("new")
+    assert [v.weight for v in feed(screen, [1.0] * 5, "p1")][-1] == 1.0 and screen.on_probation("new")
+
+
+def test_a_verdict_scales_the_microbatchs_gradients() -> None:
+    grads = [torch.ones(2, 2), None, torch.full((3,), 2.0)]
+    Verdict(weight=0.25).scale_(grads)
+    assert grads[0] is not None and grads[2] is not None
+    assert torch.equal(grads[0], torch.full((2, 2), 0.25)) and torch.equal(grads[2], torch.full((3,), 0.5))
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_server_weighs_and_clips_what_fresh_identities_send() -> None:
+    """The same attack against a real ``StageServer`` (tiny model, in-process): what each microbatch adds to the
+    stage's accumulated gradients, for an honest trainer's and for 570× ones from 7 identities it never saw."""
+    cfg = tiny_config(stages=1, train={"inner_batch": 10_000})  # no inner step: the gradients only accumulate
+    server = StageServer(cfg, 1)
+    honest = PeerID(b"\x00" * 34)
+    sybils = [PeerID(bytes([i + 1]) * 34) for i in range(7)]
+
+    async def added(peer: PeerID, mb: str, scale: float) -> float:
+        """The norm of what one microbatch added to the accumulated gradients (0 if refused)."""
+        before = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in server.module.parameters()]
+        x = INT8.encode(activations(cfg))
+        await server.forward(peer, Forward(mb=mb, stage=1, prev_stage=0, x=x))
+        grad = INT8.encode(torch.randn(BATCH, SEQ, cfg.model.d_model) * HONEST_SCALE * scale)
+        try:
+            await server.backward(peer, Backward(mb=mb, stage=1, grad=grad))
+        except RequestError:
+            return 0.0
+        after = [p.grad if p.grad is not None else torch.zeros_like(p) for p in server.module.parameters()]
+        return float(torch.linalg.vector_norm(torch.cat([(a - b).flatten() for a, b in zip(after, before)])))
+
+    async def scenario() -> tuple[list[float], list[float]]:
+        honest_added = [await added(honest, f"h{i}", 1.0) for i in range(40)]  # past its probation
+        sybil_added = []
+        for i in range(21):
+            sybil_added.append(await added(sybils[i % 7], f"s{i}", 570.0))
+            honest_added.append(await added(honest, f"h{40 + i}", 1.0))
+        return honest_added, sybil_added
+
+    try:
+        honest_added, sybil_added = asyncio.run(scenario())
+    finally:
+        server.shutdown()
+    refused = sybil_added.count(0.0)  # once the window holds 64 norms, 570× is over its settled bound (100×)
+    assert min(honest_added) > 0 and 0 < refused < 21 and server.counters["refused_gradient"] == refused
+    assert 0 < max(sybil_added) <= max(honest_added), (max(sybil_added), max(honest_added))
+    assert server.counters["clipped_gradient"] >= 21 - refused and all(server.screen.on_probation(s) for s in sybils)

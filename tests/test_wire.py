@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import tracemalloc
 import zlib
@@ -22,7 +23,16 @@ from compress.errors import (
     UnsupportedVersion,
     WireError,
 )
-from compress.wire import MAGIC, VERSION, CodecId, WireLimits, decode_frame, encode_frame
+from compress.wire import (
+    DEFAULT_LIMITS,
+    MAGIC,
+    VERSION,
+    CodecId,
+    WireLimits,
+    decode_frame,
+    encode_frame,
+    receiver_limits,
+)
 
 HEADER = struct.Struct("<4sBBBBBIIII")  # the layout documented in compress/wire.py
 
@@ -188,3 +198,14 @@ def test_fuzz_mutated_frames(data: bytes, edits: list[tuple[int, int, str]]) -> 
             else:
                 del buf[pos]
     _decodes_or_wire_error(bytes(buf))
+
+
+def test_a_receivers_value_bound_is_positive_and_the_tighter_of_two_wins() -> None:
+    assert DEFAULT_LIMITS.max_abs == math.inf  # by default only finiteness (compress/codecs.py checks values)
+    assert WireLimits(max_abs=1e19).tightest(DEFAULT_LIMITS).max_abs == 1e19
+    assert (
+        receiver_limits(WireLimits(max_abs=5.0), WireLimits.for_shape((2,), body_bytes=8, meta_bytes=0)).max_abs == 5.0
+    )
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="max_abs"):
+            WireLimits(max_abs=bad)

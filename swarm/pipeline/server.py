@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from compress.codecs import Codec, all_finite
+from compress.codecs import BOUNDARY_MAX_ABS, Codec, all_finite
 from compress.wire import WireLimits
 from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
@@ -196,7 +196,11 @@ class StageServer:
         max_values = self.max_batch * cfg.model.max_seq_len * cfg.model.d_model
         max_frame = 4 * max_values + FRAME_SLACK_BYTES
         self.limits = WireLimits(
-            max_frame_bytes=max_frame, max_body_bytes=max_frame, max_elements=max_values, max_ndim=3
+            max_frame_bytes=max_frame,
+            max_body_bytes=max_frame,
+            max_elements=max_values,
+            max_ndim=3,
+            max_abs=BOUNDARY_MAX_ABS,  # an int8 scale of 3.4e38 is refused here, before any compute
         )
         self.max_request_bytes = 2 * max_frame + 1024  # input + gradient frames and the envelope
         self.cache = ActivationCache(max_items=max_cached, max_bytes=max_cached * 4 * max_values)
@@ -243,7 +247,7 @@ class StageServer:
                 f"gradient of shape {tuple(grad.shape)} for an input of shape {tuple(entry.x.shape)}",
             )
         try:
-            grad_x, elapsed = await self._run(self._compute_backward, entry, grad, busy=True)
+            grad_x, elapsed = await self._run(self._compute_backward, entry, grad, peer, busy=True)
         except RequestError:
             self.counters["refused_gradient"] += 1
             raise
@@ -353,7 +357,7 @@ class StageServer:
         with compute_precision(self.device, self.cfg.train.precision):
             return stage_forward(self.module, x.to(self.device))  # (B, T, d) → (B, T, d)
 
-    def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor) -> torch.Tensor:
+    def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor, peer: Hashable) -> torch.Tensor:
         x = entry.x
         moved_steps = 0 if entry.inner_step is None else self.inner_steps - entry.inner_step  # since its forward
         moved = moved_steps > 0 or entry.weights != self.weights_epoch  # by inner steps or an outer install
@@ -361,7 +365,8 @@ class StageServer:
         with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
             grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device), weights=stashed)
         norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
-        refusal = self.screen.refusal(norm) or (None if all_finite(grad_x) else "the input gradient is not finite")
+        verdict = self.screen.judge(norm, peer)  # by the stage's own statistics: clipped, weighed or refused
+        refusal = verdict.refusal or (None if all_finite(grad_x) else "the input gradient is not finite")
         if refusal is not None:  # the sender's gradient would poison the batch: refused before it counts
             raise RequestError(RequestError.INVALID, f"microbatch gradient refused: {refusal}")
         if (
@@ -369,7 +374,8 @@ class StageServer:
         ):  # its forward's weights are gone (a download, or old)
             self.counters["stale_backward"] += 1
             return grad_x
-        self.screen.accept(norm)
+        self.screen.accept(verdict, peer)
+        self.counters["clipped_gradient"] += verdict.clipped
         if stashed is not None:  # differentiated at the stashed weights its forward ran on
             self.counters["stashed_backward"] += 1
         elif moved:
@@ -378,6 +384,7 @@ class StageServer:
             # steps between
             self.counters["stale_recompute"] += 1
             self.counters["stale_recompute_steps"] += moved_steps
+        verdict.scale_(grads)
         add_gradients(self.module, grads)
         self.inner.add(x.shape[0])  # step 6
         return grad_x  # (B, T, d)
