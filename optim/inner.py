@@ -123,6 +123,7 @@ class Verdict:
     weight: float = 1.0
     clipped: bool = False
     counted: float = 0.0
+    probation: bool = False  # its sender was on probation: its norm stays out of the statistics
 
     def scale_(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Scale the microbatch's gradients in place by ``weight``."""
@@ -147,7 +148,8 @@ class GradNormScreen:
     A non-finite norm, or one over MAX_GRAD_NORM_RATIO × the median of the last ``window`` (SETTLED_GRAD_NORM_RATIO
     once the window is full), is refused (the sender struck); one over the clip bound (module constants) counts
     scaled down to it. The statistics are the stage's, so a new identity meets the same bounds, and once some peer
-    is established its first ``probation`` microbatches count at ``probation_weight``, clipped tighter. Until
+    is established its first ``probation`` microbatches count at ``probation_weight``, clipped tighter, and stay out
+    of the statistics (fresh identities cannot move the median, however many microbatches they send). Until
     ``warmup`` norms are in the clip ratio is CLIP_MAX_RATIO; the stage's first norm has no reference but finiteness.
     """
 
@@ -207,11 +209,12 @@ class GradNormScreen:
         limit = median * (math.sqrt(clip_ratio) if probation else clip_ratio) if median > 0 else math.inf
         clip = limit / norm if norm > limit else 1.0
         weight = clip * (self.probation_weight if probation else 1.0)
-        return Verdict(weight=weight, clipped=clip < 1.0, counted=norm * clip)
+        return Verdict(weight=weight, clipped=clip < 1.0, counted=norm * clip, probation=probation)
 
     def accept(self, verdict: Verdict, peer: Hashable) -> None:
         """Count a judged gradient that went into the stage's accumulated gradients."""
-        self.recent.append(verdict.counted)
+        if not verdict.probation:
+            self.recent.append(verdict.counted)
         standing = self._standing(peer)
         standing.accepted += 1
         standing.clipped += verdict.clipped
