@@ -24,7 +24,7 @@ class DeadlineRule:
     rpc_s: float  # the cap, and the deadline of a server nothing is known about
     multiple: float = 4.0  # × the recent p95
     floor_s: float = 2.0  # the least any call gets (a loaded host pauses for a second now and then)
-    misses: int = 3  # deadlines missed in a row that get a server banned
+    misses: int = 2  # deadlines missed in a row that get a server banned
 
     def __post_init__(self) -> None:
         if min(self.rpc_s, self.floor_s) <= 0 or self.multiple < 1 or self.misses < 1:

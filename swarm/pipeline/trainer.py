@@ -127,7 +127,7 @@ class TrainerOptions:
     check_tolerance: float = 1.0  # relative L2 error within which two replicas' outputs agree (checking.py)
     deadline_multiple: float = 4.0  # a hop's deadline: this × the server's recent p95 service time (deadlines.py)
     deadline_floor_s: float = 2.0  # the least time a hop gets
-    deadline_misses: int = 3  # deadlines missed in a row that ban a server (for a growing back-off)
+    deadline_misses: int = 2  # deadlines missed in a row (no success between) that ban a server, for a growing back-off
     eval_every: int = field(
         default=0, metadata=cli("Trainers: validation pass every N inner steps (0: only at the end).", min=0)
     )
@@ -642,6 +642,7 @@ class Trainer:
             "fp32_bytes": dict(self.fp32_bytes),
             "frames_sent": dict(self.traffic.frames),  # by codec
             "links": self.codecs.report(),  # per peer: codecs chosen, bytes/s and compute per call measured
+            "condemned": sorted(map(str, self.condemned)),  # servers a referee found wrong, banned now
         }
 
     def status(self) -> StageStatus:
