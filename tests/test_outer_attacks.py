@@ -20,6 +20,7 @@ from swarm.errors import ExportError
 from swarm.events import OuterStrike, StateDownload, of_kind
 from swarm.export import download_model, export_sources
 from swarm.model.stages import stage_template
+from swarm.outer.group import RoundTiming
 from swarm.outer.service import OuterService
 from swarm.outer.state import StageState, weights_hash
 from swarm.recovery.rebuild import rebuild_stage
@@ -215,6 +216,49 @@ def test_a_peer_declaring_every_round_long_opened_stalls_no_round() -> None:
         finally:
             staller.stall.cancel()
             await asyncio.to_thread(staller.shutdown)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_two_identities_declaring_every_round_long_opened_with_no_payload_stall_no_round_and_are_banned() -> None:
+    cfg = outer_config(timeouts=LOOPBACK_ROUND_TIMEOUTS)
+    ago_s = RoundTiming.of(cfg.timeouts).max_round_s / 2  # a time a live round can have, far past any clock skew
+
+    async def scenario() -> None:
+        a = await LoopbackReplica.start("a", cfg, [], seed=1)
+        b = await LoopbackReplica.start("b", cfg, a.peer.maddrs, seed=2)
+        stallers = [await start_round_staller(cfg, a.peer.maddrs, [a, b], ago_s=ago_s) for _ in range(2)]
+        ids = {staller.peer_id.to_base58() for staller in stallers}
+        try:
+            async with stopping(a, b):
+                seen: set[str] = set()
+
+                async def declared() -> bool:
+                    found = await a.peer.membership.round_declarations(STAGE, a.sync.round)
+                    seen.update(ids & {peer.to_base58() for peer in found})
+                    return seen == ids
+
+                deadline = time.monotonic() + 30
+                while not await declared():
+                    assert time.monotonic() < deadline, "the stallers' declarations never showed"
+                    await asyncio.sleep(0.1)
+                done = [len(r.rounds(contributors=2)) for r in (a, b)]
+                await wait_for(
+                    "four rounds of a and b together once the stallers declare",
+                    lambda: all(len(r.rounds(contributors=2)) >= n + 4 for r, n in zip((a, b), done)),
+                    90,
+                    lambda: (a.events[-5:], b.events[-5:]),
+                )
+                banned = lambda r: {e.peer for e in of_kind(r.events, OuterStrike) if e.banned}  # noqa: E731
+                await wait_for("both stallers banned by a and b", lambda: all(banned(r) >= ids for r in (a, b)), 60)
+                for replica in (a, b):
+                    reasons = {e.reason for e in of_kind(replica.events, OuterStrike)}
+                    assert reasons and all("shows no payload" in why for why in reasons), reasons
+        finally:
+            for staller in stallers:
+                staller.stall.cancel()
+                await asyncio.to_thread(staller.shutdown)
 
     asyncio.run(scenario())
 
