@@ -3,8 +3,7 @@
 A replica declares its arrival in the DHT; the window closes ``window_s`` after it opened (at the
 second earliest plausible arrival: one early declaration closes nobody's window), or as soon as every
 replica it expects is in. A replica that finds the window closed is late and catches up by download, once
-the declarations that closed it are backed by their payloads: a time older than the clock skew is only a
-word, and a declarer that shows no payload for the round it opened is struck and left out.
+the (stale: older than the clock skew) declarations that closed it are backed by their payloads (``Backing``).
 
     >>> met = await meet(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)   # Group or late RoundResult
 """

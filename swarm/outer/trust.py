@@ -5,8 +5,7 @@ the round and time of its last round or adoption (a claim further ahead than tim
 go, is beyond reach), and how far its global weights moved per inner step in its own rounds (a state further from
 its own than that allows for the rounds between is refused, and its source struck).
 
-    >>> trust = StateTrust(); trust.did_round(8, ("a", "b"), now=t, inner_steps=40, moved=0.3, steps=20)
-    >>> trust.reach(now=t2, inner_steps=55, horizon=20, floor_s=0.25); check = trust.weights_check(global_params, 8, 20)
+    >>> trust.did_round(8, ("a", "b"), now=t, inner_steps=40, moved=0.3, steps=20); trust.state_check(g, round_=8, ...)
 """
 
 from __future__ import annotations
