@@ -41,9 +41,11 @@ def test_a_peer_claiming_a_later_round_with_scaled_weights_takes_over_no_replica
         a = await LoopbackReplica.start("a", cfg, [], seed=1)
         liar = await start_state_liar(cfg, a.peer.maddrs, round_=1000, scale=1000.0)
         async with stopping(a, liar):
-            # alone with the liar, a has no second replica to vouch for anything: it tries the lone claim, and refuses
-            # weights a thousand times its own
-            await wait_for("download attempt of the lie", lambda: liar.servicer.served_bytes > 0, 60)
+            # alone with the liar, a has no second replica to vouch for anything, and round 1000 is beyond what time lets
+            # a reach from its own rounds: it never downloads the claim, and bans the liar for it
+            banned = lambda: [e for e in of_kind(a.events, OuterStrike) if e.banned and e.peer == liar.id]  # noqa: E731
+            await wait_for("the liar banned by a", banned, 60, lambda: a.events[-5:])
+            assert all("beyond reach" in e.reason for e in of_kind(a.events, OuterStrike)), a.events
             rounds_before = len(a.rounds())
             await wait_for("two more rounds of a", lambda: len(a.rounds()) >= rounds_before + 2, 60, lambda: a.events)
             # a newcomer tries the liar's claim first (the latest round), refuses it, and takes a's state instead
