@@ -114,6 +114,9 @@ class TimeoutConfig:
     matchmaking_s: float = 5.0  # window in which replicas gather for an outer step
     announce_period_s: float = 5.0  # how often DHT records are refreshed
     record_ttl_s: float = 15.0  # DHT record lifetime; a silent peer disappears after this
+    # clocks of honest peers differ by less: an outer-round declaration older than this (or half the window) when read
+    # makes no replica late unless its declarer shows its payload
+    clock_skew_s: float = 1.0
 
     def __post_init__(self) -> None:
         check_positive(self, *(f.name for f in dataclasses.fields(self)))
@@ -148,6 +151,7 @@ HASHED_ONLY_IF_SET: dict[str, object] = {
     "data": dataclasses.asdict(DataConfig()),
     "outer.warm_start_steps": 0,
     "codecs.full_boundaries": "none",
+    "timeouts.clock_skew_s": 1.0,
 }
 
 
