@@ -31,14 +31,19 @@ MAX_GRAD_NORM_RATIO = 1000.0
 # 13× before, same test); an honest outlier between the clip bound and this one is clipped, not refused
 SETTLED_GRAD_NORM_RATIO = 100.0
 # the clip bound, median · e^(CLIP_SIGMAS·σ) of the log-norms (σ from their MAD), held within these ratios: a norm
-# above it still counts, scaled down to it, with no strike (an honest spike loses only its excess)
+# above it still counts, scaled down to it, with no strike (an honest spike loses only its excess; honest norms measured
+# at most 13× the median early and 2.7× later). An inner step may be one microbatch: an outlier at 32× the median made
+# Adam's steps its own (val +3.9% in scripts/bench_adversary.py's grad-570x-sybil), hence the low cap
 CLIP_SIGMAS = 4.0
-CLIP_MIN_RATIO, CLIP_MAX_RATIO = 4.0, 32.0
-# once a stage has an established peer (PROBATION_MICROBATCHES counted), a new one's first microbatches count at this
-# weight and are clipped at √(clip ratio): a fresh identity starts below an established one, so discarding an identity
-# buys nothing. Before that every peer is new: weighing them all alike leaves the step as it was (runtime = simulator)
+CLIP_MIN_RATIO, CLIP_MAX_RATIO = 4.0, 8.0
+# a peer with fewer counted microbatches than PROBATION_MICROBATCHES and than half the stage's longest-serving peer's
+# (less one) is on probation: its microbatches count at PROBATION_WEIGHT, clipped at √(clip ratio), stay out of the statistics, and
+# all such together weigh at most PROBATION_SHARE of the recent ones (their weight falls as their share grows). A fresh
+# identity starts below an established one, so discarding an identity buys nothing, and a flood of them is capped as a
+# whole; the stage's first peer (and peers that start together) are not on probation: the step stays the simulator's
 PROBATION_MICROBATCHES = 32
 PROBATION_WEIGHT = 0.5
+PROBATION_SHARE = 0.25
 MAX_SCREENED_PEERS = (
     4096  # peers whose standing the screen remembers (the longest-silent forgotten: on probation again)
 )
@@ -147,9 +152,9 @@ class GradNormScreen:
 
     A non-finite norm, or one over MAX_GRAD_NORM_RATIO × the median of the last ``window`` (SETTLED_GRAD_NORM_RATIO
     once the window is full), is refused (the sender struck); one over the clip bound (module constants) counts
-    scaled down to it. The statistics are the stage's, so a new identity meets the same bounds, and once some peer
-    is established its first ``probation`` microbatches count at ``probation_weight``, clipped tighter, and stay out
-    of the statistics (fresh identities cannot move the median, however many microbatches they send). Until
+    scaled down to it. The statistics are the stage's, so a new identity meets the same bounds, and while it is on
+    probation (module constants) its microbatches count less, clipped tighter, and stay out of the statistics (fresh
+    identities cannot move the median, however many microbatches they send). Until
     ``warmup`` norms are in the clip ratio is CLIP_MAX_RATIO; the stage's first norm has no reference but finiteness.
     """
 
@@ -171,7 +176,8 @@ class GradNormScreen:
         self.probation, self.probation_weight = probation, probation_weight
         self.recent: deque[float] = deque(maxlen=window)  # counted (clipped) norms, oldest first
         self.peers: OrderedDict[Hashable, Standing] = OrderedDict()  # the most recently seen last
-        self.established = 0  # peers in ``peers`` past their probation
+        self.most_accepted = 0  # by one peer: the stage's longest-serving peer's count (never lowered)
+        self.from_probation: deque[bool] = deque(maxlen=window)  # of the recent accepted microbatches, oldest first
 
     def bounds(self) -> tuple[float, float, float]:
         """(median of the recent counted norms, clip ratio, refusal ratio); a median of 0 when there is none."""
@@ -187,9 +193,10 @@ class GradNormScreen:
         return median, min(CLIP_MAX_RATIO, max(CLIP_MIN_RATIO, math.exp(CLIP_SIGMAS * sigma))), refusal
 
     def on_probation(self, peer: Hashable) -> bool:
-        """Whether the peer's microbatches count less: it is new (or forgotten) at a stage that knows another."""
+        """Whether the peer's microbatches count less: it is new (or forgotten) next to a longer-serving peer."""
         standing = self.peers.get(peer)
-        return self.established > 0 and (standing is None or standing.accepted < self.probation)
+        accepted = 0 if standing is None else standing.accepted
+        return accepted < self.probation and 2 * accepted + 2 <= self.most_accepted  # (+2: peers a step apart)
 
     def judge(self, norm: float, peer: Hashable) -> Verdict:
         """The verdict on a gradient of norm ``norm`` from ``peer``; a refusal is counted against the peer here."""
@@ -208,24 +215,29 @@ class GradNormScreen:
         probation = self.on_probation(peer)
         limit = median * (math.sqrt(clip_ratio) if probation else clip_ratio) if median > 0 else math.inf
         clip = limit / norm if norm > limit else 1.0
-        weight = clip * (self.probation_weight if probation else 1.0)
+        weight = clip * (self.probation_weight * self._probation_share_factor() if probation else 1.0)
         return Verdict(weight=weight, clipped=clip < 1.0, counted=norm * clip, probation=probation)
 
     def accept(self, verdict: Verdict, peer: Hashable) -> None:
         """Count a judged gradient that went into the stage's accumulated gradients."""
         if not verdict.probation:
             self.recent.append(verdict.counted)
+        self.from_probation.append(verdict.probation)
         standing = self._standing(peer)
         standing.accepted += 1
         standing.clipped += verdict.clipped
-        self.established += standing.accepted == self.probation
+        self.most_accepted = max(self.most_accepted, standing.accepted)
+
+    def _probation_share_factor(self) -> float:
+        """1, or less where peers on probation sent over PROBATION_SHARE of the recent accepted microbatches."""
+        share = sum(self.from_probation) / len(self.from_probation) if self.from_probation else 0.0
+        return min(1.0, PROBATION_SHARE / share) if share > 0 else 1.0
 
     def _standing(self, peer: Hashable) -> Standing:
         standing = self.peers.get(peer)
         if standing is None:
             standing = self.peers[peer] = Standing()
             if len(self.peers) > self.max_peers:
-                _, forgotten = self.peers.popitem(last=False)
-                self.established -= 0 < self.probation <= forgotten.accepted
+                self.peers.popitem(last=False)
         self.peers.move_to_end(peer)
         return standing

@@ -14,6 +14,7 @@ from optim.config import InnerOptimConfig
 from optim.inner import (
     CLIP_MAX_RATIO,
     PROBATION_MICROBATCHES,
+    PROBATION_SHARE,
     PROBATION_WEIGHT,
     GradNormScreen,
     Verdict,
@@ -178,8 +179,7 @@ def test_an_early_honest_spike_is_clipped_not_refused() -> None:
 
 def test_a_new_peer_is_on_probation_for_its_first_microbatches_and_the_table_is_bounded() -> None:
     screen = GradNormScreen(probation=4, max_peers=3)
-    assert [v.weight for v in feed(screen, [1.0] * 10, "old")] == [1.0] * 10, "no one established: all alike"
-    assert screen.established == 1
+    assert [v.weight for v in feed(screen, [1.0] * 10, "old")] == [1.0] * 10, "the first peer: no one to weigh against"
     assert [v.weight for v in feed(screen, [1.0] * 6, "new")] == [PROBATION_WEIGHT] * 4 + [1.0] * 2
     median, clip_ratio, _ = screen.bounds()
     newcomer, established = screen.judge(3.0, "newer"), screen.judge(3.0, "new")
@@ -188,8 +188,26 @@ def test_a_new_peer_is_on_probation_for_its_first_microbatches_and_the_table_is_
     assert not established.clipped and established.weight == 1.0
     for peer in ("p1", "p2", "p3"):  # bounded: the longest-silent are forgotten, and start over on probation
         screen.accept(screen.judge(1.0, peer), peer)
-    assert list(screen.peers) == ["p1", "p2", "p3"] and screen.established == 0 and not screen.on_probation("new")
-    assert [v.weight for v in feed(screen, [1.0] * 5, "p1")][-1] == 1.0 and screen.on_probation("new")
+    assert list(screen.peers) == ["p1", "p2", "p3"] and screen.on_probation("new") and screen.on_probation("old")
+    together = GradNormScreen()  # peers that start together: none on probation
+    for _ in range(40):
+        for peer in ("a", "b"):
+            assert together.judge(1.0, peer).weight == 1.0
+            together.accept(together.judge(1.0, peer), peer)
+
+
+def test_a_flood_of_fresh_identities_weighs_at_most_its_share_together() -> None:
+    screen = GradNormScreen()
+    feed(screen, honest_norms(64), "honest")
+    weights = []
+    for i in range(200):  # each microbatch from a new identity, each at the median: only their number is the attack
+        verdict = screen.judge(screen.bounds()[0], f"fresh{i}")
+        screen.accept(verdict, f"fresh{i}")
+        weights.append(verdict.weight)
+    assert weights[0] == PROBATION_WEIGHT and weights[-1] <= 1.01 * PROBATION_WEIGHT * PROBATION_SHARE
+    # of the last window's weight, the flood's share is about PROBATION_SHARE against an honest peer's 1 per microbatch
+    last = weights[-64:]
+    assert sum(last) / (sum(last) + 64 * (1 - PROBATION_SHARE)) <= 1.1 * PROBATION_SHARE
 
 
 def test_a_verdict_scales_the_microbatchs_gradients() -> None:
