@@ -37,16 +37,16 @@ SETTLED_GRAD_NORM_RATIO = 100.0
 CLIP_SIGMAS = 4.0
 CLIP_MIN_RATIO, CLIP_MAX_RATIO = 4.0, 8.0
 # a peer with fewer counted microbatches than PROBATION_MICROBATCHES and than half the stage's longest-serving peer's
-# (less one) is on probation: its microbatches count at PROBATION_WEIGHT, clipped at √(clip ratio), stay out of the statistics, and
-# all such together weigh at most PROBATION_SHARE of the recent ones (their weight falls as their share grows). A fresh
-# identity starts below an established one, so discarding an identity buys nothing, and a flood of them is capped as a
-# whole; the stage's first peer (and peers that start together) are not on probation: the step stays the simulator's
+# (less one) is on probation: its microbatches count at PROBATION_WEIGHT, clipped at √(clip ratio), stay out of the
+# statistics, and all such together weigh at most PROBATION_SHARE of the recent ones (their weight falls as their share
+# grows). A fresh identity starts below an established one, so discarding an identity buys nothing, and a flood of them
+# is capped as a whole; the stage's first peer (and peers that start together) are not on probation: the step stays
+# the simulator's
 PROBATION_MICROBATCHES = 32
 PROBATION_WEIGHT = 0.5
 PROBATION_SHARE = 0.25
-MAX_SCREENED_PEERS = (
-    4096  # peers whose standing the screen remembers (the longest-silent forgotten: on probation again)
-)
+# peers whose standing the screen remembers (the longest-silent forgotten: on probation again)
+MAX_SCREENED_PEERS = 4096
 _MAD_TO_SIGMA = 1.4826  # MAD · this estimates a normal distribution's σ
 
 
@@ -154,8 +154,8 @@ class GradNormScreen:
     once the window is full), is refused (the sender struck); one over the clip bound (module constants) counts
     scaled down to it. The statistics are the stage's, so a new identity meets the same bounds, and while it is on
     probation (module constants) its microbatches count less, clipped tighter, and stay out of the statistics (fresh
-    identities cannot move the median, however many microbatches they send). Until
-    ``warmup`` norms are in the clip ratio is CLIP_MAX_RATIO; the stage's first norm has no reference but finiteness.
+    identities cannot move the median, however many microbatches they send). Until ``warmup`` norms are in the clip
+    ratio is CLIP_MAX_RATIO; the stage's first norm has no reference but finiteness.
     """
 
     def __init__(
