@@ -3,15 +3,22 @@
 The attacks are the ones the tests reproduce (tests/test_stage_poisoning.py, test_outer_attacks.py,
 test_membership.py, test_outer.py), played here with the same helpers (swarmtest.attacks, .loopback, .node):
 
-- stage-nan, cache-flood, forged-records: a real stage server and a real trainer (tiny model, in-process
-  ``BackgroundNode``s on loopback) train ``--steps`` inner steps on Python's email sources while the attacker
-  poisons backward gradients (an int8 scale of 3.4e38, or ×10⁴), floods forwards, or forges stage records; the
-  honest outcome is the trainer's validation loss against the clean run's.
+- stage-nan, cache-flood, forged-records, grad-570x-sybil: a real stage server and a real trainer (tiny model,
+  in-process ``BackgroundNode``s on loopback) train ``--steps`` inner steps on Python's email sources while the attacker
+  poisons backward gradients (an int8 scale of 3.4e38, refused at the wire, or ×10⁴), sends gradients ~570× the
+  median from 7 fresh identities in turn (65 a minute), floods forwards, or forges stage records; the honest outcome is the
+  trainer's validation loss against the clean run's.
 - state-liar, round-staller, pg-x1000: honest replicas of stage 1 (``LoopbackReplica``: real membership, outer
   service and rounds, H = 3; each trains its own stage 0 and stage 1 on its own text, ``TrainingHolder``)
-  take ``--steps`` inner steps with a peer serving ×1000 weights under a later round, declaring every round long
-  opened, or sending a ×1000 pseudo-gradient as the only other member of the round. The honest outcome is the
-  honest replicas' mean validation loss against the clean run's, and the outer rounds they completed.
+  take ``--steps`` inner steps with two colluding identities announcing round 10⁶ and serving garbage weights (the
+  seeded norms) from mid-run, two identities declaring every round long opened (60 s, or the oldest time a round
+  can have) with no payload, or a peer sending a ×1000 pseudo-gradient as the only other member of the round. The
+  honest outcome is the honest replicas' mean validation loss against the clean run's, and the outer rounds they
+  completed; ``banned``: every attacker identity banned (yes) or only struck by every honest replica.
+- stage-garbler, stage-silent: three stage-1 servers and a trainer (``BackgroundNode``s, outer off, rpc_s 30 s); one
+  server (one identity) answers every forward with random activations of the true per-token norm, or takes every
+  call and never answers. The honest outcome is the trainer's val loss and tokens/s against the clean run's (three
+  honest servers); ``--check-rate`` sets the trainer's share of forwards checked (0: checking off).
 - memory-bomb: a real ``OuterOptimizer`` applies a round with a SparseLoCo frame declaring (1, 64M) and a DiLoCo
   fp32 frame declaring (4096, 4096); tracemalloc's peak against the same round without the bomb.
 
@@ -43,8 +50,13 @@ ATTACKS = (
     "forged-records",
     "memory-bomb",
     "cache-flood",
+    "stage-garbler",
+    "stage-silent",
+    "grad-570x-sybil",
 )
-PIPELINE = {"stage-nan", "cache-flood", "forged-records"}  # the rest: outer attacks, and the in-process memory bomb
+# the rest: outer attacks, and the in-process memory bomb
+PIPELINE = {"stage-nan", "cache-flood", "forged-records", "grad-570x-sybil"}
+STAGES = {"stage-garbler", "stage-silent"}  # three stage-1 servers, one the attacker's, and a trainer
 OUTER = {"state-liar", "round-staller", "pg-x1000"}
 
 
@@ -59,7 +71,7 @@ def peak_rss_mb() -> float:
 # ---- stage-nan, cache-flood, forged-records: a stage server and a trainer ---------------------------------------
 
 
-def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
+def pipeline_run(attack: str | None, steps: int, seed: int) -> dict[str, Any]:
     import torch
     from hivemind.p2p import P2P, PeerID
 
@@ -77,7 +89,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
     def data(cfg: Any, peer_id: str) -> Any:
         corpus = load_corpus([DATA])
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
-        return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_sequences=64, **kw)
+        return corpus.sample_batches("train", seed=1 + seed, **kw), corpus.val_batches(num_sequences=64, **kw)
 
     outcome: dict[str, Any] = {"banned": "n.a."}
     stop = threading.Event()
@@ -86,7 +98,7 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
         async def play() -> None:
             p2p = await P2P.create(initial_peers=server_maddrs, host_maddrs=LOOPBACK_MADDRS)
             client = StageClient(p2p, namespace=cfg.swarm_id)
-            refused = sent = 0
+            refused = sent = at_the_wire = 0
             try:
                 while not stop.is_set():
                     sent += 1
@@ -98,12 +110,13 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
                             await client.forward(server, Forward(mb=f"f{sent}", stage=1, prev_stage=0, x=x), timeout=10)
                     except RemoteError as e:
                         refused += 1
+                        at_the_wire += "over the receiver's limit" in e.message  # the 3.4e38 scale (BOUNDARY_MAX_ABS)
                         if e.code == RequestError.BANNED:
                             outcome["banned"] = "yes"
                             break
                     await asyncio.sleep(0.05 if attack == "stage-nan" else 0.02)
             finally:
-                outcome.update(attacker_requests=sent, attacker_refused=refused)
+                outcome.update(attacker_requests=sent, attacker_refused=refused, refused_at_the_wire=at_the_wire)
                 await p2p.shutdown()
 
         asyncio.run(play())
@@ -122,6 +135,12 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
         if attack in ("stage-nan", "cache-flood"):
             outcome["banned"] = "no"
             thread = threading.Thread(target=attacker, args=(server_node.maddrs, server), daemon=True)
+        elif attack == "grad-570x-sybil":
+            outcome["banned"] = "no"
+            holder = server_node.call(lambda node: asyncio.sleep(0, node.role.holder))
+            thread = threading.Thread(
+                target=play_sybils, args=(cfg, holder, server_node.maddrs, server, stop, outcome), daemon=True
+            )
         trainer = PeerConfig(
             role="trainer", name="trainer", initial_peers=server_node.maddrs, host_maddrs=LOOPBACK_MADDRS, steps=steps
         )
@@ -147,6 +166,144 @@ def pipeline_run(attack: str | None, steps: int) -> dict[str, Any]:
         "failed": last["failed"],
         "hop_failures": last["hop_failures"],
         "rounds": None,
+    }
+
+
+SYBILS, SYBIL_RATIO, SYBIL_EVERY_S = 7, 570.0, 60 / 65  # the issue's attack: 7 identities, ~570× the median, 65/min
+
+
+def play_sybils(
+    cfg: Any, holder: Any, maddrs: list[str], server: Any, stop: threading.Event, outcome: dict[str, Any]
+) -> None:
+    """grad-570x-sybil: backward gradients at ~SYBIL_RATIO× the stage's median norm from SYBILS fresh identities in
+    turn, steered by the norms the server's screen measured (a spy on ``judge``: the attacker's best case)."""
+    import torch
+    from hivemind.p2p import P2P
+
+    from swarm.pipeline.protocol import RemoteError, RequestError, StageClient
+    from swarmtest.attacks import HONEST_SCALE, INT8, microbatch
+    from swarmtest.configs import BATCH, LOOPBACK_MADDRS, SEQ
+
+    judged: list[tuple[Any, float, float, Any]] = []  # (peer, norm, the median it was judged by, verdict)
+    judge = holder.screen.judge
+
+    def spy(norm: float, peer: Any) -> Any:
+        median, verdict = holder.screen.bounds()[0], judge(norm, peer)
+        judged.append((peer, norm, median, verdict))
+        return verdict
+
+    holder.screen.judge = spy
+
+    async def play() -> None:
+        p2ps = await asyncio.gather(
+            *(P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK_MADDRS) for _ in range(SYBILS))
+        )
+        ids, clients = {p.peer_id for p in p2ps}, [StageClient(p, namespace=cfg.swarm_id) for p in p2ps]
+        scale, sent = SYBIL_RATIO, 0
+        try:
+            while not stop.is_set():
+                grad = INT8.encode(torch.randn(BATCH, SEQ, cfg.model.d_model) * HONEST_SCALE * scale)
+                try:
+                    await microbatch(clients[sent % SYBILS], server, cfg, f"sybil{sent}", grad=grad)
+                except RemoteError as e:
+                    outcome["banned"] = "yes" if e.code == RequestError.BANNED else outcome["banned"]
+                sent += 1
+                mine = [(norm, median) for peer, norm, median, _ in judged if peer in ids and median > 0]
+                if mine:  # the norm is linear in the gradient's scale
+                    scale *= SYBIL_RATIO * mine[-1][1] / mine[-1][0]
+                await asyncio.sleep(SYBIL_EVERY_S)
+        finally:
+            outcome.update(identities=SYBILS, attacker_requests=sent, attacker=screened(judged, ids))
+            for p2p in p2ps:
+                await p2p.shutdown()
+
+    asyncio.run(play())
+
+
+def screened(judged: list[tuple[Any, float, float, Any]], attackers: set[Any]) -> dict[str, Any]:
+    """What the stage's screen made of the attackers' and the honest trainer's microbatches."""
+    summary: dict[str, Any] = {}
+    for side in ("attacker", "honest"):
+        mine = [(n / m, v) for p, n, m, v in judged if (p in attackers) == (side == "attacker") and m > 0]
+        kept = [(r, v) for r, v in mine if v.refusal is None]
+        summary[side] = {
+            "judged": len(mine),
+            "refused": len(mine) - len(kept),
+            "clipped": sum(v.clipped for _, v in kept),
+            "on_probation": sum(v.probation for _, v in kept),
+            "median_ratio": sorted(r for r, _ in mine)[len(mine) // 2] if mine else None,
+            "max_counted_ratio": max((r * v.weight for r, v in kept), default=None),  # what it added, ÷ the median
+        }
+    return summary
+
+
+# ---- stage-garbler, stage-silent: three stage servers of stage 1, one the attacker's, and a trainer ---------------
+
+
+def stages_run(attack: str | None, steps: int, check_rate: float, seed: int) -> dict[str, Any]:
+    """The trainer's val loss and tokens/s through three replicas of stage 1 (``outer`` off: no round to wait for); the
+    third garbles every forward (random activations of the true per-token norm) or takes every call and never answers
+    (``rpc_s`` 30 s, as the issue measured it). ``banned``: the trainer condemned it, or banned it for deadlines missed."""
+    import dataclasses
+
+    import torch
+
+    from peer.data import load_corpus
+    from swarm.config import TimeoutConfig
+    from swarm.node.config import PeerConfig
+    from swarm.pipeline.trainer import TrainerOptions
+    from swarmtest.attacks import garble, silence
+    from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+    from swarmtest.node import BackgroundNode
+
+    torch.set_num_threads(1)
+    timeouts = TimeoutConfig(rpc_s=30.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+    cfg = tiny_config(stages=1, steps=steps, outer={"method": "none"}, timeouts=timeouts)
+
+    def data(cfg: Any, peer_id: str) -> Any:
+        corpus = load_corpus([DATA])
+        kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
+        return corpus.sample_batches("train", seed=1 + seed, **kw), corpus.val_batches(num_sequences=64, **kw)
+
+    def stage(name: str, joined: list[str]) -> BackgroundNode:
+        config = PeerConfig(role="stage", stage=1, name=name, host_maddrs=LOOPBACK_MADDRS, initial_peers=joined)
+        return BackgroundNode(config if name != "stage1-x" else dataclasses.replace(config, max_pending=10**6), cfg)
+
+    first = stage("stage1-a", []).start()
+    servers = [first, *(stage(name, first.maddrs).start() for name in ("stage1-b", "stage1-x"))]
+    try:
+        attacker = servers[2].call(lambda node: asyncio.sleep(0, node.role.holder))
+        attacker_id = servers[2].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
+        if attack == "stage-garbler":
+            garble(attacker)
+        elif attack == "stage-silent":
+            silence(attacker)
+        options = TrainerOptions(check_rate=check_rate)
+        trainer = PeerConfig(
+            role="trainer",
+            name="trainer",
+            initial_peers=first.maddrs,
+            host_maddrs=LOOPBACK_MADDRS,
+            steps=steps,
+            trainer=options,
+        )
+        with BackgroundNode(trainer, data=data) as peer:
+            last = peer.result(timeout=600)
+    finally:
+        for server in servers:
+            server.stop()
+    condemned = str(attacker_id) in last["condemned"]
+    banned = condemned if attack == "stage-garbler" else last["deadline_bans"] > 0 if attack else False
+    keys = ("tokens_per_s", "step", "failed", "checks", "check_disagreements", "check_strikes", "checks_unresolved")
+    keys += ("hop_timeouts", "deadline_bans", "hop_failures")
+    return {
+        "banned": ("yes" if banned else "no") if attack else "n.a.",
+        "identities": 1,
+        "metric": "val_loss",
+        "value": last.get("val_loss"),
+        "rounds": None,
+        "check_rate": check_rate,
+        **{key: last.get(key) for key in keys},
     }
 
 
@@ -196,11 +353,12 @@ class TrainingHolder:
         return full_pipeline_loss({0: [self.edge], 1: [self.middle]}, 1, self.val_batches)
 
 
-def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any]:
+def outer_run(attack: str | None, steps: int, timeout_s: float, seed: int) -> dict[str, Any]:
     import torch
 
     from swarm.events import OuterStrike, StateDownload, of_kind
-    from swarmtest.attacks import start_round_staller, start_state_liar
+    from swarm.outer.group import RoundTiming
+    from swarmtest.attacks import garbage_weights, start_round_staller, start_state_liar
     from swarmtest.configs import LOOPBACK_ROUND_TIMEOUTS, outer_config
     from swarmtest.loopback import LoopbackReplica, largest_norm_ratio, seeded_weights, stopping
 
@@ -216,21 +374,30 @@ def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any
     seeded = seeded_weights(cfg)
 
     async def scenario() -> dict[str, Any]:
-        a = await start("a", cfg, [], seed=1)
+        a = await start("a", cfg, [], seed=1 + 2 * seed)
         extra: list[Any] = []
         outcome: dict[str, Any] = {"banned": "n.a."}
-        if attack == "state-liar":
-            liar = await start_state_liar(cfg, a.peer.maddrs, round_=1000, scale=1000.0)
-            extra.append(liar)
-            await asyncio.sleep(3.0)  # a has seen the claim before b joins
-        b = await start("x" if attack == "pg-x1000" else "b", cfg, a.peer.maddrs, seed=2)
+        b = await start("x" if attack == "pg-x1000" else "b", cfg, a.peer.maddrs, seed=2 + 2 * seed)
         if attack == "pg-x1000":  # b is the attacker: 1000 × its Δ = θ_global − θ_local, every round
             outer, make_payload = b.sync.outer, b.sync.outer.make_payload
             outer.make_payload = lambda local: make_payload(
                 {name: g - 1000.0 * (g - local[name]) for name, g in outer.global_params.items()}
             )
-        staller = await start_round_staller(cfg, a.peer.maddrs, [a, b]) if attack == "round-staller" else None
+        stallers = []
+        if attack == "round-staller":  # two identities declare every round long opened (60 s, or what a round can have)
+            ago_s = min(60.0, RoundTiming.of(cfg.timeouts).max_round_s - 1.5)
+            stallers = [await start_round_staller(cfg, a.peer.maddrs, [a, b], ago_s=ago_s) for _ in range(2)]
+            outcome.update(identities=2, declared_ago_s=ago_s)
         TrainingHolder.go = True
+        if attack == "state-liar":  # mid-run: two colluding identities announce round 10⁶ and serve garbage weights
+            deadline = time.monotonic() + 60
+            while not all(r.rounds() for r in (a, b)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            garbage = garbage_weights(cfg)  # the seeded weights' norms: no norm check tells them apart
+            for name in ("liar1", "liar2"):
+                liar = await start_state_liar(cfg, a.peer.maddrs, round_=10**6, scale=1.0, weights=garbage, name=name)
+                extra.append(liar)
+            outcome.update(identities=2)
         try:
             async with stopping(a, b, *extra):
                 honest = [a] if attack == "pg-x1000" else [a, b]
@@ -241,9 +408,15 @@ def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any
                 if attack == "pg-x1000":
                     bans = [e for e in of_kind(a.events, OuterStrike) if e.banned]
                     outcome["banned"] = "yes" if any(e.peer == b.peer.id for e in bans) else "no"
+                ids = {liar.id for liar in extra} | {dht.peer_id.to_base58() for dht in stallers}
+                if ids:  # every attacker identity struck, and banned, by every honest replica?
+                    strikes = [[e for e in of_kind(r.events, OuterStrike) if e.peer in ids] for r in honest]
+                    struck = all({e.peer for e in s} == ids for s in strikes)
+                    banned = all({e.peer for e in s if e.banned} == ids for s in strikes)
+                    outcome["banned"] = "yes" if banned else "struck" if struck else "no"
                 if attack == "state-liar":
-                    took = [e for r in honest for e in of_kind(r.events, StateDownload) if e.from_peer == extra[0].id]
-                    outcome["banned"] = "no" if took or any(r.sync.round >= 1000 for r in honest) else "yes"
+                    took = [e for r in honest for e in of_kind(r.events, StateDownload) if e.from_peer in ids]
+                    outcome["adopted"] = bool(took) or any(r.sync.round >= 1000 for r in honest)
                 ratios = [largest_norm_ratio(r.weights(), seeded) for r in honest]
                 losses = [r.holder.val_loss() for r in honest]
                 return {
@@ -258,7 +431,7 @@ def outer_run(attack: str | None, steps: int, timeout_s: float) -> dict[str, Any
                     "finite": all(math.isfinite(x) for x in ratios + losses),
                 }
         finally:
-            if staller is not None:
+            for staller in stallers:
                 staller.stall.cancel()
                 await asyncio.to_thread(staller.shutdown)
 
@@ -322,9 +495,11 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     name = attack if variant == "attack" else None
     started = time.monotonic()
     if attack in PIPELINE:
-        result = pipeline_run(name, args.steps)
+        result = pipeline_run(name, args.steps, args.seed)
+    elif attack in STAGES:
+        result = stages_run(name, args.steps, args.check_rate, args.seed)
     elif attack in OUTER:
-        result = outer_run(name, args.steps, args.timeout - 30)
+        result = outer_run(name, args.steps, args.timeout - 30, args.seed)
     else:
         result = memory_bomb_run(name)
     result["wall_s"] = time.monotonic() - started
@@ -332,17 +507,21 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     return result
 
 
-def spawn(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", attack, variant, "--steps", str(args.steps)]
-    command += ["--timeout", str(args.timeout)]
+def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", attack, variant, "--steps", str(args.steps), "--seed", str(seed)]
+    command += ["--timeout", str(args.timeout), "--check-rate", str(args.check_rate)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    return {"error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
+    return {"error": f"exit {done.returncode}: {done.stderr[-1500:]}", "seed": seed}
 
 
-CLEAN_OF: dict[str, str] = {**{a: "pipeline" for a in PIPELINE}, **{a: "outer" for a in OUTER}}
+CLEAN_OF: dict[str, str] = {
+    **{a: "pipeline" for a in PIPELINE},
+    **{a: "outer" for a in OUTER},
+    **{a: "stages" for a in STAGES},
+}
 
 
 def ratio(a: Any, b: Any) -> float | None:
@@ -359,6 +538,10 @@ def row(attack: str, clean: dict[str, Any], hit: dict[str, Any]) -> dict[str, An
         "rounds_clean": clean.get("rounds"),
         "rounds_attacked": hit.get("rounds"),
         "banned": hit.get("banned"),
+        "identities": hit.get("identities", 1),
+        "screened": hit.get(
+            "attacker"
+        ),  # grad-570x-sybil: the stage's screen on the attackers' and honest microbatches
         "peak_mb_clean": clean.get("peak_mb"),
         "peak_mb_attacked": hit.get("peak_mb"),
         "peak_ratio": ratio(hit.get("peak_mb"), clean.get("peak_mb")),
@@ -372,15 +555,52 @@ def fmt(x: Any, spec: str = ".3f") -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'attack':<15} {'metric':<20} {'clean':>7} {'attacked':>8} {'ratio':>6} {'rounds':>7} {'banned':>6} {'peak MB':>13} {'×':>5}"
+    head = (
+        f"{'attack':<16} {'seed':>4} {'metric':<20} {'clean':>7} {'attacked':>8} {'ratio':>6} {'rounds':>7} "
+        f"{'banned':>6} {'ids':>3} {'peak MB':>13} {'×':>5}"
+    )
     print(head)
     for r in rows:
         rounds = "-" if r["rounds_attacked"] is None else f"{r['rounds_attacked']}/{r['rounds_clean']}"
         peak = f"{fmt(r['peak_mb_attacked'], '.1f')}/{fmt(r['peak_mb_clean'], '.1f')}"
         print(
-            f"{r['attack']:<15} {r['metric'] or 'error':<20} {fmt(r['clean'])!s:>7} {fmt(r['attacked']):>8} "
-            f"{fmt(r['ratio']):>6} {rounds:>7} {r['banned'] or '-':>6} {peak:>13} {fmt(r['peak_ratio'], '.2f'):>5}"
+            f"{r['attack']:<16} {r['seed']:>4} {r['metric'] or 'error':<20} {fmt(r['clean'])!s:>7} "
+            f"{fmt(r['attacked']):>8} {fmt(r['ratio']):>6} {rounds:>7} {r['banned'] or '-':>6} {r['identities']:>3} "
+            f"{peak:>13} {fmt(r['peak_ratio'], '.2f'):>5}"
         )
+
+
+def spread(values: list[Any]) -> dict[str, Any]:
+    """Mean, sample standard deviation, min and max of the numbers among ``values`` (None where there are none)."""
+    xs = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    if not xs:
+        return {"n": 0, "mean": None, "std": None, "min": None, "max": None}
+    mean = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return {"n": len(xs), "mean": mean, "std": std, "min": min(xs), "max": max(xs)}
+
+
+def summaries(rows: list[dict[str, Any]], cleans: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """Per clean group, its outcome over seeds; per attack, its ratio to the clean run of the same seed over seeds."""
+    groups = sorted({group for group, _ in cleans})
+    clean = {g: spread([c.get("value") for (group, _), c in cleans.items() if group == g]) for g in groups}
+    attacks = {
+        a: spread([r["ratio"] for r in rows if r["attack"] == a]) for a in dict.fromkeys(r["attack"] for r in rows)
+    }
+    return {"clean": clean, "ratio": attacks}
+
+
+def print_summaries(summary: dict[str, Any]) -> None:
+    for title, table in (
+        ("clean runs (outcome over seeds)", summary["clean"]),
+        ("attacked/clean ratio", summary["ratio"]),
+    ):
+        print(f"\n{title}:")
+        for name, s in table.items():
+            if s["n"]:
+                print(
+                    f"  {name:<16} n={s['n']} mean {s['mean']:.4f} ± {s['std']:.4f} (min {s['min']:.4f}, max {s['max']:.4f})"
+                )
 
 
 def main() -> None:
@@ -389,6 +609,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="inner steps of every honest trainer and replica")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--check-rate", type=float, default=0.02, help="trainers' check_rate in stage-garbler/-silent")
+    parser.add_argument("--seeds", type=int, default=1, help="data seeds: each attack and its clean run once per seed")
+    parser.add_argument("--clean-seeds", type=int, default=0, help="extra seeds of the clean runs only (their spread)")
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a child's seed
     parser.add_argument("--child", nargs=2, metavar=("ATTACK", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -396,26 +620,35 @@ def main() -> None:
         return
     import os
 
-    cleans: dict[str, dict[str, Any]] = {}
+    cleans: dict[tuple[str, int], dict[str, Any]] = {}
     rows, loads = [], []
-    for attack in args.only:
-        group = CLEAN_OF.get(attack, attack)
-        if group not in cleans:
-            cleans[group] = spawn(attack, "clean", args)
+    for seed in range(args.seeds):
+        for attack in args.only:
+            group = CLEAN_OF.get(attack, attack)
+            if (group, seed) not in cleans:
+                cleans[group, seed] = spawn(attack, "clean", args, seed)
+                loads.append(os.getloadavg()[0])
+            hit = spawn(attack, "attack", args, seed)
             loads.append(os.getloadavg()[0])
-        hit = spawn(attack, "attack", args)
-        loads.append(os.getloadavg()[0])
-        rows.append(row(attack, cleans[group], hit))
-        print(f"{attack}: {json.dumps({k: v for k, v in rows[-1].items() if not k.endswith('_run')})}", flush=True)
+            rows.append(row(attack, cleans[group, seed], hit) | {"seed": seed})
+            shown = {k: v for k, v in rows[-1].items() if not k.endswith("_run")}
+            print(f"{attack} seed {seed}: {json.dumps(shown)}", flush=True)
+    groups = {CLEAN_OF[a]: a for a in args.only if a in CLEAN_OF}  # each clean run, by one of its attacks
+    for seed in range(args.seeds, args.seeds + args.clean_seeds):  # the clean runs' spread over more seeds
+        for group, attack in groups.items():
+            cleans[group, seed] = spawn(attack, "clean", args, seed)
+            print(f"clean {group} seed {seed}: value {cleans[group, seed].get('value')}", flush=True)
     print()
     print_table(rows)
+    summary = summaries(rows, cleans)
+    print_summaries(summary)
     load = {"mean_1min": sum(loads) / len(loads), "max_1min": max(loads), "cpus": os.cpu_count()}
     print(f"load average (1 min) during the runs: mean {load['mean_1min']:.1f}, max {load['max_1min']:.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"rows": rows, "load": load, "args": vars(args) | {"json": str(args.json)}}, indent=1) + "\n"
-        )
+        cleans_out = [c | {"group": g, "seed": s} for (g, s), c in cleans.items()]
+        record = {"rows": rows, "cleans": cleans_out, "summary": summary, "load": load}
+        args.json.write_text(json.dumps(record | {"args": vars(args) | {"json": str(args.json)}}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

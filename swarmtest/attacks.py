@@ -1,5 +1,5 @@
 """Attacks the tests and ``scripts/bench_adversary.py`` play against honest peers: poisoned activation-gradients,
-forged stage records, a state liar, a round staller, decompression bombs.
+forged stage records, a state liar, a round staller, stage servers that garble or never answer, decompression bombs.
 
     await microbatch(client, server, cfg, "evil1", grad=poisoned(cfg, 1))      # a stage server must refuse it
     liar = await start_state_liar(cfg, a.peer.maddrs, round_=1000, scale=1000.0)
@@ -29,6 +29,7 @@ from swarm.dht.records import PROTOCOL_VERSION, StageStatus
 from swarm.outer.replica import ReplicaSync
 from swarm.outer.state import StageState, pack_state, weights_hash
 from swarm.pipeline.protocol import Backward, Forward, StageClient
+from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import BlobServicer
 from swarmtest.configs import BATCH, LOOPBACK, LOOPBACK_MADDRS, SEQ
 from swarmtest.loopback import STAGE, LoopbackReplica, Peer, seeded_weights
@@ -111,13 +112,15 @@ async def start_state_liar(
     scale: float,
     echo: ReplicaSync | None = None,
     name: str = "liar",
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Peer:
-    """A peer announcing stage 1 at ``round_`` and serving the seeded weights ×``scale`` as that round's state (its
+    """A peer announcing stage 1 at ``round_`` and serving the seeded weights ×``scale`` (or ``weights``: two liars
+    given the same ``garbage_weights`` collude, one claim vouched by both) as that round's state (its
     record announces exactly those weights' hash, so only the vouching, not the hash check, can stop it). With
     ``echo``, it announces that honest replica's claim instead, round and weights hash as they change (so it holds a
     vouched claim, and only the hash check can stop it), and serves its weights as a state of that round."""
     liar = await Peer.join(name, cfg, initial_peers)
-    weights = {name: scale * t for name, t in seeded_weights(cfg).items()}
+    weights = weights or {name: scale * t for name, t in seeded_weights(cfg).items()}
     servicer = BlobServicer()
 
     async def provide(name: str) -> bytes:
@@ -136,13 +139,29 @@ async def start_state_liar(
     return liar
 
 
-async def start_round_staller(cfg: SwarmConfig, initial_peers: list[str], honest: list[LoopbackReplica]) -> DHT:
+def garbage_weights(cfg: SwarmConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random stage-1 weights with the seeded weights' norms, tensor by tensor: every norm check passes them."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: (r := torch.randn(t.shape, generator=g)) * (t.norm() / r.norm()) for n, t in seeded_weights(cfg).items()}
+
+
+async def start_round_staller(
+    cfg: SwarmConfig, initial_peers: list[str], honest: list[LoopbackReplica], *, ago_s: float | None = None
+) -> DHT:
     """A DHT node that keeps declaring itself in the honest replicas' next round with a time that would close the
-    window before they arrive: 0 (the DHT's schema refuses it) and, in turn, a window and a bit ago (plausible)."""
-    signer = RSASignatureValidator(RSAPrivateKey())  # its records are signed: only the schema and the readers stop them
-    dht = await asyncio.to_thread(
-        DHT, initial_peers=initial_peers, start=True, host_maddrs=[LOOPBACK], record_validators=[signer]
-    )
+    window before they arrive: 0 (the DHT's schema refuses it) and, in turn, a window and a bit ago (plausible); with
+    ``ago_s``, only ``ago_s`` ago (the issue's two stallers: 60 s). It never offers a payload."""
+    # its records are signed by its own identity key (bound to its peer id): only the schema and the readers stop them
+    with identity_file(None) as (path, _):
+        signer = RSASignatureValidator(load_identity_key(path))
+        dht = await asyncio.to_thread(
+            DHT,
+            initial_peers=initial_peers,
+            start=True,
+            host_maddrs=[LOOPBACK],
+            identity_path=str(path),
+            record_validators=[signer],
+        )
     subkey, key = dht.peer_id.to_base58().encode() + signer.local_public_key, round_key(cfg.swarm_id, STAGE)
 
     async def declare(opened_at: float) -> None:
@@ -152,13 +171,39 @@ async def start_round_staller(cfg: SwarmConfig, initial_peers: list[str], honest
 
     async def stall() -> None:
         while True:
-            await declare(0.0)
-            await asyncio.sleep(0.1)
-            await declare(get_dht_time() - cfg.timeouts.matchmaking_s - 0.5)
+            if ago_s is None:
+                await declare(0.0)
+                await asyncio.sleep(0.1)
+            await declare(get_dht_time() - (cfg.timeouts.matchmaking_s + 0.5 if ago_s is None else ago_s))
             await asyncio.sleep(0.1)
 
     dht.stall = asyncio.create_task(stall())  # type: ignore[attr-defined]  # kept on the DHT: lives as long as it
     return dht
+
+
+# ---- stage servers that lie about their work: garbled forwards, silence ----------------------------------------------
+
+
+def true_norm_noise(y: torch.Tensor) -> torch.Tensor:
+    """Random activations with ``y``'s per-token norms: no shape, finiteness or norm check tells them from ``y``."""
+    noise = torch.randn_like(y)
+    return noise * (y.norm(dim=-1, keepdim=True) / noise.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+
+
+def garble(server: StageServer) -> None:
+    """``server`` answers every forward with ``true_norm_noise`` of its true output (its backwards stay honest)."""
+    honest = server._compute_forward
+    server._compute_forward = lambda x: true_norm_noise(honest(x))  # type: ignore[method-assign]
+
+
+def silence(server: StageServer) -> None:
+    """``server`` takes every forward and backward and never answers (run it with a large ``max_pending``)."""
+
+    async def never(peer: PeerID, request: object) -> bytes:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    server.forward = server.backward = never  # type: ignore[method-assign, assignment]
 
 
 # ---- decompression bombs ----------------------------------------------------------------------------------------
