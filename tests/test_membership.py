@@ -10,6 +10,7 @@ import pickle
 import re
 from collections.abc import Iterator
 
+import pydantic.v1 as pydantic
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.crypto import RSASignatureValidator
@@ -42,7 +43,7 @@ from swarm.dht.membership import (
     stage_validator,
 )
 from swarm.dht.process import SwarmDHT
-from swarm.dht.records import PROTOCOL_VERSION
+from swarm.dht.records import MAX_VERDICTS, PROTOCOL_VERSION, verdicts
 from swarm.model.transformer import ModelConfig
 from swarm.node.config import PeerConfig
 from swarm.pipeline.trainer import Batch
@@ -114,6 +115,22 @@ def test_stage_records_must_match_the_schema(validator_for) -> None:
     assert not validator.validate(record(key, subkey, {**good, "extra": 1}))
     assert not validator.validate(record(key, b"no owner marker", good))
     assert validator.validate(record("another/key", b"x", "anything"))  # other subsystems' keys pass through
+
+
+def test_the_record_carries_at_most_sixteen_verdicts_the_dht_validator_checks_them() -> None:
+    base58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZ"
+    bans = {f"peer{base58[i]}": 1000.0 + i for i in range(MAX_VERDICTS + 4)} | {"ended": 5.0, "0bad": 2000.0}
+    field = verdicts(bans, now=10.0, dht_now=1e9)  # a trainer's checker clock, and the DHT's
+    assert len(field) == MAX_VERDICTS and "ended" not in field and "0bad" not in field  # "0": no base58 peer id
+    assert min(field.values()) == 1e9 + 1000.0 + 4 - 10.0  # the bans that end last are kept, in DHT time
+    validator, key = stage_validator(CFG), stage_key(CFG.swarm_id, 0)
+    subkey = PEER.to_base58().encode() + OWNER
+    assert validator.validate(record(key, subkey, StageStatus(condemned=field).dict()))
+    too_many = {**field, "Zpeer": 1e9}
+    with pytest.raises(pydantic.ValidationError):
+        StageStatus(condemned=too_many)
+    assert not validator.validate(record(key, subkey, {**StageStatus().dict(), "condemned": too_many}))
+    assert not validator.validate(record(key, subkey, {**StageStatus().dict(), "condemned": {"0x": 1.0}}))
 
 
 def test_config_records_must_match_the_schema() -> None:
@@ -235,6 +252,12 @@ async def _membership_over_dht(first: SwarmDHT, second: SwarmDHT) -> None:
 
     await joiner.retire(1)
     assert set(await creator.replicas(1)) == {first.peer_id}
+
+    # a trainer's verdicts travel in its stage-0 record, signed by it
+    verdict = {first.peer_id.to_base58(): get_dht_time() + 600.0}
+    await joiner.announce(0, StageStatus(condemned=verdict))
+    assert (await creator.replicas(0))[second.peer_id].condemned == verdict
+    await joiner.retire(0)
 
     # outer-round declarations: one per peer and stage, the round in the record, checked by the DHT's schema
     now = get_dht_time()

@@ -11,6 +11,7 @@ without importing the DHT layer.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Dict, Optional, TypeVar
@@ -34,6 +35,10 @@ STATES = (
 MAX_KINDS = 16
 # a peer's --name: also a file name (OUT/<name>.jsonl) and a dashboard label, so short and plain
 PEER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# A trainer's record names at most this many servers it condemned (``StageStatus.condemned``): the ones whose bans end
+# last. An honest trainer condemns a handful; the bound keeps a record small whatever a trainer claims.
+MAX_VERDICTS = 16
+PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,64}$"  # a peer id as base58 text
 
 # The field types. pydantic v1's constrained types are made by calls, which a type checker cannot read in an
 # annotation: it reads the plain type each one constrains (pydantic's advice), pydantic the constraint.
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
     State = str
     Device = str
     SignedRevocations = bytes
+    PeerText = str
 else:
     Count = pydantic.conint(ge=0, strict=True)
     AtLeastOne = pydantic.conint(ge=1, strict=True)
@@ -67,6 +73,7 @@ else:
     State = pydantic.constr(regex=rf"^({'|'.join(STATES)})$", strict=True)
     Device = pydantic.constr(regex=r"^[\w:.() -]{1,80}$", strict=True)
     SignedRevocations = pydantic.conbytes(max_length=MAX_REVOCATIONS_BYTES, strict=True)
+    PeerText = pydantic.constr(regex=PEER_ID_PATTERN, strict=True)
 ByteCounts = Dict[Kind, Count]
 FrameCounts = Dict[CodecKind, Count]
 Loss = Optional[NonNegative]
@@ -85,7 +92,28 @@ class StageStatus(pydantic.BaseModel):
     # False: a full peer's record (``swarm/node/roles/full.py``), a replica for the outer step, state downloads and exports only,
     # never called for a microbatch. Came later with a default, so records without it stay valid (and serve).
     serves: pydantic.StrictBool = True
+    # Trainers: the servers a referee found wrong (``swarm/pipeline/checking.py``) → when the ban ends (DHT time). The
+    # replicas of their stages leave them out of the outer rounds meanwhile (``swarm/outer/verdicts.py``). Came later
+    # with a default, as ``serves``.
+    condemned: Dict[PeerText, NonNegative] = {}
     version: Count = PROTOCOL_VERSION
+
+    @pydantic.validator("condemned")
+    def _few_verdicts(cls, condemned: dict[str, float]) -> dict[str, float]:
+        if len(condemned) > MAX_VERDICTS:
+            raise ValueError(f"at most {MAX_VERDICTS} condemned servers, got {len(condemned)}")
+        return condemned
+
+
+def verdicts(bans: Mapping[object, float], *, now: float, dht_now: float) -> dict[str, float]:
+    """A trainer's ``StageStatus.condemned``: of ``bans`` (server → end of its ban, on the clock that reads ``now``),
+    the ``MAX_VERDICTS`` bans that end last and have not ended, by peer id text → end in DHT time (``dht_now``)."""
+    # (a test's server names that are no base58 stay out, rather than make the record invalid)
+    running = sorted(
+        ((until, text) for peer, until in bans.items() if until > now and re.match(PEER_ID_PATTERN, text := str(peer))),
+        reverse=True,
+    )
+    return {peer: dht_now + until - now for until, peer in running[:MAX_VERDICTS]}
 
 
 def serving(records: Mapping[K, StageStatus]) -> dict[K, StageStatus]:

@@ -88,7 +88,7 @@ async def allgather_round(
     else:
         board.commit(key, None)
         try:
-            entries = await _follow_commit(net, key, leader, timing, mine, earlier, gathered)
+            entries = await _follow_commit(net, key, leader, timing, mine, earlier, gathered, excluded)
         except _EarlierTry:
             # The leader took this replica's payload of an earlier try, whose commit never reached it; the set is
             # honest, but this replica has undone that Δ since: it is late, and downloads the result.
@@ -114,11 +114,16 @@ async def _follow_commit(
     mine: bytes,
     earlier: set[bytes],
     gathered: _Gathered,
+    excluded: Callable[[str], bool],
 ) -> list[tuple[str, bytes]]:
-    """The leader's commit (at most ``MAX_COMMIT_BYTES``), each payload it names that this member lacks fetched from
-    the leader into ``gathered``; ``TransferError`` if unusable, ``_EarlierTry`` if it holds an earlier try of mine."""
+    """The leader's commit (at most ``MAX_COMMIT_BYTES``) less the payloads of peers ``excluded`` here, each payload
+    it names that this member lacks fetched from the leader into ``gathered``; ``TransferError`` if unusable,
+    ``_EarlierTry`` if it holds an earlier try of mine."""
     commit = await net.fetch(leader, key.blob("commit"), 2 * timing.timeout_s, max_bytes=MAX_COMMIT_BYTES)
-    entries = parse_commit(commit)
+    # A leader that has not (yet) counted a verdict or a ban this member has counted may take the payload of a peer
+    # this member left out: that payload stays out here (this member's global weights then differ from the leader's
+    # for the round, and the stage's records settle which weights the others follow: ``claims_to_follow``).
+    entries = [(owner, wanted) for owner, wanted in parse_commit(commit) if owner == net.me or not excluded(owner)]
     got = gathered.got
     for owner, wanted in entries:
         if owner == net.me and wanted in earlier:

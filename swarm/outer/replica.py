@@ -39,6 +39,7 @@ from swarm.outer.matchmaking import expected_members, window_open
 from swarm.outer.pairs import pair_round
 from swarm.outer.state import StageState, stream_state, weights_hash
 from swarm.outer.trust import StateTrust, distance
+from swarm.outer.verdicts import Verdicts
 from swarm.rpc.blobs import BlobStream, TransferError
 from swarm.rpc.defences import PeerGuard
 
@@ -95,6 +96,7 @@ class ReplicaSync:
         on_log: EventSink = lambda event: None,
         clock: Callable[[], float] = time.time,
         guard: PeerGuard | None = None,
+        trainers: StatusReader | None = None,
     ) -> None:
         self.cfg, self.stage, self.holder = cfg, stage, holder
         self.net, self.board, self.replicas, self.fetch = net, board, replicas, fetch
@@ -117,6 +119,7 @@ class ReplicaSync:
         self._moved = 0.0  # how far the last round installed moved the global weights (at most)
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
+        self.verdicts = Verdicts.of(cfg.timeouts, trainers)  # ``trainers``' records: whom they condemned
 
     @property
     def round(self) -> int:
@@ -151,8 +154,8 @@ class ReplicaSync:
         return {**self.status_fields(), **self.counters}
 
     def excluded(self, peer: str) -> bool:
-        """Whether ``peer`` is banned from this replica's rounds and downloads."""
-        return self.accountability.excluded(peer)
+        """Whether ``peer`` is banned from this replica's rounds and downloads, or condemned by the trainers."""
+        return self.accountability.excluded(peer) or self.verdicts.condemns(peer, now=self.clock())
 
     def strike(self, peer: str, reason: str) -> None:
         """Count one offence of ``peer`` (a dropped or clipped Δ, a withheld commit, a false state); enough ban it."""
@@ -317,8 +320,10 @@ class ReplicaSync:
         return screening
 
     async def _live_others(self) -> dict[str, StageStatus]:
-        """The stage's other replicas as the DHT shows them now, banned ones left out."""
-        return {peer: status for peer, status in (await self.replicas()).items() if not self.excluded(peer)}
+        """The stage's other replicas as the DHT shows them now, banned and condemned (by trainers) ones left out."""
+        others = await self.replicas()
+        self.counters["outer_condemned"] += await self.verdicts.refresh(others, me=self.net.me, now=self.clock())
+        return {peer: status for peer, status in others.items() if not self.excluded(peer)}
 
     def _expected(self) -> set[str] | None:
         """Whom the window waits for (``expected_members``), from the records last read and the last round's members."""

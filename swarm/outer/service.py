@@ -25,6 +25,7 @@ from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.records import StageStatus
 from swarm.events import EventSink
+from swarm.model.stages import EDGE_STAGE
 from swarm.outer.accountability import OUTER_PEER_LIMITS
 from swarm.outer.board import Board
 from swarm.outer.claims import newcomer_claims, stage_claims
@@ -69,6 +70,10 @@ class OuterService:
         found = await self.membership.replicas(stage)
         return {peer.to_base58(): status for peer, status in found.items() if peer != self.membership.peer_id}
 
+    async def trainers(self) -> dict[str, StageStatus]:
+        """The live trainers (stage 0's replicas, this peer included), whose records carry their verdicts."""
+        return {peer.to_base58(): status for peer, status in (await self.membership.replicas(EDGE_STAGE)).items()}
+
     def sync(self, stage: int, holder: Holder, on_log: EventSink, *, alongside: bool = False) -> ReplicaSync:
         """The outer step of ``holder``, whose state this peer serves from now on: instead of the stage it held before
         (a server that moved), or ``alongside`` the others (a full peer holds every stage)."""
@@ -86,6 +91,7 @@ class OuterService:
             on_log=on_log,
             clock=get_dht_time,
             guard=self.guard,
+            trainers=self.trainers,
         )
         if not alongside:
             self.held.clear()

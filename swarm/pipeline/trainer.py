@@ -29,7 +29,7 @@ from compress.codecs import Codec
 from compress.errors import WireError
 from swarm.config import SwarmConfig, cli
 from swarm.dht.metrics import Traffic
-from swarm.dht.records import StageStatus
+from swarm.dht.records import StageStatus, verdicts
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 from swarm.model.step import (
@@ -647,7 +647,10 @@ class Trainer:
 
     def status(self) -> StageStatus:
         in_flight = self.counters["started"] - sum(self.counters[k] for k in ("completed", "failed", "cancelled"))
-        return StageStatus(queue=in_flight, inner_steps=self.inner_steps, grad_norm=float(self.inner.grad_norm))
+        # the servers it condemned: their stages' replicas leave their pseudo-gradients out of the round
+        condemned = verdicts(self.remote.checker.condemned, now=time.monotonic(), dht_now=time.time())
+        grad_norm = float(self.inner.grad_norm)
+        return StageStatus(queue=in_flight, inner_steps=self.inner_steps, grad_norm=grad_norm, condemned=condemned)
 
     async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm and back; its loss, or None if it failed (counted)."""

@@ -1,0 +1,150 @@
+"""Trainers' verdicts in the outer step: which verdicts a replica counts (``Verdicts``), a trainer's record naming them
+(its schema: test_membership.py), and a condemned replica's payload leaving its stage's rounds while the honest replicas complete them."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+import time
+
+from hivemind.p2p import PeerID
+
+from swarm.config import TimeoutConfig
+from swarm.dht.records import StageStatus
+from swarm.outer.allgather import allgather_round
+from swarm.outer.group import RoundKey, RoundResult, RoundTiming
+from swarm.outer.verdicts import Verdicts
+from swarm.pipeline.routing import Router
+from swarm.pipeline.trainer import Trainer
+from swarmtest.clock import in_virtual_time
+from swarmtest.configs import outer_config, tiny_config
+from swarmtest.fakes import Hub, MemoryNet
+from swarmtest.replicas import ReplicaGroup
+
+SEASONING_S, FORGET_S = 15.0, 30.0
+STAGE = ["a", "b", "c", "d"]  # the stage's replicas as listed; this replica is "a"
+
+
+def judged(**condemned: float) -> StageStatus:
+    """A trainer's record condemning ``condemned`` (peer → end of the verdict)."""
+    return StageStatus(condemned=condemned)
+
+
+def read(book: Verdicts, trainers: dict[str, StageStatus], now: float, replicas: list[str] = STAGE) -> set[str]:
+    book.read(trainers, replicas, me="a", now=now)
+    return {peer for peer in replicas if book.condemns(peer, now=now)}
+
+
+def test_a_verdict_counts_only_from_a_trainer_listed_for_the_seasoning_and_only_while_it_lasts() -> None:
+    book = Verdicts(seasoning_s=SEASONING_S, forget_s=FORGET_S)
+    trainers = {"t": judged(c=100.0)}
+    assert read(book, trainers, now=0.0) == set()  # a fresh identity's word counts for nothing
+    assert read(book, trainers, now=SEASONING_S - 1) == set()
+    assert read(book, trainers, now=SEASONING_S) == {"c"}
+    assert not book.condemns("c", now=100.0)  # the verdict ended (its trainer's ban with it)
+    assert read(book, trainers, now=100.0) == set()
+    # a trainer unlisted for longer than a record lives starts over when it comes back
+    assert read(book, {}, now=100.0 + FORGET_S + 1) == set()
+    assert read(book, {"t": judged(c=500.0)}, now=140.0) == set()
+    assert read(book, {"t": judged(c=500.0)}, now=140.0 + SEASONING_S) == {"c"}
+
+
+def test_a_trainer_condemning_more_than_half_the_stage_is_ignored_and_a_replica_never_condemns_itself() -> None:
+    book = Verdicts(seasoning_s=0.0, forget_s=FORGET_S)
+    assert read(book, {"framer": judged(b=9.0, c=9.0, d=9.0)}, now=1.0) == set()  # 3 of 4: ignored whole
+    assert book.ignored == {"framer"}
+    assert read(book, {"t": judged(c=9.0, d=9.0)}, now=1.0) == {"c", "d"}  # half: counted
+    assert read(book, {"t": judged(a=9.0, c=9.0)}, now=1.0) == {"c"}  # its own verdict is no replica's to act on
+    assert read(book, {"t": judged(a=9.0, b=9.0, c=9.0)}, now=1.0) == set()  # verdicts on it count towards the half
+    assert read(book, {"t": judged(x=9.0, y=9.0, z=9.0, c=9.0)}, now=1.0) == {"c"}  # peers of other stages: no count
+
+
+def test_several_trainers_together_leave_out_at_most_half_the_stage_the_most_condemned_first() -> None:
+    book = Verdicts(seasoning_s=0.0, forget_s=FORGET_S)
+    three = ["a", "b", "c"]  # half of three replicas: one
+    assert read(book, {"t1": judged(b=9.0), "t2": judged(c=9.0)}, now=1.0, replicas=three) == {"b"}  # by id
+    two_against_c = {"t1": judged(b=9.0), "t2": judged(c=9.0), "t3": judged(c=9.0)}
+    assert read(book, two_against_c, now=1.0, replicas=three) == {"c"}
+    assert read(book, {"t": judged(b=9.0)}, now=1.0, replicas=["a", "b"]) == {"b"}  # a stage of two: one of them
+
+
+def test_a_trainers_record_names_the_servers_it_condemned_until_their_bans_end() -> None:
+    trainer = Trainer(tiny_config(stages=1, steps=1), None, Router(1, random.Random(0)))  # type: ignore[arg-type]  # no call is made
+    try:
+        assert trainer.status().condemned == {}
+        server = PeerID.from_base58("12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG")
+        seconds = trainer.remote.checker.condemn(server)
+        end = trainer.status().condemned[server.to_base58()]
+        assert abs(end - (time.time() + seconds)) < 5.0  # in DHT time (the wall clock), not the checker's clock
+    finally:
+        trainer.shutdown()
+
+
+# --- a condemned replica in rounds -------------------------------------------------------------------------------------
+
+TIMING = RoundTiming(window_s=0.3, timeout_s=0.4, settle_s=0.05)
+
+
+def test_a_member_leaves_out_of_its_round_a_payload_its_leader_took_from_a_peer_it_condemns() -> None:
+    # a leads (it arrives first) and has not counted the verdict; b has: b applies a's set less c's payload
+    hub, key = Hub(), RoundKey(stage=1, round=3)
+
+    async def take_part(name: str, delay: float, condemned: frozenset[str]) -> RoundResult:
+        await asyncio.sleep(delay)
+        return await allgather_round(
+            MemoryNet(hub, name),
+            hub.boards[name],
+            key,
+            f"payload of {name}".encode(),
+            TIMING,
+            clock=asyncio.get_running_loop().time,
+            excluded=condemned.__contains__,
+        )
+
+    async def scenario() -> list[RoundResult]:
+        for name in "abc":
+            hub.join(name)
+        plays = [("a", 0.0, frozenset()), ("b", 0.05, frozenset("c")), ("c", 0.1, frozenset())]
+        return await asyncio.gather(*(take_part(*play) for play in plays))
+
+    (a, b, c), _ = in_virtual_time(scenario())
+    assert a.contributors == c.contributors == ("a", "b", "c") and a.leader == b.leader == "a"
+    assert b.outcome == "done" and b.contributors == ("a", "b") and b.payloads == (b"payload of a", b"payload of b")
+    assert not any(who == "b" and name.endswith("/c") for who, _, name in hub.fetches)  # never fetched
+
+
+sync_config = functools.partial(
+    outer_config, timeouts=TimeoutConfig(rpc_s=0.5, matchmaking_s=0.5, announce_period_s=0.1, record_ttl_s=1.0)
+)
+
+
+def test_a_replica_its_trainer_condemned_leaves_the_rounds_and_the_honest_replicas_complete_them() -> None:
+    swarm = ReplicaGroup(sync_config(), ["a", "b", "c"])
+    a, b, c = (swarm.syncs[n] for n in "abc")
+    verdict = {"t": judged(c=time.monotonic() + 600.0)}  # ReplicaGroup's replicas read DHT time on time.monotonic
+
+    async def trainers() -> dict[str, StageStatus]:
+        return verdict
+
+    for sync in (a, b, c):
+        sync.verdicts.trainers = trainers
+
+    def without_c(name: str) -> int:
+        return sum(e.contributor_ids == ("a", "b") for e in swarm.rounds(name))
+
+    # every replica trains at the same pace: c's Δ would be in every round, had it not been left out
+    asyncio.run(swarm.run(dict.fromkeys("abc", 0.03), lambda: min(without_c("a"), without_c("b")) >= 3, 60))
+    for name in "ab":
+        sync = swarm.syncs[name]
+        assert (
+            sync.excluded("c") and not sync.excluded("a" if name == "b" else "b") and sync.counters["outer_condemned"]
+        )
+        assert "c" not in sync._expected()  # not waited for
+    late = [e for e in swarm.rounds("a") if e.contributor_ids == ("a", "b")][-3:]
+    assert all(e.outcome == "done" for e in late)
+    hashes = {(e.round, e.global_hash) for e in swarm.rounds("b")}
+    assert {(e.round, e.global_hash) for e in late} <= hashes  # a and b agree on each of those rounds
+    assert not c.excluded("c") and c.counters["outer_done"] >= 3  # c goes on with its rounds, its Δ its own alone
+    for sync in (a, b, c):
+        sync.close()
