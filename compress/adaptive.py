@@ -44,9 +44,11 @@ class Ladder:
         limits: WireLimits | None = None,
         allow_nonfinite: bool = False,
         expected_shape: tuple[int, ...] | None = None,
+        max_abs: float = math.inf,
     ) -> tuple[Codec, torch.Tensor, torch.Tensor | None]:
         """(the codec the frame is in, its tensor, its token ids or None), as ``Codec.decode_with_tokens`` checks it;
-        ``UnknownCodec`` for a frame in a codec outside the ladder. Raises only ``WireError``s."""
+        ``UnknownCodec`` for a frame in a codec outside the ladder; ``max_abs`` tightens ``limits.max_abs`` (a trainer
+        bounds the replies it decodes without restating the shape's bounds). Raises only ``WireError``s."""
         codec_id = frame_codec_id(data)
         if codec_id is None:  # no header to read: the first codec's decode names what is wrong
             return self.codecs[0], *self.codecs[0].decode_with_tokens(data, limits=limits)
@@ -61,7 +63,8 @@ class Ladder:
         frame = decode_frame(data, limits=bounds, expected_shape=expected_shape)
         for codec in candidates:
             if codec.matches(frame):
-                return codec, *codec.from_frame(frame, allow_nonfinite=allow_nonfinite, max_abs=bounds.max_abs)
+                bound = min(bounds.max_abs, max_abs)
+                return codec, *codec.from_frame(frame, allow_nonfinite=allow_nonfinite, max_abs=bound)
         raise UnknownCodec(f"frame's subspace inner codec is not one of {', '.join(self.names)}")
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from compress.adaptive import Ladder, LinkEstimate, LinkEstimator, choose_codec, frame_bytes
-from compress.codecs import get_codec
-from compress.errors import ShapeMismatch, UnknownCodec
+from compress.codecs import BOUNDARY_MAX_ABS, get_codec
+from compress.errors import ShapeMismatch, UnknownCodec, WireError
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Meter
 from swarm.pipeline.boundary import boundary_codecs, boundary_ladders
@@ -97,6 +97,18 @@ def test_a_receiver_decodes_every_ladder_codec_and_refuses_others() -> None:
     fixed = Ladder([get_codec("int8")])
     with pytest.raises(UnknownCodec):
         fixed.decode(get_codec("bf16").encode(x))
+
+
+def test_a_ladder_refuses_a_reply_over_the_receivers_bound_on_values() -> None:
+    """A trainer decodes stage replies with ``max_abs = BOUNDARY_MAX_ABS``: a finite bf16 reply of 1e30 (no shape,
+    finiteness or scale check refuses it) is refused; the same frame decodes where no bound is asked for."""
+    ladder, _ = boundary_ladders(adaptive())
+    x = torch.randn(SHAPE)
+    x[0, 0, 0] = 1e30
+    frame = get_codec("bf16").encode(x)
+    assert ladder.decode(frame, expected_shape=SHAPE)[1].abs().max() > BOUNDARY_MAX_ABS
+    with pytest.raises(WireError, match="over the receiver's limit"):
+        ladder.decode(frame, expected_shape=SHAPE, max_abs=BOUNDARY_MAX_ABS)
 
 
 def test_a_subspace_ladder_decodes_each_inner_codec_with_its_tokens() -> None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from compress.adaptive import Ladder, LinkEstimator, choose_codec
-from compress.codecs import Codec
+from compress.codecs import BOUNDARY_MAX_ABS, Codec
 from compress.errors import WireError
 from swarm.config import SwarmConfig, cli
 from swarm.dht.metrics import Traffic
@@ -454,7 +454,9 @@ class RemoteStages:
             wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
             received = self._count(mb, kind, out, sent=False)
             # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
-            reply_codec, value, tokens = self.codecs.ladders[kind].decode(out, expected_shape=mb.shape)
+            reply_codec, value, tokens = self.codecs.ladders[kind].decode(
+                out, expected_shape=mb.shape, max_abs=BOUNDARY_MAX_ABS
+            )
         except TimeoutError:
             self._missed(stage, peer, timeout)
             return None
