@@ -12,6 +12,7 @@ from hivemind.p2p import PeerID
 
 from swarm.config import TimeoutConfig
 from swarm.dht.records import StageStatus
+from swarm.events import StateDownload, of_kind
 from swarm.outer.allgather import allgather_round
 from swarm.outer.group import RoundKey, RoundResult, RoundTiming
 from swarm.outer.verdicts import Verdicts
@@ -55,7 +56,9 @@ def test_a_trainer_condemning_more_than_half_the_stage_is_ignored_and_a_replica_
     assert read(book, {"framer": judged(b=9.0, c=9.0, d=9.0)}, now=1.0) == set()  # 3 of 4: ignored whole
     assert book.ignored == {"framer"}
     assert read(book, {"t": judged(c=9.0, d=9.0)}, now=1.0) == {"c", "d"}  # half: counted
+    assert not book.accused(now=1.0)
     assert read(book, {"t": judged(a=9.0, c=9.0)}, now=1.0) == {"c"}  # its own verdict is no replica's to act on
+    assert book.accused(now=9.0 + FORGET_S - 1) and not book.accused(now=9.0 + FORGET_S)  # it follows the others
     assert read(book, {"t": judged(a=9.0, b=9.0, c=9.0)}, now=1.0) == set()  # verdicts on it count towards the half
     assert read(book, {"t": judged(x=9.0, y=9.0, z=9.0, c=9.0)}, now=1.0) == {"c"}  # peers of other stages: no count
 
@@ -133,18 +136,24 @@ def test_a_replica_its_trainer_condemned_leaves_the_rounds_and_the_honest_replic
     def without_c(name: str) -> int:
         return sum(e.contributor_ids == ("a", "b") for e in swarm.rounds(name))
 
+    def followed() -> bool:  # c, condemned, follows the others' weights where it applied a set they did not
+        return any(e.reason == "diverged" for e in of_kind(swarm.of("c"), StateDownload))
+
     # every replica trains at the same pace: c's Δ would be in every round, had it not been left out
-    asyncio.run(swarm.run(dict.fromkeys("abc", 0.03), lambda: min(without_c("a"), without_c("b")) >= 3, 60))
+    until = lambda: min(without_c("a"), without_c("b")) >= 3 and followed()  # noqa: E731
+    asyncio.run(swarm.run(dict.fromkeys("abc", 0.03), until, 60))
     for name in "ab":
         sync = swarm.syncs[name]
         assert (
             sync.excluded("c") and not sync.excluded("a" if name == "b" else "b") and sync.counters["outer_condemned"]
         )
         assert "c" not in sync._expected()  # not waited for
+        assert not of_kind(swarm.of(name), StateDownload)  # nothing of c's reaches them
     late = [e for e in swarm.rounds("a") if e.contributor_ids == ("a", "b")][-3:]
     assert all(e.outcome == "done" for e in late)
     hashes = {(e.round, e.global_hash) for e in swarm.rounds("b")}
     assert {(e.round, e.global_hash) for e in late} <= hashes  # a and b agree on each of those rounds
-    assert not c.excluded("c") and c.counters["outer_done"] >= 3  # c goes on with its rounds, its Δ its own alone
+    assert not c.excluded("c") and c.counters["outer_done"] >= 3  # c goes on with its rounds, its Δ its own
+    assert c.verdicts.accused(now=time.monotonic()) and not a.verdicts.accused(now=time.monotonic())
     for sync in (a, b, c):
         sync.close()

@@ -242,7 +242,7 @@ class ReplicaSync:
             me=self.net.me,
             round_=self.round,
             weights_hash=self.global_hash,
-            last_group=self._last_group,
+            last_group=() if self.verdicts.accused(now=self.clock()) else self._last_group,  # they left me out
             replicas_agree=self.outer is None or self.outer.replicas_agree,
             known=self.trust.known if self.trust.has_history else None,
             reach=reach,

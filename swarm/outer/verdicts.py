@@ -11,6 +11,7 @@ against this replica itself, and together they leave out at most half of the sta
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping
 
@@ -31,6 +32,7 @@ class Verdicts:
         self._last_seen: dict[str, float] = {}
         self.condemned: dict[str, float] = {}  # peer → end of the latest verdict counted
         self.ignored: set[str] = set()  # trainers whose verdicts were left out at the last read: they condemn too many
+        self._accused_until = -math.inf  # the end of the latest verdict counted against this replica itself
 
     @classmethod
     def of(cls, timeouts: TimeoutConfig, trainers: TrainerReader | None) -> Verdicts:
@@ -60,7 +62,8 @@ class Verdicts:
             for peer, end in named.items():
                 votes[peer] += 1
                 until[peer] = max(until.get(peer, 0.0), end)
-        votes.pop(me, None)  # a replica keeps its own Δ: it is no judge's to take out of its own round
+        if votes.pop(me, 0):  # a replica keeps its own Δ: it is no judge's to take out of its own round
+            self._accused_until = max(self._accused_until, until[me])
         # at most half of the stage left out on trainers' word: the most condemned first (then by id: alike everywhere)
         kept = sorted(votes, key=lambda peer: (-votes[peer], peer))[: len(stage) // 2]
         before, self.condemned = self.condemned, {peer: until[peer] for peer in kept}
@@ -72,6 +75,12 @@ class Verdicts:
     def condemns(self, peer: str, *, now: float) -> bool:
         """Whether ``peer``'s verdict, as last read, still runs at ``now``."""
         return self.condemned.get(peer, 0.0) > now
+
+    def accused(self, *, now: float) -> bool:
+        """Whether a verdict counted against this replica itself ran within ``forget_s`` of ``now``: the others leave
+        its Δ out, so weights it holds apart from theirs at a round are no sign of a lie but a set they did not apply,
+        and it follows theirs (``ReplicaSync.catch_up``)."""
+        return now < self._accused_until + self.forget_s
 
     def _see(self, trainers: Mapping[str, StageStatus], now: float) -> None:
         """Note who is listed; forget a trainer unseen for ``forget_s`` (it starts over if it comes back)."""
