@@ -7,20 +7,26 @@ import asyncio
 import functools
 import random
 import time
+from typing import Any
 
+import pytest
 from hivemind.p2p import PeerID
 
+from peer.data import load_corpus
 from swarm.config import TimeoutConfig
 from swarm.dht.records import StageStatus
-from swarm.events import StateDownload, of_kind
+from swarm.events import OuterRound, Progress, StateDownload, of_kind
+from swarm.node.config import PeerConfig
 from swarm.outer.allgather import allgather_round
 from swarm.outer.group import RoundKey, RoundResult, RoundTiming
 from swarm.outer.verdicts import Verdicts
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Trainer
+from swarmtest.attacks import garble
 from swarmtest.clock import in_virtual_time
-from swarmtest.configs import outer_config, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, outer_config, tiny_config
 from swarmtest.fakes import Hub, MemoryNet
+from swarmtest.node import BackgroundNode
 from swarmtest.replicas import ReplicaGroup
 
 SEASONING_S, FORGET_S = 15.0, 30.0
@@ -157,3 +163,53 @@ def test_a_replica_its_trainer_condemned_leaves_the_rounds_and_the_honest_replic
     assert c.verdicts.accused(now=time.monotonic()) and not a.verdicts.accused(now=time.monotonic())
     for sync in (a, b, c):
         sync.close()
+
+
+def counted_at(records: list[Any]) -> int | None:
+    """The index of a server's first progress record that shows a verdict counted by its outer step, or None."""
+    return next((i for i, r in enumerate(records) if isinstance(r, Progress) and r.fields.get("outer_condemned")), None)
+
+
+def last_condemned(node: BackgroundNode) -> list[str]:
+    progress = node.events(Progress)
+    return progress[-1].fields.get("condemned", []) if progress else []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_on_loopback_the_replicas_leave_the_server_a_trainer_condemned_out_of_their_rounds() -> None:
+    # three stage-1 servers in outer rounds every 5 inner steps, the third garbling every forward; one trainer checks
+    cfg = outer_config(inner_steps=5, stages=1, steps=120, timeouts=FAST_TIMEOUTS)
+
+    def data(cfg: Any, peer_id: str) -> Any:
+        corpus = load_corpus([DATA])
+        kw = {"batch_size": cfg.train.microbatch_size, "seq_len": cfg.train.seq_len}
+        return corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_sequences=16, **kw)
+
+    def stage(name: str, joined: list[str]) -> BackgroundNode:
+        config = PeerConfig(role="stage", stage=1, name=name, host_maddrs=LOOPBACK_MADDRS, initial_peers=joined)
+        return BackgroundNode(config, cfg)
+
+    first = stage("stage1-a", []).start()
+    servers = [first, *(stage(name, first.maddrs).start() for name in ("stage1-b", "stage1-x"))]
+    honest = servers[:2]
+    try:
+        garble(servers[2].call(lambda node: asyncio.sleep(0, node.role.holder)))
+        garbler = str(servers[2].call(lambda node: asyncio.sleep(0, node.dht.peer_id)))
+        trainer = PeerConfig(
+            role="trainer", name="trainer", initial_peers=first.maddrs, host_maddrs=LOOPBACK_MADDRS, steps=120
+        )
+        with BackgroundNode(trainer, data=data) as peer:
+            peer.wait("the garbler condemned", lambda: garbler in last_condemned(peer) or None, 300)
+            for node in honest:  # the trainer's record reaches their outer step, once the trainer is seasoned
+                node.wait("the verdict counted", lambda node=node: counted_at(node.records) is not None or None, 60)
+            last = peer.result(timeout=300)
+    finally:
+        for server in servers:
+            server.stop()
+    assert last["step"] == 120 and garbler in last["condemned"]
+    for node in honest:
+        start = counted_at(node.records)
+        assert start is not None
+        after = [r for r in node.records[start:] if isinstance(r, OuterRound) and r.outcome == "done"]
+        assert after and all(garbler not in r.contributor_ids for r in after), after
