@@ -26,7 +26,7 @@ from swarm.outer.board import MAX_COMMIT_BYTES, Board, digest, parse_commit
 from swarm.outer.group import P2PGroupNetwork, RoundKey, RoundResult, RoundTiming
 from swarm.outer.matchmaking import window_opening
 from swarm.outer.pairs import pair_round
-from swarm.outer.replica import ReplicaSync, StateChanged, snapshot_weights
+from swarm.outer.replica import ReplicaSync, StateChanged, await_progress, snapshot_weights
 from swarm.outer.state import StageState, StateDecoder, stream_state, weights_hash
 from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
 from swarmtest.clock import in_virtual_time
@@ -476,16 +476,16 @@ def test_a_leader_whose_commit_was_lost_is_acquitted_when_it_next_leads_a_round_
     lost = RoundResult(outcome="failed", group=("a", "b"), leader="b", reason="no usable commit from leader b")
     done = RoundResult(outcome="done", payloads=(b"", b""), contributors=("a", "b"), group=("a", "b"), leader="b")
     for _ in range(OUTER_PEER_LIMITS.strikes - 1):  # streams lost in transit, each followed by a round b led with a
-        a.strike("b", lost.reason)
+        a.accountability.strike("b", lost.reason)
         a.accountability.unproven.add("b")
         a.accountability.acquit(done, a.round, me="a")
-    a.strike("b", lost.reason)
+    a.accountability.strike("b", lost.reason)
     assert not a.excluded("b"), "strikes taken back count towards no ban"
     a.accountability.unproven.add("b")
     a.accountability.acquit(
         dataclasses.replace(done, contributors=("b",)), a.round, me="a"
     )  # b's alone: no proof, no pardon
-    a.strike("b", lost.reason)
+    a.accountability.strike("b", lost.reason)
     assert a.excluded("b"), "a leader that withholds its commits round after round is banned"
     for sync in swarm.syncs.values():
         sync.close()
@@ -568,7 +568,7 @@ def test_a_round_waits_for_every_replica_at_its_round_or_one_behind_not_only_its
     rounds = {"b": 5, "c": 5, "d": 4, "e": 3, "f": 6, "g": 5}
     a._others = {peer: StageStatus(outer_round=r, global_hash="0" * 16) for peer, r in rounds.items()}
     for _ in range(OUTER_PEER_LIMITS.strikes):
-        a.strike("g", "test")
+        a.accountability.strike("g", "test")
     assert a._expected() == {"b", "c", "d"}
     a._others, a._last_group = {}, ()
     assert a._expected() == set()  # alone in its stage: nobody to wait for
@@ -613,10 +613,10 @@ def test_after_a_failed_round_a_replica_waits_for_progress_only_while_a_replica_
     looks = count_catch_ups(a)
     a.outer.round = swarm.syncs["b"].outer.round = 1  # a's round 1 failed; c, listed at 0, cannot get past it first
     # b is at round 1 and alive, so it may yet get past it: a waits out the bound, looking again and again
-    assert asyncio.run(a._await_progress(1)) is False and len(looks) > 3
+    assert asyncio.run(await_progress(a, 1)) is False and len(looks) > 3
     looks.clear()
     swarm.hub.dead.add("b")  # b left: nobody listed at round 1 or later, so a keeps its round after one look
-    assert asyncio.run(a._await_progress(1)) is False and len(looks) == 1
+    assert asyncio.run(await_progress(a, 1)) is False and len(looks) == 1
     for sync in swarm.syncs.values():
         sync.close()
 
@@ -626,9 +626,9 @@ def test_after_a_failed_round_a_replica_waits_for_its_leader_whose_record_lags()
     a = swarm.syncs["a"]
     looks = count_catch_ups(a)
     a.outer.round = 1  # a's round 1 failed; b, listed at round 0, cannot get past it first: one look
-    assert asyncio.run(a._await_progress(1)) is False and len(looks) == 1
+    assert asyncio.run(await_progress(a, 1)) is False and len(looks) == 1
     looks.clear()  # but if b led that round, it has likely finished it, and its record is older than that
-    assert asyncio.run(a._await_progress(1, leader="b")) is False and len(looks) > 3
+    assert asyncio.run(await_progress(a, 1, leader="b")) is False and len(looks) > 3
     for sync in swarm.syncs.values():
         sync.close()
 

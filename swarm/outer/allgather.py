@@ -55,10 +55,8 @@ async def allgather_round(
     on_declared: Callable[[float], None] = lambda opened_at: None,
     blame: Callable[[str, str], None] = lambda peer, why: None,
 ) -> RoundResult:
-    """Take part in outer round ``key`` with ``payload``; returns the agreed payloads or why there are none.
-
-    ``expected``, ``excluded``, ``on_declared`` and ``blame`` go to the matchmaking (``meet``).
-    """
+    """Take part in outer round ``key`` with ``payload``: the agreed payloads or why there are none. ``expected``,
+    ``excluded``, ``on_declared`` and ``blame`` go to the matchmaking (``meet``)."""
     mine = digest(payload)
     earlier = board.earlier_tries(key, mine)  # recorded even if late: a leader may have taken what this peer offered
     met = await meet(

@@ -157,10 +157,6 @@ class ReplicaSync:
         """Whether ``peer`` is banned from this replica's rounds and downloads, or condemned by the trainers."""
         return self.accountability.excluded(peer) or self.verdicts.condemns(peer, now=self.clock())
 
-    def strike(self, peer: str, reason: str) -> None:
-        """Count one offence of ``peer`` (a dropped or clipped Δ, a withheld commit, a false state); enough ban it."""
-        self.accountability.strike(peer, reason)
-
     async def run(self) -> None:
         """Forever (cancel to stop): catch up when behind, take part in each round when due (or, with H/2 of its H
         steps, when another replica has opened it: the fastest sets the pace)."""
@@ -206,7 +202,7 @@ class ReplicaSync:
             expected=self._expected(),
             excluded=self.excluded,
             on_declared=lambda at: self.on_log(OuterDeclared(stage=self.stage, round=key.round, opened_at=at)),
-            blame=self.strike,
+            blame=self.accountability.strike,
         )
         result = _lone_leader_is_late(result, key, self.net.me)
         fp32_bytes = result.received * self._fp32_bytes
@@ -224,7 +220,7 @@ class ReplicaSync:
         else:
             self.accountability.commit_withheld(result, me=self.net.me)
             await self._on_thread(self._outer.discard_payload)  # the next payload carries this round's Δ again
-            if not await self._await_progress(key.round, leader=result.leader):
+            if not await await_progress(self, key.round, leader=result.leader):
                 self.synced_at = steps  # nobody got past this round: try it again after another H steps
         self.on_log(round_event(self, key, result, screening, time.perf_counter() - started))
         return result
@@ -236,7 +232,9 @@ class ReplicaSync:
         now, steps = asyncio.get_running_loop().time(), self.holder.inner_steps
         reach = self.trust.reach(now=now, inner_steps=steps, horizon=self.horizon, floor_s=self.poll_s)
         for peer in self.trust.liars(self._others, reach):  # an identity announcing a round no training reaches lies
-            self.strike(peer, f"it claims outer round {self._others[peer].outer_round}, beyond reach ({reach})")
+            self.accountability.strike(
+                peer, f"it claims outer round {self._others[peer].outer_round}, beyond reach ({reach})"
+            )
         follow = claims_to_follow(
             self._others,
             me=self.net.me,
@@ -329,25 +327,6 @@ class ReplicaSync:
         """Whom the window waits for (``expected_members``), from the records last read and the last round's members."""
         return expected_members(self.net.me, self._last_group, self._others, self.round, self.excluded)
 
-    async def _await_progress(self, round_: int, *, leader: str | None = None) -> bool:
-        """After a late or failed round: wait (bounded) for a replica that got past it, and download its state; give up
-        once no replica is listed at that round or later and the round's ``leader`` is not listed either (its record
-        lags by up to an announce period): the partner left, and nobody will get past the round without this one."""
-        deadline = time.monotonic() + self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
-        # Look often, not once per announce period: a replica left out of a set sleeping a whole period (5 s) before
-        # its first look took as long as the leader's next window, arrived just after it closed, was late again, and
-        # so on — 22 rounds in a row of a 2-replica stage in one 8M-token run (docs/benchmarks.md, "At 8M tokens").
-        while time.monotonic() < deadline:
-            await asyncio.sleep(min(PROGRESS_POLL_S, self.cfg.timeouts.announce_period_s))
-            if await self.catch_up():  # it also reads the stage's records into ``_others``
-                return True
-            # (a leader whose record lags broke this off at once, and the retry met the leader's old commit: in an
-            # 8M-token run, that second failure banned an honest partner and split the stage for the rest of the run)
-            if leader not in self._others and not any(s.outer_round >= round_ for s in self._others.values()):
-                break
-        logger.warning(f"stage {self.stage}: no replica got past outer round {round_}; keeping it")
-        return False
-
     async def _download(self, claim: StateClaim, reason: str, reach: int | None) -> bool:
         """Download and adopt the state ``claim`` announces, from one of its holders, if its round is within ``reach``
         and its weights near this replica's (``StateTrust.state_check``); False if none delivers it."""
@@ -362,7 +341,7 @@ class ReplicaSync:
                 template=self.params,
                 reference=reference,
                 also=self.trust.state_check(reference, round_=self.round, horizon=self.horizon, reach=reach),
-                blame=self.strike,
+                blame=self.accountability.strike,
             )
         except TransferError as e:
             logger.warning(f"stage {self.stage}: could not catch up ({reason}): {e}")
@@ -406,6 +385,26 @@ async def _stream_outer(sync: ReplicaSync, outer: OuterOptimizer[Any]) -> BlobSt
         return copy()
 
     return stream_state(state, read=lambda copy: sync._on_thread(unchanged, copy))
+
+
+async def await_progress(sync: ReplicaSync, round_: int, *, leader: str | None = None) -> bool:
+    """After a late or failed round of ``sync``'s replica: wait (bounded) for a replica that got past it, and download
+    its state; give up once no replica is listed at that round or later and the round's ``leader`` is not listed either
+    (its record lags by up to an announce period): the partner left, and nobody gets past the round without this one."""
+    deadline = time.monotonic() + sync.timing.max_round_s + 2 * sync.cfg.timeouts.announce_period_s
+    # Look often, not once per announce period: a replica left out of a set sleeping a whole period (5 s) before
+    # its first look took as long as the leader's next window, arrived just after it closed, was late again, and
+    # so on — 22 rounds in a row of a 2-replica stage in one 8M-token run (docs/benchmarks.md, "At 8M tokens").
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(PROGRESS_POLL_S, sync.cfg.timeouts.announce_period_s))
+        if await sync.catch_up():  # it also reads the stage's records into ``_others``
+            return True
+        # (a leader whose record lags broke this off at once, and the retry met the leader's old commit: in an
+        # 8M-token run, that second failure banned an honest partner and split the stage for the rest of the run)
+        if leader not in sync._others and not any(s.outer_round >= round_ for s in sync._others.values()):
+            break
+    logger.warning(f"stage {sync.stage}: no replica got past outer round {round_}; keeping it")
+    return False
 
 
 def _load_outer(outer: OuterOptimizer[Any], state: StageState) -> None:
