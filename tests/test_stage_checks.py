@@ -127,20 +127,39 @@ class Replicas:
         return await self.servers[peer].backward("trainer", request)
 
 
-def train(*, garbling: bool, check_rate: float) -> tuple[dict[str, Any], Trainer, Replicas]:
+def train(
+    *,
+    garbling: bool,
+    check_rate: float,
+    rule: CheckRule | None = None,
+    landed: list[str] | None = None,
+    route_seed: int = 0,
+) -> tuple[dict[str, Any], Trainer, Replicas]:
     """60 inner steps of the tiny model on text through three replicas of stage 1 (the first garbling, if asked);
-    the last progress record (with the validation loss), the trainer and the calls."""
+    the last progress record (with the validation loss), the trainer and the calls. ``rule`` replaces the trainer's
+    check rule; ``landed`` collects the server of every training forward hop that landed."""
     torch.manual_seed(0)
     cfg = tiny_config(stages=1, steps=60)
     servers = {name: StageServer(cfg, 1) for name in ("evil" if garbling else "s0", "s1", "s2")}
     if garbling:
         garble(servers["evil"])
-    calls, router = Replicas(servers), Router(1, random.Random(0))
+    calls, router = Replicas(servers), Router(1, random.Random(route_seed))
     router.update(1, list(servers))
     corpus = load_corpus([DATA])
     kw = {"batch_size": BATCH, "seq_len": SEQ}
     options = TrainerOptions(in_flight=2, log_every=20, check_rate=check_rate)
     trainer = Trainer(cfg, calls, router, options=options)
+    if rule is not None:
+        trainer.remote.checker.rule = rule
+    if landed is not None:
+        forward_path = trainer.remote.forward_path
+
+        async def recording(mb: Any, *args: Any) -> Any:
+            hops, h = await forward_path(mb, *args)
+            landed.extend(hop.peer for hop in hops if mb.train)
+            return hops, h
+
+        trainer.remote.forward_path = recording  # type: ignore[method-assign]
     try:
         batches, val = corpus.sample_batches("train", seed=1, **kw), corpus.val_batches(num_sequences=32, **kw)
         return asyncio.run(trainer.train(batches, steps=60, val_batches=val)), trainer, calls
@@ -161,3 +180,17 @@ def test_a_garbling_replica_is_struck_and_routed_around_and_the_trainer_trains_o
     assert clean["check_strikes"] == 0  # honest replicas are never condemned
     print(f"val loss: clean {clean['val_loss']:.3f}, one garbling replica of three {last['val_loss']:.3f}")
     assert last["val_loss"] < 1.05 * clean["val_loss"]  # unchecked, the garbler's share of the hops would ruin it
+
+
+@pytest.mark.timeout(300)
+def test_a_new_servers_checked_forward_lands_only_once_its_check_passed() -> None:
+    """With every forward of a new server checked (probation rate 1), a garbling replica's replies never land: the
+    check holds its microbatch back, condemns it at its first forward, and the hop is redone on another replica
+    (fails with the checks off the path: the garbled reply lands while its check runs)."""
+    landed: list[str] = []
+    rule = CheckRule(probation_rate=1.0)
+    # route_seed 5: the garbler serves the first training forward (with 0 it is first met as another hop's checker)
+    last, trainer, calls = train(garbling=True, check_rate=0.02, rule=rule, landed=landed, route_seed=5)
+    assert last["step"] == 60 and last["failed"] == 0 and last["check_strikes"] == 1
+    assert calls.forwards["evil"] >= 1 and trainer.condemned == {"evil"}
+    assert "evil" not in landed and {"s1", "s2"} <= set(landed)

@@ -36,7 +36,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 class CheckRule:
     rate: float = 0.02  # of hops checked once a server is past probation
     probation_hops: int = 20  # a server's first forwards, checked at probation_rate
-    probation_rate: float = 0.25
+    probation_rate: float = 0.5  # these checks hold their microbatch back (``unproven``): a garbler is caught early
     suspect_rate: float = 0.5
     # relative L2 error within which two replicas agree: honest ones H steps apart measured ≤ 0.82 (d_model 768, the
     # first round from the start, at 5× the 125m preset's lr), garbled ones √2
@@ -76,6 +76,11 @@ class HopChecker:
         else:
             rate = self.rule.rate
         return self._rng.random() < rate
+
+    def unproven(self, peer: Hashable) -> bool:
+        """``peer`` is new (on probation) or suspect: a checked forward of it should land only once the check passed,
+        since most of a garbler's damage is done before its first verdict."""
+        return peer in self.suspects or self.served[peer] <= self.rule.probation_hops
 
     def agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return relative_error(a, b) <= self.rule.tolerance

@@ -343,9 +343,15 @@ class RemoteStages:
             request = Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
             if (reply := await self._call(mb, peer, request, codec.name)) is not None:
                 if mb.train and self.checker.should_check(peer):
-                    task = asyncio.create_task(self._check(mb, request, codec.name, peer, reply[0]))
-                    self._checks.add(task)
-                    task.add_done_callback(self._checks.discard)
+                    check = self._check(mb, request, codec.name, peer, reply[0])
+                    if self.checker.unproven(peer):  # a new or suspect server's checked reply lands once it passed
+                        await check
+                        if self.checker.is_condemned(peer):
+                            continue  # this hop again, on another replica
+                    else:
+                        task = asyncio.create_task(check)
+                        self._checks.add(task)
+                        task.add_done_callback(self._checks.discard)
                 return Hop(stage, peer, frame, codec.name), Outgoing(*reply)
         raise HopFailed(f"stage {stage}: {len(tried)} replicas failed")
 
