@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.dht.records import StageStatus
 from swarm.outer.board import Board
@@ -59,7 +59,7 @@ async def meet(
     await net.declare(key, opened, opened + timing.max_round_s)
     on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
     waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
-    seen = await _arrivals(backing, opened, waited_for, timing, clock)
+    seen = await _arrivals(backing, opened, waited_for)
     now = clock()
     close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
     members = tuple(
@@ -114,31 +114,21 @@ def plausible_arrivals(arrivals: Mapping[str, float], now: float, timing: RoundT
     return [(peer, t) for peer, t in arrivals.items() if now - timing.max_round_s <= t <= now + timing.window_s]
 
 
+@dataclass
 class Backing:
     """The declarations for one round as one replica reads them, backed: a declaration whose time is older than
     ``timing.clock_skew_s`` when read is one peer's word, and would it close this replica's window (make it late),
     its declarer must show its payload for the round (every honest declarer offers one before it declares; its
     board keeps it for ``max_round_s``). One that does not, within the transfer timeout, is blamed and left out."""
 
-    def __init__(
-        self,
-        net: GroupNetwork,
-        key: RoundKey,
-        timing: RoundTiming,
-        clock: Callable[[], float],
-        excluded: Callable[[str], bool],
-        blame: Blame,
-    ) -> None:
-        self.net, self.key, self.timing, self.clock, self.excluded, self.blame = (
-            net,
-            key,
-            timing,
-            clock,
-            excluded,
-            blame,
-        )
-        self.backed: set[str] = set()  # declarers that showed their payload
-        self.unbacked: set[str] = set()  # declarers that did not: left out of this round
+    net: GroupNetwork
+    key: RoundKey
+    timing: RoundTiming
+    clock: Callable[[], float]
+    excluded: Callable[[str], bool]
+    blame: Blame
+    backed: set[str] = field(default_factory=set)  # declarers that showed their payload
+    unbacked: set[str] = field(default_factory=set)  # declarers that did not: left out of this round
 
     async def read(self, *, own: float) -> dict[str, float]:
         """The other peers' declared arrivals for the round, as this replica arriving at ``own`` may count them."""
@@ -163,14 +153,9 @@ class Backing:
                 return seen
 
 
-async def _arrivals(
-    backing: Backing,
-    opened: float,
-    expected: set[str] | None,
-    timing: RoundTiming,
-    clock: Callable[[], float],
-) -> dict[str, float]:
+async def _arrivals(backing: Backing, opened: float, expected: set[str] | None) -> dict[str, float]:
     """Who else declared for the round: read until the window has closed and settled, or until every expected peer is in."""
+    timing, clock = backing.timing, backing.clock
     while True:
         seen = await backing.read(own=opened)
         remaining = window_opening(seen, own=opened, now=clock(), timing=timing) + timing.window_s

@@ -20,9 +20,8 @@ import torch
 from swarm.dht.records import StageStatus
 from swarm.outer.state import StageState
 
-RECENT_ROUNDS = (
-    4  # whose contributors vouch: a Sybil must first take part in this replica's rounds, and is screened there
-)
+# rounds whose contributors vouch: a Sybil must first take part in this replica's rounds, and is screened there
+RECENT_ROUNDS = 4
 SPEED_FACTOR = 16.0  # how much faster than this replica another may take its inner steps (a bigger GPU, no traffic)
 DISTANCE_FACTOR = 4.0  # how much further per round than its own largest recent move an honest state may be
 MOVES_KEPT = 8  # own rounds whose move per inner step is remembered
