@@ -73,6 +73,10 @@ class LinkEstimate:
     seconds_per_byte: float  # the wire's time per byte, both directions together
     compute_s: float  # the server's compute per call
 
+    def round_trip_s(self, nbytes: int) -> float:
+        """The wire's time for a frame of ``nbytes`` there and one as large back (the server's compute not included)."""
+        return 2 * nbytes * self.seconds_per_byte
+
     @property
     def bytes_per_s(self) -> float:
         return 1.0 / max(self.seconds_per_byte, 1e-12)
@@ -88,7 +92,7 @@ def choose_codec(ladder: Ladder, shape: tuple[int, ...], link: LinkEstimate | No
     if link is None:
         return ladder.start
     for codec in ladder.codecs:
-        if 2 * frame_bytes(codec, shape) * link.seconds_per_byte <= link.compute_s:
+        if link.round_trip_s(frame_bytes(codec, shape)) <= link.compute_s:
             return codec
     return ladder.codecs[-1]
 

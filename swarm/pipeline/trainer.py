@@ -495,7 +495,7 @@ class RemoteStages:
         the request (a frame larger than those measured gets its time), and for a streamed call room for its
         keep-alives (its deadline is a bound on silence)."""
         link = self.codecs.links.get(peer)
-        transfer_s = 0.0 if link is None else 2 * sent * link.seconds_per_byte + link.compute_s
+        transfer_s = 0.0 if link is None else link.round_trip_s(sent) + link.compute_s
         frame = request.x if isinstance(request, Forward) else request.grad
         floor_s = 2 * KEEPALIVE_S if needs_stream(frame, request) else 0.0
         return self.deadlines.deadline(request.stage, peer, transfer_s=transfer_s, floor_s=floor_s)
