@@ -18,6 +18,7 @@ import torch
 from compress.codecs import Codec, get_codec
 from compress.errors import MalformedFrame
 from compress.wire import BytesLike
+from optim.inner import fused_kwargs
 from optim.outer import NamedTensors, OuterOptimizer, Screening
 
 _SPLIT = struct.Struct("<I")  # length of the Δ frame; the weights frame follows it
@@ -55,7 +56,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
     pairwise = True  # a live round fetches the partner's payload only (swarm/outer/pairs.py, pair_round)
 
     def __init__(self, params: NamedTensors, *, lr: float = 0.7, momentum: float = 0.5, codec: Codec) -> None:
-        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum))
+        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, **fused_kwargs(ps)))
         self.codec = codec
         self.weights_codec = get_codec("fp32")  # the consensus term needs the partner's weights exactly
         self._my_payload: bytes | None = None

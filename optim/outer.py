@@ -26,6 +26,7 @@ from compress.codecs import Codec
 from compress.errors import MalformedFrame, WireError
 from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
 from compress.wire import BytesLike, CodecId, WireLimits, decode_frame, encode_frame
+from optim.inner import fused_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -336,7 +337,9 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
     """Dense Δ through ``codec``, mean over the group, Nesterov SGD (DiLoCo: lr 0.7, momentum 0.9)."""
 
     def __init__(self, params: NamedTensors, *, lr: float = 0.7, momentum: float = 0.9, codec: Codec) -> None:
-        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0))
+        super().__init__(
+            params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0, **fused_kwargs(ps))
+        )
         self.codec = codec
 
     def _encode(self, name: str, delta: torch.Tensor) -> bytes:
@@ -364,7 +367,9 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
     """
 
     def __init__(self, params: NamedTensors, *, lr: float = 1.0, momentum: float = 0.0, codec: SparseLoCoCodec) -> None:
-        super().__init__(params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0))
+        super().__init__(
+            params, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0, **fused_kwargs(ps))
+        )
         self.codec = codec
         self._error = codec.new_state()
         self._error_before_payload: dict[str, torch.Tensor] | None = None

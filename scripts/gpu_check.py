@@ -1,29 +1,34 @@
-"""The GPU check: train-local at 125m and 1b and a local swarm at 125m, on one CUDA GPU, in one table (issue 33).
+"""The GPU check: train-local at 125m and 1b and local swarms at 125m, on one CUDA GPU, in one table (issues 33, 34).
 
-Three steps, each a ``python -m peer`` subprocess with its own timeout (a step that fails or times out gets a row
+Four steps, each a ``python -m peer`` subprocess with its own timeout (a step that fails or times out gets a row
 saying so, and the next one runs), its output in ``OUT/<step>.log`` and its metrics under ``OUT/<step>/``:
 
-- ``125m``: ``train-local`` of the 125m preset in bf16, microbatch 8 x 1024, inner batch 16, 50 steps (timeout 70 s);
+- ``125m``: ``train-local`` of the 125m preset in bf16, microbatch 8 x 1024, inner batch 16, 50 steps (timeout 80 s);
 - ``1b``: ``train-local`` of the 1b preset in bf16, microbatch 8 x 1024 (4 when the whole model's estimate does not
-  fit the GPU's free memory), 20 steps (timeout 130 s);
+  fit the GPU's free memory), 20 steps (timeout 110 s);
 - ``swarm``: ``local`` at 125m in bf16, microbatch 8 x 1024: 2 trainers (K = 2 replicas of stage 0) and 2 middle
   stages of 2 servers each, 30 steps with an outer round every 5 (no warm start), every peer on the GPU
-  (timeout 200 s).
+  (timeout 150 s);
+- ``swarm1x2``: ``local`` at the ``125m`` step's shapes: 1 trainer and one server for each of 2 stages sharing the
+  GPU, no outer step, 30 steps (timeout 110 s).
 
-The table has per row: tokens/s (train-local: after its first logged window, validation time left out; the swarm:
-all trainers together), MFU (train-local: (6N + 12·layers·d·T) FLOPs per token × tokens/s ÷ the GPU's bf16 dense
-peak, N the parameters but the embedding table's), peak GPU memory (``peak_gpu_mb`` of the process's records; the
+The table has per row: tokens/s (after the first logged window, with compiling and warm-up, validation time left out;
+a swarm: its trainers' together), MFU ((6N + 12·layers·d·T) FLOPs per token × tokens/s ÷ the GPU's bf16 dense peak,
+N the parameters but the embedding table's; n/a on a CPU, which has no stated peak here), ratio (a swarm's tokens/s ÷
+the ``125m`` train-local's at the same shapes, in the same run), peak GPU memory (``peak_gpu_mb`` of the process's records; the
 swarm: its largest peer), train loss of the first and last logged windows, outer rounds done (the swarm: the fewest
 of any stage), failed hops, wall time and status (``ok``, or what went wrong). The JSON (``--json``, default
-``OUT/gpu_check.json``) holds the rows, the table and the host. The timeouts add up to 400 s, and ``--budget`` (480 s)
-cuts a step's timeout to what is left, so the whole check ends within 8 minutes whatever hangs. ``--cpu`` runs the
-same three steps at toy sizes on the CPU (tests/test_gpu_check.py).
+``OUT/gpu_check.json``) holds the rows, the table and the host. The timeouts add up to 450 s, and ``--budget`` (480 s)
+cuts a step's timeout to what is left, so the whole check ends within 8 minutes whatever hangs. ``--compile`` is every
+process's (auto: on for CUDA; a row's ``compile_s`` is train-local's compile time). ``--cpu`` runs the same four steps
+at toy sizes on the CPU (tests/test_gpu_check.py).
 
 On the GPU host, after the wheel install of ../shared/gpu/README.md (``PYTHONPATH=/tmp/site:$PWD``):
 
-    python3 scripts/gpu_check.py                        # all three, table + runs/gpu-check/gpu_check.json
+    python3 scripts/gpu_check.py                        # all four, table + runs/gpu-check/gpu_check.json
     python3 scripts/gpu_check.py --only swarm --set train.microbatch_size=2    # one step, another microbatch
-    python3 scripts/gpu_check.py --cpu --out /tmp/gc    # toy sizes on the CPU (1-2.5 min on 2 shared cores)
+    python3 scripts/gpu_check.py --cpu --out /tmp/gc    # toy sizes on the CPU (2-4 min on 2 shared cores)
+    python3 scripts/gpu_check.py --only 125m swarm1x2 --compile off   # the pair, eager
     python3 scripts/gpu_check.py --dry-run              # the plan: configs, commands, memory estimates; runs nothing
 """
 
@@ -69,6 +74,8 @@ class Step:
     timeout_s: float
     log_every: int = 10  # train-local's --log-every
     layout: LocalSwarm | None = None  # local's processes
+    versus: str | None = None  # the train-local step whose tokens/s this row's is divided by (ratio)
+    rounds: bool = True  # a swarm that must do outer rounds (one with a single replica per stage has none)
 
     @property
     def swarm(self) -> bool:
@@ -76,7 +83,7 @@ class Step:
 
 
 def plan(cpu: bool, microbatch_1b: int) -> list[Step]:
-    """The three steps: real sizes for a GPU, or the same steps at toy sizes (``cpu``)."""
+    """The four steps: real sizes for a GPU, or the same steps at toy sizes (``cpu``)."""
     if cpu:  # a 64-wide, 2-block model (the tests' tiny one) and a 128-wide, 4-block one, on 64-token sequences
         toy = {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64}
         deeper = {"d_model": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
@@ -116,19 +123,21 @@ def plan(cpu: bool, microbatch_1b: int) -> list[Step]:
                 swarm.steps,
                 120,
                 layout=swarm,
+                versus="125m",
             ),
+            pipeline_step("swarm toy 1x2", {"model": toy, "train": train, "inner": inner}, 20, 90),
         ]
     train = {"seq_len": 1024, "microbatch_size": 8, "inner_batch": 16, "precision": "bf16"}
     swarm = LocalSwarm(peers=6, stages=2, trainers=2, steps=30)  # 2 trainers, 2 servers for each of 2 stages
     return [
-        Step("125m", "train-local 125m", "train-local", {"model": {"preset": "125m"}, "train": train}, 50, 70),
+        Step("125m", "train-local 125m", "train-local", {"model": {"preset": "125m"}, "train": train}, 50, 80),
         Step(
             "1b",
             "train-local 1b",
             "train-local",
             {"model": {"preset": "1b"}, "train": {**train, "microbatch_size": microbatch_1b}},
             20,
-            130,
+            110,
             log_every=5,
         ),
         Step(
@@ -142,10 +151,20 @@ def plan(cpu: bool, microbatch_1b: int) -> list[Step]:
                 "outer": {"inner_steps": 5, "warm_start_steps": 0},
             },
             swarm.steps,
-            200,
+            150,
             layout=swarm,
+            versus="125m",
         ),
+        pipeline_step("swarm 125m 1x2", {"model": {"preset": "125m"}, "train": train}, 30, 110),
     ]
+
+
+def pipeline_step(name: str, config: Toml, steps: int, timeout_s: float) -> Step:
+    """``swarm1x2``: 1 trainer and a server for each of 2 stages sharing the device, no outer step (one replica per
+    stage), at the shapes of the ``125m`` step's train-local, which its tokens/s is divided by."""
+    layout = LocalSwarm(peers=3, stages=2, trainers=1, steps=steps)
+    config = {**config, "stages": {"num_stages": layout.stages}, "outer": {"method": "none"}}
+    return Step("swarm1x2", name, "local", config, steps, timeout_s, layout=layout, versus="125m", rounds=False)
 
 
 def with_overrides(config: Toml, overrides: Mapping[str, ConfigValue]) -> Toml:
@@ -180,8 +199,8 @@ def write_config(step: Step, out: Path, overrides: Mapping[str, ConfigValue]) ->
     return path, load_config(path)  # refused here, with the field named, before any process starts
 
 
-def command(step: Step, config: Path, out: Path, device: str, data: list[str]) -> list[str]:
-    where = ["--config", str(config), "--out", str(out / step.key), "--device", device]
+def command(step: Step, config: Path, out: Path, device: str, data: list[str], compile: str = "auto") -> list[str]:
+    where = ["--config", str(config), "--out", str(out / step.key), "--device", device, "--compile", compile]
     where += [arg for spec in data for arg in ("--data", spec)]
     if step.swarm:
         assert step.layout is not None
@@ -297,17 +316,27 @@ def flops_per_token(cfg: SwarmConfig) -> float:
     return 6 * n + 12 * m.n_layers * m.d_model * cfg.train.seq_len
 
 
-def train_local_result(records: list[dict[str, Any]], cfg: SwarmConfig, peak_tflops: float | None) -> dict[str, Any]:
-    """Loss, throughput and memory from train-local's metrics.jsonl. Tokens/s: after the first logged window (the
-    device warming up), validation time left out; a run with one record: over all of it."""
-    if not records:
-        return {}
+def steady_tokens_per_s(records: list[dict[str, Any]]) -> float:
+    """Tokens/s of a run's progress records after the first logged window (the device warming up, compiling),
+    validation time left out; a run with one record: over all of it."""
     first, last = records[0], records[-1]
     train_s = lambda r: r["elapsed_s"] - r.get("eval_s", 0.0)
     if len(records) > 1 and train_s(last) > train_s(first):
-        tokens_per_s = (last["tokens"] - first["tokens"]) / (train_s(last) - train_s(first))
-    else:
-        tokens_per_s = last["tokens"] / max(train_s(last), 1e-9)
+        return float((last["tokens"] - first["tokens"]) / (train_s(last) - train_s(first)))
+    return float(last["tokens"] / max(train_s(last), 1e-9))
+
+
+def mfu(cfg: SwarmConfig, tokens_per_s: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation: ``flops_per_token`` × tokens/s ÷ the peak (None where no peak is known: a CPU)."""
+    return flops_per_token(cfg) * tokens_per_s / (peak_tflops * 1e12) if peak_tflops else None
+
+
+def train_local_result(records: list[dict[str, Any]], cfg: SwarmConfig, peak_tflops: float | None) -> dict[str, Any]:
+    """Loss, throughput (``steady_tokens_per_s``), MFU and memory from train-local's metrics.jsonl."""
+    if not records:
+        return {}
+    first, last = records[0], records[-1]
+    tokens_per_s = steady_tokens_per_s(records)
     fpt = flops_per_token(cfg)
     return {
         "steps_done": last["step"],
@@ -315,7 +344,8 @@ def train_local_result(records: list[dict[str, Any]], cfg: SwarmConfig, peak_tfl
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_overall": last["tokens_per_s"],  # warm-up and validation included
         "flops_per_token": fpt,
-        "mfu": fpt * tokens_per_s / (peak_tflops * 1e12) if peak_tflops else None,
+        "mfu": mfu(cfg, tokens_per_s, peak_tflops),
+        "compile_s": last.get("compile_s"),  # the blocks' first forward, when compiled
         "peak_gpu_mb": last.get("peak_gpu_mb"),
         "loss_start": first["train_loss"],
         "loss_end": last["train_loss"],
@@ -325,9 +355,10 @@ def train_local_result(records: list[dict[str, Any]], cfg: SwarmConfig, peak_tfl
     }
 
 
-def swarm_result(out: Path, layout: LocalSwarm) -> dict[str, Any]:
-    """The swarm's throughput, hops and rounds (``swarmtest.bench.swarm_summary``), its trainers' first and last windows'
-    loss (mean over trainers), every peer's peak GPU memory."""
+def swarm_result(out: Path, layout: LocalSwarm, cfg: SwarmConfig, peak_tflops: float | None) -> dict[str, Any]:
+    """The swarm's throughput (its trainers' ``steady_tokens_per_s`` together, as train-local's is measured), MFU,
+    hops and rounds (``swarmtest.bench.swarm_summary``), its trainers' first and last windows' loss (mean over
+    trainers), every peer's peak GPU memory."""
     peers = {name: records for name, records in read_peers(out).items() if records}
     trainers = [f"trainer-{i}" for i in range(layout.trainers)]
     progress = {
@@ -355,8 +386,11 @@ def swarm_result(out: Path, layout: LocalSwarm) -> dict[str, Any]:
         result["steps_done"] = min(p[-1]["step"] for p in progress.values())
         summary = swarm_summary(peers, layout)
         rounds = summary["outer_rounds"]  # per stage: the rounds completed
+        tokens_per_s = sum(steady_tokens_per_s([r.fields for r in p]) for p in progress.values())
         result |= {
-            "tokens_per_s": summary["tokens_per_s"],
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_overall": summary["tokens_per_s"],  # the first window (warm-up, compiling) included
+            "mfu": mfu(cfg, tokens_per_s, peak_tflops),
             "tokens": summary["tokens"],
             "val_loss_end": summary["val_loss"],
             "failed_hops": summary["failed_hops"],
@@ -389,7 +423,7 @@ def problems(step: Step, code: int | None, result: dict[str, Any]) -> list[str]:
         if "tokens_per_s" not in result:
             found.append("no summary")
         else:
-            if result["outer_rounds"] < 1:
+            if step.rounds and result["outer_rounds"] < 1:
                 found.append("no outer rounds")
             if result["failed_hops"]:
                 found.append(f"{result['failed_hops']} failed hops")
@@ -401,7 +435,8 @@ def problems(step: Step, code: int | None, result: dict[str, Any]) -> list[str]:
 COLUMNS = (
     ("step", 22, lambda r: r["step"]),
     ("tok/s", 9, lambda r: num(r.get("tokens_per_s"), ".0f")),
-    ("MFU", 6, lambda r: num(r.get("mfu") and 100 * r["mfu"], ".1f", "%")),
+    ("MFU", 6, lambda r: "n/a" if r.get("mfu") is None and "tokens_per_s" in r else num(r.get("mfu"), ".1%")),
+    ("ratio", 5, lambda r: num(r.get("ratio"), ".2f")),  # tokens/s ÷ the train-local row's at the same shapes
     ("peak GPU MB", 11, lambda r: num(r.get("peak_gpu_mb"), ".0f")),
     (
         "loss start→end",
@@ -427,6 +462,16 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         )
 
     return [line([name for name, _, _ in COLUMNS])] + [line([cell(r) for _, _, cell in COLUMNS]) for r in rows]
+
+
+def add_ratios(rows: list[dict[str, Any]], steps: list[Step]) -> None:
+    """Each row whose step names a train-local step (``versus``) gets ``ratio``: its tokens/s ÷ that step's row's,
+    measured in the same run (None where either has none)."""
+    by_key = {row["key"]: row for row in rows}
+    for row, step in zip(rows, steps, strict=True):
+        ref = by_key.get(step.versus) if step.versus else None
+        if ref is not None and row.get("tokens_per_s") and ref.get("tokens_per_s"):
+            row["ratio"], row["versus"] = row["tokens_per_s"] / ref["tokens_per_s"], step.versus
 
 
 # the host
@@ -475,7 +520,10 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="the same steps at toy sizes on the CPU (CI)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check", help="configs, logs and metrics")
     parser.add_argument("--json", type=Path, help="write the rows and the table here (default: OUT/gpu_check.json)")
-    parser.add_argument("--only", nargs="+", choices=("125m", "1b", "swarm"), help="run these steps only")
+    parser.add_argument("--only", nargs="+", choices=("125m", "1b", "swarm", "swarm1x2"), help="run these steps only")
+    parser.add_argument(
+        "--compile", choices=("auto", "on", "off"), default="auto", help="every process's --compile (default: auto)"
+    )
     parser.add_argument("--device", help="where the steps compute (default: cuda; with --cpu, cpu)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's bf16 dense peak for MFU (default: by its name)")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every step's timeout")
@@ -531,14 +579,19 @@ def main() -> int:
         except Exception as e:  # a --set the config refuses: said once, by field
             echo(f"gpu_check: {step.name}: the config is refused: {e}")
             return 2
-        argv = command(step, config, out, device, data)
+        argv = command(step, config, out, device, data, args.compile)
         m, t = cfg.train, cfg.model
         shape = f"{model_parameters(t) / 1e6:.1f}M params, d {t.d_model} x {t.n_layers} layers, {m.precision}, "
         shape += f"microbatch {m.microbatch_size} x {m.seq_len}, inner batch {m.inner_batch}"
         if step.layout:
             servers = step.layout.peers - step.layout.trainers
-            shape += f", {step.layout.trainers} trainers + {servers} servers over {step.layout.stages} stages"
-            shape += f", outer round every {cfg.outer.inner_steps} steps"
+            trainers = f"{step.layout.trainers} trainer" + "s" * (step.layout.trainers != 1)
+            shape += f", {trainers} + {servers} servers over {step.layout.stages} stages"
+            shape += (
+                f", outer round every {cfg.outer.inner_steps} steps"
+                if cfg.outer.method != "none"
+                else ", no outer step"
+            )
         log = out / f"{step.key}.log"
         echo(
             f"gpu_check [{index}/{len(steps)}] {step.name}: {shape}, {step.steps} steps, timeout {step.timeout_s:.0f}s"
@@ -568,7 +621,7 @@ def main() -> int:
         try:
             if step.swarm:
                 assert step.layout is not None
-                result = swarm_result(out / step.key, step.layout)
+                result = swarm_result(out / step.key, step.layout, cfg, peak)
             else:
                 result = train_local_result(jsonl(out / step.key / "metrics.jsonl"), cfg, peak)
         except Exception as e:  # a run that left odd records still gets its row
@@ -595,6 +648,7 @@ def main() -> int:
             echo("\n".join(f"  [{step.key}] | {line}" for line in tail))
     if args.dry_run:
         return 0
+    add_ratios(rows, steps)
     lines = table(rows)
     echo("")
     echo("\n".join(lines))
@@ -604,7 +658,8 @@ def main() -> int:
         "mode": "cpu" if args.cpu else "gpu",
         "device": device,
         "host": host,
-        "peak_tflops": peak,
+        "peak_tflops": peak,  # None: MFU n/a (a CPU has no stated peak here)
+        "compile": args.compile,
         "overrides": {k: v for k, v in overrides.items()},
         "total_s": total,
         "table": lines,

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py: its --cpu mode end to end (the GPU check's three steps at toy sizes, each a real subprocess),
+"""scripts/gpu_check.py: its --cpu mode end to end (the GPU check's four steps at toy sizes, each a real subprocess),
 and its plan at the real sizes (--dry-run: the configs load, nothing runs)."""
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ def run_script(args: list[str], children: list[subprocess.Popen], timeout: float
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_cpu_mode_runs_every_step_and_prints_one_table(tmp_path: Path, child_processes: list) -> None:
-    code, out = run_script(["--cpu", "--out", str(tmp_path)], child_processes, timeout=280)
+    code, out = run_script(["--cpu", "--out", str(tmp_path)], child_processes, timeout=400)
     assert code == 0, out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["mode"] == "cpu" and report["device"] == "cpu"
     rows = {row["key"]: row for row in report["rows"]}
-    assert list(rows) == ["125m", "1b", "swarm"]
+    assert list(rows) == ["125m", "1b", "swarm", "swarm1x2"]
     for row in rows.values():
         assert row["status"] == "ok", row
         assert row["exit"] == 0 and row["steps_done"] == row["steps"], row
@@ -51,6 +51,12 @@ def test_cpu_mode_runs_every_step_and_prints_one_table(tmp_path: Path, child_pro
     swarm = rows["swarm"]
     assert swarm["failed_hops"] == 0 and swarm["outer_rounds"] >= 1, swarm
     assert swarm["microbatches"]["completed"] == swarm["microbatches"]["started"] > 0
+    # 1 trainer + 2 servers against train-local at the same shapes, in the same run; MFU n/a (no CPU peak stated)
+    pair, local = rows["swarm1x2"], rows["125m"]
+    assert pair["shape"].startswith(local["shape"]) and "1 trainer + 2 servers over 2 stages" in pair["shape"], pair
+    assert pair["failed_hops"] == 0 and pair["versus"] == "125m"
+    assert pair["ratio"] == pytest.approx(pair["tokens_per_s"] / local["tokens_per_s"]) and 0 < pair["ratio"] < 2
+    assert all(row["mfu"] is None for row in rows.values()) and report["peak_tflops"] is None
     # K = 2: the two trainers' replicas of stage 0 met in their outer rounds
     stage0 = [
         record
@@ -61,7 +67,8 @@ def test_cpu_mode_runs_every_step_and_prints_one_table(tmp_path: Path, child_pro
     assert any(record.contributors == 2 for record in stage0), stage0
     # one table, printed and in the JSON: a header and a row per step
     table = report["table"]
-    assert len(table) == 4 and table[0].split()[:3] == ["step", "tok/s", "MFU"]
+    assert len(table) == 5 and table[0].split()[:4] == ["step", "tok/s", "MFU", "ratio"]
+    assert f" n/a {pair['ratio']:5.2f} " in table[-1]  # the MFU and ratio columns
     assert all(line in out for line in table)
     assert all(line.rstrip().endswith("ok") for line in table[1:])
 
@@ -73,7 +80,10 @@ def test_dry_run_plans_the_real_sizes_within_eight_minutes(tmp_path: Path, child
     assert "train-local 1b: 1009.1M params, d 2048 x 20 layers, bf16, microbatch 8 x 1024" in out
     assert "swarm 125m K=2: 85.3M params" in out and "2 trainers + 4 servers over 2 stages" in out
     assert "--device cuda" in out and "local --peers 6 --stages 2 --trainers 2 --steps 30" in out
-    assert sorted(p.name for p in tmp_path.glob("*.toml")) == ["125m.toml", "1b.toml", "swarm.toml"]
+    assert "swarm 125m 1x2: 85.3M params, d 768 x 12 layers, bf16, microbatch 8 x 1024" in out
+    assert "1 trainer + 2 servers over 2 stages, no outer step" in out and "--compile auto" in out
+    assert "local --peers 3 --stages 2 --trainers 1 --steps 30" in out
+    assert sorted(p.name for p in tmp_path.glob("*.toml")) == ["125m.toml", "1b.toml", "swarm.toml", "swarm1x2.toml"]
     gpu_check = load_script()
     assert sum(step.timeout_s for step in gpu_check.plan(False, 8)) + gpu_check.STOP_GRACE_S <= gpu_check.BUDGET_S
     assert gpu_check.BUDGET_S <= 8 * 60

@@ -31,6 +31,7 @@ from peer.progress import elapsed_and_eta
 from peer.tokenizer import tokenizer_for
 from swarm.config import OuterChoice, derive_config, follow_run, sets_field
 from swarm.hardware import available_memory, describe, resolve_device
+from swarm.model.compiling import COMPILE_HELP, CompileMode
 from swarm.model.sizing import StageFootprint, check_fits
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
 from swarm.sim.simulate import Routing
@@ -58,6 +59,7 @@ def train_local(
     ),
     log_every: Annotated[int, typer.Option(min=1, help="Evaluate and log every N steps.")] = 25,
     device: DeviceOpt = "auto",
+    compile: Annotated[CompileMode, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """Train the swarm's model in one process: the centralized baseline every swarm run is compared to."""
     from swarm.sim.centralized import train_centralized
@@ -81,9 +83,13 @@ def train_local(
         def on_log(record: dict[str, float]) -> None:
             log.write(json.dumps(record) + "\n")
             log.flush()
+            if "compile_s" in record and record["step"] == min(log_every, steps):  # the first record
+                typer.echo(f"train-local: torch.compile took {record['compile_s']:.1f}s (the blocks' first forward)")
             typer.echo(progress_line(int(record["step"]), steps, record))
 
-        model = train_centralized(cfg, batches, val, steps=steps, log_every=log_every, on_log=on_log, device=compute)
+        model = train_centralized(
+            cfg, batches, val, steps=steps, log_every=log_every, on_log=on_log, device=compute, compile=compile
+        )
     save_checkpoint(out / "model.pt", cfg, model, steps=steps)
     typer.echo(f"wrote {out / 'metrics.jsonl'} and {out / 'model.pt'}")
 

@@ -31,6 +31,7 @@ from peer.cli_common import (
 from peer.config_options import ConfigOverrides, config_options, field_options
 from peer.export import ExportFormat
 from swarm.config import SwarmConfig, sets_field
+from swarm.model.compiling import COMPILE_HELP, CompileMode
 from swarm.node.config import PeerConfig
 
 CredentialsOpt = Annotated[
@@ -231,6 +232,7 @@ def local_cmd(
         ),
     ] = 0,
     device: DeviceOpt = "auto",
+    compile: Annotated[CompileMode, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers (and full peers)
     finish; trainers and full peers read distinct data shards."""
@@ -256,7 +258,7 @@ def local_cmd(
             config=cfg,
             data=data,
             tokenizer=tokenizer,
-            extra_args=["--device", device],
+            extra_args=["--device", device, "--compile", compile],
             echo=typer.echo,
             schedule_set=sets_field(config, "inner.total_steps"),
         )

@@ -56,17 +56,19 @@ def stage_forward(stage: MiddleStage, x: torch.Tensor) -> torch.Tensor:
 
 def head_backward(
     edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int
-) -> tuple[float, torch.Tensor]:
-    """Step 3: the microbatch's mean loss, and the gradient w.r.t. the last hidden state ``h`` of its weighted backward."""
-    loss, grad_h, grads = head_gradients(edge, h, targets, inner_batch=inner_batch)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: the microbatch's mean loss (a 0-d tensor on the device), and the gradient w.r.t. the last hidden state
+    ``h`` of its weighted backward."""
+    loss, grad_h, grads = head_loss_gradients(edge, h, targets, inner_batch=inner_batch)
     add_gradients(edge, grads)
     return loss, grad_h
 
 
-def head_gradients(
+def head_loss_gradients(
     edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int
-) -> tuple[float, torch.Tensor, Gradients]:
-    """Step 3 held apart: the loss, the gradient w.r.t. ``h``, and the head's parameter gradients (in
+) -> tuple[torch.Tensor, torch.Tensor, Gradients]:
+    """Step 3 held apart: the loss (detached, 0-d, on the device: reading it waits for the GPU, so a caller reads
+    its losses once per logging window), the gradient w.r.t. ``h``, and the head's parameter gradients (in
     ``trainable(edge)`` order, None for the embedding), not yet accumulated (``add_gradients`` does)."""
     h = h.detach().requires_grad_()
     params = trainable(edge)
@@ -75,7 +77,15 @@ def head_gradients(
         grad_h, *grads = torch.autograd.grad(
             loss * loss_weight(targets.shape[0], inner_batch), [h, *params], allow_unused=True
         )
-    return float(loss.item()), grad_h, grads
+    return loss.detach(), grad_h, grads
+
+
+def head_gradients(
+    edge: EdgeStage, h: torch.Tensor, targets: torch.Tensor, *, inner_batch: int
+) -> tuple[float, torch.Tensor, Gradients]:
+    """``head_loss_gradients`` with the loss read as a float (a host synchronisation)."""
+    loss, grad_h, grads = head_loss_gradients(edge, h, targets, inner_batch=inner_batch)
+    return float(loss), grad_h, grads
 
 
 def stage_backward(
@@ -149,7 +159,15 @@ def no_wire(kind: str, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def run_microbatch(
     edge: EdgeStage, path: Sequence[MiddleStage], batch: Batch, *, inner_batch: int, send: Send = no_wire
 ) -> float:
-    """Steps 1-5 in one process, through ``path``'s stages in order; returns the microbatch's mean loss.
+    """``microbatch_loss`` with the loss read as a float (a host synchronisation)."""
+    return float(microbatch_loss(edge, path, batch, inner_batch=inner_batch, send=send))
+
+
+def microbatch_loss(
+    edge: EdgeStage, path: Sequence[MiddleStage], batch: Batch, *, inner_batch: int, send: Send = no_wire
+) -> torch.Tensor:
+    """Steps 1-5 in one process, through ``path``'s stages in order; returns the microbatch's mean loss, a detached 0-d
+    tensor on the device (no host synchronisation: read it once per logging window).
 
     Every boundary (before the first stage, after each one, both ways) goes through ``send``: with
     an empty path the head still receives the embedding through it. Graphs are kept (no recompute).

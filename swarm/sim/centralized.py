@@ -17,8 +17,9 @@ import torch
 
 from swarm.config import SwarmConfig
 from swarm.hardware import CPU, Precision, compute_precision, peak_gpu_memory
+from swarm.model.compiling import CompileMode, compile_stage
 from swarm.model.stages import EdgeStage, middle_stages
-from swarm.model.step import InnerStep, run_microbatch
+from swarm.model.step import InnerStep, microbatch_loss, run_microbatch
 from swarm.model.transformer import Transformer, loss_fn
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
@@ -33,18 +34,32 @@ def evaluate(
     precision: Precision = "fp32",
 ) -> float:
     """Mean cross-entropy of ``forward(inputs) -> logits`` over held-out batches (moved to ``device``)."""
-    total, count = 0.0, 0
+    total, count = torch.zeros((), device=device), 0
     for inputs, targets in batches:
         with compute_precision(device, precision):
             logits = forward(inputs.to(device))
-        total += loss_fn(logits, targets.to(device)).item() * inputs.shape[0]
+        total += loss_fn(logits, targets.to(device)).detach() * inputs.shape[0]
         count += inputs.shape[0]
-    return total / count
+    return float(total) / count  # read once: the host waits for the device here only
 
 
 def train_microbatch(model: Transformer, batch: Batch, *, num_stages: int, inner_batch: int) -> float:
     """The swarm's microbatch step through all ``num_stages`` stages of ``model`` in order; gradients accumulate in ``model``."""
     return run_microbatch(EdgeStage(model), middle_stages(model, num_stages), batch, inner_batch=inner_batch)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A batch on ``device``: through pinned memory without blocking on CUDA (a pageable copy waits for the GPU to
+    finish all work queued before it), plainly elsewhere."""
+    if not pinned_copy(device):
+        return batch[0].to(device), batch[1].to(device)
+    inputs, targets = (t.pin_memory().to(device, non_blocking=True) for t in batch)
+    return inputs, targets
+
+
+def pinned_copy(device: torch.device) -> bool:
+    """Whether host batches go to ``device`` through pinned memory, copied without blocking the host."""
+    return device.type == "cuda"
 
 
 def train_centralized(
@@ -56,10 +71,15 @@ def train_centralized(
     log_every: int = 25,
     on_log: Callable[[dict[str, float]], None] = lambda record: None,
     device: torch.device = CPU,
+    compile: CompileMode = "auto",
 ) -> Transformer:
     """``steps`` inner steps of AdamW (``cfg.inner``'s warmup + cosine schedule) on ``train.inner_batch`` samples each,
-    on ``device`` in ``train.precision``."""
+    on ``device`` in ``train.precision``, its blocks compiled as ``compile`` says (``swarm/model/compiling.py``).
+
+    Losses stay on the device until a logging window ends (one read then); the inner step reads its gradient norm."""
     model = Transformer(cfg.model).to(device)
+    compiled = compile_stage(model, compile, device)
+    edge, middles = EdgeStage(model), middle_stages(model, cfg.stages.num_stages)  # views of model's parameters
     precision = cfg.train.precision
     inner = InnerStep(model.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch)
     tokens, start, eval_s = 0, time.perf_counter(), 0.0
@@ -67,16 +87,9 @@ def train_centralized(
         model.train()
         losses = []
         while inner.steps < step:
-            inputs, targets = next(batches)
+            inputs, targets = to_device(next(batches), device)
             with compute_precision(device, precision):
-                losses.append(
-                    train_microbatch(
-                        model,
-                        (inputs.to(device), targets.to(device)),
-                        num_stages=cfg.stages.num_stages,
-                        inner_batch=cfg.train.inner_batch,
-                    )
-                )
+                losses.append(microbatch_loss(edge, middles, (inputs, targets), inner_batch=cfg.train.inner_batch))
             inner.add(inputs.shape[0])
             tokens += inputs.numel()
         if step % log_every == 0 or step == steps:
@@ -89,12 +102,13 @@ def train_centralized(
                 {
                     "step": step,
                     "tokens": tokens,
-                    "train_loss": sum(losses) / len(losses),
+                    "train_loss": float(torch.stack(losses).mean()),  # the window's one read of its losses
                     "val_loss": val_loss,
                     "elapsed_s": elapsed,
                     "tokens_per_s": tokens / max(elapsed, 1e-9),
                     "lr": inner.lr,
                     "eval_s": eval_s,  # of elapsed_s, the validation passes': train time is the rest
+                    **compiled.fields(),  # compile_s: the blocks' first forward (tracing and compiling), when compiled
                     **peak_gpu_memory(),
                 }
             )

@@ -24,6 +24,7 @@ from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
 from swarm.events import Progress, ServesStages
 from swarm.hardware import compute_precision, describe
+from swarm.model.compiling import compile_stage
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, middle_stages
 from swarm.model.step import Batch, InnerStep, WeightChange, no_wire, run_microbatch
 from swarm.model.transformer import Transformer
@@ -159,6 +160,7 @@ class FullRole:
         full = FullModel(
             cfg, start_steps=[states[s].schedule_step if s in states else 0 for s in stages], device=ctx.device
         )
+        compile_stage(full.model, config.compile, ctx.device)  # in place, by block: what it serves too (--serve)
         holders = [StageHolder(full, stage) for stage in stages]
         self.holder = holders[EDGE_STAGE]
         syncs = await life.hold(dict(enumerate(holders)), states)

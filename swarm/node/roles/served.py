@@ -17,6 +17,7 @@ from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.records import StageStatus
 from swarm.events import Progress, Recovered, Serving
 from swarm.hardware import describe
+from swarm.model.compiling import compile_stage
 from swarm.node.context import NodeContext
 from swarm.node.lifecycle import ReplicaLifecycle
 from swarm.outer.state import StageState, weights_hash
@@ -60,6 +61,7 @@ class ServedStage:
             lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0,
             device=ctx.device,
         )
+        self.compiled = compile_stage(self.server.module, ctx.peer_config.compile, ctx.device)  # in place, by block
         meter = Meter(
             role="stage", stage=stage, state="serving", name=ctx.peer_config.name, device=describe(ctx.device)
         )
