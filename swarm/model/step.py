@@ -133,6 +133,30 @@ def stage_gradients(
     return grad_x, grads
 
 
+def stage_forward_graph(stage: MiddleStage, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 keeping its graph for ``graph_gradients``: the input as the graph's leaf (requires grad) and the output.
+
+    A stage server keeps it instead of recomputing in the backward while its memory budget allows (``--keep-graph-mb``).
+    """
+    x = x.detach().requires_grad_()
+    with torch.enable_grad():
+        y: torch.Tensor = stage(x)
+    return x, y
+
+
+def graph_gradients(
+    stage: MiddleStage, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, Gradients]:
+    """Step 4 from ``stage_forward_graph``'s kept graph, held apart as ``stage_gradients`` holds its own: the gradient
+    w.r.t. ``x`` and the parameter gradients (``trainable(stage)`` order), not yet accumulated. The graph is freed.
+
+    Only while the weights have not moved since that forward: an inner step or install updates them in place, and
+    autograd refuses the saved tensors it changed (the caller recomputes with ``stage_gradients`` then).
+    """
+    grad_x, *grads = torch.autograd.grad(y, [x, *trainable(stage)], grad.to(y.dtype), allow_unused=True)
+    return grad_x, grads
+
+
 def add_gradients(stage: nn.Module, grads: Gradients) -> None:
     """Accumulate ``stage_gradients``' (or ``head_gradients``') parameter gradients into ``.grad``, as ``backward``
     would have."""

@@ -1,8 +1,8 @@
 """A stage server: one middle stage computed for any trainer that calls it.
 
-Forward caches its input, backward recomputes from it (on the weights the forward ran on, ``WeightStash``),
-each microbatch's gradients are screened before they accumulate, and an inner step is taken every
-``train.inner_batch`` samples; all torch work runs on one thread. More: docs/architecture.md, pipeline/.
+Forward caches its input (and its graph while ``--keep-graph-mb`` allows), backward differentiates that graph or
+recomputes (on the weights the forward ran on, ``WeightStash``), gradients are screened before they accumulate, an
+inner step is taken every ``train.inner_batch`` samples; torch work runs on one thread. More: docs/architecture.md.
 
     >>> await StageServicer(StageServer(cfg, stage=2), stage=2, max_request_bytes=1 << 20).add_p2p_handlers(p2p, namespace=ns)
 """
@@ -26,12 +26,22 @@ from compress.wire import WireLimits
 from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
-from swarm.hardware import CPU, compute_precision
+from swarm.hardware import CPU, available_memory, compute_precision
 from swarm.model.stages import MiddleStage, build_stage
-from swarm.model.step import InnerStep, WeightChange, add_gradients, stage_forward, stage_gradients
+from swarm.model.step import (
+    Gradients,
+    InnerStep,
+    WeightChange,
+    add_gradients,
+    graph_gradients,
+    stage_forward,
+    stage_gradients,
+)
 from swarm.pipeline.boundary import boundary_ladders
+from swarm.pipeline.graphs import GraphSizer, KeptGraph, build_graph, graph_budget_bytes
 from swarm.pipeline.metering import BusyTime
 from swarm.pipeline.protocol import Backward, Forward, Reply
+from swarm.pipeline.timing import RequestTimes, TimeSplit, synchronize, timed_copy
 from swarm.rpc.servicer import RequestError
 
 T = TypeVar("T")
@@ -46,9 +56,12 @@ class CacheEntry:
     forward_s: float  # compute time of the forward, counted into the throughput at backward
     weights: int  # the server's weights epoch the forward ran on (``StageServer.weights_epoch``)
     inner_step: int | None = None  # the server's inner steps when the forward ran; None: unknown (a resent input)
+    graph: KeptGraph | None = None  # the forward's graph, kept for the backward (else it recomputes from ``x``)
+    no_graph: str = "budget"  # else why not, its backward's ``graph_<why>_recompute``: budget, step_due or moved
 
 
 WeightsAt = tuple[int, int]  # (weights epoch, inner steps): which weights a forward ran on
+WeightCopy = dict[str, torch.Tensor]  # a stage's trainable weights by name
 
 
 class WeightStash:
@@ -67,7 +80,7 @@ class WeightStash:
 
     def __init__(self, *, keep: int = 2) -> None:
         self.keep = keep
-        self._copies: OrderedDict[WeightsAt, dict[str, torch.Tensor]] = OrderedDict()
+        self._copies: OrderedDict[WeightsAt, WeightCopy] = OrderedDict()
 
     def take(self, at: WeightsAt, module: torch.nn.Module) -> None:
         """Copy ``module``'s trainable weights as they are at ``at`` (about to move)."""
@@ -77,7 +90,7 @@ class WeightStash:
         while len(self._copies) > self.keep:
             self._copies.popitem(last=False)
 
-    def get(self, at: WeightsAt | None) -> dict[str, torch.Tensor] | None:
+    def get(self, at: WeightsAt | None) -> WeightCopy | None:
         return None if at is None else self._copies.get(at)
 
     def clear(self) -> None:
@@ -88,55 +101,118 @@ class WeightStash:
 
 
 class ActivationCache:
-    """Forward inputs awaiting their backward, by owner (the calling peer) and key (its microbatch id).
+    """Forward inputs awaiting their backward, by owner (the calling peer) and key (its microbatch id), and the forward
+    graphs kept with some of them.
 
-    An owner holds at most ``1 / share`` of the cache's items and bytes: one over it loses its own
-    oldest entries. When the whole cache is full, the owner holding the most bytes loses its
+    An owner holds at most ``1 / share`` of the cache's items and input bytes: one over it loses its own
+    oldest entries. When the whole cache is full, the owner holding the most bytes (graphs included) loses its
     oldest: forwards never followed by a backward (a flood, from one peer or a few) evict the
-    flooders' inputs, not those of peers that keep less.
+    flooders' inputs, not those of peers that keep less. Kept graphs have a budget of their own, ``max_graph_bytes``
+    (their loss costs a recompute, not a resend): over it, the owner holding the most graph bytes loses its oldest
+    graph, its input staying; so an owner may take a graph's room from one that holds more (``admits_graph``), and a
+    lone trainer gets the whole budget. An entry evicted or popped takes its graph with it.
     """
 
-    def __init__(self, *, max_items: int, max_bytes: int, share: int = 4) -> None:
-        self.max_items, self.max_bytes = max_items, max_bytes
+    def __init__(self, *, max_items: int, max_bytes: int, share: int = 4, max_graph_bytes: int = 0) -> None:
+        self.max_items, self.max_bytes, self.max_graph_bytes = max_items, max_bytes, max_graph_bytes
         self.max_items_per_owner, self.max_bytes_per_owner = max(1, max_items // share), max_bytes // share
         self._owners: dict[Hashable, OrderedDict[Hashable, CacheEntry]] = {}  # owner → its entries, oldest first
-        self._owner_bytes: Counter[Hashable] = Counter()
-        self.nbytes = 0
-        self.evicted = 0
+        self._owner_bytes: Counter[Hashable] = Counter()  # inputs and graphs
+        self._owner_graph_bytes: Counter[Hashable] = Counter()
+        self.nbytes = self.graph_bytes = 0  # all, and the graphs' part
+        self.evicted = self.graphs_released = 0
 
     def __len__(self) -> int:
         return sum(map(len, self._owners.values()))
 
-    def put(self, owner: Hashable, key: Hashable, entry: CacheEntry) -> None:
+    def put(self, owner: Hashable, key: Hashable, entry: CacheEntry, *, at: WeightsAt | None = None) -> None:
+        """Cache ``entry``; with ``at`` (the weights now) first drop the graphs void there (``release_void_graphs``)."""
+        if at is not None:
+            self.release_void_graphs(at)
         self.pop(owner, key)
         self._owners.setdefault(owner, OrderedDict())[key] = entry
-        self._count(owner, self._size(entry))
+        self._count(owner, entry, 1)
         entries = self._owners[owner]
-        while len(entries) > self.max_items_per_owner or self._owner_bytes[owner] > self.max_bytes_per_owner:
+        while len(entries) > self.max_items_per_owner or self._input_bytes(owner) > self.max_bytes_per_owner:
             self._evict(owner)
-        while len(self) > self.max_items or self.nbytes > self.max_bytes:
+        while len(self) > self.max_items or self.nbytes - self.graph_bytes > self.max_bytes:
             self._evict(max(self._owner_bytes, key=self._owner_bytes.__getitem__))
+        while self.graph_bytes > self.max_graph_bytes:
+            biggest = max(self._owner_graph_bytes, key=self._owner_graph_bytes.__getitem__)
+            self.release_graph(biggest, next(e for e in self._owners[biggest].values() if e.graph is not None))
 
     def pop(self, owner: Hashable, key: Hashable) -> CacheEntry | None:
         entries = self._owners.get(owner)
         entry = None if entries is None else entries.pop(key, None)
         if entry is not None:
-            self._count(owner, -self._size(entry))
+            self._count(owner, entry, -1)
         return entry
+
+    def why_no_graph(self, owner: Hashable, nbytes: int | None, due_in: int) -> str | None:
+        """Why a forward of ``owner`` would keep no graph of ``nbytes``, or None: "step_due" (the backwards of the
+        forwards cached before it bring the ``due_in`` samples of an inner step, which updates the weights in place
+        before its backward: the graph would be void) or "budget" (``admits_graph``)."""
+        if self.samples >= due_in:
+            return "step_due"
+        return None if self.admits_graph(owner, nbytes) else "budget"
+
+    def admits_graph(self, owner: Hashable, nbytes: int | None) -> bool:
+        """Whether ``owner`` may keep a new graph of ``nbytes``: in the budget's free part, or in the room an owner
+        holding more graph bytes than ``owner`` would then have would yield (``put`` releases its oldest). None (not
+        yet known): with any budget, yes (the graph is then measured, and released at once if over)."""
+        if nbytes is None or self.max_graph_bytes <= 0:
+            return self.max_graph_bytes > 0
+        if self.graph_bytes + nbytes <= self.max_graph_bytes:
+            return True
+        most = max(self._owner_graph_bytes.values(), default=0)
+        return nbytes <= self.max_graph_bytes and self._owner_graph_bytes[owner] + nbytes <= most
+
+    def release_graph(self, owner: Hashable, entry: CacheEntry, why: str = "budget") -> None:
+        """Drop ``entry``'s kept graph (its memory goes with it); its input stays, and its backward recomputes."""
+        self._count(owner, entry, -1)
+        entry.graph, entry.no_graph = None, why
+        self._count(owner, entry, 1)
+        self.graphs_released += 1
+
+    def release_void_graphs(self, at: WeightsAt) -> None:
+        """Drop the graphs of forwards that ran on other weights than ``at``: the weights they saved were updated in
+        place since (an inner step, an install), so none could be used. On the event loop, as every change here."""
+        for owner, entries in list(self._owners.items()):
+            for entry in entries.values():
+                if entry.graph is not None and (entry.weights, entry.inner_step) != at:
+                    self.release_graph(owner, entry, "moved")
+
+    @property
+    def samples(self) -> int:
+        """Samples whose backward is awaited."""
+        return sum(entry.x.shape[0] for entries in self._owners.values() for entry in entries.values())
+
+    def graph_info(self) -> dict[str, float]:
+        """For the server's record: the kept graphs' MiB, the budget's, and the graphs released (over it, or voided)."""
+        mb, budget_mb = self.graph_bytes / 2**20, self.max_graph_bytes / 2**20
+        return {"mb": mb, "budget_mb": budget_mb, "released": self.graphs_released}
 
     def _evict(self, owner: Hashable) -> None:
         _, old = self._owners[owner].popitem(last=False)
-        self._count(owner, -self._size(old))
+        self._count(owner, old, -1)
+        old.graph = None  # freed now, whoever still holds the entry
         self.evicted += 1
 
-    def _count(self, owner: Hashable, nbytes: int) -> None:
-        self.nbytes += nbytes
-        self._owner_bytes[owner] += nbytes
+    def _input_bytes(self, owner: Hashable) -> int:
+        return self._owner_bytes[owner] - self._owner_graph_bytes[owner]
+
+    def _count(self, owner: Hashable, entry: CacheEntry, sign: int) -> None:
+        graph = sign * (0 if entry.graph is None else entry.graph.nbytes)
+        self.nbytes += sign * self._size(entry) + graph
+        self._owner_bytes[owner] += sign * self._size(entry) + graph
+        self.graph_bytes += graph
+        self._owner_graph_bytes[owner] += graph
         if not self._owners[owner]:  # forget owners with nothing cached: the table stays as small as the cache
-            del self._owners[owner], self._owner_bytes[owner]
+            del self._owners[owner], self._owner_bytes[owner], self._owner_graph_bytes[owner]
 
     @staticmethod
     def _size(entry: CacheEntry) -> int:
+        """The entry's input bytes (its graph's apart)."""
         tokens = 0 if entry.tokens is None else entry.tokens.nbytes
         return entry.x.nbytes + tokens
 
@@ -156,6 +232,8 @@ class StageServer:
 
     It builds the stage, its inner step and its compute thread, unless given them (``compute``): then the weights it
     serves are its owner's, and ``start_step`` and ``lr_scale`` are the owner's inner step's business.
+    ``keep_graph_mb``: the budget of forward graphs kept for their backwards (``graph_budget_bytes``; None: auto);
+    0 recomputes every forward.
     """
 
     def __init__(
@@ -170,6 +248,7 @@ class StageServer:
         busy_window_s: float = 30.0,
         device: torch.device = CPU,
         compute: StageCompute | None = None,
+        keep_graph_mb: int | None = 0,
     ) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
@@ -203,7 +282,11 @@ class StageServer:
             max_abs=BOUNDARY_MAX_ABS,  # an int8 scale of 3.4e38 is refused here, before any compute
         )
         self.max_request_bytes = 2 * max_frame + 1024  # input + gradient frames and the envelope
-        self.cache = ActivationCache(max_items=max_cached, max_bytes=max_cached * 4 * max_values)
+        budget = graph_budget_bytes(keep_graph_mb, available_memory(device) if keep_graph_mb is None else 0)
+        self.cache = ActivationCache(
+            max_items=max_cached, max_bytes=max_cached * 4 * max_values, max_graph_bytes=budget
+        )
+        self.graph_sizer, self.time_split = GraphSizer(), TimeSplit()  # kept graphs' bytes; time per request by part
         self.screen = GradNormScreen()  # of each microbatch's parameter gradients, before they accumulate
         self.throughput = PerformanceEMA(alpha=0.1, paused=True)  # samples/s over forward + backward compute
         self.busy = BusyTime(window_s=busy_window_s, clock=clock)  # forward + backward compute over wall time
@@ -220,15 +303,20 @@ class StageServer:
                 RequestError.INVALID,
                 f"prev_stage {request.prev_stage} is not another stage of 0..{self.cfg.stages.num_stages}",
             )
+        times = RequestTimes()
         codec, x, tokens = self._decode_input(request.x)
-        (y, inner_step), elapsed = await self._run(self._forward_at_step, x, busy=True)
+        times.decode_s = self.clock() - taken
+        why_not = self._why_no_graph(peer, x) if request.train else "eval"
+        keep = why_not is None
+        (y, inner_step, graph), elapsed = await self._run(self._forward_at_step, x, keep, times, busy=True, times=times)
         if request.train:
             entry = CacheEntry(x=x, tokens=tokens, forward_s=elapsed, weights=self.weights_epoch, inner_step=inner_step)
-            self.cache.put(peer, request.mb, entry)
+            entry.graph, entry.no_graph = graph, why_not or entry.no_graph
+            self.cache.put(peer, request.mb, entry, at=(self.weights_epoch, self.inner_steps))
             self.from_stage[request.prev_stage] += 1
         self.counters["forward" if request.train else "eval_forward"] += 1
         self.first_served_at = self.first_served_at or time.time()
-        return self._reply(codec.encode(y, tokens=tokens), codec.name, taken, elapsed)
+        return self._reply(codec, y.detach(), tokens, taken, times, "forward" if request.train else "eval_forward")
 
     async def backward(self, peer: PeerID, request: Backward) -> Reply:
         taken = self.clock()
@@ -240,24 +328,33 @@ class StageServer:
             _, x, tokens = self._decode_input(request.x)
             entry = CacheEntry(x=x, tokens=tokens, forward_s=0.0, weights=self.weights_epoch)
             self.counters["recompute_from_resent"] += 1
+        times = RequestTimes()
         codec, grad, _ = self.grad_codecs.decode(request.grad, limits=self.limits)
+        times.decode_s = self.clock() - taken
         if grad.shape != entry.x.shape:
             raise RequestError(
                 RequestError.INVALID,
                 f"gradient of shape {tuple(grad.shape)} for an input of shape {tuple(entry.x.shape)}",
             )
         try:
-            grad_x, elapsed = await self._run(self._compute_backward, entry, grad, peer, busy=True)
+            grad_x, elapsed = await self._run(self._compute_backward, entry, grad, peer, times, busy=True, times=times)
         except RequestError:
             self.counters["refused_gradient"] += 1
             raise
         self.throughput.update(entry.x.shape[0], interval=entry.forward_s + elapsed)
         self.counters["backward"] += 1
-        return self._reply(codec.encode(grad_x), codec.name, taken, elapsed)
+        return self._reply(codec, grad_x, None, taken, times, "backward")
 
-    def _reply(self, frame: bytes, codec: str, taken: float, compute_s: float) -> Reply:
-        """The reply, with the times that let the trainer tell its link's share of the round trip from ours."""
-        return Reply(frame, codec=codec, server_s=self.clock() - taken, compute_s=compute_s)
+    def _reply(
+        self, codec: Codec, t: torch.Tensor, tokens: torch.Tensor | None, taken: float, times: RequestTimes, kind: str
+    ) -> Reply:
+        """``t`` encoded, with our times (the rest of the trainer's round trip is its link's); into ``time_split``."""
+        started = self.clock()
+        frame = codec.encode(t, tokens=tokens)
+        times.encode_s = self.clock() - started
+        self.time_split.add(kind, times)
+        compute_s = times.compute_s + times.copy_s  # the compute thread's time, as the busy fraction counts it
+        return Reply(frame, codec=codec.name, server_s=self.clock() - taken, compute_s=compute_s)
 
     def info(self) -> dict[str, Any]:
         recent, total = self.busy.fractions()
@@ -273,6 +370,8 @@ class StageServer:
             "from_stage": {str(k): v for k, v in sorted(self.from_stage.items())},
             "busy_fraction": recent,  # over the last busy.window_s
             "busy_fraction_total": total,  # since the first request
+            "graphs": self.cache.graph_info(),  # the forward graphs kept for their backwards
+            "time_split": self.time_split.summary(),  # median seconds per request by part (swarm/pipeline/timing.py)
         }
 
     @property
@@ -329,18 +428,25 @@ class StageServer:
             )
         return codec, x, tokens
 
-    async def _run(self, fn: Callable[..., T], *args: Any, busy: bool = False) -> tuple[T, float]:
-        """``fn(*args)`` on the compute thread, and its compute time (waiting for the thread excluded), counted
-        into the busy fraction if ``busy`` (a request's compute), refused or not."""
+    async def _run(
+        self, fn: Callable[..., T], *args: Any, busy: bool = False, times: RequestTimes | None = None
+    ) -> tuple[T, float]:
+        """``fn(*args)`` on the compute thread, and its compute time (waiting for the thread excluded, the device's
+        queued work included), counted into the busy fraction if ``busy`` (a request's compute), refused or not;
+        ``times`` gets the wait and the compute time less the copies ``fn`` timed into it."""
+        submitted = self.clock()
 
         def timed() -> tuple[T, float]:
             started = self.clock()
             try:
                 result = fn(*args)
             finally:
+                synchronize(self.device)  # the device's queued work is this call's (a no-op on the CPU)
                 ended = self.clock()
                 if busy:
                     self.busy.add(started, ended)
+                if times is not None:
+                    times.wait_s, times.compute_s = started - submitted, ended - started - times.copy_s
             return result, ended - started
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
@@ -349,21 +455,34 @@ class StageServer:
     def inner_steps(self) -> int:
         return self.inner.steps
 
-    def _forward_at_step(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The forward and the inner steps its weights had taken (read on the compute thread, where steps are taken)."""
-        return self._compute_forward(x), self.inner_steps
+    def _why_no_graph(self, peer: Hashable, x: torch.Tensor) -> str | None:
+        """``ActivationCache.why_no_graph`` of this forward: its graph's predicted bytes, the samples until a step."""
+        nbytes, due_in = self.graph_sizer.predict(x.shape[0] * x.shape[1]), self.inner.inner_batch - self.inner.samples
+        return self.cache.why_no_graph(peer, nbytes, due_in)
+
+    def _forward_at_step(
+        self, x: torch.Tensor, keep: bool, times: RequestTimes
+    ) -> tuple[torch.Tensor, int, KeptGraph | None]:
+        """The forward, the inner steps its weights had taken (read here, where steps are taken), its graph if kept."""
+        on_device = timed_copy(x, self.device, times, self.clock)
+        if not keep:
+            return self._compute_forward(on_device), self.inner_steps, None
+        with compute_precision(self.device, self.cfg.train.precision):
+            graph = build_graph(self.module, x, on_device, self.graph_sizer)
+        return graph.y, self.inner_steps, graph
 
     def _compute_forward(self, x: torch.Tensor) -> torch.Tensor:
         with compute_precision(self.device, self.cfg.train.precision):
             return stage_forward(self.module, x.to(self.device))  # (B, T, d) → (B, T, d)
 
-    def _compute_backward(self, entry: CacheEntry, grad: torch.Tensor, peer: Hashable) -> torch.Tensor:
+    def _compute_backward(
+        self, entry: CacheEntry, grad: torch.Tensor, peer: Hashable, times: RequestTimes | None = None
+    ) -> torch.Tensor:
         x = entry.x
         moved_steps = 0 if entry.inner_step is None else self.inner_steps - entry.inner_step  # since its forward
         moved = moved_steps > 0 or entry.weights != self.weights_epoch  # by inner steps or an outer install
         stashed = self.stash.get((entry.weights, entry.inner_step)) if moved and entry.inner_step is not None else None
-        with compute_precision(self.device, self.cfg.train.precision):  # step 4 of swarm/model/step.py, held apart
-            grad_x, grads = stage_gradients(self.module, x.to(self.device), grad.to(self.device), weights=stashed)
+        grad_x, grads = self._gradients(entry, grad, moved, stashed, times or RequestTimes())
         norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
         verdict = self.screen.judge(norm, peer)  # by the stage's own statistics: clipped, weighed or refused
         refusal = verdict.refusal or (None if all_finite(grad_x) else "the input gradient is not finite")
@@ -388,3 +507,20 @@ class StageServer:
         add_gradients(self.module, grads)
         self.inner.add(x.shape[0])  # step 6
         return grad_x  # (B, T, d)
+
+    def _gradients(
+        self, entry: CacheEntry, grad: torch.Tensor, moved: bool, stashed: WeightCopy | None, times: RequestTimes
+    ) -> tuple[torch.Tensor, Gradients]:
+        """Step 4 of swarm/model/step.py, held apart: from the forward's kept graph while the weights have not moved
+        since (updated in place), else recomputed from the input (at the stashed weights of that forward, if any)."""
+        graph, entry.graph = entry.graph, None  # freed with this call, used or not
+        grad = timed_copy(grad, self.device, times, self.clock)
+        if graph is not None and not moved:
+            self.counters["graph_kept_backward"] += 1
+            return graph_gradients(self.module, graph.x, graph.y, grad)
+        if self.cache.max_graph_bytes > 0 and entry.inner_step is not None:  # a resent input never had a graph
+            self.counters[f"graph_{'moved' if graph is not None else entry.no_graph}_recompute"] += 1
+        graph, times.recomputed = None, True
+        x = timed_copy(entry.x, self.device, times, self.clock)
+        with compute_precision(self.device, self.cfg.train.precision):
+            return stage_gradients(self.module, x, grad, weights=stashed)
