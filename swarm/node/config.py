@@ -23,6 +23,7 @@ from swarm.dht.records import PEER_NAME_PATTERN
 from swarm.errors import ConfigError
 from swarm.faults import FaultSchedule
 from swarm.hardware import DEVICE_HELP, device_spec_problem
+from swarm.model.compiling import COMPILE_HELP, COMPILE_MODES, CompileMode
 from swarm.pipeline.trainer import TrainerOptions
 from swarm.rpc.admission import Credentials
 
@@ -124,10 +125,22 @@ class PeerConfig:
     seed: int = field(default=0, metadata=cli("Trainers: data stream offset (give each trainer its own)."))
     threads: int = field(default=0, metadata=cli("torch threads (0: torch's default).", min=0))
     device: str = field(default="auto", metadata=cli(DEVICE_HELP))
+    compile: CompileMode = field(default="auto", metadata=cli(COMPILE_HELP))  # per process: never in the swarm's hash
     steps: int = field(default=100, metadata=cli("Trainers: inner steps of stage 0 to run.", min=1))
     trainer: TrainerOptions = field(default_factory=TrainerOptions)
     max_pending: int = field(
         default=8, metadata=cli("Stage servers: requests held at once; more are refused as busy.", min=1)
+    )
+    keep_graph_mb: int | None = field(
+        default=None,
+        metadata=cli(
+            "Stage servers and full peers that --serve: MiB of forward graphs kept in device memory for their "
+            "backwards, which then skip recomputing the forward (the recompute adds a third to a stage's FLOPs); a "
+            "forward whose graph does not fit, or whose weights an inner step will move before its backward, is "
+            "recomputed. Default: a quarter of the device memory free once the stage is built (the rest left to "
+            "peers sharing the device); 0: always recompute.",
+            min=0,
+        ),
     )
     wait_for_stages_s: float = field(
         default=120.0,
@@ -215,11 +228,14 @@ class PeerConfig:
             "wait_for_stages_s",
             "wait_for_replicas",
             "data_shard",
+            "keep_graph_mb",
         ):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(name, f"must be non-negative, got {getattr(self, name)}")
         if (problem := device_spec_problem(self.device)) is not None:
             raise ConfigError("device", problem)
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError("compile", f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.checkpoint_every and not self.stage_checkpoint:
             raise ConfigError("checkpoint_every", "needs a stage_checkpoint file to write")
         if any(event.at_s is not None for event in self.faults.events):

@@ -191,6 +191,7 @@ class FullRole:
                 holder.stage,
                 start_step=holder.start_step,
                 device=ctx.device,
+                keep_graph_mb=ctx.peer_config.keep_graph_mb,
                 compute=full.compute(holder.stage),
             )
         servers = {holder.stage: holder.server for holder in holders if holder.server is not None}

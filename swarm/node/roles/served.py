@@ -60,6 +60,7 @@ class ServedStage:
             start_step=state.schedule_step if state else 0,
             lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0,
             device=ctx.device,
+            keep_graph_mb=ctx.peer_config.keep_graph_mb,
         )
         self.compiled = compile_stage(self.server.module, ctx.peer_config.compile, ctx.device)  # in place, by block
         meter = Meter(
