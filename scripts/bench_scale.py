@@ -328,6 +328,8 @@ class Conductor:
 def measure_swarm(cfg: SwarmConfig, steps: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     layout = LocalSwarm(peers=3, stages=2, trainers=1, steps=steps)
     peer_args = ["--device", args.device, "--threads", str(args.threads)]
+    if args.keep_graph_mb is not None:  # else each server's default (a quarter of the memory free at its start)
+        peer_args += ["--keep-graph-mb", str(args.keep_graph_mb)]
     joiner_args = [
         *("--role", "stage", "--stage", "1", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"),
         *("--out", str(out), "--log-level", logs.current_level(), *peer_args),
@@ -400,12 +402,16 @@ def swarm_summary(cfg: SwarmConfig, peers: Peers, out: Path) -> dict[str, Any]:
         "joiner_ready_s": serving - spawned if serving and spawned else None,  # spawn to serving (download included)
         "joiner_downloads": len(downloads),
         "servers": {  # each server's last counters: microbatches served, backwards whose gradients were dropped
-            name: {k: last.get(k) for k in ("forward", "backward", "stale_backward", "stashed_backward", "refused")}
+            name: {k: last.get(k) for k in (*SERVER_FIELDS, "time_split")}
             for name, records in peers.items()
             if (last := next((r for r in reversed(of_kind(records, Progress)) if r.role == "stage"), None))
         },
         "warnings": log_warnings(out),
     }
+
+
+# each server's last counters: microbatches served, backwards whose gradients were dropped, backwards on a kept graph
+SERVER_FIELDS = ("forward", "backward", "stale_backward", "stashed_backward", "refused", "graph_kept_backward")
 
 
 def step_ends(cfg: SwarmConfig, trainer: list[Event]) -> dict[int, float]:
@@ -541,6 +547,9 @@ def table(results: list[dict[str, Any]]) -> list[str]:
             ),
         ),
         ("stage 1 backwards: first server / joiner", lambda r: backwards(r["swarm"])),
+        ("stage 1 backwards on a kept graph: first server", lambda r: kept_graphs(r["swarm"])),
+        ("stage 1 s / forward: decode/wait/copy/compute/encode", lambda r: time_split(r["swarm"], "forward")),
+        ("stage 1 s / backward: decode/wait/copy/compute/encode", lambda r: time_split(r["swarm"], "backward")),
         ("outer round s (2 members, median)", lambda r: fmt(r["swarm"].get("round_s"))),
         ("outer rounds: 2-member / lone round s", lambda r: shared_rounds(r["swarm"])),
         ("state download s (state MB)", lambda r: download(r["swarm"])),
@@ -575,6 +584,20 @@ def shared_rounds(swarm: dict[str, Any]) -> str:
 def backwards(swarm: dict[str, Any]) -> str:
     servers = swarm.get("servers", {})
     return " / ".join(str(servers.get(name, {}).get("backward", "–")) for name in ("stage1-0", JOINER))
+
+
+def kept_graphs(swarm: dict[str, Any]) -> str:
+    server = swarm.get("servers", {}).get("stage1-0", {})
+    return fmt(server.get("graph_kept_backward"), "d")
+
+
+def time_split(swarm: dict[str, Any], kind: str) -> str:
+    """The first stage-1 server's median seconds per request of ``kind``, by part (its last progress record's
+    ``time_split``: ``swarm/pipeline/timing.py``); "–" where the server has none (a release before issue 34)."""
+    split = (swarm.get("servers", {}).get("stage1-0", {}).get("time_split") or {}).get(kind)
+    if not split:
+        return "–"
+    return "/".join(f"{split[part]:.2f}" for part in ("decode_s", "wait_s", "copy_s", "compute_s", "encode_s"))
 
 
 def download(swarm: dict[str, Any]) -> str:
@@ -625,6 +648,11 @@ def main() -> None:
         type=int,
         default=0,
         help="the joiner starts once the trainer trains and has taken this many inner steps (module docstring)",
+    )
+    parser.add_argument(
+        "--keep-graph-mb",
+        type=int,
+        help="the stage servers' budget for kept forward graphs (0: recompute every forward, as before issue 34)",
     )
     parser.add_argument("--set", nargs="*", default=[], metavar="PATH=VALUE", help="more config overrides")
     parser.add_argument("--keep", type=Path, help="keep the swarms' logs and metrics in KEEP/<preset>/")
