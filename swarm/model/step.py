@@ -96,13 +96,9 @@ def stage_backward(
     ``y`` is the forward's output when its graph was kept (in process); without it the forward is
     recomputed from ``x`` (a stage server, which keeps no graph between the two calls).
     """
-    if y is None:
-        grad_x, grads = stage_gradients(stage, x, grad)
-        add_gradients(stage, grads)
-        return grad_x
-    with torch.enable_grad():
-        torch.autograd.backward(y, grad)  # y.backward(grad), typed
-    return x.grad  # type: ignore[return-value]  # set by that backward: y was computed from x, which requires grad
+    grad_x, grads = stage_gradients(stage, x, grad) if y is None else graph_gradients(stage, x, y, grad)
+    add_gradients(stage, grads)
+    return grad_x
 
 
 def trainable(stage: nn.Module) -> list[nn.Parameter]:
