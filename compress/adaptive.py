@@ -45,10 +45,12 @@ class Ladder:
         allow_nonfinite: bool = False,
         expected_shape: tuple[int, ...] | None = None,
         max_abs: float = math.inf,
+        device: torch.device | None = None,
     ) -> tuple[Codec, torch.Tensor, torch.Tensor | None]:
-        """(the codec the frame is in, its tensor, its token ids or None), as ``Codec.decode_with_tokens`` checks it;
-        ``UnknownCodec`` for a frame in a codec outside the ladder; ``max_abs`` tightens ``limits.max_abs`` (a trainer
-        bounds the replies it decodes without restating the shape's bounds). Raises only ``WireError``s."""
+        """(the codec the frame is in, its tensor, its token ids or None), as ``Codec.decode_with_tokens`` checks it
+        and on ``device`` (default the CPU), where it is decoded; ``UnknownCodec`` for a frame in a codec outside the
+        ladder; ``max_abs`` tightens ``limits.max_abs`` (a trainer bounds the replies it decodes without restating the
+        shape's bounds). Raises only ``WireError``s."""
         codec_id = frame_codec_id(data)
         if codec_id is None:  # no header to read: the first codec's decode names what is wrong
             return self.codecs[0], *self.codecs[0].decode_with_tokens(data, limits=limits)
@@ -64,7 +66,7 @@ class Ladder:
         for codec in candidates:
             if codec.matches(frame):
                 bound = min(bounds.max_abs, max_abs)
-                return codec, *codec.from_frame(frame, allow_nonfinite=allow_nonfinite, max_abs=bound)
+                return codec, *codec.from_frame(frame, allow_nonfinite=allow_nonfinite, max_abs=bound, device=device)
         raise UnknownCodec(f"frame's subspace inner codec is not one of {', '.join(self.names)}")
 
 

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from compress.errors import MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec
+from compress.transfer import to_host
 from compress.wire import BytesLike, CodecId, WireLimits, decode_frame, encode_frame, receiver_limits
 
 _META = struct.Struct("<HH")  # topk, tile side
@@ -148,27 +150,20 @@ class SparseLoCoCodec:
         )
 
     def encode(self, name: str, delta: torch.Tensor, state: SparseLoCoState) -> bytes:
-        """Fold ``delta`` into the error buffer of ``name``, send its top-k per chunk, keep the rest."""
-        delta = delta.detach().float().cpu()
+        """Fold ``delta`` into the error buffer of ``name``, send its top-k per chunk, keep the rest. Coded where
+        ``delta`` lies (``codes_on_host``), its error buffer kept there: only the frame's body reaches the host."""
+        delta = delta.detach().float()
         e = state.errors.get(name)
         if e is not None and e.shape != delta.shape:
             raise ValueError(
                 f"pseudo-gradient {name!r} has shape {tuple(delta.shape)}, its error buffer {tuple(e.shape)}"
             )
-        e = delta.clone() if e is None else torch.add(delta, e, alpha=self.error_decay)  # β·e + Δ, a new buffer
-        tiling, err = _Tiling.of(tuple(e.shape), self.tile, self.topk), e.numpy().reshape(-1)  # err: a view of e
-        keys = tiling.magnitude_keys(err)  # (C, L)
-        if keys.size and keys.max() >= 0x7F800000:
+        e = delta.clone() if e is None else torch.add(delta, e.to(delta.device), alpha=self.error_decay)  # β·e + Δ, new
+        tiling = _Tiling.of(tuple(e.shape), self.tile, self.topk)
+        body = _encode_on_host(e, tiling) if codes_on_host(e.device) else _encode_on_device(e, tiling)
+        if body is None:
             raise ValueError(f"pseudo-gradient {name!r} holds NaN or inf values")
         state.errors[name] = e
-        local = _top_k(keys, tiling.k)  # (C, k)
-        flat, real = tiling.flat_index(local)
-        values = err[flat] if isinstance(real, slice) else np.where(real, err[flat], 0)  # padding picks carry 0
-        codes, levels = _quantize(values, tiling)
-        err[flat[real]] -= _dequantize(codes, tiling.per_chunk(_from_bf16(levels)))[real]  # e ← e − decoded(sent)
-        deltas = local.astype("<u2")  # < 2**16: tiles are at most 256×256; the first of a chunk counts from 0
-        deltas[:, 1:] = np.diff(local, axis=1)
-        body = b"".join((deltas.view(np.uint8).reshape(-1, 2).T.tobytes(), _pack2(codes).tobytes(), levels.tobytes()))
         return encode_frame(
             self.codec_id, body, dtype=delta.dtype, shape=tuple(delta.shape), meta=_META.pack(self.topk, self.tile)
         )
@@ -214,6 +209,75 @@ class SparseLoCoCodec:
         return SparseTensor(torch.from_numpy(flat[real].ravel()), torch.from_numpy(values[real].ravel()), frame.shape)
 
 
+def codes_on_host(device: torch.device) -> bool:
+    """Whether a pseudo-gradient on ``device`` is coded with numpy (the CPU's: its per-chunk arrays are small, where
+    torch's per-op overhead dominates) rather than with torch where it lies (``_encode_on_device``)."""
+    return device.type == "cpu"
+
+
+def _encode_on_host(e: torch.Tensor, tiling: _Tiling) -> bytes | None:
+    """The frame body of error buffer ``e`` (a CPU tensor), which loses what is sent; None if it holds NaN or inf."""
+    err = e.numpy().reshape(-1)  # a view of e
+    keys = tiling.magnitude_keys(err)  # (C, L)
+    if keys.size and keys.max() >= 0x7F800000:
+        return None
+    local = _top_k(keys, tiling.k)  # (C, k)
+    flat, real = tiling.flat_index(local)
+    values = err[flat] if isinstance(real, slice) else np.where(real, err[flat], 0)  # padding picks carry 0
+    codes, levels = _quantize(values, tiling)
+    err[flat[real]] -= _dequantize(codes, tiling.per_chunk(_from_bf16(levels)))[real]  # e ← e − decoded(sent)
+    deltas = local.astype("<u2")  # < 2**16: tiles are at most 256×256; the first of a chunk counts from 0
+    deltas[:, 1:] = np.diff(local, axis=1)
+    return b"".join((deltas.view(np.uint8).reshape(-1, 2).T.tobytes(), _pack2(codes).tobytes(), levels.tobytes()))
+
+
+def _encode_on_device(e: torch.Tensor, tiling: _Tiling) -> bytes | None:
+    """``_encode_on_host`` in torch ops where ``e`` lies: the same body (which of equal magnitudes a chunk keeps
+    aside), of which only the bytes cross to the host, with the check of ``e``'s values, in one copy."""
+    if e.numel() == 0:
+        return b""
+    (gr, gc), th, tw, k = tiling.grid, tiling.th, tiling.tw, tiling.k
+    # keys that order like |e|, as on the host: fp32 bits, padding distinct and negative
+    keys = -1 - torch.arange(gr * th * gc * tw, dtype=torch.int32, device=e.device).reshape(gr * th, gc * tw)
+    keys[: tiling.rows, : tiling.cols] = e.reshape(tiling.rows, tiling.cols).abs().view(torch.int32)
+    keys = keys.reshape(gr, th, gc, tw).transpose(1, 2).reshape(tiling.n_chunks, th * tw)
+    # ties broken towards the first column, as ``_top_k`` does: keys made distinct, in the same order otherwise
+    ranked = keys.long() * 65536 + (65535 - torch.arange(th * tw, device=e.device))  # th·tw ≤ 65536
+    local = torch.topk(ranked, k, dim=1, sorted=False).indices.sort(dim=1).values  # (C, k)
+    chunk = torch.arange(tiling.n_chunks, device=e.device)[:, None]
+    row = chunk // gc * th + (local >> (tw.bit_length() - 1))
+    col = chunk % gc * tw + (local & (tw - 1))
+    real = (row < tiling.rows) & (col < tiling.cols)
+    flat, err = torch.where(real, row * tiling.cols + col, 0), e.view(-1)
+    values = torch.where(real, err[flat], 0.0)  # padding picks carry 0
+    codes, levels = _quantize_on_device(values, tiling)
+    table = levels.repeat_interleave(tiling.chunks_per_group, 0)[: tiling.n_chunks]
+    sent = torch.cat((table, -table), dim=1).gather(1, codes.long())  # as the receiver decodes it
+    err[flat[real]] -= sent[real]  # e ← e − decoded(sent)
+    deltas = torch.cat((local[:, :1], local.diff(dim=1)), dim=1)
+    planes = torch.stack((deltas & 255, deltas >> 8)).to(torch.uint8)  # the low bytes of every index, then the high
+    quads = F.pad(codes.reshape(-1), (0, -codes.numel() % 4)).reshape(-1, 4)
+    packed = quads[:, 0] | quads[:, 1] << 2 | quads[:, 2] << 4 | quads[:, 3] << 6
+    bits = levels.view(torch.int32) >> 16 & 0xFFFF  # bf16, truncated, little-endian
+    body, largest = to_host([(planes, packed, torch.stack((bits & 255, bits >> 8), -1).to(torch.uint8)), (keys.max(),)])
+    return None if int.from_bytes(largest, "little", signed=True) >= 0x7F800000 else body
+
+
+def _quantize_on_device(values: torch.Tensor, tiling: _Tiling) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_quantize`` in torch: (C, k) uint8 codes and (G, 2) float32 levels, already truncated to bf16."""
+    groups = tiling.n_groups * tiling.chunks_per_group
+    mag = F.pad(values.abs(), (0, 0, 0, groups - len(values))).reshape(tiling.n_groups, -1)  # (G, S)
+    counted = torch.full((len(mag),), mag.shape[1], dtype=torch.float64, device=values.device)
+    counted[-1] -= mag.numel() - values.numel()  # the fill of the last group is counted in no mean
+    total = mag.sum(dim=1, dtype=torch.float64)
+    big = mag.double() * counted[:, None] > total[:, None]
+    n_big, big_total = big.sum(dim=1), (mag * big).sum(dim=1, dtype=torch.float64)
+    small_mean = (total - big_total) / (counted - n_big).clamp(min=1)
+    levels = torch.stack((small_mean, big_total / n_big.clamp(min=1)), dim=1).float()
+    codes = big.reshape(-1, tiling.k)[: len(values)].to(torch.uint8) + 2 * torch.signbit(values).to(torch.uint8)
+    return codes, (levels.view(torch.int32) & -65536).view(torch.float32)
+
+
 def aggregate_mean(parts: list[SparseTensor]) -> torch.Tensor:
     """Dense mean per index over the replicas that sent that index (0 where none did)."""
     if not parts:
@@ -232,17 +296,16 @@ def _top_k(keys: np.ndarray, k: int) -> np.ndarray:
     """(C, L) → (C, k): the columns of each row's k largest keys, ascending.
 
     Finding each row's k-th key and masking (np.partition + np.flatnonzero) is ~2× faster than
-    np.argpartition and yields sorted positions; ties at a k-th key (rare for real values) would
-    keep more than k, and fall back to argpartition.
+    np.argpartition and yields sorted positions. Ties at a k-th key (a Δ of weights that moved by
+    the same few ulps) keep the first columns among them, as ``_encode_on_device`` does.
     """
     width = keys.shape[1]
     kth = np.partition(keys, width - k, axis=1)[:, width - k, None]
-    pos = np.flatnonzero(keys >= kth)
-    columns: np.ndarray  # (numpy types these as Any)
-    if len(pos) == len(keys) * k:
-        columns = (pos % width).reshape(-1, k)
-    else:
-        columns = np.sort(np.argpartition(keys, width - k, axis=1)[:, width - k :], axis=1)
+    take = keys >= kth
+    if take.sum() != len(keys) * k:
+        ties = keys == kth
+        take = (keys > kth) | (ties & (np.cumsum(ties, axis=1) <= k - (keys > kth).sum(axis=1, keepdims=True)))
+    columns: np.ndarray = (np.flatnonzero(take) % width).reshape(-1, k)  # (numpy types these as Any)
     return columns
 
 

@@ -1,7 +1,7 @@
 """The one framed message format for every tensor payload on the wire.
 
 A frame is a fixed header (magic ``SWLC``, version, codec, dtype, flags, shape, sizes, crc32), a codec's small
-``meta`` and its body, zstd-compressed when that makes it 1% smaller. Decoding bounds every declared size by
+``meta`` and its body, zstd-compressed when that makes it 10% smaller. Decoding bounds every declared size by
 ``WireLimits`` (and an ``expected_shape``) before it allocates; layout and reasons: docs/architecture.md, compress/.
 
     >>> frame = decode_frame(encode_frame(CodecId.FP32, b"\\0" * 8, dtype=torch.float32, shape=(2,)))
@@ -35,10 +35,16 @@ VERSION = 1
 _HEADER = struct.Struct("<4sBBBBBIIII")  # the fields of _Header
 _CRC_OFFSET = _HEADER.size - 4
 _FLAG_ZSTD = 1
-_ZSTD_LEVEL = 1  # cheap; level 3 shrinks SparseLoCo's index planes by under 1%
+ZSTD_LEVEL = 1  # cheap; level 3 shrinks SparseLoCo's index planes by under 1%
 # A body zstd shrinks by less than this is sent raw: a raw body is decoded as a view of the received frame, while a
-# compressed one costs a second buffer (a dense whole-stage outer payload would be held twice to save its names).
-_ZSTD_MIN_SAVING = 0.01
+# compressed one costs a second buffer (a dense whole-stage outer payload would be held twice to save its names) and
+# the receiver's decompression (~7 ms for an int8 microbatch of 8 x 1024 x 768 at 125m: the embedding's gradient,
+# which zstd shrinks by only 8%, goes raw; the activations shrink by 40-95%: scripts/bench_wire_zstd.py). Frames
+# either way decode alike: the flag says which.
+ZSTD_MIN_SAVING = 0.10
+# A round's outer payload (``min_saving``) crosses the WAN once per round, off the microbatch's path: 1% of its bytes
+# is worth the decompression.
+PAYLOAD_MIN_SAVING = 0.01
 
 BytesLike = bytes | bytearray | memoryview  # a frame as received: a view into a larger buffer is never copied
 
@@ -158,23 +164,49 @@ def header_bytes(ndim: int) -> int:
     return _HEADER.size + 4 * ndim
 
 
-def encode_frame(codec_id: int, body: bytes, *, dtype: torch.dtype, shape: tuple[int, ...], meta: bytes = b"") -> bytes:
-    """Wrap a codec body into a checksummed frame; zstd-compress the body when that helps."""
+def min_saving(codec_id: int) -> float:
+    """The share of a frame's body zstd must save for the body to be sent compressed."""
+    return PAYLOAD_MIN_SAVING if codec_id == CodecId.OUTER_PAYLOAD else ZSTD_MIN_SAVING
+
+
+def zstd_pays(raw_bytes: int, compressed_bytes: int, saving: float = ZSTD_MIN_SAVING) -> bool:
+    """Whether a body zstd coded from ``raw_bytes`` into ``compressed_bytes`` saves ``saving`` of it."""
+    return compressed_bytes <= raw_bytes * (1 - saving)
+
+
+def encode_frame(
+    codec_id: int,
+    body: bytes,
+    *,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    meta: bytes = b"",
+    compress: bool = True,
+) -> bytes:
+    """Wrap a codec body into a checksummed frame; zstd-compress the body where that saves enough of it
+    (``min_saving``), unless ``compress`` is off (a sender that knows zstd does not pay for its frames)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype} cannot be sent; supported: {', '.join(map(str, DTYPES))}")
     if len(shape) > 255 or any(not 0 <= n < 2**32 for n in shape):
         raise ValueError(f"shape {shape} cannot be framed: at most 255 dims, each in [0, 2**32)")
     if not 0 <= codec_id < 256 or max(len(meta), len(body)) >= 2**32:
         raise ValueError(f"codec id {codec_id} or sizes (meta {len(meta)}, body {len(body)}) out of range")
-    payload, flags = _zstd.compressor.compress(body), _FLAG_ZSTD
-    if len(payload) > len(body) * (1 - _ZSTD_MIN_SAVING):
-        payload, flags = body, 0
+    payload = _compressed(body, min_saving(codec_id)) if compress else None
+    flags = 0 if payload is None else _FLAG_ZSTD
     tail = struct.pack(f"<{len(shape)}I", *shape) + meta
+    sent = body if payload is None else payload
     header = _HEADER.pack(
-        MAGIC, VERSION, codec_id, DTYPES.index(dtype), flags, len(shape), len(meta), len(body), len(payload), 0
+        MAGIC, VERSION, codec_id, DTYPES.index(dtype), flags, len(shape), len(meta), len(body), len(sent), 0
     )
-    crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(header[:_CRC_OFFSET])))
-    return b"".join((header[:_CRC_OFFSET], struct.pack("<I", crc), tail, payload))
+    crc = zlib.crc32(sent, zlib.crc32(tail, zlib.crc32(header[:_CRC_OFFSET])))
+    return b"".join((header[:_CRC_OFFSET], struct.pack("<I", crc), tail, sent))
+
+
+def _compressed(body: bytes, saving: float) -> bytes | None:
+    """``body`` zstd-compressed, or None where that does not pay. (Not judged from samples of the body: an int8
+    activation's repeats are far apart, and 4 × 64 KiB of one zstd shrinks to 0.59 shrink to 0.92.)"""
+    payload = _zstd.compressor.compress(body)
+    return payload if zstd_pays(len(body), len(payload), saving) else None
 
 
 def frame_codec_id(data: BytesLike) -> int | None:
@@ -260,7 +292,7 @@ class _ZstdContexts(threading.local):
     and a context must not be used by two threads at once."""
 
     def __init__(self) -> None:
-        self.compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self.decompressor = zstandard.ZstdDecompressor()
 
 
