@@ -91,7 +91,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
 
     def _encode(self, name: str, delta: torch.Tensor) -> bytes:
         delta_frame = self.codec.encode(delta)
-        return _SPLIT.pack(len(delta_frame)) + delta_frame + self.weights_codec.encode(self._global[name].cpu())
+        return _SPLIT.pack(len(delta_frame)) + delta_frame + self.weights_codec.encode(self._global[name])
 
     def _decode(self, name: str, frame: BytesLike) -> PairPart:
         if len(frame) < _SPLIT.size:
@@ -99,8 +99,9 @@ class NoLoCo(OuterOptimizer[PairPart]):
         (delta_len,) = _SPLIT.unpack_from(frame)
         if _SPLIT.size + delta_len > len(frame):
             raise MalformedFrame(f"{name}: NoLoCo Δ frame of {delta_len} bytes overruns the payload")
-        delta = self.codec.decode(frame[_SPLIT.size : _SPLIT.size + delta_len])  # rejects NaN and inf
-        weights = self.weights_codec.decode(frame[_SPLIT.size + delta_len :])
+        device = self._global[name].device  # decoded where the weights lie
+        delta = self.codec.decode(frame[_SPLIT.size : _SPLIT.size + delta_len], device=device)  # rejects NaN and inf
+        weights = self.weights_codec.decode(frame[_SPLIT.size + delta_len :], device=device)
         self._check_shape(name, delta.shape)
         self._check_shape(name, weights.shape)
         return PairPart(name, delta, weights)
@@ -109,7 +110,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
         name = parts[0].name
         mean_delta = torch.stack([p.delta for p in parts]).mean(dim=0)
         mean_weights = torch.stack([p.weights for p in parts]).mean(dim=0)
-        return mean_delta + (self._global[name].cpu() - mean_weights)
+        return mean_delta + (self._global[name] - mean_weights)
 
     def _squared_norm(self, part: PairPart) -> float:
         return float(part.delta.double().square().sum())

@@ -161,8 +161,8 @@ class OuterOptimizer(ABC, Generic[Part]):
     def make_payload(self, local: NamedTensors) -> bytes:
         """Encode my pseudo-gradient Δ = θ_global − θ_local, every parameter in one payload."""
         self._check_names(local)
-        # Codecs (and SparseLoCo's error buffers) live on the CPU, next to the network.
-        frames = {name: self._encode(name, (g - local[name].detach()).cpu()) for name, g in self._global.items()}
+        # Coded where the weights lie (SparseLoCo's error buffers too): only the coded bytes go to the host.
+        frames = {name: self._encode(name, g - local[name].detach()) for name, g in self._global.items()}
         payload = _pack(self.round, frames)
         # what the others will receive, decoded as they will: the scale the others' Δ are screened against
         try:
@@ -347,7 +347,8 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
 
     def _decode(self, name: str, frame: BytesLike) -> torch.Tensor:
         # the parameter's shape is checked from the frame's header, before any allocation; NaN and inf are refused
-        return self.codec.decode(frame, expected_shape=tuple(self._global[name].shape))
+        g = self._global[name]
+        return self.codec.decode(frame, expected_shape=tuple(g.shape), device=g.device)
 
     def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(parts).mean(dim=0)
