@@ -268,6 +268,9 @@ class StageServer:
             )
             compute = StageCompute(module, inner, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}"))
         self.module, self.inner, self._executor = compute.module, compute.inner, compute.executor
+        # frames are decoded onto the device on a thread of their own: beside the compute (as on the event loop
+        # before), and a decode's wait for the device (its finiteness check) blocks neither the loop nor the compute
+        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-decode")
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
         # the codecs it accepts; it replies in the request's own (the trainer chose it for their link)
@@ -413,19 +416,17 @@ class StageServer:
             self.stash.take((self.weights_epoch, step), self.module)
 
     def shutdown(self) -> None:
+        self._decoder.shutdown(wait=True, cancel_futures=True)
         if self._owns_compute:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def _decoded(self, decode: Callable[[bytes], Decoded], frame: bytes, times: RequestTimes) -> Decoded:
-        """``decode(frame)`` on the compute thread, its time into ``times.decode_s`` and its wait into ``wait_s``.
-
-        A frame is decoded onto the device (only its coded bytes cross: int8 is a quarter of fp32), and there, on the
-        thread that computes: the decode's finiteness check waits for the device, which on the event loop would wait
-        for every forward and backward queued before it.
-        """
-        submitted = self.clock()
-        decoded, times.decode_s = await self._run(decode, frame)
-        times.wait_s += self.clock() - submitted - times.decode_s
+        """``decode(frame)`` onto the device (only its coded bytes cross: int8 is a quarter of fp32) on the decoding
+        thread, its time into ``times.decode_s``. On the event loop, the decode's finiteness check would wait for the
+        device behind every forward and backward queued before it."""
+        started = self.clock()
+        decoded = await asyncio.get_running_loop().run_in_executor(self._decoder, decode, frame)
+        times.decode_s = self.clock() - started
         return decoded
 
     def _decode_gradient(self, frame: bytes) -> Decoded:
@@ -459,9 +460,8 @@ class StageServer:
                 ended = self.clock()
                 if busy:
                     self.busy.add(started, ended)
-                if times is not None:  # a request waits for the thread once to decode, once to compute
-                    times.wait_s += started - submitted
-                    times.compute_s = ended - started - times.copy_s
+                if times is not None:
+                    times.wait_s, times.compute_s = started - submitted, ended - started - times.copy_s
             return result, ended - started
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed)

@@ -28,8 +28,8 @@ def synchronize(device: torch.device) -> None:
 class RequestTimes:
     """One request's seconds, by part; the compute thread fills ``copy_s``, ``compute_s`` and ``recomputed``."""
 
-    decode_s: float = 0.0  # the frame decoded onto the device (on the compute thread: its coded bytes cross, no more)
-    wait_s: float = 0.0  # queued for the compute thread (to decode, then to compute), behind others and the outer step
+    decode_s: float = 0.0  # the frame decoded onto the device (a thread of its own: only its coded bytes cross)
+    wait_s: float = 0.0  # queued for the compute thread, behind other requests and the outer step's work
     copy_s: float = 0.0  # host → device moves the compute still made (none once a frame is decoded on the device)
     compute_s: float = 0.0  # the forward or backward on the compute thread, its copies excluded
     encode_s: float = 0.0  # the reply encoded (its device → host copy included, where the codec makes it)
