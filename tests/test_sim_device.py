@@ -11,6 +11,7 @@ from compress.codecs import get_codec
 from compress.config import CodecConfig
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
+from swarm.errors import ConfigError
 from swarm.pipeline.boundary import Link
 from swarm.sim.simulate import SimulationConfig, SimulationResult, simulate
 from swarmtest.configs import tiny_config
@@ -102,3 +103,19 @@ def test_without_zstd_the_frames_stay_on_the_device_and_train_alike(corpus) -> N
     for kind in ("activations", "activation_gradients"):
         assert raw.bytes_by_kind[kind] >= counted.bytes_by_kind[kind]
     assert raw.bytes_by_kind["activations"] > counted.bytes_by_kind["activations"]  # the embedding: zstd pays there
+
+
+def test_every_replica_is_compiled_as_the_simulation_says(monkeypatch, corpus) -> None:
+    import swarm.sim.simulate as simulate_module
+
+    compiled: list[tuple[str, str]] = []
+
+    def record(module: torch.nn.Module, mode: str, device: torch.device) -> None:
+        compiled.append((type(module).__name__, mode))
+
+    monkeypatch.setattr(simulate_module, "compile_stage", record)
+    run(corpus, "fp32", "fp32", compile="on")
+    # 2 replicas of each of the 3 stages (stage 0 and two middle ones), each handed "on"
+    assert sorted(compiled) == sorted([("EdgeStage", "on")] * 2 + [("MiddleStage", "on")] * 4)
+    with pytest.raises(ConfigError, match="compile"):
+        SimulationConfig(compile="always")  # type: ignore[arg-type]

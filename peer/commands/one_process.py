@@ -206,6 +206,14 @@ def simulate_cmd(
     log_every: Annotated[int, typer.Option(min=1, help="Log every N ticks (one microbatch per trainer).")] = 25,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     device: DeviceOpt = "auto",
+    compile: Annotated[CompileMode, typer.Option(help=COMPILE_HELP)] = "auto",
+    wire_zstd: Annotated[
+        bool,
+        typer.Option(
+            help="Count boundary bytes after zstd, as the wire sends them (zstd runs on the host); --no-wire-zstd keeps "
+            "every frame on the device and counts its bytes before zstd: training is the same, and a GPU runs faster."
+        ),
+    ] = True,
 ) -> None:
     """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
     from swarm.sim.simulate import SimulationConfig, simulate
@@ -222,6 +230,8 @@ def simulate_cmd(
         seed=seed,
         log_every=log_every,
         routing=routing,
+        wire_zstd=wire_zstd,
+        compile=compile,
     )
     corpus = load_corpus(data, tokenizer=tok)
     streams = [

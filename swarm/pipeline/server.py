@@ -227,6 +227,31 @@ class StageCompute:
     inner: InnerStep
     executor: ThreadPoolExecutor
 
+    @classmethod
+    def build(
+        cls, cfg: SwarmConfig, stage: int, *, device: torch.device, start_step: int = 0, lr_scale: float = 1.0
+    ) -> StageCompute:
+        """A stage server's own: the stage built on ``device``, its inner step and its compute thread."""
+        module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
+        assert isinstance(module, MiddleStage)  # 1 ≤ stage: the caller checked
+        inner = InnerStep(
+            module.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step, lr_scale=lr_scale
+        )
+        return cls(module, inner, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}"))
+
+
+def boundary_limits(cfg: SwarmConfig) -> WireLimits:
+    """What a stage server decodes at most: one microbatch of fp32 activations of the model's width and length."""
+    max_values = cfg.train.microbatch_size * cfg.model.max_seq_len * cfg.model.d_model
+    max_frame = 4 * max_values + FRAME_SLACK_BYTES
+    return WireLimits(
+        max_frame_bytes=max_frame,
+        max_body_bytes=max_frame,
+        max_elements=max_values,
+        max_ndim=3,
+        max_abs=BOUNDARY_MAX_ABS,  # an int8 scale of 3.4e38 is refused here, before any compute
+    )
+
 
 class StageServer:
     """The ``StageBackend`` of one middle stage (see ``swarm/pipeline/protocol.py``).
@@ -254,19 +279,10 @@ class StageServer:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
         self.cfg, self.stage, self.clock = cfg, stage, clock
-        self.device = device  # weights, gradients and optimizer states; frames are decoded on the CPU and moved here
+        self.device = device  # weights, gradients, optimizer states, and the frames decoded for them
         self._owns_compute = compute is None  # its thread is shut down with the server; an owner's is the owner's
         if compute is None:
-            module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
-            assert isinstance(module, MiddleStage)  # 1 ≤ stage, checked above
-            inner = InnerStep(
-                module.parameters(),
-                cfg.inner,
-                inner_batch=cfg.train.inner_batch,
-                start_step=start_step,
-                lr_scale=lr_scale,
-            )
-            compute = StageCompute(module, inner, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}"))
+            compute = StageCompute.build(cfg, stage, device=device, start_step=start_step, lr_scale=lr_scale)
         self.module, self.inner, self._executor = compute.module, compute.inner, compute.executor
         # frames are decoded onto the device on a thread of their own: beside the compute (as on the event loop
         # before), and a decode's wait for the device (its finiteness check) blocks neither the loop nor the compute
@@ -276,16 +292,9 @@ class StageServer:
         # the codecs it accepts; it replies in the request's own (the trainer chose it for their link)
         self.act_codecs, self.grad_codecs = boundary_ladders(cfg)
         self.max_batch = cfg.train.microbatch_size
-        max_values = self.max_batch * cfg.model.max_seq_len * cfg.model.d_model
-        max_frame = 4 * max_values + FRAME_SLACK_BYTES
-        self.limits = WireLimits(
-            max_frame_bytes=max_frame,
-            max_body_bytes=max_frame,
-            max_elements=max_values,
-            max_ndim=3,
-            max_abs=BOUNDARY_MAX_ABS,  # an int8 scale of 3.4e38 is refused here, before any compute
-        )
-        self.max_request_bytes = 2 * max_frame + 1024  # input + gradient frames and the envelope
+        self.limits = boundary_limits(cfg)
+        max_values = self.limits.max_elements
+        self.max_request_bytes = 2 * self.limits.max_frame_bytes + 1024  # input + gradient frames and the envelope
         budget = graph_budget_bytes(keep_graph_mb, available_memory(device) if keep_graph_mb is None else 0)
         self.cache = ActivationCache(
             max_items=max_cached, max_bytes=max_cached * 4 * max_values, max_graph_bytes=budget

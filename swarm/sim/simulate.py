@@ -24,6 +24,7 @@ from optim.outer import OuterOptimizer
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
 from swarm.hardware import CPU, Precision, compute_precision
+from swarm.model.compiling import COMPILE_MODES, CompileMode, compile_stage
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
 from swarm.model.step import InnerStep, run_microbatch
 from swarm.pipeline.boundary import Link, boundary_codecs, fp32_boundaries, full_replica_link
@@ -50,6 +51,7 @@ class SimulationConfig:
     # count boundary bytes after zstd, which runs on the host; off, frames stay on the device and are counted before
     # zstd (training is the same): what lets ``--device cuda`` run near train-local's speed at 125m
     wire_zstd: bool = True
+    compile: CompileMode = "auto"  # every replica's blocks (``swarm/model/compiling.py``: auto is CUDA only)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -62,6 +64,8 @@ class SimulationConfig:
             raise ConfigError("tokens", "tokens and log_every must be positive")
         if not 0 <= self.full <= self.replicas:
             raise ConfigError("full", f"must be in [0, replicas={self.replicas}], got {self.full}")
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError("compile", f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 
 
 @dataclass
@@ -118,9 +122,15 @@ class SimulationResult:
 
 
 def make_replica(
-    cfg: SwarmConfig, stage: int, total_steps: int, with_outer: bool, device: torch.device = CPU
+    cfg: SwarmConfig,
+    stage: int,
+    total_steps: int,
+    with_outer: bool,
+    device: torch.device = CPU,
+    compile_mode: CompileMode = "off",
 ) -> Replica:
     module = build_stage(cfg.model, cfg.stages.num_stages, stage).to(device)
+    compile_stage(module, compile_mode, device)  # in place: names, state dicts and the outer step see the same module
     inner = InnerStep(
         module.parameters(), replace(cfg.inner, total_steps=total_steps), inner_batch=cfg.train.inner_batch
     )
@@ -181,12 +191,21 @@ def outer_round(group: list[Replica]) -> int:
 
 
 def build_replicas(
-    cfg: SwarmConfig, k: int, *, total_steps: int, with_outer: bool, device: torch.device, wire_zstd: bool = True
+    cfg: SwarmConfig,
+    k: int,
+    *,
+    total_steps: int,
+    with_outer: bool,
+    device: torch.device,
+    wire_zstd: bool = True,
+    compile_mode: CompileMode = "off",
 ) -> tuple[dict[int, list[Replica]], Link, Link]:
-    """``k`` replicas of every stage; the link of pipelined hops (its bytes are counted, after zstd if ``wire_zstd``)
-    and the full peers' own."""
+    """``k`` replicas of every stage (their blocks compiled as ``compile_mode`` says); the link of pipelined hops (its
+    bytes are counted, after zstd if ``wire_zstd``) and the full peers' own."""
     stages = range(cfg.stages.num_stages + 1)
-    replicas = {s: [make_replica(cfg, s, total_steps, with_outer, device) for _ in range(k)] for s in stages}
+    replicas = {
+        s: [make_replica(cfg, s, total_steps, with_outer, device, compile_mode) for _ in range(k)] for s in stages
+    }
     link = Link(*boundary_codecs(cfg), device=device, zstd=wire_zstd)
     # a full replica's boundaries are in its own memory: no bytes cross a wire (its link's bytes are not counted)
     full_link = full_replica_link(cfg, device, zstd=False) or Link(
@@ -250,7 +269,13 @@ def simulate(
     next_round_tick = cfg.outer.horizon(0) * ticks_per_step  # H counts inner steps (a warm start's are 1)
     with_outer, steps = sim.mode == "outer" and cfg.outer.method != "none", max(1, ticks // ticks_per_step)
     replicas, link, full_link = build_replicas(
-        cfg, K, total_steps=steps, with_outer=with_outer, device=device, wire_zstd=sim.wire_zstd
+        cfg,
+        K,
+        total_steps=steps,
+        with_outer=with_outer,
+        device=device,
+        wire_zstd=sim.wire_zstd,
+        compile_mode=sim.compile,
     )
     skipped = outer_rounds = 0
     log: list[dict[str, float]] = []
