@@ -1,0 +1,107 @@
+"""The simulator's training speed against train-local's, at the same shapes on the same device (issue 34).
+
+Both train the preset on the default corpus for the same training tokens, in this process, one after the other:
+train-local's loop (``train_centralized``) and ``simulate`` with K replicas (SparseLoCo, random routing, every boundary
+coded with the config's codecs, ``--no-wire-zstd`` by default: frames stay on the device). Validation is one
+sequence of 8 tokens, so the times are training's. The ratio is simulate's tokens/s over train-local's (the issue's
+target on a GPU: ≥ 0.5 at 125m; K microbatches per tick pass through the same stages, so the FLOPs per token match).
+
+    python scripts/bench_sim_speed.py --preset 20m --seq-len 256 --steps 8 --json runs/sim-speed.json   # CPU, ~3 min
+    python scripts/bench_sim_speed.py --preset 125m --device cuda --precision bf16 --compile on        # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.data import load_corpus
+from swarm.config import SwarmConfig, derive_config
+from swarm.hardware import resolve_device
+from swarm.model.compiling import COMPILE_MODES
+from swarm.sim.centralized import train_centralized
+from swarm.sim.simulate import SimulationConfig, simulate
+
+
+def bench_config(args: argparse.Namespace) -> SwarmConfig:
+    return derive_config(
+        SwarmConfig(),
+        {
+            "model.preset": args.preset,
+            "stages.num_stages": 2,
+            "train.seq_len": args.seq_len,
+            "train.microbatch_size": args.microbatch,
+            "train.inner_batch": args.microbatch,  # one microbatch per inner step
+            "train.precision": args.precision,
+        },
+    )
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    cfg, device = bench_config(args), resolve_device(args.device)
+    corpus = load_corpus(None)
+    shape = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
+    inputs, targets = corpus.val_batches(num_sequences=1, **shape)[0]
+    val = [(inputs[:1, :8], targets[:1, :8])]  # validation measures nothing here
+    tokens = args.steps * args.replicas * cfg.train.microbatch_size * cfg.train.seq_len
+    started = time.perf_counter()
+    train_centralized(
+        cfg,
+        corpus.sample_batches("train", seed=0, **shape),
+        val,
+        steps=args.steps * args.replicas,  # the same tokens
+        log_every=args.steps * args.replicas,
+        device=device,
+        compile=args.compile,
+    )
+    local_s = time.perf_counter() - started
+    sim = SimulationConfig(
+        replicas=args.replicas, tokens=tokens, log_every=10**9, wire_zstd=args.wire_zstd, compile=args.compile
+    )
+    streams = [corpus.sample_batches("train", seed=k, **shape) for k in range(args.replicas)]
+    result = simulate(cfg, sim, streams, val, device=device)
+    return {
+        "preset": args.preset,
+        "device": str(device),
+        "shape": f"{cfg.train.microbatch_size} x {cfg.train.seq_len}",
+        "tokens": tokens,
+        "train_local_tokens_per_s": tokens / local_s,
+        "simulate_tokens_per_s": result.tokens / result.wall_s,
+        "ratio": (result.tokens / result.wall_s) / (tokens / local_s),
+        "threads": torch.get_num_threads(),
+        "args": vars(args),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="20m")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="simulator ticks (train-local: K times as many steps)")
+    parser.add_argument("--replicas", "-k", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default="auto")
+    parser.add_argument("--wire-zstd", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    row = measure(args)
+    print(f"{'preset':<8} {'device':<8} {'shape':<10} {'train-local tok/s':>18} {'simulate tok/s':>15} {'ratio':>6}")
+    print(
+        f"{row['preset']:<8} {row['device']:<8} {row['shape']:<10} {row['train_local_tokens_per_s']:>18.0f} "
+        f"{row['simulate_tokens_per_s']:>15.0f} {row['ratio']:>6.2f}"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(row, indent=1, default=str))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
