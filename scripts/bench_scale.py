@@ -83,7 +83,7 @@ import torch
 
 from peer import launch, logs
 from peer.launch import LocalSwarm, launch_local, stop_processes
-from swarm.config import SwarmConfig, derive_config, follow_run, parse_overrides
+from swarm.config import SwarmConfig, follow_run, parse_overrides
 from swarm.events import (
     Event,
     Metrics,
@@ -97,7 +97,7 @@ from swarm.events import (
 )
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageDoesNotFit, StageFootprint, check_fits, model_parameters
-from swarmtest.bench import Peers, read_peers
+from swarmtest.bench import Peers, preset_config, read_peers
 
 # Inner steps per preset when --steps does not say: the default run (20m and 125m at 8 x 1024) takes ~25 min on two
 # quiet cores (module docstring). The joiner is in from about the second step; with H = 2 its first 2-member round
@@ -116,20 +116,9 @@ SETTLE_S = 60.0  # after the trainer's last step: the longest wait for the serve
 
 def bench_config(preset: str, args: argparse.Namespace) -> SwarmConfig:
     """The config both measurements run: the preset at the benchmark's shapes, SparseLoCo every H steps."""
-    return derive_config(
-        SwarmConfig(),
-        {
-            "model.preset": preset,
-            "stages.num_stages": 2,
-            "train.seq_len": args.seq_len,
-            "train.microbatch_size": args.microbatch,
-            "train.inner_batch": args.microbatch,  # one microbatch per inner step
-            "train.precision": args.precision,
-            "outer.inner_steps": args.h,
-            "outer.warm_start_steps": args.warm_start,
-            "timeouts.rpc_s": RPC_S,
-            **args.set,
-        },
+    outer = {"outer.inner_steps": args.h, "outer.warm_start_steps": args.warm_start, "timeouts.rpc_s": RPC_S}
+    return preset_config(
+        preset, seq_len=args.seq_len, microbatch=args.microbatch, precision=args.precision, extra=outer | args.set
     )
 
 

@@ -21,29 +21,16 @@ from typing import Any
 import torch
 
 from peer.data import load_corpus
-from swarm.config import SwarmConfig, derive_config
 from swarm.hardware import resolve_device
 from swarm.model.compiling import COMPILE_MODES
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import SimulationConfig, simulate
-
-
-def bench_config(args: argparse.Namespace) -> SwarmConfig:
-    return derive_config(
-        SwarmConfig(),
-        {
-            "model.preset": args.preset,
-            "stages.num_stages": 2,
-            "train.seq_len": args.seq_len,
-            "train.microbatch_size": args.microbatch,
-            "train.inner_batch": args.microbatch,  # one microbatch per inner step
-            "train.precision": args.precision,
-        },
-    )
+from swarmtest.bench import preset_config
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    cfg, device = bench_config(args), resolve_device(args.device)
+    cfg = preset_config(args.preset, seq_len=args.seq_len, microbatch=args.microbatch, precision=args.precision)
+    device = resolve_device(args.device)
     corpus = load_corpus(None)
     shape = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
     inputs, targets = corpus.val_batches(num_sequences=1, **shape)[0]

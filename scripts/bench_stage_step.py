@@ -24,29 +24,20 @@ from typing import Any
 
 import torch
 
-from swarm.config import SwarmConfig, derive_config
+from swarm.config import SwarmConfig
 from swarm.hardware import resolve_device
 from swarm.model.sizing import stage_parameters
 from swarm.pipeline.boundary import boundary_codecs
 from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.server import StageServer
+from swarmtest.bench import preset_config
 
 MODES = {"keep": 1 << 20, "recompute": 0}  # --keep-graph-mb of each: a TiB budget keeps every graph
 
 
 def bench_config(args: argparse.Namespace) -> SwarmConfig:
     """bench_scale's config at these shapes (its outer step does not run here)."""
-    return derive_config(
-        SwarmConfig(),
-        {
-            "model.preset": args.preset,
-            "stages.num_stages": 2,
-            "train.seq_len": args.seq_len,
-            "train.microbatch_size": args.microbatch,
-            "train.inner_batch": args.microbatch,  # one microbatch per inner step
-            "train.precision": args.precision,
-        },
-    )
+    return preset_config(args.preset, seq_len=args.seq_len, microbatch=args.microbatch, precision=args.precision)
 
 
 async def microbatch(server: StageServer, cfg: SwarmConfig, mb: str) -> tuple[float, float]:

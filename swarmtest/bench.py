@@ -191,3 +191,24 @@ def bench_config(
     if codec:
         overrides["codecs.activations"] = codec
     return derive_config(base, overrides | dict(extra or {}), outer=outer)
+
+
+def preset_config(
+    preset: str,
+    *,
+    seq_len: int,
+    microbatch: int,
+    precision: str = "fp32",
+    extra: Mapping[str, ConfigValue] | None = None,
+) -> SwarmConfig:
+    """The real-shape benchmarks' config: ``preset`` in 2 middle stages, ``microbatch`` samples of ``seq_len`` tokens
+    per microbatch and one microbatch per inner step, in ``precision``; ``extra`` dotted-path overrides on top."""
+    shapes: dict[str, ConfigValue] = {
+        "model.preset": preset,
+        "stages.num_stages": 2,
+        "train.seq_len": seq_len,
+        "train.microbatch_size": microbatch,
+        "train.inner_batch": microbatch,  # one microbatch per inner step
+        "train.precision": precision,
+    }
+    return derive_config(SwarmConfig(), shapes | dict(extra or {}))
