@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections import Counter
 
@@ -129,3 +130,37 @@ def test_a_silent_replica_costs_its_adaptive_deadline_not_rpc_s_and_leaves_routi
     assert all(t < RPC_S / 10 for t in silent), silent  # the stage's p95 × slack, or the floor; not rpc_s
     assert counters["hop_timeouts"] == len(silent) and "silent" not in router.balancers[1].live_peers()
     assert waited < sum(silent) + 30.0  # without: 3 × rpc_s of waiting
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_is_decoded_onto_the_trainers_device_off_the_event_loop(monkeypatch) -> None:
+    cfg = tiny_config(stages=1, steps=10, timeouts={"rpc_s": RPC_S})
+    router = Router(1, random.Random(0))
+    router.update(1, ["honest"])
+    activations, gradients = boundary_ladders(cfg)
+    device = torch.device("cpu")
+    remote = RemoteStages(
+        cfg,
+        SilentAndHonest(),
+        router,
+        TrainerOptions(check_rate=0.0),
+        codecs=LinkCodecs({"activations": activations, "gradients": gradients}),
+        counters=Counter(),
+        traffic=Traffic(),
+        fp32_bytes=Counter(),
+        device=device,
+    )
+    decodes: list[tuple[str, object]] = []
+    decode = type(activations).decode
+
+    def spy(self, frame: bytes, **kw):  # type: ignore[no-untyped-def]
+        decodes.append((threading.current_thread().name, kw.get("device")))
+        return decode(self, frame, **kw)
+
+    monkeypatch.setattr(type(activations), "decode", spy)
+    x = Outgoing(torch.randn(BATCH, SEQ, cfg.model.d_model), None, INT8.encode(torch.randn(BATCH, SEQ, 64)), INT8)
+    mb = Microbatch("mb0", (BATCH, SEQ, cfg.model.d_model), train=True)
+    _, reply = asyncio.run(remote.forward_hop(mb, 1, 0, x))
+    remote.shutdown()
+    assert reply.value.device == device and reply.value.shape == (BATCH, SEQ, cfg.model.d_model)
+    assert decodes and all(name.startswith("replies") and on is device for name, on in decodes), decodes

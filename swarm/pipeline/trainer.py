@@ -297,8 +297,12 @@ class RemoteStages:
         counters: Counter[str],
         traffic: Traffic,
         fp32_bytes: Counter[str],
+        device: torch.device = CPU,
     ) -> None:
         self.cfg, self.calls, self.router, self.options = cfg, calls, router, options
+        # replies are decoded onto the trainer's device (only their coded bytes cross) on a thread of their own: off
+        # the event loop, whose wait for the device (the decode's finiteness check) would stall every call in flight
+        self.device, self._decoder = device, ThreadPoolExecutor(max_workers=1, thread_name_prefix="replies")
         self.codecs, self.counters, self.traffic, self.fp32_bytes = codecs, counters, traffic, fp32_bytes
         self.deadlines = Deadlines(
             DeadlineRule(
@@ -460,9 +464,7 @@ class RemoteStages:
             wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
             received = self._count(mb, kind, out, sent=False)
             # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
-            reply_codec, value, tokens = self.codecs.ladders[kind].decode(
-                out, expected_shape=mb.shape, max_abs=BOUNDARY_MAX_ABS
-            )
+            reply_codec, value, tokens = await self._decode(kind, out, mb.shape)
         except TimeoutError:
             self._missed(stage, peer, timeout)
             return None
@@ -489,6 +491,22 @@ class RemoteStages:
         self.deadlines.observe(stage, peer, elapsed)
         self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
         return value, tokens, out, reply_codec
+
+    async def _decode(
+        self, kind: str, frame: bytes, shape: tuple[int, ...]
+    ) -> tuple[Codec, torch.Tensor, torch.Tensor | None]:
+        """A reply's codec, tensor (on the trainer's device) and token ids, decoded on the decoding thread."""
+
+        def decode() -> tuple[Codec, torch.Tensor, torch.Tensor | None]:
+            return self.codecs.ladders[kind].decode(
+                frame, expected_shape=shape, max_abs=BOUNDARY_MAX_ABS, device=self.device
+            )
+
+        return await asyncio.get_running_loop().run_in_executor(self._decoder, decode)
+
+    def shutdown(self) -> None:
+        """Stop the decoding thread (the trainer's end; ``close`` ends a run's checks)."""
+        self._decoder.shutdown(wait=True, cancel_futures=True)
 
     def _deadline(self, peer: Peer, request: Forward | Backward, sent: int) -> float:
         """This call's deadline: from the server's service times, the link's transfer estimate for a reply as large as
@@ -563,6 +581,7 @@ class Trainer:
             counters=self.counters,
             traffic=self.traffic,
             fp32_bytes=self.fp32_bytes,
+            device=device,
         )
         # tokens of the training microbatches whose stage-0 gradients were taken on landing and not dropped since by
         # a download (``_drop_held_gradients``): counted on the edge thread, with the gradients
@@ -803,4 +822,5 @@ class Trainer:
         return await self._run(replace)
 
     def shutdown(self) -> None:
+        self.remote.shutdown()
         self._executor.shutdown(wait=True, cancel_futures=True)
