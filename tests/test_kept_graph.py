@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -266,3 +267,15 @@ def test_synchronize_waits_for_cuda_only(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == []  # the CPU's timing stays free
     synchronize(torch.device("cuda", 0))
     assert calls == [torch.device("cuda", 0)]
+
+
+def test_a_tensor_already_on_the_device_is_not_copied_nor_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import swarm.pipeline.timing as timing
+
+    waits: list[torch.device] = []
+    monkeypatch.setattr(timing, "synchronize", waits.append)
+    times, x = timing.RequestTimes(), torch.randn(2, 3)
+    assert timing.timed_copy(x, torch.device("cpu"), times, time.perf_counter) is x  # decoded onto the device already
+    assert waits == [] and times.copy_s == 0.0
+    timing.timed_copy(x, torch.device("meta"), times, time.perf_counter)  # a real move: timed, and waited for
+    assert waits == [torch.device("meta")] and times.copy_s > 0.0

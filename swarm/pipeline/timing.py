@@ -42,9 +42,12 @@ SPLIT_FIELDS = tuple(f.name for f in fields(RequestTimes) if f.name.endswith("_s
 def timed_copy(
     tensor: torch.Tensor, device: torch.device, times: RequestTimes, clock: Callable[[], float]
 ) -> torch.Tensor:
-    """``tensor`` on ``device``, its copy's time added to ``times.copy_s`` (synchronised where the copy is async)."""
+    """``tensor`` on ``device``, its copy's time added to ``times.copy_s`` (synchronised where the copy is async); one
+    already there (a frame decoded onto the device) is returned as it is, with no wait for the device."""
     started = clock()
     moved = tensor.to(device)
+    if moved is tensor:
+        return tensor
     synchronize(device)
     times.copy_s += clock() - started
     return moved
