@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from compress.transfer import host_copy
 from optim.config import InnerOptimConfig
 from optim.inner import fused_kwargs, make_inner_optimizer
 from swarm.config import SwarmConfig, derive_config
@@ -23,7 +24,7 @@ from swarm.model.stages import EdgeStage, MiddleStage, build_stage
 from swarm.model.step import microbatch_loss, stage_gradients, trainable
 from swarm.model.transformer import ModelConfig
 from swarm.node.config import PeerConfig
-from swarm.sim.centralized import pinned_copy, to_device, train_centralized
+from swarm.sim.centralized import to_device, train_centralized
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a cuda device object needs no GPU
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
@@ -110,7 +111,7 @@ def test_fused_optimizers_and_pinned_copies_on_cuda_only() -> None:
     assert fused_kwargs([on("cpu")]) == {} and fused_kwargs([on("cuda"), on("cpu")]) == {} and fused_kwargs([]) == {}
     opt, _ = make_inner_optimizer(middle().parameters(), InnerOptimConfig())
     assert not opt.defaults["fused"]  # on a CPU: torch's default
-    assert pinned_copy(CUDA) and not pinned_copy(CPU)
+    assert host_copy(CUDA).pinned and not host_copy(CPU).pinned  # batches go through pinned memory on CUDA only
     batch = (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
     assert all(a is b for a, b in zip(to_device(batch, CPU), batch, strict=True))
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from compress.transfer import host_copy
 from swarm.config import SwarmConfig
 from swarm.hardware import CPU, Precision, compute_precision, peak_gpu_memory
 from swarm.model.compiling import CompileMode, compile_stage
@@ -51,15 +52,10 @@ def train_microbatch(model: Transformer, batch: Batch, *, num_stages: int, inner
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """A batch on ``device``: through pinned memory without blocking on CUDA (a pageable copy waits for the GPU to
     finish all work queued before it), plainly elsewhere."""
-    if not pinned_copy(device):
+    if not host_copy(device).pinned:  # the codecs' one choice of how host bytes cross to a device
         return batch[0].to(device), batch[1].to(device)
     inputs, targets = (t.pin_memory().to(device, non_blocking=True) for t in batch)
     return inputs, targets
-
-
-def pinned_copy(device: torch.device) -> bool:
-    """Whether host batches go to ``device`` through pinned memory, copied without blocking the host."""
-    return device.type == "cuda"
 
 
 def train_centralized(
