@@ -29,7 +29,7 @@ from peer.launch import REPO_ROOT, spawn_peer, stop_processes, wait_for_address
 from swarm.config import SwarmConfig, save_config
 from swarm.dht.membership import Membership
 from swarm.dht.process import SwarmDHT
-from swarm.events import E, Event, OuterRound, Progress, StateServed
+from swarm.events import E, Event, OuterRound, Progress, StateDownload, StateServed
 from swarmtest.configs import LOOPBACK
 from swarmtest.records import records
 
@@ -112,7 +112,19 @@ class Swarm:
         return path.read_text()[-chars:] if path.exists() else ""
 
     def logs(self, chars: int = 2000) -> str:
-        return "\n".join(f"--- {name}\n{self.log(name, chars)}" for name in self.procs)
+        return "\n".join(f"--- {name}\n{self.log(name, chars)}{self.outer_story(name)}" for name in self.procs)
+
+    def outer_story(self, name: str, last: int = 12) -> str:
+        """The peer's last ``last`` rounds and state downloads, one line each (its log says little of them): what a
+        timed-out wait on a round needs to be read."""
+        lines = []
+        events = sorted([*self.records(name, OuterRound), *self.records(name, StateDownload)], key=lambda e: e.time)
+        for r in events[-last:]:
+            if isinstance(r, OuterRound):
+                lines.append(f"round {r.round}: {r.outcome} with {r.contributors} ({r.reason or ''}) → {r.global_hash}")
+            else:
+                lines.append(f"download ({r.reason}) of round {r.outer_round} from {r.from_peer} in {r.download_s}s")
+        return "".join(f"\n  {line}" for line in lines)
 
     def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
         """Poll ``check`` until it returns something true; fail with every log if it times out or a live peer dies."""

@@ -29,7 +29,7 @@ from swarm.outer.claims import (
     newcomer_claims,
     stage_claims,
 )
-from swarm.outer.download import download_state
+from swarm.outer.download import NoStateDelivered, Served, download_claim, download_claimed, download_state
 from swarm.outer.state import StageState, StateDecoder, pack_state, state_bytes_bound, unpack_state, weights_hash
 from swarm.outer.trust import StateTrust
 from swarm.rpc.auth import AccessDenied
@@ -227,6 +227,45 @@ def test_a_holder_whose_record_lags_its_state_is_refused_for_a_vouched_claim_but
     with pytest.raises(TransferError, match="still claims round 9"):
         download(["ahead"])
     assert blamed == ["behind"]
+
+
+def test_a_state_served_ahead_of_its_record_is_kept_and_adopted_once_the_records_vouch_for_it() -> None:
+    """Rounds every few seconds make a large state a round old by the time it arrives: both holders serve round 10
+    while their records claim 9. The state is kept (``NoStateDelivered.ahead``) and, once the records read again
+    vouch for round 10 with its hash, adopted with no second download; other weights claimed for round 10 are not."""
+    ahead = state(round_=10)
+    asked: list[str] = []
+
+    async def fetch(peer: str, name: str, sink: Sink) -> str:
+        asked.append(peer)
+        return await feed(pack_state(ahead), sink)
+
+    def newcomer(claim: StateClaim, kept: Served | None) -> tuple[StateClaim, str, StageState]:
+        return asyncio.run(
+            download_claimed(fetch, [claim], stage=2, template=template(), check_for=lambda c: c.check, ahead=kept)
+        )
+
+    lagging = StateClaim(round=9, weights_hash=weights_hash(state(round_=9).params), holders=("a", "b"))
+    with pytest.raises(NoStateDelivered, match="still claims round 9") as refused:
+        newcomer(lagging, None)
+    assert asked == ["a", "b"] and refused.value.ahead is not None
+    kept = refused.value.ahead
+    assert kept[1].round == 10 and weights_hash(kept[1].params) == weights_hash(ahead.params)
+
+    asked.clear()
+    caught_up = StateClaim(round=10, weights_hash=weights_hash(ahead.params), holders=("a", "b"))
+    claim, peer, got = newcomer(caught_up, kept)
+    assert (claim, peer, asked) == (caught_up, "a", []) and got is kept[1]  # no second download
+    # a catching-up replica (``download_claim``) takes it the same way
+    peer, got = asyncio.run(
+        download_claim(fetch, caught_up, me="c", stage=2, template=template(), reference=ahead.params, ahead=kept)
+    )
+    assert (peer, asked) == ("a", []) and got is kept[1]
+
+    other = StateClaim(round=10, weights_hash=H6, holders=("a", "b"))  # other weights for round 10: downloaded, refused
+    with pytest.raises(NoStateDelivered, match="its record claims"):
+        newcomer(other, kept)
+    assert asked == ["a", "b"]
 
 
 H5, H6, LIE = "5" * 16, "6" * 16, "f" * 16  # weights hashes

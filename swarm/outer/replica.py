@@ -33,7 +33,7 @@ from swarm.outer.accountability import Accountability
 from swarm.outer.allgather import allgather_round
 from swarm.outer.board import Board
 from swarm.outer.claims import StateClaim, claims_to_follow
-from swarm.outer.download import StreamFetch, download_claim
+from swarm.outer.download import NoStateDelivered, Served, StreamFetch, download_claim, later
 from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming
 from swarm.outer.matchmaking import expected_members, window_open
 from swarm.outer.pairs import pair_round
@@ -118,6 +118,7 @@ class ReplicaSync:
         self.trust = StateTrust()  # whose word vouches, which rounds are within reach, how far a state may be
         self._moved = 0.0  # how far the last round installed moved the global weights (at most)
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
+        self._ahead: Served | None = None  # a state served before its holder's record claimed it (``claimed_ahead``)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
         self.verdicts = Verdicts.of(cfg.timeouts, trainers)  # ``trainers``' records: whom they condemned
 
@@ -229,6 +230,8 @@ class ReplicaSync:
         """Download the stage's state if the records show a better claim than this replica's own (``claims_to_follow``:
         a later round, or this round with other weights held by more replicas); True if it did."""
         self._others = await self._live_others()
+        if self._ahead is not None and self._ahead[1].round <= self.round:
+            self._ahead = None  # this replica got there itself: the kept state is of no more use
         now, steps = asyncio.get_running_loop().time(), self.holder.inner_steps
         reach = self.trust.reach(now=now, inner_steps=steps, horizon=self.horizon, floor_s=self.poll_s)
         for peer in self.trust.liars(self._others, reach):  # an identity announcing a round no training reaches lies
@@ -342,10 +345,14 @@ class ReplicaSync:
                 reference=reference,
                 also=self.trust.state_check(reference, round_=self.round, horizon=self.horizon, reach=reach),
                 blame=self.accountability.strike,
+                ahead=self._ahead,
             )
         except TransferError as e:
+            if isinstance(e, NoStateDelivered):
+                self._ahead = later(self._ahead, e.ahead)
             logger.warning(f"stage {self.stage}: could not catch up ({reason}): {e}")
             return False
+        self._ahead = None
         await self.adopt(state)
         self.counters["state_downloads"] += 1
         self.on_log(download_event(self, peer, claim, reason, time.perf_counter() - started))

@@ -29,7 +29,7 @@ from swarm.model.stages import EDGE_STAGE
 from swarm.outer.accountability import OUTER_PEER_LIMITS
 from swarm.outer.board import Board
 from swarm.outer.claims import newcomer_claims, stage_claims
-from swarm.outer.download import download_for_newcomer
+from swarm.outer.download import NoStateDelivered, Served, download_for_newcomer, later
 from swarm.outer.group import P2PGroupNetwork, RoundTiming
 from swarm.outer.replica import Holder, ReplicaSync
 from swarm.outer.state import StageState, state_bytes_bound
@@ -111,6 +111,7 @@ class OuterService:
         """
         timeouts, model, num_stages = self.cfg.timeouts, self.cfg.model, self.cfg.stages.num_stages
         deadline = time.monotonic() + timeouts.record_ttl_s + timeouts.announce_period_s
+        ahead: Served | None = None  # a state served before its holder's record claimed it, until the records do
         while True:
             others = {peer: s for peer, s in (await self.replicas(stage)).items() if not self.guard.banned_for(peer)}
             if not others:
@@ -119,10 +120,17 @@ class OuterService:
             claims = newcomer_claims(stage_claims(others))
             try:
                 _, _, state = await download_for_newcomer(
-                    self._stream, claims, model=model, num_stages=num_stages, stage=stage, blame=self._blame
+                    self._stream,
+                    claims,
+                    model=model,
+                    num_stages=num_stages,
+                    stage=stage,
+                    blame=self._blame,
+                    ahead=ahead,
                 )
                 return state
-            except TransferError:
+            except TransferError as e:
+                ahead = later(ahead, e.ahead) if isinstance(e, NoStateDelivered) else ahead
                 if time.monotonic() >= deadline:
                     raise
             await asyncio.sleep(timeouts.announce_period_s)  # the records may have changed: read them again
