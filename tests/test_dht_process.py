@@ -1,8 +1,10 @@
 """The DHT process and its libp2p daemon die with their peer: a SIGKILLed ``swarmloco run`` leaves no process behind,
-and a SIGTERM stops the DHT process (and its daemon) cleanly."""
+and a SIGTERM stops the DHT process (and its daemon) cleanly. A trainer that waits long for a stage logs what its DHT
+node reaches."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -67,3 +69,19 @@ def test_sigterm_stops_the_dht_process_and_its_daemon() -> None:
         for pid in filter(alive, below):  # whatever the outcome, nothing outlives the test
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(90)
+def test_the_routing_health_probe_counts_the_peers_a_node_knows_and_those_it_skips() -> None:
+    first = SwarmDHT(host_maddrs=[LOOPBACK])
+    second = SwarmDHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], host_maddrs=[LOOPBACK])
+    try:
+        health = lambda: asyncio.run(first.routing_health())
+        wait_until("the first node to know the second", lambda: health().known == 1, 30)
+        second.shutdown()
+        first.get("anything", latest=True)  # asks the second, which misses the call
+        missed = wait_until("the first node to skip the second", lambda: (h := health()).skipped == 1 and h, 30)
+        assert str(missed) == "its DHT node knows 0 peers and skips 1 that missed a call"
+    finally:
+        first.shutdown()
+        second.shutdown()

@@ -24,7 +24,9 @@ from swarm.model.stages import EdgeStage, MiddleStage, build_stage
 from swarm.model.step import microbatch_loss, stage_gradients, trainable
 from swarm.model.transformer import ModelConfig
 from swarm.node.config import PeerConfig
+from swarm.pipeline.server import StageServer
 from swarm.sim.centralized import to_device, train_centralized
+from swarmtest.configs import rpc_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a cuda device object needs no GPU
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
@@ -169,3 +171,14 @@ def test_train_local_reads_the_device_once_per_inner_step_and_window(monkeypatch
     assert [r["step"] for r in records] == [4, 8] and "compile_s" not in records[0]
     assert reads.count <= steps + 2 * windows < microbatches, reads.count
     assert records[-1]["train_loss"] > 0
+
+
+def test_a_compiled_servers_warm_up_makes_its_first_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``StageServer.warm_up``, run by a compiled stage server before it takes requests, reaches the compiled blocks:
+    their first calls (the compile, timed into the report) happen there, not in a trainer's first request."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # compiles nothing, fast: the hooks still run
+    server = StageServer(rpc_config(), 1)
+    report = compile_stage(server.module, "on", CPU)
+    assert report.enabled and report.first_call_s is None
+    server.warm_up()
+    assert report.first_call_s is not None and report.first_call_s > 0

@@ -279,3 +279,16 @@ def test_a_tensor_already_on_the_device_is_not_copied_nor_waited_for(monkeypatch
     assert waits == [] and times.copy_s == 0.0
     timing.timed_copy(x, torch.device("meta"), times, time.perf_counter)  # a real move: timed, and waited for
     assert waits == [torch.device("meta")] and times.copy_s > 0.0
+
+
+def test_a_warm_up_runs_every_kind_of_call_and_counts_nothing() -> None:
+    """``StageServer.warm_up`` (a compiled server's, before it takes requests): its forward and backward of each kind
+    leave weights, gradients, steps, cache and graph measurements as they were."""
+    server = StageServer(no_steps(rpc_config()), 1, keep_graph_mb=BIG_MB)
+    weights = {name: p.detach().clone() for name, p in server.module.named_parameters()}
+    before = (server.inner_steps, server.inner.samples, len(server.cache), server.graph_sizer.measuring, grads(server))
+    assert server.warm_up() > 0
+    after = (server.inner_steps, server.inner.samples, len(server.cache), server.graph_sizer.measuring, grads(server))
+    assert before == after == (0, 0, 0, True, [])
+    for name, p in server.module.named_parameters():
+        assert torch.equal(p, weights[name]), name

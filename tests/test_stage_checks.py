@@ -71,16 +71,25 @@ def test_honest_replicas_h_steps_apart_agree_and_random_activations_of_the_true_
 
 
 def test_new_and_suspect_servers_are_checked_more_and_a_rate_of_zero_checks_nothing() -> None:
-    rule = CheckRule(rate=0.02, probation_hops=200, probation_rate=0.25, suspect_rate=0.5)
+    rule = CheckRule(rate=0.02, first_checks=0, probation_hops=200, probation_rate=0.25, suspect_rate=0.5)
     checker = HopChecker(rule, random.Random(0))
     probation = sum(checker.should_check("new") for _ in range(200))
     settled = sum(checker.should_check("new") for _ in range(2000))
     checker.suspect("new")
     suspect = sum(checker.should_check("new") for _ in range(200))
     assert 30 < probation < 70 and 20 < settled < 65 and 75 < suspect < 125
-    off = HopChecker(CheckRule(rate=0.0, probation_rate=0.0, suspect_rate=0.0))
+    off = HopChecker(CheckRule(rate=0.0, first_checks=0, probation_rate=0.0, suspect_rate=0.0))
     off.suspect("x")
     assert not any(off.should_check("x") for _ in range(100))
+
+
+def test_every_forward_of_a_server_is_checked_and_held_back_until_it_passed_its_first_checks() -> None:
+    checker = HopChecker(CheckRule(rate=0.0, first_checks=2, probation_hops=0, probation_rate=0.0, suspect_rate=0.0))
+    assert all(checker.should_check("new") and checker.unproven("new") for _ in range(50))  # none passed yet
+    checker.clear("new")
+    assert checker.should_check("new") and checker.unproven("new")
+    checker.clear("new")  # two passed: sampled (here at rate 0) and landing at once from now on
+    assert not any(checker.should_check("new") for _ in range(50)) and not checker.unproven("new")
 
 
 def test_the_referee_condemns_the_odd_one_out_and_bans_grow() -> None:

@@ -15,10 +15,11 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hivemind.dht import DHT
+from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 
 from swarm.dht.identity import (
@@ -63,6 +64,12 @@ class SwarmDHT(DHT):
                 f"the libp2p daemon runs peer id {self.peer_id}, not the one of {identity_path or 'its key'}"
             )
 
+    async def routing_health(self) -> RoutingHealth:
+        """How many peers this node's routing table holds, and how many it skips for now (for a log that says why a
+        record is not found)."""
+        health: RoutingHealth = await self.run_coroutine(_routing_health, return_future=True)
+        return health
+
     def run(self) -> None:
         """The DHT process: hivemind's loop, with a watchdog that ends it when the peer is gone or on SIGTERM."""
         wake, stop = threading.Event(), threading.Event()
@@ -94,6 +101,24 @@ class SwarmDHT(DHT):
         time.sleep(SHUTDOWN_GRACE_S)  # the process exits when run() returns, and this thread with it
         kill_children(os.getpid())  # still here: the shutdown hung
         os._exit(1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingHealth:
+    """What this peer's DHT node can reach: the peers in its routing table, and those it skips for now (hivemind skips
+    a peer that missed a call for 5 s, doubling at each further miss)."""
+
+    known: int
+    skipped: int
+
+    def __str__(self) -> str:
+        return f"its DHT node knows {self.known} peers and skips {self.skipped} that missed a call"
+
+
+async def _routing_health(dht: DHT, node: DHTNode) -> RoutingHealth:  # runs in the DHT process
+    return RoutingHealth(
+        known=len(node.protocol.routing_table.uid_to_peer_id), skipped=len(node.blacklist.banned_peers)
+    )
 
 
 def set_parent_death_signal(sig: signal.Signals) -> bool:

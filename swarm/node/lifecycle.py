@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from hivemind.p2p import PeerID
+
 from swarm.dht.membership import Membership
 from swarm.dht.metrics import Meter
 from swarm.dht.records import PeerMetrics, StageStatus
@@ -171,8 +173,15 @@ async def wait_for_replicas(membership: Membership, count: int, timeout_s: float
     """
     if count <= 0:  # not asked to wait: not even a look at the DHT
         return
-    deadline, listed = time.monotonic() + timeout_s, 0
-    while (listed := len(await membership.replicas(EDGE_STAGE))) < count and time.monotonic() < deadline:
+    # every replica listed at any look counts, not only those listed at once: a short run's other trainer may train
+    # and leave between two looks (a trainer then waited out the whole timeout for it)
+    deadline, seen, said = time.monotonic() + timeout_s, set[PeerID](), False
+    while len(seen := seen | set(await membership.replicas(EDGE_STAGE))) < count and time.monotonic() < deadline:
+        if not said:
+            logger.info(
+                f"waiting for {count} replicas of stage 0 (trainers and full peers) to start together: {len(seen)} seen"
+            )
+            said = True
         await asyncio.sleep(0.5)
-    if listed < count:
-        logger.warning(f"{listed} of {count} replicas of stage 0 listed after {timeout_s:.0f}s: training on")
+    if len(seen) < count:
+        logger.warning(f"{len(seen)} of {count} replicas of stage 0 seen after {timeout_s:.0f}s: training on")

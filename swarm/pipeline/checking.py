@@ -1,7 +1,7 @@
 """Checked pipeline work: sampled forward hops recomputed by another replica of the stage and compared (pure code).
 
-``HopChecker`` picks hops to check (``rate``; more for new servers and suspects: a disagreement, loss spikes on their
-paths) and judges: outputs agree within ``tolerance`` of relative L2 error (the worst sample's). Honest replicas H
+``HopChecker`` picks hops to check (``rate``; every one of a server's until it passed ``first_checks``; more for new
+servers and suspects: a disagreement, loss spikes on their paths) and judges: outputs agree within ``tolerance`` of relative L2 error (the worst sample's). Honest replicas H
 steps apart differ by up to 0.6-0.8 (tests/test_stage_checks.py), random ones of the true norm by √2. A third replica
 referees a disagreement; the odd one out is condemned. docs/architecture.md, pipeline/.
 
@@ -35,6 +35,10 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @dataclass(frozen=True, kw_only=True)
 class CheckRule:
     rate: float = 0.02  # of hops checked once a server is past probation
+    # a server's forwards are all checked (and held back) until it passed this many checks: a garbler from the start
+    # is condemned at its first forward, and none of its output lands (at 50% probation alone, 1-2 landed per run,
+    # +3.5% val in bench_adversary's stage-garbler); an honest server costs one extra forward per trainer
+    first_checks: int = 1
     probation_hops: int = 20  # a server's first forwards, checked at probation_rate
     probation_rate: float = 0.5  # these checks hold their microbatch back (``unproven``): a garbler is caught early
     suspect_rate: float = 0.5
@@ -45,7 +49,11 @@ class CheckRule:
 
     def __post_init__(self) -> None:
         rates = (self.rate, self.probation_rate, self.suspect_rate)
-        if not all(0.0 <= r <= 1.0 for r in rates) or self.probation_hops < 0 or min(self.tolerance, self.ban_s) <= 0:
+        if (
+            not all(0.0 <= r <= 1.0 for r in rates)
+            or min(self.probation_hops, self.first_checks) < 0
+            or min(self.tolerance, self.ban_s) <= 0
+        ):
             raise ValueError(f"check rates must be in [0, 1], tolerance and ban_s positive, got {self}")
 
 
@@ -57,6 +65,7 @@ class HopChecker:
     ) -> None:
         self.rule, self._rng, self._clock = rule, rng or random.Random(), clock
         self.served: Counter[Hashable] = Counter()  # forwards seen per server
+        self.passed: Counter[Hashable] = Counter()  # checks passed per server
         self.suspects: set[Hashable] = set()
         self.verdicts: Counter[Hashable] = Counter()  # times condemned
         self.condemned: dict[Hashable, float] = {}  # server → end of its ban
@@ -66,10 +75,13 @@ class HopChecker:
 
     def should_check(self, peer: Hashable) -> bool:
         """One more forward served by ``peer``: whether to check it."""
-        if self.rule.rate == self.rule.probation_rate == self.rule.suspect_rate == 0.0:
+        rule = self.rule
+        if rule.rate == rule.probation_rate == rule.suspect_rate == 0.0 and rule.first_checks == 0:
             return False  # checking off
         self.served[peer] += 1
-        if peer in self.suspects:
+        if self.passed[peer] < self.rule.first_checks:
+            rate = 1.0
+        elif peer in self.suspects:
             rate = self.rule.suspect_rate
         elif self.served[peer] <= self.rule.probation_hops:
             rate = self.rule.probation_rate
@@ -78,9 +90,13 @@ class HopChecker:
         return self._rng.random() < rate
 
     def unproven(self, peer: Hashable) -> bool:
-        """``peer`` is new (on probation) or suspect: a checked forward of it should land only once the check passed,
-        since most of a garbler's damage is done before its first verdict."""
-        return peer in self.suspects or self.served[peer] <= self.rule.probation_hops
+        """``peer`` is new (on probation, or yet to pass ``first_checks``) or suspect: a checked forward of it should
+        land only once the check passed, since most of a garbler's damage is done before its first verdict."""
+        return (
+            peer in self.suspects
+            or self.served[peer] <= self.rule.probation_hops
+            or self.passed[peer] < self.rule.first_checks
+        )
 
     def agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return relative_error(a, b) <= self.rule.tolerance
@@ -107,8 +123,9 @@ class HopChecker:
         self.suspects.update(peers)
 
     def clear(self, peer: Hashable) -> None:
-        """A check ``peer`` passed: no longer suspect."""
+        """A check ``peer`` passed: no longer suspect, and one check nearer to sampled checking (``first_checks``)."""
         self.suspects.discard(peer)
+        self.passed[peer] += 1
 
     def condemn(self, peer: Hashable) -> float:
         """``peer`` computed a wrong output: banned for ``ban_s``, doubled per earlier verdict. The ban's seconds."""

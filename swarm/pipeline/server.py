@@ -35,6 +35,7 @@ from swarm.model.step import (
     add_gradients,
     graph_gradients,
     stage_forward,
+    stage_forward_graph,
     stage_gradients,
 )
 from swarm.pipeline.boundary import boundary_ladders
@@ -366,6 +367,22 @@ class StageServer:
         self.time_split.add(kind, times)
         compute_s = times.compute_s + times.copy_s  # the compute thread's time, as the busy fraction counts it
         return Reply(frame, codec=codec.name, server_s=self.clock() - taken, compute_s=compute_s)
+
+    def warm_up(self) -> float:
+        """A forward and a backward of each kind this server runs (plain, graph kept, recomputed), on zeros at the
+        swarm's microbatch shape, with nothing counted: the seconds they took. A compiled stage traces and compiles at
+        its first calls, tens of seconds on a GPU, so it does this before it takes requests: a trainer gives a new
+        server 16× its stage's p95, and two missed deadlines in a row would ban it for the compile (deadlines.py)."""
+        train, d_model = self.cfg.train, self.cfg.model.d_model
+        x = torch.zeros(train.microbatch_size, train.seq_len, d_model, device=self.device)  # (B, T, d)
+        started = time.perf_counter()
+        self._compute_forward(x)
+        with compute_precision(self.device, train.precision):
+            leaf, y = stage_forward_graph(self.module, x)
+            graph_gradients(self.module, leaf, y, torch.zeros_like(y))
+            stage_gradients(self.module, x, torch.zeros_like(x))
+        synchronize(self.device)
+        return time.perf_counter() - started
 
     def info(self) -> dict[str, Any]:
         recent, total = self.busy.fractions()

@@ -316,7 +316,9 @@ class RemoteStages:
         rule = (
             CheckRule(rate=rate, tolerance=options.check_tolerance)
             if rate
-            else CheckRule(rate=0.0, probation_rate=0.0, suspect_rate=0.0, tolerance=options.check_tolerance)
+            else CheckRule(
+                rate=0.0, first_checks=0, probation_rate=0.0, suspect_rate=0.0, tolerance=options.check_tolerance
+            )
         )
         self.checker = HopChecker(rule)
         self._checks: set[asyncio.Task[None]] = set()  # checks under way, off the microbatches' paths

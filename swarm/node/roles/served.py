@@ -9,6 +9,7 @@ A ``StageRole`` builds one ``ServedStage`` per stage it serves, a new one after 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +27,8 @@ from swarm.pipeline.protocol import StageServicer
 from swarm.pipeline.server import StageServer
 from swarm.recovery.checkfree import RECOVERY_LR_SCALE
 from swarm.recovery.rebuild import Rebuilt, save_rebuild
+
+logger = logging.getLogger(__name__)
 
 
 def stage_servicer(ctx: NodeContext, servers: Mapping[int, StageServer], traffic: Traffic) -> StageServicer:
@@ -82,6 +85,9 @@ class ServedStage:
             ctx.on_log(
                 Recovered(**self.rebuilt.event(), installed_hash=installed, lr_scale=RECOVERY_LR_SCALE, saved=dump)
             )
+        if self.compiled.enabled:  # its first calls compile: paid here, not in a trainer's first deadlines
+            warm_s = await server.exclusive(server.warm_up)
+            logger.info(f"stage {self.stage}: compiled and warmed up in {warm_s:.1f}s before taking requests")
         await self.servicer.add_p2p_handlers(ctx.p2p, namespace=ctx.swarm_config.swarm_id)
         self.started = time.perf_counter()
         self.life.start(

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from swarm.dht.metrics import Meter
@@ -77,7 +78,13 @@ class TrainerRole:
             refresh=refresh_router,
         )
         try:
-            await wait_for_stages(router, cfg.stages.num_stages, config.wait_for_stages_s)
+            await wait_for_stages(
+                router,
+                cfg.stages.num_stages,
+                config.wait_for_stages_s,
+                refresh=refresh_router,
+                health=ctx.membership.dht.routing_health,
+            )
             await wait_for_replicas(ctx.membership, config.wait_for_replicas, config.wait_for_stages_s)
             meter.state = "training"
             last = await trainer.train(batches, steps=config.steps, val_batches=val_batches, on_log=log)
@@ -88,15 +95,39 @@ class TrainerRole:
             trainer.shutdown()
 
 
-async def wait_for_stages(router: Router, num_stages: int, timeout_s: float) -> None:
-    """Start training once every middle stage has a replica (or train on with skips after ``timeout_s``)."""
-    deadline, last_missing = time.monotonic() + timeout_s, None
-    while (
-        missing := sorted(set(range(1, num_stages + 1)) - set(router.live_stages()))
-    ) and time.monotonic() < deadline:
+async def wait_for_stages(
+    router: Router,
+    num_stages: int,
+    timeout_s: float,
+    *,
+    refresh: Callable[[], Awaitable[None]] | None = None,
+    health: Callable[[], Awaitable[object]] | None = None,
+    health_every_s: float = 20.0,
+) -> None:
+    """Start training once every middle stage has a replica (or train on with skips after ``timeout_s``).
+
+    ``refresh`` (the router from the DHT) runs at each look, not once per announce period: a trainer that saw the
+    last stage 5 s late then waited for the other trainer of ``wait_for_replicas``, which had trained its 20 steps and
+    left meanwhile. Every ``health_every_s`` of waiting, ``health()`` is logged too (``SwarmDHT.routing_health``)."""
+    started = time.monotonic()
+    deadline, last_missing, next_health = started + timeout_s, None, started + health_every_s
+    while True:
+        if refresh is not None:
+            try:
+                await refresh()
+            except Exception as e:  # a DHT read that failed: the next look reads again (as the periodic refresh does)
+                logger.warning(f"reading the stage records failed: {type(e).__name__}: {e}")
+        missing = sorted(set(range(1, num_stages + 1)) - set(router.live_stages()))
+        if not missing or time.monotonic() >= deadline:
+            break
         if missing != last_missing:
             logger.warning(f"waiting for servers of stages {missing}")
             last_missing = missing
+        if health is not None and time.monotonic() >= next_health:
+            next_health += health_every_s
+            logger.warning(
+                f"still waiting for servers of stages {missing} after {time.monotonic() - started:.0f}s: {await health()}"
+            )
         await asyncio.sleep(0.5)
     if missing:
         logger.warning(f"no server for stages {missing} after {timeout_s:.0f}s: training skips them")
