@@ -24,7 +24,7 @@ from swarm.model.stages import EdgeStage, MiddleStage, build_stage
 from swarm.model.step import microbatch_loss, stage_gradients, trainable
 from swarm.model.transformer import ModelConfig
 from swarm.node.config import PeerConfig
-from swarm.pipeline.server import StageServer
+from swarm.pipeline.server import StageServer, warm_up
 from swarm.sim.centralized import to_device, train_centralized
 from swarmtest.configs import rpc_config
 
@@ -174,11 +174,11 @@ def test_train_local_reads_the_device_once_per_inner_step_and_window(monkeypatch
 
 
 def test_a_compiled_servers_warm_up_makes_its_first_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``StageServer.warm_up``, run by a compiled stage server before it takes requests, reaches the compiled blocks:
+    """``server.warm_up``, run by a compiled stage server before it takes requests, reaches the compiled blocks:
     their first calls (the compile, timed into the report) happen there, not in a trainer's first request."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # compiles nothing, fast: the hooks still run
     server = StageServer(rpc_config(), 1)
     report = compile_stage(server.module, "on", CPU)
     assert report.enabled and report.first_call_s is None
-    server.warm_up()
+    warm_up(server)
     assert report.first_call_s is not None and report.first_call_s > 0

@@ -26,7 +26,7 @@ from swarm.hardware import Precision
 from swarm.node.config import PeerConfig
 from swarm.pipeline.graphs import GraphSizer, KeptGraph, graph_budget_bytes
 from swarm.pipeline.protocol import Backward, Forward
-from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer
+from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer, warm_up
 from swarm.pipeline.timing import SPLIT_FIELDS, synchronize
 from swarm.rpc.servicer import RequestError
 from swarmtest.configs import FP32_BOUNDARIES, RPC_BATCH, RPC_SEQ, RPC_WIDTH, rpc_config, tiny_config
@@ -282,12 +282,12 @@ def test_a_tensor_already_on_the_device_is_not_copied_nor_waited_for(monkeypatch
 
 
 def test_a_warm_up_runs_every_kind_of_call_and_counts_nothing() -> None:
-    """``StageServer.warm_up`` (a compiled server's, before it takes requests): its forward and backward of each kind
+    """``server.warm_up`` (a compiled server's, before it takes requests): its forward and backward of each kind
     leave weights, gradients, steps, cache and graph measurements as they were."""
     server = StageServer(no_steps(rpc_config()), 1, keep_graph_mb=BIG_MB)
     weights = {name: p.detach().clone() for name, p in server.module.named_parameters()}
     before = (server.inner_steps, server.inner.samples, len(server.cache), server.graph_sizer.measuring, grads(server))
-    assert server.warm_up() > 0
+    assert warm_up(server) > 0
     after = (server.inner_steps, server.inner.samples, len(server.cache), server.graph_sizer.measuring, grads(server))
     assert before == after == (0, 0, 0, True, [])
     for name, p in server.module.named_parameters():

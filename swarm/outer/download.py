@@ -1,11 +1,10 @@
 """Downloading a stage's state: from the first replica that delivers one that passes its claim's check.
 
-A state streams straight into a ``StateDecoder`` (checked as it arrives, hash-checked when whole); a
-holder that serves a state its claim does not bear out is blamed, and the next holder asked. A holder
-that served a round its record does not claim yet (``RecordBehind``) is not blamed either, and its state
-is kept (``NoStateDelivered.ahead``): once the records, read again, vouch for that state, it is adopted
-without a second download (when rounds come every few seconds, a ~0.5 GB state is a round old by the
-time it arrives, and a joiner that downloaded again and again was seen never to meet its stage's rounds).
+A state streams straight into a ``StateDecoder`` (checked as it arrives, hash-checked when whole); a holder that
+serves a state its claim does not bear out is blamed, and the next holder asked. One that served a round its
+record does not claim yet (``RecordBehind``) is not blamed, and its state is kept (``NoStateDelivered.ahead``)
+until the records, read again, vouch for it: then it is adopted without a second download (a 0.5 GB state is a
+round old on arrival when rounds come every few seconds, and a joiner downloading again and again never met one).
 
     >>> claim, peer, state = await download_for_newcomer(fetch, newcomer_claims(claims), model=cfg.model, num_stages=3, stage=2)
 """

@@ -368,22 +368,6 @@ class StageServer:
         compute_s = times.compute_s + times.copy_s  # the compute thread's time, as the busy fraction counts it
         return Reply(frame, codec=codec.name, server_s=self.clock() - taken, compute_s=compute_s)
 
-    def warm_up(self) -> float:
-        """A forward and a backward of each kind this server runs (plain, graph kept, recomputed), on zeros at the
-        swarm's microbatch shape, with nothing counted: the seconds they took. A compiled stage traces and compiles at
-        its first calls, tens of seconds on a GPU, so it does this before it takes requests: a trainer gives a new
-        server 16× its stage's p95, and two missed deadlines in a row would ban it for the compile (deadlines.py)."""
-        train, d_model = self.cfg.train, self.cfg.model.d_model
-        x = torch.zeros(train.microbatch_size, train.seq_len, d_model, device=self.device)  # (B, T, d)
-        started = time.perf_counter()
-        self._compute_forward(x)
-        with compute_precision(self.device, train.precision):
-            leaf, y = stage_forward_graph(self.module, x)
-            graph_gradients(self.module, leaf, y, torch.zeros_like(y))
-            stage_gradients(self.module, x, torch.zeros_like(x))
-        synchronize(self.device)
-        return time.perf_counter() - started
-
     def info(self) -> dict[str, Any]:
         recent, total = self.busy.fractions()
         return {
@@ -565,3 +549,20 @@ class StageServer:
         x = timed_copy(entry.x, self.device, times, self.clock)
         with compute_precision(self.device, self.cfg.train.precision):
             return stage_gradients(self.module, x, grad, weights=stashed)
+
+
+def warm_up(server: StageServer) -> float:
+    """A forward and a backward of each kind ``server`` runs (plain, graph kept, recomputed), on zeros at the swarm's
+    microbatch shape, with nothing counted: the seconds they took. A compiled stage traces and compiles at its first
+    calls, tens of seconds on a GPU, so it does this before it takes requests (on its compute thread: ``exclusive``):
+    a trainer gives a new server 16× its stage's p95, and two missed deadlines in a row would ban it (deadlines.py)."""
+    train, device, module = server.cfg.train, server.device, server.module
+    x = torch.zeros(train.microbatch_size, train.seq_len, server.cfg.model.d_model, device=device)  # (B, T, d)
+    started = time.perf_counter()
+    with compute_precision(device, train.precision):
+        stage_forward(module, x)
+        leaf, y = stage_forward_graph(module, x)
+        graph_gradients(module, leaf, y, torch.zeros_like(y))
+        stage_gradients(module, x, torch.zeros_like(x))
+    synchronize(device)
+    return time.perf_counter() - started

@@ -24,7 +24,7 @@ from swarm.node.lifecycle import ReplicaLifecycle
 from swarm.outer.state import StageState, weights_hash
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import StageServicer
-from swarm.pipeline.server import StageServer
+from swarm.pipeline.server import StageServer, warm_up
 from swarm.recovery.checkfree import RECOVERY_LR_SCALE
 from swarm.recovery.rebuild import Rebuilt, save_rebuild
 
@@ -86,7 +86,7 @@ class ServedStage:
                 Recovered(**self.rebuilt.event(), installed_hash=installed, lr_scale=RECOVERY_LR_SCALE, saved=dump)
             )
         if self.compiled.enabled:  # its first calls compile: paid here, not in a trainer's first deadlines
-            warm_s = await server.exclusive(server.warm_up)
+            warm_s = await server.exclusive(lambda: warm_up(server))
             logger.info(f"stage {self.stage}: compiled and warmed up in {warm_s:.1f}s before taking requests")
         await self.servicer.add_p2p_handlers(ctx.p2p, namespace=ctx.swarm_config.swarm_id)
         self.started = time.perf_counter()
