@@ -24,7 +24,7 @@ from swarm.outer.accountability import OUTER_PEER_LIMITS
 from swarm.outer.allgather import allgather_round
 from swarm.outer.board import MAX_COMMIT_BYTES, Board, digest, parse_commit
 from swarm.outer.group import P2PGroupNetwork, RoundKey, RoundResult, RoundTiming
-from swarm.outer.matchmaking import window_opening
+from swarm.outer.matchmaking import RoundContext, window_opening
 from swarm.outer.pairs import pair_round
 from swarm.outer.replica import ReplicaSync, StateChanged, await_progress, snapshot_weights
 from swarm.outer.state import StageState, StateDecoder, stream_state, weights_hash
@@ -44,15 +44,10 @@ async def member(
     hub: Hub, name: str, delay: float, expected: frozenset[str] | None, timing: RoundTiming, exchange: Exchange
 ) -> RoundResult:
     await asyncio.sleep(delay)
-    return await exchange(
-        MemoryNet(hub, name),
-        hub.boards[name],
-        KEY,
-        f"payload of {name}".encode(),
-        timing,
-        clock=asyncio.get_running_loop().time,
-        expected=expected,
+    ctx = RoundContext(
+        net=MemoryNet(hub, name), board=hub.boards[name], timing=timing, clock=asyncio.get_running_loop().time
     )
+    return await exchange(ctx, KEY, f"payload of {name}".encode(), expected=expected)
 
 
 def play(
@@ -194,7 +189,8 @@ def stalled_round(delays: dict[str, float], sybils: dict[str, float]) -> tuple[d
         await asyncio.sleep(delay)
         clock, net = asyncio.get_running_loop().time, MemoryNet(hub, name)
         blame = lambda peer, why: blamed.add((name, peer))  # noqa: E731
-        return await allgather_round(net, hub.boards[name], KEY, name.encode(), TIMING, clock=clock, blame=blame)
+        ctx = RoundContext(net=net, board=hub.boards[name], timing=TIMING, clock=clock, blame=blame)
+        return await allgather_round(ctx, KEY, name.encode())
 
     async def scenario() -> dict[str, RoundResult]:
         for name in delays:
@@ -276,8 +272,8 @@ def test_a_pair_round_fetches_only_the_partners_payload_and_pairs_are_mutual(cou
     assert {r.contributors for r in later[0].values()} != pairs
 
 
-async def _pair_round_at(net: MemoryNet, board: Board, key: RoundKey, *args, round_: int, **kwargs) -> RoundResult:
-    return await PAIRS(net, board, dataclasses.replace(key, round=round_), *args, **kwargs)
+async def _pair_round_at(ctx: RoundContext, key: RoundKey, *args, round_: int, **kwargs) -> RoundResult:
+    return await PAIRS(ctx, dataclasses.replace(key, round=round_), *args, **kwargs)
 
 
 def test_a_pair_round_whose_partner_dies_is_done_alone_within_the_bound() -> None:
@@ -452,16 +448,14 @@ def test_a_retry_that_meets_the_commit_of_its_earlier_try_is_late_and_blames_nob
             return await super().fetch(peer, name, timeout, max_bytes=max_bytes)
 
     async def scenario() -> tuple[RoundResult, RoundResult, RoundResult]:
-        clock, b_net = asyncio.get_running_loop().time, LosesTheFirstCommit(hub, "b")
+        clock = asyncio.get_running_loop().time
+        a_ctx = RoundContext(net=MemoryNet(hub, "a"), board=hub.boards["a"], timing=TIMING, clock=clock)
+        b_ctx = RoundContext(net=LosesTheFirstCommit(hub, "b"), board=hub.boards["b"], timing=TIMING, clock=clock)
         a_result, b_result = await asyncio.gather(
-            allgather_round(
-                MemoryNet(hub, "a"), hub.boards["a"], KEY, b"a's payload", TIMING, clock=clock, expected=both
-            ),
-            allgather_round(b_net, hub.boards["b"], KEY, b"b's payload", TIMING, clock=clock, expected=both),
+            allgather_round(a_ctx, KEY, b"a's payload", expected=both),
+            allgather_round(b_ctx, KEY, b"b's payload", expected=both),
         )
-        retry = await allgather_round(
-            b_net, hub.boards["b"], KEY, b"b's payload, made again", TIMING, clock=clock, expected=both
-        )
+        retry = await allgather_round(b_ctx, KEY, b"b's payload, made again", expected=both)
         return a_result, b_result, retry
 
     (a_result, b_result, retry), _ = in_virtual_time(scenario())

@@ -19,6 +19,7 @@ from swarm.events import OuterRound, Progress, StateDownload, of_kind
 from swarm.node.config import PeerConfig
 from swarm.outer.allgather import allgather_round
 from swarm.outer.group import RoundKey, RoundResult, RoundTiming
+from swarm.outer.matchmaking import RoundContext
 from swarm.outer.verdicts import Verdicts
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Trainer
@@ -101,15 +102,14 @@ def test_a_member_leaves_out_of_its_round_a_payload_its_leader_took_from_a_peer_
 
     async def take_part(name: str, delay: float, condemned: frozenset[str]) -> RoundResult:
         await asyncio.sleep(delay)
-        return await allgather_round(
-            MemoryNet(hub, name),
-            hub.boards[name],
-            key,
-            f"payload of {name}".encode(),
-            TIMING,
+        ctx = RoundContext(
+            net=MemoryNet(hub, name),
+            board=hub.boards[name],
+            timing=TIMING,
             clock=asyncio.get_running_loop().time,
             excluded=condemned.__contains__,
         )
+        return await allgather_round(ctx, key, f"payload of {name}".encode())
 
     async def scenario() -> list[RoundResult]:
         for name in "abc":

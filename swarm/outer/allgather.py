@@ -4,7 +4,7 @@ After matchmaking, each member fetches the others' payloads; fetches can fail di
 members, so the leader (the earliest arrival whose payload came) publishes the (owner, SHA-256) list it
 gathered, and every member applies exactly that set, fetching from the leader any payload it lacks.
 
-    >>> result = await allgather_round(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)
+    >>> result = await allgather_round(RoundContext(net=net, board=board, timing=timing, clock=time.time), key, payload)
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.outer.board import MAX_COMMIT_BYTES, Board, digest, parse_commit
+from swarm.outer.board import MAX_COMMIT_BYTES, digest, parse_commit
 from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming, gather_payloads
-from swarm.outer.matchmaking import Group, meet
+from swarm.outer.matchmaking import Group, RoundContext, meet
 from swarm.rpc.blobs import TransferError
 
 
@@ -43,34 +43,14 @@ class _Gathered:
 
 
 async def allgather_round(
-    net: GroupNetwork,
-    board: Board,
-    key: RoundKey,
-    payload: bytes,
-    timing: RoundTiming,
-    *,
-    clock: Callable[[], float],
-    expected: Collection[str] | None = None,
-    excluded: Callable[[str], bool] = lambda peer: False,
-    on_declared: Callable[[float], None] = lambda opened_at: None,
-    blame: Callable[[str, str], None] = lambda peer, why: None,
+    ctx: RoundContext, key: RoundKey, payload: bytes, *, expected: Collection[str] | None = None
 ) -> RoundResult:
-    """Take part in outer round ``key`` with ``payload``: the agreed payloads or why there are none. ``expected``,
-    ``excluded``, ``on_declared`` and ``blame`` go to the matchmaking (``meet``)."""
+    """Take part in outer round ``key`` with ``payload``: the agreed payloads or why there are none. ``expected``
+    goes to the matchmaking (``meet``)."""
+    net, board, timing = ctx.net, ctx.board, ctx.timing
     mine = digest(payload)
     earlier = board.earlier_tries(key, mine)  # recorded even if late: a leader may have taken what this peer offered
-    met = await meet(
-        net,
-        board,
-        key,
-        payload,
-        timing,
-        clock=clock,
-        expected=expected,
-        excluded=excluded,
-        on_declared=on_declared,
-        blame=blame,
-    )
+    met = await meet(ctx, key, payload, expected=expected)
     if isinstance(met, RoundResult):
         return met
     fetched = await gather_payloads(net, key, [peer for peer in met.members if peer != net.me], timing.timeout_s)
@@ -86,7 +66,7 @@ async def allgather_round(
     else:
         board.commit(key, None)
         try:
-            entries = await _follow_commit(net, key, leader, timing, mine, earlier, gathered, excluded)
+            entries = await _follow_commit(net, key, leader, timing, mine, earlier, gathered, ctx.excluded)
         except _EarlierTry:
             # The leader took this replica's payload of an earlier try, whose commit never reached it; the set is
             # honest, but this replica has undone that Δ since: it is late, and downloads the result.

@@ -5,7 +5,8 @@ second earliest plausible arrival: one early declaration closes nobody's window)
 replica it expects is in. A replica that finds the window closed is late and catches up by download, once
 the (stale: older than the clock skew) declarations that closed it are backed by their payloads (``Backing``).
 
-    >>> met = await meet(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)   # Group or late RoundResult
+    >>> ctx = RoundContext(net=net, board=board, timing=timing, clock=time.time)
+    >>> met = await meet(ctx, RoundKey(stage=1, round=7), payload)   # Group or late RoundResult
 """
 
 from __future__ import annotations
@@ -29,36 +30,43 @@ class Group:
     arrived: Mapping[str, float]
 
 
+@dataclass(frozen=True, kw_only=True)
+class RoundContext:
+    """What a replica brings to each round of its stage: its network and board, the timing and clock, and its
+    policies: whom it leaves out (``excluded``: banned, condemned), whom it strikes (``blame``), and whom it tells of
+    its declaration (``on_declared(key, opened_at)``, once it is stored)."""
+
+    net: GroupNetwork
+    board: Board
+    timing: RoundTiming
+    clock: Callable[[], float]
+    excluded: Callable[[str], bool] = lambda peer: False
+    blame: Blame = lambda peer, why: None
+    on_declared: Callable[[RoundKey, float], None] = lambda key, opened_at: None
+
+
 async def meet(
-    net: GroupNetwork,
-    board: Board,
-    key: RoundKey,
-    payload: bytes,
-    timing: RoundTiming,
-    *,
-    clock: Callable[[], float],
-    expected: Collection[str] | None = None,
-    excluded: Callable[[str], bool] = lambda peer: False,
-    on_declared: Callable[[float], None] = lambda opened_at: None,
-    blame: Blame = lambda peer, why: None,
+    ctx: RoundContext, key: RoundKey, payload: bytes, *, expected: Collection[str] | None = None
 ) -> Group | RoundResult:
     """Offer ``payload`` on the board, declare for ``key``, wait out the window: the group, or a late ``RoundResult``.
 
     Once every peer in ``expected`` has arrived, the window closes without waiting out ``window_s`` (at once for an
-    empty set); None waits it out. Peers ``excluded`` (banned) count as not declared. ``on_declared`` is told the
-    declared arrival time once the declaration is stored. ``blame`` hears of each declarer that would close the
-    window on a stale time and shows no payload (``Backing``).
+    empty set); None waits it out. Peers ``ctx.excluded`` count as not declared; ``ctx.blame`` hears of each declarer
+    that would close the window on a stale time and shows no payload (``Backing``).
     """
-    backing = Backing(net, key, timing, clock, excluded, blame)
+    net, timing, clock = ctx.net, ctx.timing, ctx.clock
+    backing = Backing(ctx, key)
     now = clock()
     declared = await backing.read(own=now)
     if now > window_opening(declared, own=now, now=now, timing=timing) + timing.window_s:
         return RoundResult(outcome="late", reason=f"the window of {key} closed before this replica arrived")
     opened = now
-    board.offer(key, net.me, payload)
+    ctx.board.offer(key, net.me, payload)
     await net.declare(key, opened, opened + timing.max_round_s)
-    on_declared(opened)  # the arrival time the others read, which orders the leader: not when the store returned
-    waited_for = None if expected is None else {peer for peer in expected if peer != net.me and not excluded(peer)}
+    ctx.on_declared(
+        key, opened
+    )  # the arrival time the others read, which orders the leader: not when the store returned
+    waited_for = None if expected is None else {p for p in expected if p != net.me and not ctx.excluded(p)}
     seen = await _arrivals(backing, opened, waited_for)
     now = clock()
     close = window_opening(seen, own=opened, now=now, timing=timing) + timing.window_s
@@ -90,10 +98,10 @@ def expected_members(
     return expected or (None if others else set())
 
 
-async def window_open(net: GroupNetwork, key: RoundKey, timing: RoundTiming, clock: Callable[[], float]) -> bool:
+async def window_open(ctx: RoundContext, key: RoundKey) -> bool:
     """Whether another replica has opened round ``key`` and its window is still open."""
-    seen, now = await net.declarations(key), clock()
-    others = {peer: t for peer, t in plausible_arrivals(seen, now, timing) if peer != net.me}
+    timing, seen, now = ctx.timing, await ctx.net.declarations(key), ctx.clock()
+    others = {peer: t for peer, t in plausible_arrivals(seen, now, timing) if peer != ctx.net.me}
     return bool(others) and now <= window_opening(others, own=now, now=now, timing=timing) + timing.window_s
 
 
@@ -121,41 +129,38 @@ class Backing:
     its declarer must show its payload for the round (every honest declarer offers one before it declares; its
     board keeps it for ``max_round_s``). One that does not, within the transfer timeout, is blamed and left out."""
 
-    net: GroupNetwork
+    ctx: RoundContext
     key: RoundKey
-    timing: RoundTiming
-    clock: Callable[[], float]
-    excluded: Callable[[str], bool]
-    blame: Blame
     backed: set[str] = field(default_factory=set)  # declarers that showed their payload
     unbacked: set[str] = field(default_factory=set)  # declarers that did not: left out of this round
 
     async def read(self, *, own: float) -> dict[str, float]:
         """The other peers' declared arrivals for the round, as this replica arriving at ``own`` may count them."""
+        ctx, timing = self.ctx, self.ctx.timing
         while True:
-            declared = await _declarations(self.net, self.key, self.excluded)
+            declared = await _declarations(ctx.net, self.key, ctx.excluded)
             seen = {p: t for p, t in declared.items() if p not in self.unbacked}
-            now = self.clock()
-            opening = window_opening(seen, own=own, now=now, timing=self.timing)
-            if own <= opening + self.timing.window_s:
+            now = ctx.clock()
+            opening = window_opening(seen, own=own, now=now, timing=timing)
+            if own <= opening + timing.window_s:
                 return seen  # the window is open for this replica: no declaration makes it late
-            stale = now - self.timing.clock_skew_s
-            closers = [p for p, t in plausible_arrivals(seen, now, self.timing) if t <= min(opening, stale)]
+            stale = now - timing.clock_skew_s
+            closers = [p for p, t in plausible_arrivals(seen, now, timing) if t <= min(opening, stale)]
             unproven = [p for p in closers if p not in self.backed]
             if not unproven:
                 return seen
-            shown = await gather_payloads(self.net, self.key, unproven, self.timing.timeout_s)
+            shown = await gather_payloads(ctx.net, self.key, unproven, timing.timeout_s)
             self.backed |= shown.keys()
             for peer in set(unproven) - shown.keys():
                 self.unbacked.add(peer)
-                self.blame(peer, f"it declared for {self.key} long opened and shows no payload for it")
+                ctx.blame(peer, f"it declared for {self.key} long opened and shows no payload for it")
             if not self.unbacked & set(unproven):
                 return seen
 
 
 async def _arrivals(backing: Backing, opened: float, expected: set[str] | None) -> dict[str, float]:
     """Who else declared for the round: read until the window has closed and settled, or until every expected peer is in."""
-    timing, clock = backing.timing, backing.clock
+    timing, clock = backing.ctx.timing, backing.ctx.clock
     while True:
         seen = await backing.read(own=opened)
         remaining = window_opening(seen, own=opened, now=clock(), timing=timing) + timing.window_s

@@ -4,49 +4,28 @@ The group (sorted peer ids) is cut into pairs, a triple when odd, by ``noloco.pa
 the round number, so members that saw the same group pair alike with no further message. One transfer
 per member, no leader, no commit; a member whose partner's payload does not come applies its round alone.
 
-    >>> result = await pair_round(net, board, RoundKey(stage=1, round=7), payload, timing, clock=time.time)
+    >>> result = await pair_round(RoundContext(net=net, board=board, timing=timing, clock=time.time), key, payload)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 from optim.noloco import partners
-from swarm.outer.board import Board
-from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming, gather_payloads
-from swarm.outer.matchmaking import meet
+from swarm.outer.group import RoundKey, RoundResult, gather_payloads
+from swarm.outer.matchmaking import RoundContext, meet
 
 
 async def pair_round(
-    net: GroupNetwork,
-    board: Board,
-    key: RoundKey,
-    payload: bytes,
-    timing: RoundTiming,
-    *,
-    clock: Callable[[], float],
-    expected: Collection[str] | None = None,
-    excluded: Callable[[str], bool] = lambda peer: False,
-    on_declared: Callable[[float], None] = lambda opened_at: None,
-    blame: Callable[[str, str], None] = lambda peer, why: None,
+    ctx: RoundContext, key: RoundKey, payload: bytes, *, expected: Collection[str] | None = None
 ) -> RoundResult:
     """Take part in NoLoCo round ``key`` with ``payload``: the payloads of this member and its partner (or why none).
 
     Members are never forced equal (gossip), so a pairing that differs between two members' views of the group (a
-    DHT race) costs nothing but an uneven pair. ``expected``, ``excluded``, ``on_declared`` and ``blame`` go to ``meet``.
+    DHT race) costs nothing but an uneven pair. ``expected`` goes to ``meet``.
     """
-    met = await meet(
-        net,
-        board,
-        key,
-        payload,
-        timing,
-        clock=clock,
-        expected=expected,
-        excluded=excluded,
-        on_declared=on_declared,
-        blame=blame,
-    )
+    net, board, timing = ctx.net, ctx.board, ctx.timing
+    met = await meet(ctx, key, payload, expected=expected)
     if isinstance(met, RoundResult):
         return met
     board.commit(key, None)  # no commit in a pair round: a request for one is answered at once

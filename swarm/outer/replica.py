@@ -35,7 +35,7 @@ from swarm.outer.board import Board
 from swarm.outer.claims import StateClaim, claims_to_follow
 from swarm.outer.download import NoStateDelivered, Served, StreamFetch, download_claim, later
 from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming
-from swarm.outer.matchmaking import expected_members, window_open
+from swarm.outer.matchmaking import RoundContext, expected_members, window_open
 from swarm.outer.pairs import pair_round
 from swarm.outer.state import StageState, stream_state, weights_hash
 from swarm.outer.trust import StateTrust, distance
@@ -123,6 +123,19 @@ class ReplicaSync:
         self.verdicts = Verdicts.of(cfg.timeouts, trainers)  # ``trainers``' records: whom they condemned
 
     @property
+    def rounds(self) -> RoundContext:
+        """What this replica brings to each round (``meet``): its network and board as they are now, its policies."""
+        return RoundContext(
+            net=self.net,
+            board=self.board,
+            timing=self.timing,
+            clock=self.clock,
+            excluded=self.excluded,
+            blame=self.accountability.strike,
+            on_declared=lambda key, at: self.on_log(OuterDeclared(stage=key.stage, round=key.round, opened_at=at)),
+        )
+
+    @property
     def round(self) -> int:
         return self.outer.round if self.outer else 0
 
@@ -173,7 +186,7 @@ class ReplicaSync:
                         continue
                 taken, h = self.holder.inner_steps - self.synced_at, self.horizon
                 key = RoundKey(self.stage, self.round)
-                if taken >= h or (taken >= (h + 1) // 2 and await window_open(self.net, key, self.timing, self.clock)):
+                if taken >= h or (taken >= (h + 1) // 2 and await window_open(self.rounds, key)):
                     # Never open a round others have passed: a stale half of the stage would go on meeting on
                     # its own, round after round, one download behind the rest.
                     if not await self.catch_up():
@@ -193,18 +206,7 @@ class ReplicaSync:
         payload = await self._on_thread(self._outer.make_payload, snapshot)
         started = time.perf_counter()
         take_part = pair_round if self._outer.pairwise else allgather_round  # NoLoCo swaps with one partner
-        result = await take_part(
-            self.net,
-            self.board,
-            key,
-            payload,
-            self.timing,
-            clock=self.clock,
-            expected=self._expected(),
-            excluded=self.excluded,
-            on_declared=lambda at: self.on_log(OuterDeclared(stage=self.stage, round=key.round, opened_at=at)),
-            blame=self.accountability.strike,
-        )
+        result = await take_part(self.rounds, key, payload, expected=self._expected())
         result = _lone_leader_is_late(result, key, self.net.me)
         fp32_bytes = result.received * self._fp32_bytes
         self.counters.update(pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=fp32_bytes)
