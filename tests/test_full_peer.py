@@ -364,7 +364,7 @@ def test_a_replica_trains_once_enough_replicas_are_listed_or_after_the_timeout(
     lonely = ListedReplicas(most=1)
     with caplog.at_level(logging.WARNING):
         asyncio.run(wait_for_replicas(lonely, 2, timeout_s=0.6))  # type: ignore[arg-type]  # a stand-in Membership
-    assert lonely.looks >= 2 and "1 of 2 replicas of stage 0 listed" in caplog.text  # it gave up, and said so
+    assert lonely.looks >= 2 and "1 of 2 replicas of stage 0 seen" in caplog.text  # it gave up, and said so
 
 
 def bench_records(name: str, role: str, **fields: object) -> list[Event]:

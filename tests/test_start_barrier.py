@@ -71,8 +71,7 @@ def test_every_replica_listed_at_any_look_counts_towards_the_start(caplog: pytes
     started = time.monotonic()
     asyncio.run(wait_for_replicas(membership, 2, timeout_s=60.0))  # type: ignore[arg-type]
     assert membership.count == 2 and time.monotonic() - started < 5.0
-    alone = Listings({"me"})
+    alone = Listings({"me"})  # the timeout and its warning: tests/test_full_peer.py
     with caplog.at_level(logging.INFO, logger="swarm.node.lifecycle"):
-        asyncio.run(wait_for_replicas(alone, 2, timeout_s=1.0))  # type: ignore[arg-type]
+        asyncio.run(wait_for_replicas(alone, 2, timeout_s=0.6))  # type: ignore[arg-type]
     assert "waiting for 2 replicas of stage 0 (trainers and full peers) to start together: 1 seen" in caplog.text
-    assert "1 of 2 replicas of stage 0 seen after 1s: training on" in caplog.text
