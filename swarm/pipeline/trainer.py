@@ -120,7 +120,8 @@ class TrainerOptions:
         default=0.02,
         metadata=cli(
             "Trainers: fraction of forward hops recomputed by another replica of the stage and compared (checked "
-            "pipeline work; new and suspect servers are checked more); 0 turns checking off.",
+            "pipeline work: every forward of a server until it passed one check, more of new and suspect servers); "
+            "0 turns checking off.",
             min=0.0,
         ),
     )
