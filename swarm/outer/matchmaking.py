@@ -63,9 +63,8 @@ async def meet(
     opened = now
     ctx.board.offer(key, net.me, payload)
     await net.declare(key, opened, opened + timing.max_round_s)
-    ctx.on_declared(
-        key, opened
-    )  # the arrival time the others read, which orders the leader: not when the store returned
+    # the arrival time the others read, which orders the leader: not when the store returned
+    ctx.on_declared(key, opened)
     waited_for = None if expected is None else {p for p in expected if p != net.me and not ctx.excluded(p)}
     seen = await _arrivals(backing, opened, waited_for)
     now = clock()

@@ -349,9 +349,8 @@ class ReplicaSync:
                 blame=self.accountability.strike,
                 ahead=self._ahead,
             )
-        except TransferError as e:
-            if isinstance(e, NoStateDelivered):
-                self._ahead = later(self._ahead, e.ahead)
+        except NoStateDelivered as e:
+            self._ahead = later(self._ahead, e.ahead)
             logger.warning(f"stage {self.stage}: could not catch up ({reason}): {e}")
             return False
         self._ahead = None

@@ -34,7 +34,7 @@ from swarm.outer.group import P2PGroupNetwork, RoundTiming
 from swarm.outer.replica import Holder, ReplicaSync
 from swarm.outer.state import StageState, state_bytes_bound
 from swarm.rpc.auth import CertificateVerifier
-from swarm.rpc.blobs import BlobClient, BlobServicer, BlobStream, Sink, TransferError
+from swarm.rpc.blobs import BlobClient, BlobServicer, BlobStream, Sink
 from swarm.rpc.defences import PeerGuard
 
 logger = logging.getLogger(__name__)
@@ -129,8 +129,8 @@ class OuterService:
                     ahead=ahead,
                 )
                 return state
-            except TransferError as e:
-                ahead = later(ahead, e.ahead) if isinstance(e, NoStateDelivered) else ahead
+            except NoStateDelivered as e:
+                ahead = later(ahead, e.ahead)
                 if time.monotonic() >= deadline:
                     raise
             await asyncio.sleep(timeouts.announce_period_s)  # the records may have changed: read them again

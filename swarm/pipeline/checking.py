@@ -1,9 +1,10 @@
 """Checked pipeline work: sampled forward hops recomputed by another replica of the stage and compared (pure code).
 
 ``HopChecker`` picks hops to check (``rate``; every one of a server's until it passed ``first_checks``; more for new
-servers and suspects: a disagreement, loss spikes on their paths) and judges: outputs agree within ``tolerance`` of relative L2 error (the worst sample's). Honest replicas H
-steps apart differ by up to 0.6-0.8 (tests/test_stage_checks.py), random ones of the true norm by √2. A third replica
-referees a disagreement; the odd one out is condemned. docs/architecture.md, pipeline/.
+servers and suspects: a disagreement, loss spikes on their paths) and judges: outputs agree within ``tolerance`` of
+relative L2 error (the worst sample's). Honest replicas H steps apart differ by up to 0.6-0.8
+(tests/test_stage_checks.py), random ones of the true norm by √2. A third replica referees a disagreement; the odd
+one out is condemned. docs/architecture.md, pipeline/.
 
     >>> if checker.should_check(peer) and not checker.agree(y, y2): wrong = checker.referee(peer, y, other, y2, z)
 """
@@ -79,14 +80,14 @@ class HopChecker:
         if rule.rate == rule.probation_rate == rule.suspect_rate == 0.0 and rule.first_checks == 0:
             return False  # checking off
         self.served[peer] += 1
-        if self.passed[peer] < self.rule.first_checks:
+        if self.passed[peer] < rule.first_checks:
             rate = 1.0
         elif peer in self.suspects:
-            rate = self.rule.suspect_rate
-        elif self.served[peer] <= self.rule.probation_hops:
-            rate = self.rule.probation_rate
+            rate = rule.suspect_rate
+        elif self.served[peer] <= rule.probation_hops:
+            rate = rule.probation_rate
         else:
-            rate = self.rule.rate
+            rate = rule.rate
         return self._rng.random() < rate
 
     def unproven(self, peer: Hashable) -> bool:
