@@ -292,3 +292,34 @@ def test_a_warm_up_runs_every_kind_of_call_and_counts_nothing() -> None:
     assert before == after == (0, 0, 0, True, [])
     for name, p in server.module.named_parameters():
         assert torch.equal(p, weights[name]), name
+
+
+def test_an_install_queued_behind_a_forward_voids_its_graph_as_one_after_it_was_filed() -> None:
+    """The compute thread runs an outer install queued behind B's forward before the event loop files B: B's entry
+    still says the weights B ran on, so its backward differentiates at them (stashed), as if the install came later,
+    not through its kept graph of weights since moved in place (autograd refused it, a failed request)."""
+    raced, later = pair(no_steps(rpc_config()))
+    torch.manual_seed(0)
+    xs = {mb: torch.randn(RPC_BATCH, RPC_SEQ, RPC_WIDTH) for mb in "AB"}
+    g = torch.randn(RPC_BATCH, RPC_SEQ, RPC_WIDTH)
+    forward_at_step = raced._forward_at_step
+
+    def install_right_after(*args: Any) -> Any:
+        result = forward_at_step(*args)
+        if args[1]:  # B's forward, which keeps its graph: the install the executor took next
+            raced.change_weights(nudge(raced), "moved")
+        return result
+
+    forward(raced, "A", xs["A"])
+    forward(later, "A", xs["A"])
+    raced._forward_at_step = install_right_after  # type: ignore[method-assign]
+    forward(raced, "B", xs["B"])
+    forward(later, "B", xs["B"])
+    later.change_weights(nudge(later), "moved")
+    assert raced.weights_epoch == later.weights_epoch == 1
+    assert torch.equal(backward(raced, "B", g), backward(later, "B", g))
+    assert_same(grads(raced), grads(later))
+    assert raced.counters["stashed_backward"] == later.counters["stashed_backward"] == 1
+    assert raced.counters["graph_kept_backward"] == 0
+    raced.shutdown()
+    later.shutdown()

@@ -321,9 +321,11 @@ class StageServer:
         codec, x, tokens = await self._decoded(self._decode_input, request.x, times)
         why_not = self._why_no_graph(peer, x) if request.train else "eval"
         keep = why_not is None
-        (y, inner_step, graph), elapsed = await self._run(self._forward_at_step, x, keep, times, busy=True, times=times)
+        (y, (weights, inner_step), graph), elapsed = await self._run(
+            self._forward_at_step, x, keep, times, busy=True, times=times
+        )
         if request.train:
-            entry = CacheEntry(x=x, tokens=tokens, forward_s=elapsed, weights=self.weights_epoch, inner_step=inner_step)
+            entry = CacheEntry(x=x, tokens=tokens, forward_s=elapsed, weights=weights, inner_step=inner_step)
             entry.graph, entry.no_graph = graph, why_not or entry.no_graph
             self.cache.put(peer, request.mb, entry, at=(self.weights_epoch, self.inner_steps))
             self.from_stage[request.prev_stage] += 1
@@ -487,14 +489,17 @@ class StageServer:
 
     def _forward_at_step(
         self, x: torch.Tensor, keep: bool, times: RequestTimes
-    ) -> tuple[torch.Tensor, int, KeptGraph | None]:
-        """The forward, the inner steps its weights had taken (read here, where steps are taken), its graph if kept."""
+    ) -> tuple[torch.Tensor, WeightsAt, KeptGraph | None]:
+        """The forward, the weights it ran on, its graph if kept. Read here, on the compute thread, where weights
+        change: read back on the event loop, an outer install queued behind this forward would already count, and
+        the backward would take the kept graph of weights since moved in place."""
         on_device = timed_copy(x, self.device, times, self.clock)
+        at = (self.weights_epoch, self.inner_steps)
         if not keep:
-            return self._compute_forward(on_device), self.inner_steps, None
+            return self._compute_forward(on_device), at, None
         with compute_precision(self.device, self.cfg.train.precision):
             graph = build_graph(self.module, x, on_device, self.graph_sizer)
-        return graph.y, self.inner_steps, graph
+        return graph.y, at, graph
 
     def _compute_forward(self, x: torch.Tensor) -> torch.Tensor:
         with compute_precision(self.device, self.cfg.train.precision):
