@@ -328,6 +328,27 @@ def test_reach_grows_with_time_at_the_fastest_pace_a_round_can_go() -> None:
     assert not trust.absurd(30, 26) and trust.absurd(10**6, 26)  # 10⁶ is no fast peer: it is struck
 
 
+def test_a_replica_doing_rounds_alone_keeps_its_vouchers_and_reaches_a_group_rounds_ahead() -> None:
+    """c fell out of its group with a and b: its rounds alone keep pace with theirs, two rounds ahead. Its reach still
+    counts from its last round with them, so their claim comes within reach, and their word still vouches for it."""
+    trust = StateTrust()
+    trust.did_round(5, ("a", "b", "c"), now=0.0, inner_steps=0, moved=0.1, steps=10)
+    for k in range(1, 6):  # c's rounds alone, every 10 s (10 inner steps); a and b stay two rounds ahead
+        trust.did_round(5 + k, ("c",), alone=True, now=10.0 * k, inner_steps=10 * k, moved=0.1, steps=10)
+        reach = trust.reach(now=10.0 * k + 1, inner_steps=10 * k, horizon=10, floor_s=0.25)
+        statuses = {p: StageStatus(outer_round=5 + k + 2, global_hash=H6) for p in "ab"}
+        follow = claims_to_follow(
+            statuses, me="c", round_=5 + k, weights_hash=H5, last_group=(), known=trust.known, reach=reach
+        )
+        assert [(c.round, c.holders, c.vouched) for c in follow] == [(7 + k, ("a", "b"), True)]
+    assert trust.known == {"a", "b", "c"}
+    alone = StateTrust()  # a replica that only ever did rounds alone: its reach counts from its first one
+    for k in range(4):
+        alone.did_round(k, ("c",), alone=True, now=10.0 * k, inner_steps=10 * k, moved=0.1, steps=10)
+    # 1 inner step/s: another replica takes H = 10 steps in 10 / 16 s at the fastest, from round 0 at 0 s
+    assert alone.known == frozenset() and alone.reach(now=30.0, inner_steps=30, horizon=10, floor_s=0.25) == 1 + 48
+
+
 def test_a_state_far_from_the_own_weights_for_its_round_is_refused_even_when_vouched() -> None:
     own = state(round_=5).params
     trust = StateTrust()

@@ -215,8 +215,9 @@ class ReplicaSync:
         if result.outcome == "done":
             screening = await self._apply(result, snapshot, key.round)
             now, taken = asyncio.get_running_loop().time(), steps - self.synced_at
+            alone = set(result.contributors) <= {self.net.me}
             self.trust.did_round(
-                self.round, result.contributors, now=now, inner_steps=steps, moved=self._moved, steps=taken
+                self.round, result.contributors, alone=alone, now=now, inner_steps=steps, moved=self._moved, steps=taken
             )
             self.synced_at, self._last_group = steps, result.contributors
             self.round_s.append(time.perf_counter() - started)

@@ -1,9 +1,14 @@
 """What one replica trusts of a state it did not make: whose word vouches, which rounds are within reach, how far weights.
 
-A replica remembers the contributors of its last few rounds (only they vouch for a claim: an identity costs nothing),
-the round and time of its last round or adoption (a claim further ahead than time allows, at the fastest a round can
-go, is beyond reach), and how far its global weights moved per inner step in its own rounds (a state further from
-its own than that allows for the rounds between is refused, and its source struck).
+A replica remembers the contributors of its last few rounds with others (only they vouch for a claim: an identity
+costs nothing), the round and time it last knew the stage's state, by a round with others or an adoption (a claim
+further ahead than time allows since, at the fastest a round can go, is beyond reach), and how far its global weights
+moved per inner step in its own rounds (a state further from its own than that allows for the rounds between is
+refused, and its source struck).
+
+A round done alone tells nothing of the others: it leaves both the vouchers and the reach's mark as they were. Else a
+replica that fell out of its group (a round failed, a download too) would count its reach from its own lone rounds,
+which keep pace with the group's: a group two rounds ahead stays out of reach, and it never rejoins.
 
     >>> trust.did_round(8, ("a", "b"), now=t, inner_steps=40, moved=0.3, steps=20); trust.state_check(g, round_=8, ...)
 """
@@ -40,48 +45,64 @@ class StateTrust:
 
     def __init__(self) -> None:
         self._first: _Mark | None = None  # the first round done or state adopted: the inner-step rate is measured since
-        self._last: _Mark | None = None  # the last one: reach is counted from it
+        self._known_at: _Mark | None = None  # the last round with others or adoption (else the first): reach counts from it
         self._recent: deque[frozenset[str]] = deque(maxlen=RECENT_ROUNDS)
         self._moves: deque[float] = deque(maxlen=MOVES_KEPT)  # global weights' move per inner step, own rounds
 
     @property
     def has_history(self) -> bool:
         """Whether this replica has done a round or adopted a state (a newcomer has not: newcomer rules apply)."""
-        return self._last is not None
+        return self._first is not None
 
     @property
     def known(self) -> frozenset[str]:
-        """The peers that contributed to this replica's last ``RECENT_ROUNDS`` rounds: the only ones whose word vouches."""
+        """The peers that contributed to this replica's last ``RECENT_ROUNDS`` rounds with others: the only ones whose
+        word vouches."""
         return frozenset().union(*self._recent)
 
     def did_round(
-        self, round_: int, contributors: Collection[str], *, now: float, inner_steps: int, moved: float, steps: int
+        self,
+        round_: int,
+        contributors: Collection[str],
+        *,
+        alone: bool = False,
+        now: float,
+        inner_steps: int,
+        moved: float,
+        steps: int,
     ) -> None:
-        """A round done, this replica now at ``round_``; its global weights moved by at most ``moved`` over ``steps``."""
-        self._recent.append(frozenset(contributors))
+        """A round done (``alone``: with no other replica), this replica now at ``round_``; its global weights moved by
+        at most ``moved`` over ``steps``."""
         if steps > 0 and moved > 0:
             self._moves.append(moved / steps)
-        self._mark(round_, now, inner_steps)
+        mark = _Mark(round_, now, inner_steps)
+        self._first = self._first or mark
+        if not alone:
+            self._recent.append(frozenset(contributors))
+            self._known_at = mark
+        self._known_at = self._known_at or mark
 
     def adopted(self, round_: int, *, now: float, inner_steps: int) -> None:
-        self._mark(round_, now, inner_steps)
+        mark = _Mark(round_, now, inner_steps)
+        self._first, self._known_at = self._first or mark, mark
 
     def reach(self, *, now: float, inner_steps: int, horizon: int, floor_s: float) -> int | None:
         """The latest round a claim may hold (None: no history, no bound): one more than the last round this replica
-        did or adopted, plus as many rounds as fit since, each at least ``floor_s`` (a replica's loop takes no two rounds
-        closer) and at least ``horizon`` inner steps at ``SPEED_FACTOR`` × this replica's measured rate."""
-        if self._first is None or self._last is None:
+        did with others or adopted (or its first round, if it only did rounds alone), plus as many rounds as fit since,
+        each at least ``floor_s`` (a replica's loop takes no two rounds closer) and at least ``horizon`` inner steps at
+        ``SPEED_FACTOR`` × this replica's measured rate."""
+        if self._first is None or self._known_at is None:
             return None
         lifetime = now - self._first.at
         rate = (inner_steps - self._first.inner_steps) / lifetime if lifetime >= 1.0 else 0.0
         round_s = max(floor_s, horizon / (SPEED_FACTOR * rate) if rate > 0 else 0.0)
-        return self._last.round + 1 + int(max(0.0, now - self._last.at) / round_s)
+        return self._known_at.round + 1 + int(max(0.0, now - self._known_at.at) / round_s)
 
     def absurd(self, round_: int, reach: int | None) -> bool:
-        """A claimed round ``ABSURD_FACTOR`` times further past the last mark than the reach: struck, not only ignored."""
-        if reach is None or self._last is None:
+        """A claimed round ``ABSURD_FACTOR`` times further past the reach's mark than the reach: struck, not ignored."""
+        if reach is None or self._known_at is None:
             return False
-        return round_ - self._last.round > ABSURD_FACTOR * max(1, reach - self._last.round)
+        return round_ - self._known_at.round > ABSURD_FACTOR * max(1, reach - self._known_at.round)
 
     def weights_check(
         self, reference: Mapping[str, torch.Tensor], round_: int, horizon: int
@@ -121,10 +142,6 @@ class StateTrust:
     def liars(self, others: Mapping[str, StageStatus], reach: int | None) -> list[str]:
         """The peers whose records claim a round absurdly beyond ``reach`` (``absurd``): struck, not only ignored."""
         return [peer for peer, status in others.items() if self.absurd(status.outer_round, reach)]
-
-    def _mark(self, round_: int, now: float, inner_steps: int) -> None:
-        self._last = _Mark(round_, now, inner_steps)
-        self._first = self._first or self._last
 
 
 def distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
