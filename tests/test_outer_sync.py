@@ -569,6 +569,56 @@ def test_a_round_waits_for_every_replica_at_its_round_or_one_behind_not_only_its
     a.close()
 
 
+def test_after_a_round_alone_with_others_listed_the_next_due_round_waits_until_one_reaches_it() -> None:
+    swarm = ReplicaGroup(sync_config(), ["a", "b"])
+    a, b = swarm.syncs["a"], swarm.syncs["b"]
+
+    async def scenario() -> None:
+        for _ in range(a.horizon):
+            a.holder.train()
+        a._others = await a._live_others()  # b listed at round 0, and never comes: a's round 0 is done alone
+        assert (await a.step(refresh=False)).contributors == ("a",) and a.round == 1
+        assert a._waits_for_others()  # b is a round behind: a holds its due round 1 back for it
+        b.outer.round = 1
+        a._others = await a._live_others()
+        assert not a._waits_for_others() and a._alone_until is None  # b reached round 1: the wait is over
+        swarm.hub.dead.add("b")
+        a._others = await a._live_others()
+        await a.step(refresh=False)
+        assert a._alone_until is None  # alone with nobody listed: nobody to wait for
+
+    asyncio.run(scenario())
+    a.close()
+    b.close()
+
+
+def test_members_that_entered_a_round_from_other_weights_converge_after_it_by_download() -> None:
+    """a and b meet at round 0 from different global weights (their records said so): the same set applied to
+    different starting points ends apart. That is a split to converge on (b follows a: as many holders, the smaller
+    id), not b's own doing, as it would be had they entered from the same weights."""
+    swarm = ReplicaGroup(sync_config(), ["a", "b"])
+    a, b = swarm.syncs["a"], swarm.syncs["b"]
+
+    async def scenario() -> None:
+        with torch.no_grad():  # b holds other global weights for round 0 (a state of its own, say)
+            for t in b.outer.global_params.values():
+                t.add_(0.01)
+        b.global_hash = weights_hash(b.outer.global_params)
+        for sync in (a, b):
+            for _ in range(sync.horizon):
+                sync.holder.train()
+        a._others, b._others = await a._live_others(), await b._live_others()
+        results = await asyncio.gather(a.step(refresh=False), b.step(refresh=False))
+        assert all(r.contributors == ("a", "b") for r in results) and a.round == b.round == 1
+        assert a.global_hash != b.global_hash
+        assert not await a.catch_up() and await b.catch_up()
+        assert b.global_hash == a.global_hash and b.round == 1
+
+    asyncio.run(scenario())
+    a.close()
+    b.close()
+
+
 def test_a_replica_due_for_a_round_others_have_passed_downloads_instead_of_opening_it() -> None:
     # A stale replica that opened its own round would meet the other stale ones there, and that half of the stage
     # would go on meeting apart, one download behind. Records are read every 30 s here: only the due-round check

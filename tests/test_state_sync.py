@@ -317,6 +317,21 @@ def test_only_peers_of_the_recent_rounds_vouch_and_a_claim_beyond_reach_is_not_f
     assert follow(known={"a", "b"}, reach=7) == [(6, ("a", "b"), True)]
 
 
+def test_a_replica_late_to_a_round_its_leader_closed_alone_follows_that_leaders_later_round() -> None:
+    """c and a hold round 6's weights together (vouched); x, the leader of round 6, closed it alone before they came:
+    only x's state takes them past it, so x's later round is followed on its own word, and no other lone claim is."""
+    statuses = {
+        "a": StageStatus(outer_round=6, global_hash=H6),
+        "x": StageStatus(outer_round=7, global_hash=LIE),
+        "y": StageStatus(outer_round=8, global_hash=H5),
+    }
+    follow = lambda **kw: [  # noqa: E731
+        (c.round, c.holders) for c in claims_to_follow(statuses, me="c", round_=6, weights_hash=H6, last_group=(), **kw)
+    ]
+    assert follow() == []  # a vouched claim in the stage (c's own): lone ones are not followed
+    assert follow(leader="x") == [(7, ("x",))]
+
+
 def test_reach_grows_with_time_at_the_fastest_pace_a_round_can_go() -> None:
     trust = StateTrust()
     assert trust.reach(now=0.0, inner_steps=0, horizon=20, floor_s=0.25) is None  # no history: newcomer rules

@@ -116,12 +116,16 @@ def newcomer_acceptance(seeded: Reference) -> Callable[[StateClaim], StateCheck]
     return lambda claim: claim.acceptance(seeded, max_norm_ratio=NEWCOMER_MAX_NORM_RATIO)
 
 
-def catch_up_claims(claims: Sequence[StateClaim], *, round_: int, weights_hash: str, me: str) -> list[StateClaim]:
+def catch_up_claims(
+    claims: Sequence[StateClaim], *, round_: int, weights_hash: str, me: str, leader: str | None = None
+) -> list[StateClaim]:
     """The claims a replica at ``round_`` holding ``weights_hash`` should download, best first; empty: keep its own.
 
     It follows a claim to a later round, or one at its own round with other weights (a group split
     by a DHT race) that has more holders than its own, or as many and the smallest peer id. With a
-    vouched claim anywhere in the stage (its own included), it follows only vouched claims.
+    vouched claim anywhere in the stage (its own included), it follows only vouched claims, and a
+    later round of ``leader``'s: the leader of its round, which closed that round alone before this
+    replica arrived (``_lone_leader_is_late``), so only its state takes it past the round.
     """
     own = StateClaim(round=round_, weights_hash=weights_hash, holders=(me,))
     own = next((c for c in claims if c.round == round_ and c.weights_hash == weights_hash and me in c.holders), own)
@@ -135,7 +139,7 @@ def catch_up_claims(claims: Sequence[StateClaim], *, round_: int, weights_hash: 
 
     ahead = [c for c in claims if better(c)]
     if any(c.vouched for c in claims):
-        ahead = [c for c in ahead if c.vouched]
+        ahead = [c for c in ahead if c.vouched or (c.round > round_ and leader in c.holders)]
     return sorted(ahead, key=lambda c: (-c.round, -len(c.holders), c.holders))
 
 
@@ -149,10 +153,13 @@ def claims_to_follow(
     replicas_agree: bool = True,
     known: Collection[str] | None = None,
     reach: int | None = None,
+    leader: str | None = None,
 ) -> list[StateClaim]:
     """The claims a replica at ``round_`` holding ``weights_hash`` catches up to, best first (``catch_up_claims``),
     from the records of its stage's other replicas (``others``). Only ``known`` peers vouch (None: all), and a claim
     past round ``reach`` (None: no bound) is not followed: nothing honest gets there from where this replica was.
+    ``leader``: the lone leader of the round this replica arrived late at, whose later round it follows on its own
+    word (``catch_up_claims``).
 
     A member of its last round (``last_group``) applied the same commit: other weights for that round are its own
     doing (its screening differed, or it lies), not a split group to converge with, so that record is left out.
@@ -164,7 +171,7 @@ def claims_to_follow(
     }
     within = {p: s for p, s in others.items() if p not in disowned and (reach is None or s.outer_round <= reach)}
     claims = stage_claims(within, me=(me, round_, weights_hash), known=known)
-    follow = catch_up_claims(claims, round_=round_, weights_hash=weights_hash, me=me)
+    follow = catch_up_claims(claims, round_=round_, weights_hash=weights_hash, me=me, leader=leader)
     return follow if replicas_agree else [claim for claim in follow if claim.round > round_]
 
 

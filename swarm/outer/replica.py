@@ -115,6 +115,9 @@ class ReplicaSync:
         self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())  # a dense fp32 Δ: what a payload saves
         self._changes = 0  # changes of the outer state (global weights, optimizer, round): a served stream's version
         self._last_group: tuple[str, ...] = ()  # contributors of the last round done
+        self._same_entry: tuple[str, ...] = ()  # those of them that entered it from this replica's global weights
+        self._lone_leader: str | None = None  # the leader of the last round, if it closed it alone before this one came
+        self._alone_until: float | None = None  # after a round alone with others listed: how long it waits for them
         self.trust = StateTrust()  # whose word vouches, which rounds are within reach, how far a state may be
         self._moved = 0.0  # how far the last round installed moved the global weights (at most)
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
@@ -186,7 +189,8 @@ class ReplicaSync:
                         continue
                 taken, h = self.holder.inner_steps - self.synced_at, self.horizon
                 key = RoundKey(self.stage, self.round)
-                if taken >= h or (taken >= (h + 1) // 2 and await window_open(self.rounds, key)):
+                due = taken >= h and not self._waits_for_others()
+                if due or (taken >= (h + 1) // 2 and await window_open(self.rounds, key)):
                     # Never open a round others have passed: a stale half of the stage would go on meeting on
                     # its own, round after round, one download behind the rest.
                     if not await self.catch_up():
@@ -202,12 +206,16 @@ class ReplicaSync:
         key, steps = RoundKey(self.stage, self.round), self.holder.inner_steps
         if refresh:
             self._others = await self._live_others()
+        entered = {
+            p for p, s in self._others.items() if (s.outer_round, s.global_hash) == (key.round, self.global_hash)
+        }
         snapshot = await snapshot_weights(self.holder)
         payload = await self._on_thread(self._outer.make_payload, snapshot)
         started = time.perf_counter()
         take_part = pair_round if self._outer.pairwise else allgather_round  # NoLoCo swaps with one partner
         result = await take_part(self.rounds, key, payload, expected=self._expected())
         result = _lone_leader_is_late(result, key, self.net.me)
+        self._lone_leader = result.leader if result.contributors == (result.leader,) != (self.net.me,) else None
         fp32_bytes = result.received * self._fp32_bytes
         self.counters.update(pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=fp32_bytes)
         self.counters[f"outer_{result.outcome}"] += 1
@@ -220,7 +228,10 @@ class ReplicaSync:
                 self.round, result.contributors, alone=alone, now=now, inner_steps=steps, moved=self._moved, steps=taken
             )
             self.synced_at, self._last_group = steps, result.contributors
+            self._same_entry = tuple(p for p in result.contributors if p in entered or p == self.net.me)
             self.round_s.append(time.perf_counter() - started)
+            bound = self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
+            self._alone_until = time.monotonic() + bound if alone and self._others else None
         else:
             self.accountability.commit_withheld(result, me=self.net.me)
             await self._on_thread(self._outer.discard_payload)  # the next payload carries this round's Δ again
@@ -246,10 +257,15 @@ class ReplicaSync:
             me=self.net.me,
             round_=self.round,
             weights_hash=self.global_hash,
-            last_group=() if self.verdicts.accused(now=self.clock()) else self._last_group,  # they left me out
+            # members of its last round that entered it from other global weights (their records said so) end it on
+            # other weights too: a split to converge with, not their own doing
+            last_group=() if self.verdicts.accused(now=self.clock()) else self._same_entry,  # accused: they left me out
             replicas_agree=self.outer is None or self.outer.replicas_agree,
             known=self.trust.known if self.trust.has_history else None,
             reach=reach,
+            # the lone leader of the round this replica came late to: its state, on its own word if it is one of
+            # the peers whose word vouches (a Sybil that closes every round alone never becomes one)
+            leader=self._lone_leader if not self.trust.has_history or self._lone_leader in self.trust.known else None,
         )
         for claim in follow:
             if await self._download(claim, "behind" if claim.round > self.round else "diverged", reach):
@@ -328,6 +344,21 @@ class ReplicaSync:
         others = await self.replicas()
         self.counters["outer_condemned"] += await self.verdicts.refresh(others, me=self.net.me, now=self.clock())
         return {peer: status for peer, status in others.items() if not self.excluded(peer)}
+
+    def _waits_for_others(self) -> bool:
+        """Whether to hold back a round that is due, after a round done alone while other replicas were listed: until
+        one of them reaches this replica's round (its record, or its declaration: ``window_open``), or a bound passes.
+
+        The others were a round behind (finishing their last round, or late to this replica's): opening the next round
+        at once would take this replica through it alone again, just before they arrive, round after round: two
+        halves of the stage a round apart, each following no claim of the other (one behind; one lone). Waiting, it
+        meets them at its round, or follows their claim there (more holders, other weights: ``catch_up``)."""
+        if self._alone_until is None:
+            return False
+        caught_up = any(status.outer_round >= self.round for status in self._others.values())
+        if caught_up or not self._others or time.monotonic() >= self._alone_until:
+            self._alone_until = None
+        return self._alone_until is not None
 
     def _expected(self) -> set[str] | None:
         """Whom the window waits for (``expected_members``), from the records last read and the last round's members."""

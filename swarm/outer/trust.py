@@ -45,7 +45,7 @@ class StateTrust:
 
     def __init__(self) -> None:
         self._first: _Mark | None = None  # the first round done or state adopted: the inner-step rate is measured since
-        self._known_at: _Mark | None = None  # the last round with others or adoption (else the first): reach counts from it
+        self._known_at: _Mark | None = None  # the last round with others, or adoption (else the first): reach's mark
         self._recent: deque[frozenset[str]] = deque(maxlen=RECENT_ROUNDS)
         self._moves: deque[float] = deque(maxlen=MOVES_KEPT)  # global weights' move per inner step, own rounds
 
