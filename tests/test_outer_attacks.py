@@ -223,7 +223,7 @@ def test_a_peer_declaring_every_round_long_opened_stalls_no_round() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_two_identities_declaring_every_round_long_opened_with_no_payload_stall_no_round_and_are_banned() -> None:
+def test_two_identities_declaring_every_round_long_opened_with_no_payload_stall_no_round_and_get_banned() -> None:
     cfg = outer_config(timeouts=LOOPBACK_ROUND_TIMEOUTS)
     ago_s = RoundTiming.of(cfg.timeouts).max_round_s / 2  # a time a live round can have, far past any clock skew
 
@@ -253,7 +253,14 @@ def test_two_identities_declaring_every_round_long_opened_with_no_payload_stall_
                     lambda: (a.events[-5:], b.events[-5:]),
                 )
                 banned = lambda r: {e.peer for e in of_kind(r.events, OuterStrike) if e.banned}  # noqa: E731
-                await wait_for("both stallers banned by a and b", lambda: all(banned(r) >= ids for r in (a, b)), 60)
+                # A staller is struck when its declaration would close a window: two of them would. Once a replica
+                # banned one, the other's declaration alone closes nobody's window (``window_opening``): it stalls
+                # nothing and shows no more, so it may stay at one strike with that replica.
+                await wait_for(
+                    "a and b each to ban a staller, leaving at most one that alone stalls nothing",
+                    lambda: all(banned(r) and len(ids - banned(r)) <= 1 for r in (a, b)),
+                    60,
+                )
                 for replica in (a, b):
                     reasons = {e.reason for e in of_kind(replica.events, OuterStrike)}
                     assert reasons and all("shows no payload" in why for why in reasons), reasons
