@@ -159,6 +159,12 @@ class ReplicaSync:
         return self.cfg.outer.horizon(self.holder.start_step + self.synced_at)
 
     @property
+    def progress_wait_s(self) -> float:
+        """How long this replica waits for others to get past a round (``await_progress``) or reach its round
+        (``_waits_for_others``): a round's longest, and two announce periods for their records to show it."""
+        return self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
+
+    @property
     def due(self) -> bool:
         """This replica has taken the H inner steps of its next round (and has an outer step to take)."""
         return self.outer is not None and self.holder.inner_steps - self.synced_at >= self.horizon
@@ -215,7 +221,7 @@ class ReplicaSync:
         take_part = pair_round if self._outer.pairwise else allgather_round  # NoLoCo swaps with one partner
         result = await take_part(self.rounds, key, payload, expected=self._expected())
         result = _lone_leader_is_late(result, key, self.net.me)
-        self._lone_leader = result.leader if result.contributors == (result.leader,) != (self.net.me,) else None
+        self._lone_leader = _lone_leader(result, self.net.me)
         fp32_bytes = result.received * self._fp32_bytes
         self.counters.update(pseudo_grad_bytes=result.received_bytes, pseudo_grad_fp32_bytes=fp32_bytes)
         self.counters[f"outer_{result.outcome}"] += 1
@@ -223,15 +229,14 @@ class ReplicaSync:
         if result.outcome == "done":
             screening = await self._apply(result, snapshot, key.round)
             now, taken = asyncio.get_running_loop().time(), steps - self.synced_at
-            alone = set(result.contributors) <= {self.net.me}
+            alone = result.contributors == (self.net.me,)
             self.trust.did_round(
                 self.round, result.contributors, alone=alone, now=now, inner_steps=steps, moved=self._moved, steps=taken
             )
             self.synced_at, self._last_group = steps, result.contributors
             self._same_entry = tuple(p for p in result.contributors if p in entered or p == self.net.me)
             self.round_s.append(time.perf_counter() - started)
-            bound = self.timing.max_round_s + 2 * self.cfg.timeouts.announce_period_s
-            self._alone_until = time.monotonic() + bound if alone and self._others else None
+            self._alone_until = time.monotonic() + self.progress_wait_s if alone and self._others else None
         else:
             self.accountability.commit_withheld(result, me=self.net.me)
             await self._on_thread(self._outer.discard_payload)  # the next payload carries this round's Δ again
@@ -431,7 +436,7 @@ async def await_progress(sync: ReplicaSync, round_: int, *, leader: str | None =
     """After a late or failed round of ``sync``'s replica: wait (bounded) for a replica that got past it, and download
     its state; give up once no replica is listed at that round or later and the round's ``leader`` is not listed either
     (its record lags by up to an announce period): the partner left, and nobody gets past the round without this one."""
-    deadline = time.monotonic() + sync.timing.max_round_s + 2 * sync.cfg.timeouts.announce_period_s
+    deadline = time.monotonic() + sync.progress_wait_s
     # Look often, not once per announce period: a replica left out of a set sleeping a whole period (5 s) before
     # its first look took as long as the leader's next window, arrived just after it closed, was late again, and
     # so on — 22 rounds in a row of a 2-replica stage in one 8M-token run (docs/benchmarks.md, "At 8M tokens").
@@ -471,11 +476,16 @@ def _move_by(
         p.add_(target[name] - snapshot[name])
 
 
+def _lone_leader(result: RoundResult, me: str) -> str | None:
+    """The other replica whose payload alone made up the round's set, if so: it led the round alone."""
+    return result.contributors[0] if len(result.contributors) == 1 and result.contributors != (me,) else None
+
+
 def _lone_leader_is_late(result: RoundResult, key: RoundKey, me: str) -> RoundResult:
     """A round done whose set is another replica's alone, as late: that leader kept its own weights (``apply_alone``),
     which applying its Δ here would not reproduce (rounding, or SparseLoCo's top-k of a dense move), and the two would
     stay apart for good, each in the other's last group. Its state does reproduce them: catch up by download."""
-    if result.outcome == "done" and result.contributors != (me,) and len(result.contributors) == 1:
+    if result.outcome == "done" and _lone_leader(result, me) is not None:
         return dataclasses.replace(
             result, outcome="late", reason=f"the leader of {key} was alone in its set; its state is downloaded"
         )

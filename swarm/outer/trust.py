@@ -79,8 +79,8 @@ class StateTrust:
         self._first = self._first or mark
         if not alone:
             self._recent.append(frozenset(contributors))
+        if not alone or self._known_at is None:
             self._known_at = mark
-        self._known_at = self._known_at or mark
 
     def adopted(self, round_: int, *, now: float, inner_steps: int) -> None:
         mark = _Mark(round_, now, inner_steps)
