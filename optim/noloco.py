@@ -76,6 +76,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
             used=screening.used,
             dropped={mine[i]: why for i, why in screening.dropped.items()},
             clipped={mine[i]: factor for i, factor in screening.clipped.items()},
+            guarded={mine[i]: factor for i, factor in screening.guarded.items()},
         )
 
     def my_group(self, payloads: list[bytes]) -> list[int]:
@@ -117,3 +118,9 @@ class NoLoCo(OuterOptimizer[PairPart]):
 
     def _scale(self, part: PairPart, factor: float) -> PairPart:
         return PairPart(part.name, part.delta * factor, part.weights)
+
+    def _dense(self, part: PairPart) -> torch.Tensor:
+        return part.delta.float()
+
+    def _with_delta(self, part: PairPart, delta: torch.Tensor) -> PairPart:
+        return PairPart(part.name, delta.to(part.delta), part.weights)

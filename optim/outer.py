@@ -41,6 +41,12 @@ OWN_NORM_HISTORY = 8  # rounds of this replica's own ‖Δ‖ it screens the oth
 # (the two may decide differently, which splits the pair): honest replicas that trained at very different
 # speeds or through warm-up differ by 25× and more (seen in tests/test_swarm_outer.py); a ×1000 Δ does not pass.
 OWN_NORM_RATIO = 100.0
+# K ≥ 3 (centred clipping, ``_clip_to_centre``): a member's Δ may lie at most this many times the members' median
+# distance from their coordinate-wise median; further, it is pulled in to that radius. Honest replicas' Δ of one round
+# lie within ×2 of each other's distances (tests/test_outer_robust.py), so clean rounds are never clipped.
+CENTRE_RADIUS = 2.0
+# A pair (``_guard_pair``): a member whose own Δ the other's opposes this much (cosine) keeps its own Δ whole.
+OPPOSED_COSINE = -0.5
 
 # A payload is one wire frame (CodecId.OUTER_PAYLOAD) whose body is a header, then per parameter: entry header,
 # name (utf-8), codec frame. The wire layer zstd-compresses that body as one stream: the names and the parameters'
@@ -59,11 +65,14 @@ class Screening:
     used: int
     dropped: dict[int, str] = dataclasses.field(default_factory=dict)
     clipped: dict[int, float] = dataclasses.field(default_factory=dict)
+    # a pair whose Δs pointed against each other: each one's part along the other was removed, by that part's size
+    # (no offence: a pair cannot tell which of two is wrong)
+    guarded: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Screened(Generic[Part]):
-    kept: list[dict[str, Part]]  # in the canonical order, clipped where need be
+    kept: list[tuple[int, dict[str, Part]]]  # (payload index, Δ) in the canonical order, clipped where need be
     dropped: dict[int, str]
     clipped: dict[int, float]
 
@@ -72,6 +81,13 @@ def max_payload_bytes(params: NamedTensors) -> int:
     """The most bytes one member's payload for ``params`` may take, encoded or decoded: 8 per parameter (NoLoCo sends
     Δ and the weights in fp32, the densest payload) and room for the names and headers."""
     return 8 * sum(p.numel() for p in params.values()) + (1 << 20)
+
+
+def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
+    """(K, *shape) → (*shape): per coordinate, the middle value (the mean of the two middle ones for even K)."""
+    ordered = stacked.sort(dim=0).values
+    k = len(ordered)
+    return ordered[k // 2] if k % 2 else (ordered[k // 2 - 1] + ordered[k // 2]) / 2
 
 
 def _pack(round_: int, frames: Mapping[str, bytes]) -> bytes:
@@ -158,6 +174,14 @@ class OuterOptimizer(ABC, Generic[Part]):
     @abstractmethod
     def _scale(self, part: Part, factor: float) -> Part: ...
 
+    @abstractmethod
+    def _dense(self, part: Part) -> torch.Tensor:
+        """The member's Δ for one parameter as a dense float32 tensor of its shape (what robust rules compare)."""
+
+    @abstractmethod
+    def _with_delta(self, part: Part, delta: torch.Tensor) -> Part:
+        """``part`` with its Δ replaced by the dense ``delta`` (a clipped or guarded member)."""
+
     def make_payload(self, local: NamedTensors) -> bytes:
         """Encode my pseudo-gradient Δ = θ_global − θ_local, every parameter in one payload."""
         self._check_names(local)
@@ -196,13 +220,21 @@ class OuterOptimizer(ABC, Generic[Part]):
             self.discard_payload()
         round_, self.round = self.round, self.round + 1
         screened = self._screen(members, round_, own)
-        screening = Screening(used=len(screened.kept), dropped=dropped | screened.dropped, clipped=screened.clipped)
-        if not screened.kept:
+        kept, clipped, guarded = screened.kept, dict(screened.clipped), dict[int, float]()
+        if len(kept) >= 3:
+            kept, centred = self._clip_to_centre(kept)
+            clipped |= centred
+        if len(kept) == 2:
+            kept, guarded = self._guard_pair(kept, own)
+        if clipped or guarded:
+            logger.info("outer round %d: clipped %s, guarded %s (payload index: factor)", round_, clipped, guarded)
+        screening = Screening(used=len(kept), dropped=dropped | screened.dropped, clipped=clipped, guarded=guarded)
+        if not kept:
             logger.warning("outer round %d: no usable pseudo-gradient; parameters unchanged", round_)
             self.discard_payload()
             return screening
         for name, g in self._global.items():
-            g.grad = self._combine([m[name] for m in screened.kept]).to(g)
+            g.grad = self._combine([m[name] for _, m in kept]).to(g)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.copy_global_to(local)
@@ -287,10 +319,10 @@ class OuterOptimizer(ABC, Generic[Part]):
         kept = []
         for index, member in finite:
             if norms[index] <= limit:
-                kept.append(member)
+                kept.append((index, member))
             elif len(finite) == 2:
                 clipped[index] = limit / norms[index]
-                kept.append(self._scale_member(member, clipped[index]))
+                kept.append((index, self._scale_member(member, clipped[index])))
             else:
                 dropped[index] = f"‖Δ‖ {norms[index]:.3g} is over {limit:.3g}, ×{MAX_NORM_RATIO:g} the group's median"
         if dropped or clipped:
@@ -304,6 +336,72 @@ class OuterOptimizer(ABC, Generic[Part]):
                 ", ".join(f"{norm:.3g}" for norm in norms.values()),
             )
         return _Screened(kept=kept, dropped=dropped, clipped=clipped)
+
+    def _clip_to_centre(
+        self, members: list[tuple[int, dict[str, Part]]]
+    ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
+        """Centred clipping (K ≥ 3): each member's Δ xᵢ is pulled to within τ of the coordinate-wise median m.
+
+        τ = CENTRE_RADIUS · median ‖xᵢ − m‖; a member further away becomes m + (τ / ‖xᵢ − m‖)(xᵢ − m), the others are
+        used as they are (a clean round's aggregate is exactly the plain one). The bound, for f < K/2 Byzantine members
+        sending anything finite (docs/architecture.md, "The outer aggregate's bound"): m lies, per coordinate, within
+        the honest members' range, and τ ≤ CENTRE_RADIUS · max_honest ‖x_h − m‖, so DiLoCo's mean moves at most
+        (f/K)(τ + ‖m − μ_H‖) from the honest members' mean μ_H, in any direction (a flip or a scaled flip of an honest Δ
+        is clipped like any other far point). Returns the members, clipped, and each clipped one's factor by index.
+        Two passes over the parameters, one at a time, so the extra memory is K dense copies of the largest parameter.
+        """
+        squared = [0.0] * len(members)
+        for name in self._global:
+            stacked = torch.stack([self._dense(member[name]) for _, member in members])  # (K, *shape)
+            offsets = stacked - _coordinate_median(stacked)
+            for i, offset in enumerate(offsets):
+                squared[i] += float(offset.double().square().sum())
+        distances = [math.sqrt(s) for s in squared]
+        radius = CENTRE_RADIUS * statistics.median(distances)
+        factors = {i: radius / d for i, d in enumerate(distances) if d > radius}
+        if not factors:
+            return members, {}
+        out = [(index, dict(member)) for index, member in members]
+        for name in self._global:
+            stacked = torch.stack([self._dense(member[name]) for _, member in members])
+            centre = _coordinate_median(stacked)
+            for i, factor in factors.items():
+                out[i][1][name] = self._with_delta(members[i][1][name], centre + factor * (stacked[i] - centre))
+        return out, {members[i][0]: factor for i, factor in factors.items()}
+
+    def _guard_pair(
+        self, members: list[tuple[int, dict[str, Part]]], own: int | None
+    ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
+        """A pair has no majority: neither member's Δ may point against the other's. If ⟨x, y⟩ < 0, each loses its
+        part along the other (x ← x − (⟨x, y⟩/‖y‖²)·y, and y likewise), the same on both members, so the pair stays
+        in agreement; the step, their mean, then keeps ⟨step, x⟩ = ½‖x‖²·sin²(x, y) ≥ 0 of each one's progress. A
+        member whose own Δ a the other's b opposes by more than OPPOSED_COSINE judges by its own evidence alone: it
+        keeps a and removes b's part along −a, so ⟨step, a⟩ = ½‖a‖² (the two members may then differ: the split is
+        repaired by download; honest Δs of one round are not that opposed). Promise, whatever the other sends:
+        ⟨step, a⟩ ≥ ⅜‖a‖²; not promised: what the other adds at right angles to a, bounded only by ``_screen``'s norm
+        rules. Returns the members and, for each changed one, the removed part's size relative to the other's norm."""
+        (i, x), (j, y) = members
+        dense_x = {name: self._dense(part) for name, part in x.items()}
+        dense_y = {name: self._dense(part) for name, part in y.items()}
+        dot = sum(float((dense_x[n].double() * dense_y[n].double()).sum()) for n in dense_x)
+        xx = sum(float(t.double().square().sum()) for t in dense_x.values())
+        yy = sum(float(t.double().square().sum()) for t in dense_y.values())
+        if dot >= 0 or xx == 0 or yy == 0:
+            return members, {}
+
+        def without(
+            member: dict[str, Part], dense: dict[str, torch.Tensor], other: dict[str, torch.Tensor], along: float
+        ) -> dict[str, Part]:
+            return {name: self._with_delta(part, dense[name] - along * other[name]) for name, part in member.items()}
+
+        if own in (i, j) and dot / math.sqrt(xx * yy) < OPPOSED_COSINE:
+            if own == i:
+                return [(i, x), (j, without(y, dense_y, dense_x, dot / xx))], {j: -dot / xx}
+            return [(i, without(x, dense_x, dense_y, dot / yy)), (j, y)], {i: -dot / yy}
+        return (
+            [(i, without(x, dense_x, dense_y, dot / yy)), (j, without(y, dense_y, dense_x, dot / xx))],
+            {i: -dot / yy, j: -dot / xx},
+        )
 
     def _member_norm(self, member: Mapping[str, Part]) -> float:
         return math.sqrt(sum(self._squared_norm(part) for part in member.values()))
@@ -359,6 +457,12 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
     def _scale(self, part: torch.Tensor, factor: float) -> torch.Tensor:
         return part * factor
 
+    def _dense(self, part: torch.Tensor) -> torch.Tensor:
+        return part.float()
+
+    def _with_delta(self, part: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return delta.to(part)
+
 
 class SparseLoCo(OuterOptimizer[SparseTensor]):
     """Error feedback + top-k 2-bit Δ, per-index mean over the senders, SGD (default: plain, α = 1; optionally Nesterov).
@@ -391,6 +495,15 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
 
     def _scale(self, part: SparseTensor, factor: float) -> SparseTensor:
         return dataclasses.replace(part, values=part.values * factor)
+
+    def _dense(self, part: SparseTensor) -> torch.Tensor:
+        return part.to_dense()
+
+    def _with_delta(self, part: SparseTensor, delta: torch.Tensor) -> SparseTensor:
+        # the new Δ's non-zeros are the indices it is sent on: a clipped member counts where the median moved too
+        flat = delta.flatten()
+        indices = flat.nonzero().flatten()
+        return SparseTensor(indices=indices, values=flat[indices].float(), shape=part.shape)
 
     def make_payload(self, local: NamedTensors) -> bytes:
         # Encoding replaces each error buffer with a new tensor (never writes into the old one), so the

@@ -15,6 +15,9 @@ test_membership.py, test_outer.py), played here with the same helpers (swarmtest
   can have) with no payload, or a peer sending a ×1000 pseudo-gradient as the only other member of the round. The
   honest outcome is the honest replicas' mean validation loss against the clean run's, and the outer rounds they
   completed; ``banned``: every attacker identity banned (yes) or only struck by every honest replica.
+- pg-flip9, pg-flip1, pg-flip9-two, pg-flip9-pair, pg-orthogonal-pair (issue 42's adaptive attackers, under the
+  ×10 norm screen): as pg-x1000, with 3 replicas and one sending −9× or −1× its Δ, 5 replicas and two sending the
+  same −9× flip, or a pair whose other member sends −9× its Δ or 9× its Δ rolled by one coordinate (at right angles).
 - stage-garbler, stage-silent: three stage-1 servers and a trainer (``BackgroundNode``s, outer off, rpc_s 30 s); one
   server (one identity) answers every forward with random activations of the true per-token norm, or takes every
   call and never answers. The honest outcome is the trainer's val loss and tokens/s against the clean run's (three
@@ -53,11 +56,29 @@ ATTACKS = (
     "stage-garbler",
     "stage-silent",
     "grad-570x-sybil",
+    "pg-flip9",
+    "pg-flip1",
+    "pg-flip9-two",
+    "pg-flip9-pair",
+    "pg-orthogonal-pair",
 )
 # the rest: outer attacks, and the in-process memory bomb
 PIPELINE = {"stage-nan", "cache-flood", "forged-records", "grad-570x-sybil"}
 STAGES = {"stage-garbler", "stage-silent"}  # three stage-1 servers, one the attacker's, and a trainer
-OUTER = {"state-liar", "round-staller", "pg-x1000"}
+OUTER = {"state-liar", "round-staller", "pg-x1000", "pg-flip9-pair", "pg-orthogonal-pair"}
+# Adaptive pseudo-gradient attackers (issue 42), each under the ×10 norm screen, among replicas of stage 1. The last
+# letter of the Δ a peer sends: θ_global − (θ_global − scale × Δ) ... see ``ADAPTIVE_PG``.
+OUTER3 = {"pg-flip9", "pg-flip1"}  # 3 replicas, 1 attacker (f < K/2: the centred clip's bound holds)
+OUTER5 = {"pg-flip9-two"}  # 5 replicas, 2 colluding attackers sending the same flip
+# the attacker's Δ as a function of its own honest Δ: −9× and −1× (flips under the ×10 norm screen), or 9× its own Δ
+# rolled by one coordinate (at right angles to it, as large as the screen lets through)
+ADAPTIVE_PG = {
+    "pg-flip9": -9.0,
+    "pg-flip1": -1.0,
+    "pg-flip9-two": -9.0,
+    "pg-flip9-pair": -9.0,
+    "pg-orthogonal-pair": "roll9",
+}
 
 
 def peak_rss_mb() -> float:
@@ -353,7 +374,22 @@ class TrainingHolder:
         return full_pipeline_loss({0: [self.edge], 1: [self.middle]}, 1, self.val_batches)
 
 
-def outer_run(attack: str | None, steps: int, timeout_s: float, seed: int) -> dict[str, Any]:
+def adaptive_payload(outer: Any, how: float | str) -> None:
+    """Make replica ``outer`` send, every round, ``how`` × its own Δ (a float) or its Δ rolled by one coordinate × 9
+    ("roll9"): what an attacker who read the ×10 norm screen sends."""
+    import torch
+
+    make_payload = outer.make_payload
+
+    def attacked(local: Any) -> bytes:
+        own = {name: g - local[name] for name, g in outer.global_params.items()}
+        sent = {n: 9.0 * torch.roll(d, 1, dims=-1) if how == "roll9" else float(how) * d for n, d in own.items()}
+        return make_payload({name: g - sent[name] for name, g in outer.global_params.items()})
+
+    outer.make_payload = attacked
+
+
+def outer_run(attack: str | None, steps: int, timeout_s: float, seed: int, *, replicas: int = 2) -> dict[str, Any]:
     import torch
 
     from swarm.events import OuterStrike, StateDownload, of_kind
@@ -377,12 +413,23 @@ def outer_run(attack: str | None, steps: int, timeout_s: float, seed: int) -> di
         a = await start("a", cfg, [], seed=1 + 2 * seed)
         extra: list[Any] = []
         outcome: dict[str, Any] = {"banned": "n.a."}
-        b = await start("x" if attack == "pg-x1000" else "b", cfg, a.peer.maddrs, seed=2 + 2 * seed)
+        pair_attack = attack in ("pg-x1000", "pg-flip9-pair", "pg-orthogonal-pair")
+        b = await start("x" if pair_attack else "b", cfg, a.peer.maddrs, seed=2 + 2 * seed)
         if attack == "pg-x1000":  # b is the attacker: 1000 × its Δ = θ_global − θ_local, every round
             outer, make_payload = b.sync.outer, b.sync.outer.make_payload
             outer.make_payload = lambda local: make_payload(
                 {name: g - 1000.0 * (g - local[name]) for name, g in outer.global_params.items()}
             )
+        elif pair_attack and attack is not None:
+            adaptive_payload(b.sync.outer, ADAPTIVE_PG[attack])
+        more = [
+            await start(f"c{i}", cfg, a.peer.maddrs, seed=100 + 2 * seed + i) for i in range(replicas - 2)
+        ]  # 3 or 5 replicas: the last one (or two) the attackers'
+        attackers = more[-(2 if replicas == 5 else 1) :] if attack in ADAPTIVE_PG and not pair_attack else []
+        for r in attackers:
+            adaptive_payload(r.sync.outer, ADAPTIVE_PG[str(attack)])
+        if attackers:
+            outcome.update(identities=len(attackers))
         stallers = []
         if attack == "round-staller":  # two identities declare every round long opened (60 s, or what a round can have)
             ago_s = min(60.0, RoundTiming.of(cfg.timeouts).max_round_s - 1.5)
@@ -399,15 +446,16 @@ def outer_run(attack: str | None, steps: int, timeout_s: float, seed: int) -> di
                 extra.append(liar)
             outcome.update(identities=2)
         try:
-            async with stopping(a, b, *extra):
-                honest = [a] if attack == "pg-x1000" else [a, b]
+            async with stopping(a, b, *more, *extra):
+                honest = [a] if pair_attack else [r for r in (a, b, *more) if r not in attackers]
                 deadline = time.monotonic() + timeout_s
                 while min(r.holder.inner_steps for r in honest) < steps and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
                 await asyncio.sleep(2 * cfg.timeouts.matchmaking_s)  # the last round settles
-                if attack == "pg-x1000":
+                if pair_attack or attackers:
                     bans = [e for e in of_kind(a.events, OuterStrike) if e.banned]
-                    outcome["banned"] = "yes" if any(e.peer == b.peer.id for e in bans) else "no"
+                    bad = {r.peer.id for r in attackers} or {b.peer.id}
+                    outcome["banned"] = "yes" if bad <= {e.peer for e in bans} else "no"
                 ids = {liar.id for liar in extra} | {dht.peer_id.to_base58() for dht in stallers}
                 if ids:  # every attacker identity struck, and banned, by every honest replica?
                     strikes = [[e for e in of_kind(r.events, OuterStrike) if e.peer in ids] for r in honest]
@@ -498,8 +546,9 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         result = pipeline_run(name, args.steps, args.seed)
     elif attack in STAGES:
         result = stages_run(name, args.steps, args.check_rate, args.seed)
-    elif attack in OUTER:
-        result = outer_run(name, args.steps, args.timeout - 30, args.seed)
+    elif attack in OUTER | OUTER3 | OUTER5:
+        replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
+        result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas)
     else:
         result = memory_bomb_run(name)
     result["wall_s"] = time.monotonic() - started
@@ -520,6 +569,8 @@ def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dic
 CLEAN_OF: dict[str, str] = {
     **{a: "pipeline" for a in PIPELINE},
     **{a: "outer" for a in OUTER},
+    **{a: "outer3" for a in OUTER3},
+    **{a: "outer5" for a in OUTER5},
     **{a: "stages" for a in STAGES},
 }
 

@@ -28,8 +28,9 @@ def test_step_is_mean_delta_plus_pull_towards_the_partner() -> None:
     a, local_a = _replica(torch.randn(8, 4))
     b, local_b = _replica(torch.randn(8, 4))
     theta_a, theta_b = a.global_params["w"].clone(), b.global_params["w"].clone()
-    local_a["w"] -= 0.1 * torch.randn(8, 4)
-    local_b["w"] -= 0.1 * torch.randn(8, 4)
+    common = 0.1 * torch.randn(8, 4)  # the replicas descend alike (opposed Δs are guarded: test_outer_robust.py)
+    local_a["w"] -= common + 0.05 * torch.randn(8, 4)
+    local_b["w"] -= common + 0.05 * torch.randn(8, 4)
     delta_a, delta_b = theta_a - local_a["w"], theta_b - local_b["w"]
     payloads = [a.make_payload(local_a), b.make_payload(local_b)]
     assert a.apply(payloads, local_a).used == 2 and b.apply(payloads, local_b).used == 2

@@ -1,0 +1,160 @@
+"""The outer aggregate's bound: what f < K/2 members sending anything finite can move it, and what a pair promises.
+
+Honest Δs here share a common direction plus each replica's own noise, as replicas that descend from the same
+weights on different data do. The bound (docs/architecture.md, "The outer aggregate's bound"), in honest-only terms,
+for DiLoCo's mean when no honest member is clipped: ‖step − μ_H‖ ≤ (f/K)·(2D + 3S), with μ_H the honest mean,
+D = max_h ‖x_h − μ_H‖ and S = √Σ_h ‖x_h − μ_H‖² (the coordinate-wise median lies within S of μ_H).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optim.outer
+from compress.codecs import get_codec
+from compress.sparseloco import SparseLoCoCodec
+from optim.outer import DiLoCo, OuterOptimizer, Screening, SparseLoCo
+
+Named = dict[str, torch.Tensor]
+SHAPES = {"w": (48, 64), "b": (200,)}
+
+
+def honest_deltas(count: int, seed: int, *, noise: float = 0.5) -> list[Named]:
+    g = torch.Generator().manual_seed(seed)
+    common = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    return [
+        {n: 0.01 * (common[n] + noise * torch.randn(s, generator=g)) for n, s in SHAPES.items()} for _ in range(count)
+    ]
+
+
+def norm(t: Named) -> float:
+    return math.sqrt(sum(float(v.double().square().sum()) for v in t.values()))
+
+
+def dot(a: Named, b: Named) -> float:
+    return sum(float((a[n].double() * b[n].double()).sum()) for n in a)
+
+
+def plus(a: Named, b: Named, scale: float = 1.0) -> Named:
+    return {n: a[n] + scale * b[n] for n in a}
+
+
+def mean(ds: list[Named]) -> Named:
+    return {n: torch.stack([d[n] for d in ds]).mean(0) for n in ds[0]}
+
+
+def make(method: str, start: Named) -> OuterOptimizer:
+    # lr 1 and no momentum: the step moves the weights by exactly the aggregate, which the test then reads
+    if method == "diloco":
+        return DiLoCo(start, lr=1.0, momentum=0.0, codec=get_codec("fp32"))
+    return SparseLoCo(start, codec=SparseLoCoCodec(topk=64))
+
+
+def applied_steps(method: str, group: list[Named], appliers: list[int]) -> list[Named]:
+    """Every member sends its Δ; members ``appliers`` apply the round. Returns each one's step (old − new weights)."""
+    return [step for step, _ in applied_rounds(method, group, appliers)]
+
+
+def applied_rounds(method: str, group: list[Named], appliers: list[int]) -> list[tuple[Named, Screening]]:
+    """``applied_steps`` with each applier's screening of the payloads."""
+    g = torch.Generator().manual_seed(123)
+    start = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    opts = [make(method, start) for _ in group]
+    payloads = [opt.make_payload(plus(start, d, -1.0)) for opt, d in zip(opts, group)]
+    steps = []
+    for i in appliers:
+        local = {n: t.clone() for n, t in start.items()}
+        screening = opts[i].apply(payloads[::-1], local)  # another delivery order than the sending one
+        steps.append(({n: start[n] - local[n] for n in start}, screening))
+    return steps
+
+
+def honest_bound(honest: list[Named], f: int) -> float:
+    mu = mean(honest)
+    spread = [norm(plus(x, mu, -1.0)) for x in honest]
+    k = len(honest) + f
+    return f / k * (2 * max(spread) + 3 * math.sqrt(sum(s * s for s in spread)))
+
+
+ATTACKS = {
+    "flip x9": lambda own, honest: {n: -9.0 * t for n, t in own.items()},
+    "flip x1": lambda own, honest: {n: -1.0 * t for n, t in own.items()},
+    "orthogonal x9": lambda own, honest: {n: 9.0 * torch.roll(t, 1, dims=-1) for n, t in own.items()},
+    "shift inside the spread": lambda own, honest: plus(
+        mean(honest), plus(min(honest, key=lambda x: dot(x, mean(honest))), mean(honest), -1.0), 3.0
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+@pytest.mark.parametrize(("k", "f"), [(3, 1), (5, 2), (7, 3)])
+def test_a_minority_moves_the_diloco_step_at_most_the_bound_and_honest_members_agree(
+    attack: str, k: int, f: int
+) -> None:
+    honest = honest_deltas(k - f, seed=k)
+    attackers = [ATTACKS[attack](honest[i % len(honest)], honest) for i in range(f)]  # colluders where f > 1
+    group = [*attackers, *honest]
+    steps = applied_steps("diloco", group, appliers=list(range(f, k)))
+    mu = mean(honest)
+    assert norm(plus(steps[0], mu, -1.0)) <= honest_bound(honest, f) * (1 + 1e-5)
+    assert all(torch.equal(s[n], steps[0][n]) for s in steps[1:] for n in s)  # every honest member applied the same
+    assert dot(steps[0], mu) > 0  # never backwards
+    # the plain mean breaks the bound for the flips: the test can fail
+    if attack == "flip x9":
+        assert norm(plus(mean(group), mu, -1.0)) > honest_bound(honest, f)
+
+
+@settings(deadline=None, max_examples=20)
+@given(seed=st.integers(0, 10_000), k=st.sampled_from([3, 4, 5, 6]), noise=st.sampled_from([0.2, 0.5, 1.0]))
+def test_a_clean_round_is_the_plain_mean(seed: int, k: int, noise: float) -> None:
+    honest = honest_deltas(k, seed=seed, noise=noise)
+    ((step, screening),) = applied_rounds("diloco", honest, appliers=[0])
+    assert not screening.clipped and not screening.dropped
+    torch.testing.assert_close(step, mean(honest), rtol=1e-5, atol=1e-6)  # (the weights are ~1: fp32 rounding)
+
+
+def test_sparseloco_colluders_cannot_turn_the_step_against_the_honest_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    honest = honest_deltas(3, seed=4)
+    attackers = [{n: -9.0 * t for n, t in honest[0].items()}] * 2  # two identical flips among five
+    steps = applied_steps("sparseloco", [*attackers, *honest], appliers=[2, 3, 4])
+    (clean,) = applied_steps("sparseloco", honest, appliers=[0])
+    assert all(torch.equal(s[n], steps[0][n]) for s in steps[1:] for n in s)
+    # SparseLoCo averages each index over its senders, so a clipped member weighs up to 1, not 1/K, where few
+    # others sent: its bound is f·τ, not (f/K)·τ. A quarter of the honest progress or more stays ...
+    assert dot(steps[0], mean(honest)) > 0.25 * dot(clean, mean(honest))
+    # ... where the plain aggregate goes backwards
+    monkeypatch.setattr(optim.outer, "CENTRE_RADIUS", math.inf)
+    (undefended,) = applied_steps("sparseloco", [*attackers, *honest], appliers=[2])
+    assert dot(undefended, mean(honest)) < 0
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_in_a_pair_a_flip_keeps_half_of_the_honest_members_progress(method: str) -> None:
+    (own,) = honest_deltas(1, seed=7)
+    flip = {n: -9.0 * t for n, t in own.items()}
+    (step,) = applied_steps(method, [own, flip], appliers=[0])
+    if method == "diloco":
+        assert dot(step, own) == pytest.approx(0.5 * dot(own, own), rel=1e-4)
+    else:  # the sparse code keeps the top-k of Δ: the honest progress is what its own payload carries
+        assert dot(step, own) > 0
+
+
+@pytest.mark.parametrize("cosine", [-0.45, -0.2])
+def test_an_opposed_pair_keeps_agreeing_and_neither_member_goes_backwards(cosine: float) -> None:
+    a, noise = honest_deltas(2, seed=11, noise=1.0)
+    # b: cosine to a as asked, the rest at right angles to a
+    ortho = plus(noise, a, -dot(noise, a) / dot(a, a))
+    b = plus(
+        {n: cosine * t / norm(a) for n, t in a.items()},
+        {n: math.sqrt(1 - cosine**2) * t / norm(ortho) for n, t in ortho.items()},
+    )
+    b = {n: 2.0 * norm(a) * t for n, t in b.items()}
+    step_a, step_b = applied_steps("diloco", [a, b], appliers=[0, 1])
+    assert all(torch.equal(step_a[n], step_b[n]) for n in step_a)
+    assert dot(step_a, a) >= 3 / 8 * dot(a, a) * (1 - 1e-5) * (1 - cosine**2) / (1 - 0.25)
+    assert dot(step_a, b) >= 0
