@@ -11,6 +11,7 @@ import asyncio
 import io
 import struct
 import zlib
+from typing import Any
 
 import torch
 import zstandard
@@ -194,6 +195,16 @@ def garble(server: StageServer) -> None:
     """``server`` answers every forward with ``true_norm_noise`` of its true output (its backwards stay honest)."""
     honest = server._compute_forward
     server._compute_forward = lambda x: true_norm_noise(honest(x))  # type: ignore[method-assign]
+
+
+def flip_backward(server: StageServer) -> None:
+    """``server`` computes its forwards and trains honestly, but returns the sign-flipped input gradient."""
+    honest = server._compute_backward
+
+    def flipped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return -honest(*args, **kwargs)
+
+    server._compute_backward = flipped  # type: ignore[method-assign]
 
 
 def silence(server: StageServer) -> None:

@@ -17,12 +17,13 @@ from peer.data import load_corpus
 from swarm.model.step import stage_forward
 from swarm.pipeline.boundary import Link, boundary_codecs
 from swarm.pipeline.checking import CheckRule, HopChecker, relative_error
+from swarm.pipeline.probing import ProbeRule
 from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer, TrainerOptions
 from swarm.sim.simulate import make_replica, train_microbatch
-from swarmtest.attacks import garble, true_norm_noise
+from swarmtest.attacks import flip_backward, garble, true_norm_noise
 from swarmtest.clock import FakeClock
 from swarmtest.configs import BATCH, DATA, SEQ, tiny_config
 
@@ -143,15 +144,19 @@ def train(
     rule: CheckRule | None = None,
     landed: list[str] | None = None,
     route_seed: int = 0,
+    flipping: bool = False,
 ) -> tuple[dict[str, Any], Trainer, Replicas]:
     """60 inner steps of the tiny model on text through three replicas of stage 1 (the first garbling, if asked);
     the last progress record (with the validation loss), the trainer and the calls. ``rule`` replaces the trainer's
-    check rule; ``landed`` collects the server of every training forward hop that landed."""
+    check rule; ``landed`` collects the server of every training forward hop that landed; ``flipping``: the first
+    replica computes honestly but returns its input gradient's sign flipped."""
     torch.manual_seed(0)
     cfg = tiny_config(stages=1, steps=60)
-    servers = {name: StageServer(cfg, 1) for name in ("evil" if garbling else "s0", "s1", "s2")}
+    servers = {name: StageServer(cfg, 1) for name in ("evil" if garbling or flipping else "s0", "s1", "s2")}
     if garbling:
         garble(servers["evil"])
+    if flipping:
+        flip_backward(servers["evil"])
     calls, router = Replicas(servers), Router(1, random.Random(route_seed))
     router.update(1, list(servers))
     corpus = load_corpus([DATA])
@@ -203,3 +208,17 @@ def test_a_new_servers_checked_forward_lands_only_once_its_check_passed() -> Non
     assert last["step"] == 60 and last["failed"] == 0 and last["check_strikes"] == 1
     assert calls.forwards["evil"] >= 1 and trainer.condemned == {"evil"}
     assert "evil" not in landed and {"s1", "s2"} <= set(landed)
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_flipping_its_backward_fails_its_probes_and_is_condemned_and_honest_ones_pass_theirs() -> None:
+    """The forward checks cannot see it (its forwards are right); its own forward at x ± εg shows that the gradient
+    it returns points uphill (probing.py)."""
+    clean, _, _ = train(garbling=False, check_rate=CheckRule().rate)
+    last, trainer, _ = train(garbling=False, flipping=True, check_rate=CheckRule().rate)
+    assert clean["probes"] >= 6 and clean["probe_failures"] == 0 and clean["check_strikes"] == 0  # 2 per server
+    assert trainer.condemned == {"evil"} and last["step"] == 60 and last["failed"] == 0
+    assert "evil" not in trainer.router.balancers[1].live_peers()
+    assert trainer.remote.probes.failed["evil"] == ProbeRule().failures
+    print(f"val loss: clean {clean['val_loss']:.3f}, one replica of three flipping its backward {last['val_loss']:.3f}")
+    assert last["val_loss"] < 1.03 * clean["val_loss"]

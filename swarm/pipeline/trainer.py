@@ -45,6 +45,7 @@ from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.checking import CheckRule, HopChecker
 from swarm.pipeline.deadlines import DeadlineRule, Deadlines
+from swarm.pipeline.probing import BackwardProbes, ProbeRule, descent, passes, probe_steps
 from swarm.pipeline.protocol import KEEPALIVE_S, Backward, Forward, needs_stream
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
 from swarm.rpc.servicer import RemoteError, RequestError
@@ -57,7 +58,8 @@ T = TypeVar("T")
 # download replaced the weights (with those landed since the last inner step; the name is older); hops: failed attempts (retried
 # elsewhere), timeouts (deadlines missed), stages skipped on the way forward, inputs resent for a backward; bans for
 # deadlines missed in a row; checked forwards (checking.py): checks done, disagreements, servers condemned by a
-# referee, disagreements no referee could settle
+# referee (or by failed backward probes), disagreements no referee could settle; probed backwards (probing.py): probes
+# judged, probes failed short of a verdict
 COUNTERS = (
     "started",
     "completed",
@@ -74,6 +76,8 @@ COUNTERS = (
     "check_disagreements",
     "check_strikes",
     "checks_unresolved",
+    "probes",
+    "probe_failures",
 )
 
 
@@ -157,6 +161,7 @@ class Hop:
     peer: Peer
     x: bytes  # the frame this hop received: resent if its server loses it
     x_codec: str  # its codec
+    prev_stage: int  # the stage x came from (a probe's forward names it, as the hop's did)
 
 
 class Outgoing:
@@ -322,7 +327,13 @@ class RemoteStages:
             )
         )
         self.checker = HopChecker(rule)
+        # backwards judged by the server's own forward (probing.py); the same knob: 0 turns both off
+        self.probes = BackwardProbes(ProbeRule(rate=rate) if rate else ProbeRule(rate=0.0, first_probes=0))
         self._checks: set[asyncio.Task[None]] = set()  # checks under way, off the microbatches' paths
+        self._ids = itertools.count()  # microbatch ids: a probe's forwards look like any microbatch's
+
+    def new_id(self, prefix: str = "mb") -> str:
+        return f"{prefix}{next(self._ids)}"
 
     async def forward_path(
         self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor
@@ -359,7 +370,7 @@ class RemoteStages:
                         task = asyncio.create_task(check)
                         self._checks.add(task)
                         task.add_done_callback(self._checks.discard)
-                return Hop(stage, peer, frame, codec.name), Outgoing(*reply)
+                return Hop(stage, peer, frame, codec.name, prev), Outgoing(*reply)
         raise HopFailed(f"stage {stage}: {len(tried)} replicas failed")
 
     async def _check(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: torch.Tensor) -> None:
@@ -407,10 +418,42 @@ class RemoteStages:
         reply = await self._call(mb, peer, again, codec)
         return peer, None if reply is None else reply[0]
 
-    def _condemn(self, stage: int, peer: Peer, mb: Microbatch) -> None:
+    def probe_backward(self, mb: Microbatch, hop: Hop, peer: Peer, sent: torch.Tensor, returned: torch.Tensor) -> None:
+        """Maybe probe ``peer``'s backward of ``hop`` (it returned ``returned`` for the gradient ``sent``), off the
+        microbatch's path."""
+        if mb.train and self.probes.should_probe(peer):
+            task = asyncio.create_task(self._probe(mb, hop, peer, sent, returned))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
+    async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> None:
+        """Two ordinary forwards of ``peer`` at x ± εg judge the gradient g it returned (probing.py)."""
+        try:
+            _, x, tokens = await self._decode("activations", hop.x, mb.shape)
+            eps = probe_steps(x, g, self.probes.rule)
+            outputs = []
+            for sign in (1.0, -1.0):
+                probe = Microbatch(self.new_id(), mb.shape, train=True)
+                codec = self.codecs.choose("activations", peer, mb.shape)
+                frame = Outgoing(x + sign * eps * g.to(x), tokens).frame(codec)
+                request = Forward(mb=probe.id, stage=hop.stage, prev_stage=hop.prev_stage, x=frame, train=True)
+                if (reply := await self._call(probe, peer, request, codec.name)) is None:
+                    return  # no answer: the deadlines deal with that
+                outputs.append(reply[0])
+            judged = descent(u.to(outputs[0].device), outputs[0], outputs[1], eps, g.to(outputs[0].device))
+            self.counters["probes"] += 1
+            self.counters["probe_failures"] += not passes(judged, self.probes.rule)
+            if self.probes.record(peer, judged):
+                self._condemn(hop.stage, peer, mb, why="its backward points against its own forward's gradient")
+            elif not passes(judged, self.probes.rule):
+                logger.warning(f"stage {hop.stage}: {peer}'s backward of {mb.id} failed a probe (descent {judged:.3f})")
+        except Exception as e:  # a probe is a side job: it must never take the trainer down
+            logger.warning(f"probe of {mb.id} at stage {hop.stage} failed: {type(e).__name__}: {e}")
+
+    def _condemn(self, stage: int, peer: Peer, mb: Microbatch, *, why: str = "") -> None:
         seconds = self.checker.condemn(peer)
         self.counters["check_strikes"] += 1
-        reason = f"its forward of {mb.id} disagreed with two other replicas"
+        reason = why or f"its forward of {mb.id} disagreed with two other replicas"
         self.router.ban(stage, peer, seconds, reason=reason)
         logger.warning(f"stage {stage}: {peer} condemned ({reason}); banned for {seconds:.0f} s")
 
@@ -421,7 +464,8 @@ class RemoteStages:
         await asyncio.gather(*self._checks, return_exceptions=True)
 
     async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
-        """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again."""
+        """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again; the one
+        that answered may have it probed (``probe_backward``)."""
         peer, tried, resend = hop.peer, [hop.peer], False
         for _ in range(self.options.max_attempts):
             self.counters["resent_inputs"] += resend
@@ -433,7 +477,9 @@ class RemoteStages:
                 resend = True
                 continue
             if reply is not None:
-                return Outgoing(*reply)
+                returned = Outgoing(*reply)
+                self.probe_backward(mb, hop, peer, grad.value, returned.value)
+                return returned
             resend = True  # another replica never saw this microbatch
             peer = self._choose(hop.stage, tried)
             tried.append(peer)
@@ -594,7 +640,6 @@ class Trainer:
         self._weights_epoch = 0  # weights replaced from outside (a download)
         self._landed_since_step = 0  # microbatches whose gradients stage 0 holds, not yet stepped
         self._held_tokens = 0  # their tokens
-        self._ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge")
 
     async def train(
@@ -684,7 +729,7 @@ class Trainer:
 
     async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm and back; its loss, or None if it failed (counted)."""
-        mb = Microbatch(f"mb{next(self._ids)}", (*inputs.shape, self.cfg.model.d_model), train=True)
+        mb = Microbatch(self.remote.new_id(), (*inputs.shape, self.cfg.model.d_model), train=True)
         self.counters["started"] += 1
         try:
             path = self.router.draw_path(self.cfg.paths)
@@ -716,7 +761,7 @@ class Trainer:
         total, count = 0.0, 0
         size = self.cfg.train.microbatch_size  # the most a server accepts
         for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(torch.split(t, size) for t in batch))):
-            mb = Microbatch(f"eval{next(self._ids)}", (*inputs.shape, self.cfg.model.d_model), train=False)
+            mb = Microbatch(self.remote.new_id("eval"), (*inputs.shape, self.cfg.model.d_model), train=False)
             h0 = await self._run(self._embed_eval, inputs)
             _, h = await self.remote.forward_path(mb, sorted(self.router.live_stages()), h0, inputs)
             total += await self._run(self._head_eval, h, targets) * inputs.shape[0]
