@@ -389,7 +389,9 @@ def adaptive_payload(outer: Any, how: float | str) -> None:
     outer.make_payload = attacked
 
 
-def outer_run(attack: str | None, steps: int, timeout_s: float, seed: int, *, replicas: int = 2) -> dict[str, Any]:
+def outer_run(
+    attack: str | None, steps: int, timeout_s: float, seed: int, *, replicas: int = 2, method: str = "diloco"
+) -> dict[str, Any]:
     import torch
 
     from swarm.events import OuterStrike, StateDownload, of_kind
@@ -406,7 +408,7 @@ def outer_run(attack: str | None, steps: int, timeout_s: float, seed: int, *, re
 
     TrainingHolder.steps = steps
     torch.set_num_threads(1)
-    cfg = outer_config(timeouts=LOOPBACK_ROUND_TIMEOUTS)
+    cfg = outer_config(method, timeouts=LOOPBACK_ROUND_TIMEOUTS)  # type: ignore[arg-type]  # a choice of --outer
     seeded = seeded_weights(cfg)
 
     async def scenario() -> dict[str, Any]:
@@ -548,7 +550,7 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         result = stages_run(name, args.steps, args.check_rate, args.seed)
     elif attack in OUTER | OUTER3 | OUTER5:
         replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
-        result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas)
+        result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas, method=args.outer)
     else:
         result = memory_bomb_run(name)
     result["wall_s"] = time.monotonic() - started
@@ -558,7 +560,7 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
 
 def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", attack, variant, "--steps", str(args.steps), "--seed", str(seed)]
-    command += ["--timeout", str(args.timeout), "--check-rate", str(args.check_rate)]
+    command += ["--timeout", str(args.timeout), "--check-rate", str(args.check_rate), "--outer", args.outer]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -663,6 +665,9 @@ def main() -> None:
     parser.add_argument("--check-rate", type=float, default=0.02, help="trainers' check_rate in stage-garbler/-silent")
     parser.add_argument("--seeds", type=int, default=1, help="data seeds: each attack and its clean run once per seed")
     parser.add_argument("--clean-seeds", type=int, default=0, help="extra seeds of the clean runs only (their spread)")
+    parser.add_argument(
+        "--outer", choices=("diloco", "sparseloco"), default="diloco", help="the outer method of the outer scenarios"
+    )
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a child's seed
     parser.add_argument("--child", nargs=2, metavar=("ATTACK", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()

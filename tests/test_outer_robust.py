@@ -134,18 +134,22 @@ def test_sparseloco_colluders_cannot_turn_the_step_against_the_honest_members(mo
 
 
 @pytest.mark.parametrize("method", ["diloco", "sparseloco"])
-def test_in_a_pair_a_flip_keeps_half_of_the_honest_members_progress(method: str) -> None:
-    (own,) = honest_deltas(1, seed=7)
-    flip = {n: -9.0 * t for n, t in own.items()}
+@pytest.mark.parametrize("scale", [-9.0, -1.0])
+def test_in_a_pair_a_flip_keeps_half_of_the_honest_members_progress_and_adds_no_more_than_it(
+    method: str, scale: float
+) -> None:
+    own, attackers_own = honest_deltas(2, seed=7)  # the attacker flips its own Δ, which is like the honest one
+    flip = {n: scale * t for n, t in attackers_own.items()}
     (step,) = applied_steps(method, [own, flip], appliers=[0])
     if method == "diloco":
         assert dot(step, own) == pytest.approx(0.5 * dot(own, own), rel=1e-4)
+        assert norm(plus(step, own, -0.5)) <= 0.5 * norm(own) * (1 + 1e-5)
     else:  # the sparse code keeps the top-k of Δ: the honest progress is what its own payload carries
         assert dot(step, own) > 0
 
 
-@pytest.mark.parametrize("cosine", [-0.45, -0.2])
-def test_an_opposed_pair_keeps_agreeing_and_neither_member_goes_backwards(cosine: float) -> None:
+@pytest.mark.parametrize("cosine", [-0.15, -0.05])
+def test_a_pair_opposed_a_little_keeps_agreeing_and_neither_member_goes_backwards(cosine: float) -> None:
     a, noise = honest_deltas(2, seed=11, noise=1.0)
     # b: cosine to a as asked, the rest at right angles to a
     ortho = plus(noise, a, -dot(noise, a) / dot(a, a))
@@ -156,5 +160,7 @@ def test_an_opposed_pair_keeps_agreeing_and_neither_member_goes_backwards(cosine
     b = {n: 2.0 * norm(a) * t for n, t in b.items()}
     step_a, step_b = applied_steps("diloco", [a, b], appliers=[0, 1])
     assert all(torch.equal(step_a[n], step_b[n]) for n in step_a)
-    assert dot(step_a, a) >= 3 / 8 * dot(a, a) * (1 - 1e-5) * (1 - cosine**2) / (1 - 0.25)
+    # ½‖a‖²·sin², at least ½‖a‖²·(1 − OPPOSED_COSINE²)
+    assert dot(step_a, a) == pytest.approx(0.5 * dot(a, a) * (1 - cosine**2), rel=1e-3)
+    assert dot(step_a, a) >= 0.5 * dot(a, a) * (1 - optim.outer.OPPOSED_COSINE**2) * (1 - 1e-5)
     assert dot(step_a, b) >= 0
