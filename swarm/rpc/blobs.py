@@ -15,6 +15,7 @@ import hashlib
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
@@ -25,7 +26,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 
 from swarm.rpc.auth import CertificateVerifier
-from swarm.rpc.defences import PeerLimits
+from swarm.rpc.defences import PeerGuard, PeerLimits
 from swarm.rpc.servicer import TRANSPORT_ERRORS, GuardedServicer, RequestError, pack_envelope, remote_error
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,23 @@ async def feed(blob: bytes | BlobStream, sink: Sink) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ServingLimits:
+    """What one identity may take of a peer's blob service, whatever it asks: streams open at once, and per name prefix
+    a budget of blobs (each a whole stage's state for ``state``: the bytes are bounded through the count). A peer over
+    either is told busy (no strike: it may be a joiner chasing a stage whose rounds cut its downloads). A stream this
+    servicer cuts itself (the state changed while it was sent) gives its blob back to the budget."""
+
+    streams_per_peer: int = 2  # an outer round fetches one payload per member at a time; a joiner one state
+    # per prefix: (blobs at once, seconds to earn one more). A joiner needs one state, two or three if rounds cut it;
+    # a peer re-downloading a 0.5 GB stage state every few seconds took 16 GB in 200 s (issue 42), now ≤ 4 + 200/60
+    budgets: tuple[tuple[str, float, float], ...] = (("state", 4.0, 60.0),)
+
+    def __post_init__(self) -> None:
+        if self.streams_per_peer < 1 or any(burst < 1 or every_s <= 0 for _, burst, every_s in self.budgets):
+            raise ValueError(f"serving limits: at least one stream and one blob per budget, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlobRequest:
     name: str  # matches BLOB_NAME; the part before the first '/' picks the provider
 
@@ -122,6 +140,7 @@ class BlobServicer(GuardedServicer):
         *,
         verifier: CertificateVerifier | None = None,
         limits: PeerLimits | None = None,
+        serving: ServingLimits | None = None,
         wait_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -129,6 +148,14 @@ class BlobServicer(GuardedServicer):
         self.providers: dict[str, Provider] = {}
         self.wait_s = wait_s
         self.served_bytes = 0
+        self.serving = serving or ServingLimits()
+        self._open: Counter[PeerID] = Counter()  # streams open per peer
+        # a token bucket of blobs per peer, per budgeted prefix (PeerGuard's, counting blobs instead of requests)
+        self._budgets = {
+            prefix: PeerGuard(PeerLimits(rate=1.0 / every_s, burst=burst), clock=clock)
+            for prefix, burst, every_s in self.serving.budgets
+        }
+        self.busy_refusals = 0  # requests refused for the serving limits
 
     def provide(self, prefix: str, provider: Provider) -> None:
         self.providers[prefix] = provider
@@ -137,34 +164,68 @@ class BlobServicer(GuardedServicer):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         peer = context.remote_id
+        budget: PeerGuard | None = None
         try:
             self.screen(peer)
             name = self.open_request(peer, request.metadata, BlobRequest, max_bytes=MAX_REQUEST_BYTES).name
-            blob = await self._lookup(name)
+            budget = self._admit(peer, name)
+            self._open[peer] += 1
         except Exception as e:  # every failure becomes the error header; refuse() tells the sender's faults from ours
             yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
             return
-        blob = blob if isinstance(blob, BlobStream) else BlobStream.of(blob)
-        yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"size": blob.size}))
-        digest, sent = hashlib.sha256(), 0
         try:
-            async for chunk in blob.chunks:
-                for start in range(0, len(chunk), CHUNK_BYTES):
-                    # bytes for protobuf: a relayed blob is the bytearray it arrived in (``fetch``), which protobuf
-                    # refuses, and the stream would end after its header
-                    piece = bytes(chunk[start : start + CHUNK_BYTES])
-                    digest.update(piece)
-                    sent += len(piece)
-                    yield runtime_pb2.ExpertResponse(metadata=piece)
-        except Exception as e:  # the blob changed or vanished while it was sent: the client sees it truncated
-            logger.info(f"blob {name} to {peer}: stopped after {sent} of {blob.size} bytes: {e}")
-            return
-        if sent != blob.size:
-            logger.error(f"blob {name}: made {sent} bytes, announced {blob.size}; not finishing it")
-            return
-        yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"sha256": digest.digest()}))
-        self.served_bytes += sent
-        blob.on_sent(digest.hexdigest())
+            try:
+                blob = await self._lookup(name)
+            except Exception as e:
+                if budget is not None:
+                    budget.refund(peer)  # nothing was sent
+                yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
+                return
+            blob = blob if isinstance(blob, BlobStream) else BlobStream.of(blob)
+            yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"size": blob.size}))
+            digest, sent = hashlib.sha256(), 0
+            try:
+                async for chunk in blob.chunks:
+                    for start in range(0, len(chunk), CHUNK_BYTES):
+                        # bytes for protobuf: a relayed blob is the bytearray it arrived in (``fetch``), which protobuf
+                        # refuses, and the stream would end after its header
+                        piece = bytes(chunk[start : start + CHUNK_BYTES])
+                        digest.update(piece)
+                        sent += len(piece)
+                        yield runtime_pb2.ExpertResponse(metadata=piece)
+            except Exception as e:  # the blob changed or vanished while it was sent: the client sees it truncated
+                logger.info(f"blob {name} to {peer}: stopped after {sent} of {blob.size} bytes: {e}")
+                if budget is not None:
+                    budget.refund(peer)  # our cut, not the peer's doing
+                return
+            if sent != blob.size:
+                logger.error(f"blob {name}: made {sent} bytes, announced {blob.size}; not finishing it")
+                return
+            yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"sha256": digest.digest()}))
+            self.served_bytes += sent
+            blob.on_sent(digest.hexdigest())
+        finally:
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
+
+    def _admit(self, peer: PeerID, name: str) -> PeerGuard | None:
+        """Refuse (busy) a peer over its streams or its budget for ``name``'s prefix; the budget it was charged to."""
+        if self._open[peer] >= self.serving.streams_per_peer:
+            self.busy_refusals += 1
+            raise RequestError(
+                RequestError.BUSY, f"peer {peer} holds {self._open[peer]} blob streams open, the most one peer may"
+            )
+        budget = self._budgets.get(name.split("/", 1)[0])
+        if budget is not None and not budget.take(peer):
+            self.busy_refusals += 1
+            limits = budget.limits
+            raise RequestError(
+                RequestError.BUSY,
+                f"peer {peer} took its {limits.burst:g} {name.split('/', 1)[0]} blobs; one more every "
+                f"{1 / limits.rate:.0f} s",
+            )
+        return budget
 
     async def _lookup(self, name: str) -> bytes | BlobStream:
         if not BLOB_NAME.fullmatch(name):

@@ -60,6 +60,11 @@ class PeerGuard:
         state.tokens -= 1.0
         return True
 
+    def refund(self, peer: Hashable) -> None:
+        """Give back one request ``take`` spent (it was refused for another reason, or cut short by this side)."""
+        state = self._state(peer)
+        state.tokens = min(self.limits.burst, state.tokens + 1.0)
+
     def strike(self, peer: Hashable) -> bool:
         """Count an invalid request; True if it got the peer banned."""
         state, now = self._state(peer), self.clock()
