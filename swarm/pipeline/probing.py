@@ -92,9 +92,11 @@ class BackwardProbes:
     def should_probe(self, peer: Hashable) -> bool:
         if self.rule.rate == 0.0 and self.rule.first_probes == 0:
             return False  # probing off
-        suspect = any(self._recent.get(peer, ()))
-        rate = 1.0 if self.passed[peer] < self.rule.first_probes or suspect else self.rule.rate
-        return self._rng.random() < rate
+        return self._rng.random() < (1.0 if self.unproven(peer) else self.rule.rate)
+
+    def unproven(self, peer: Hashable) -> bool:
+        """``peer`` is yet to pass ``first_probes``, or failed one in its window: its gradients land once probed."""
+        return self.passed[peer] < self.rule.first_probes or any(self._recent.get(peer, ()))
 
     def record(self, peer: Hashable, descent_: float) -> bool:
         """A probe of ``peer``'s backward came back; True if ``rule.failures`` of its last ``rule.window`` failed."""

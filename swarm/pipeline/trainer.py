@@ -329,7 +329,7 @@ class RemoteStages:
         self.checker = HopChecker(rule)
         # backwards judged by the server's own forward (probing.py); the same knob: 0 turns both off
         self.probes = BackwardProbes(ProbeRule(rate=rate) if rate else ProbeRule(rate=0.0, first_probes=0))
-        self._checks: set[asyncio.Task[None]] = set()  # checks under way, off the microbatches' paths
+        self._checks: set[asyncio.Task[Any]] = set()  # checks under way, off the microbatches' paths
         self._ids = itertools.count()  # microbatch ids: a probe's forwards look like any microbatch's
 
     def new_id(self, prefix: str = "mb") -> str:
@@ -418,16 +418,9 @@ class RemoteStages:
         reply = await self._call(mb, peer, again, codec)
         return peer, None if reply is None else reply[0]
 
-    def probe_backward(self, mb: Microbatch, hop: Hop, peer: Peer, sent: torch.Tensor, returned: torch.Tensor) -> None:
-        """Maybe probe ``peer``'s backward of ``hop`` (it returned ``returned`` for the gradient ``sent``), off the
-        microbatch's path."""
-        if mb.train and self.probes.should_probe(peer):
-            task = asyncio.create_task(self._probe(mb, hop, peer, sent, returned))
-            self._checks.add(task)
-            task.add_done_callback(self._checks.discard)
-
-    async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> None:
-        """Two ordinary forwards of ``peer`` at x ± εg judge the gradient g it returned (probing.py)."""
+    async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> bool:
+        """Two ordinary forwards of ``peer`` at x ± εg judge the gradient g it returned (probing.py); False if it failed
+        (True if it could not be judged: no answer, which the deadlines deal with)."""
         try:
             _, x, tokens = await self._decode("activations", hop.x, mb.shape)
             eps = probe_steps(x, g, self.probes.rule)
@@ -438,17 +431,20 @@ class RemoteStages:
                 frame = Outgoing(x + sign * eps * g.to(x), tokens).frame(codec)
                 request = Forward(mb=probe.id, stage=hop.stage, prev_stage=hop.prev_stage, x=frame, train=True)
                 if (reply := await self._call(probe, peer, request, codec.name)) is None:
-                    return  # no answer: the deadlines deal with that
+                    return True
                 outputs.append(reply[0])
             judged = descent(u.to(outputs[0].device), outputs[0], outputs[1], eps, g.to(outputs[0].device))
-            self.counters["probes"] += 1
-            self.counters["probe_failures"] += not passes(judged, self.probes.rule)
-            if self.probes.record(peer, judged):
-                self._condemn(hop.stage, peer, mb, why="its backward points against its own forward's gradient")
-            elif not passes(judged, self.probes.rule):
-                logger.warning(f"stage {hop.stage}: {peer}'s backward of {mb.id} failed a probe (descent {judged:.3f})")
         except Exception as e:  # a probe is a side job: it must never take the trainer down
             logger.warning(f"probe of {mb.id} at stage {hop.stage} failed: {type(e).__name__}: {e}")
+            return True
+        self.counters["probes"] += 1
+        passed = passes(judged, self.probes.rule)
+        self.counters["probe_failures"] += not passed
+        if self.probes.record(peer, judged):
+            self._condemn(hop.stage, peer, mb, why="its backward points against its own forward's gradient")
+        elif not passed:
+            logger.warning(f"stage {hop.stage}: {peer}'s backward of {mb.id} failed a probe (descent {judged:.3f})")
+        return passed
 
     def _condemn(self, stage: int, peer: Peer, mb: Microbatch, *, why: str = "") -> None:
         seconds = self.checker.condemn(peer)
@@ -464,8 +460,9 @@ class RemoteStages:
         await asyncio.gather(*self._checks, return_exceptions=True)
 
     async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
-        """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again; the one
-        that answered may have it probed (``probe_backward``)."""
+        """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again. The one that
+        answered may have it probed (``_probe``): off the path once it passed its first probes, else before it lands
+        (a failed one is redone on another replica)."""
         peer, tried, resend = hop.peer, [hop.peer], False
         for _ in range(self.options.max_attempts):
             self.counters["resent_inputs"] += resend
@@ -478,9 +475,17 @@ class RemoteStages:
                 continue
             if reply is not None:
                 returned = Outgoing(*reply)
-                self.probe_backward(mb, hop, peer, grad.value, returned.value)
-                return returned
-            resend = True  # another replica never saw this microbatch
+                if not mb.train or not self.probes.should_probe(peer):
+                    return returned
+                probe = self._probe(mb, hop, peer, grad.value, returned.value)
+                if not self.probes.unproven(peer):  # off the microbatch's path
+                    task = asyncio.create_task(probe)
+                    self._checks.add(task)
+                    task.add_done_callback(self._checks.discard)
+                    return returned
+                if await probe:  # a new or suspect server's gradient lands once its probe passed
+                    return returned
+            resend = True  # another replica never saw this microbatch (or the last one's gradient failed its probe)
             peer = self._choose(hop.stage, tried)
             tried.append(peer)
         raise HopFailed(f"backward of stage {hop.stage}: {len(tried)} attempts failed")
