@@ -22,6 +22,8 @@ test_membership.py, test_outer.py), played here with the same helpers (swarmtest
   server (one identity) answers every forward with random activations of the true per-token norm, or takes every
   call and never answers. The honest outcome is the trainer's val loss and tokens/s against the clean run's (three
   honest servers); ``--check-rate`` sets the trainer's share of forwards checked (0: checking off).
+- stage-gradflip: one server of stage 1, three of stage 2 and a trainer; one stage-2 server computes honestly but
+  returns its input gradients sign-flipped (its forwards pass every check).
 - memory-bomb: a real ``OuterOptimizer`` applies a round with a SparseLoCo frame declaring (1, 64M) and a DiLoCo
   fp32 frame declaring (4096, 4096); tracemalloc's peak against the same round without the bomb.
 
@@ -61,10 +63,12 @@ ATTACKS = (
     "pg-flip9-two",
     "pg-flip9-pair",
     "pg-orthogonal-pair",
+    "stage-gradflip",
 )
 # the rest: outer attacks, and the in-process memory bomb
 PIPELINE = {"stage-nan", "cache-flood", "forged-records", "grad-570x-sybil"}
 STAGES = {"stage-garbler", "stage-silent"}  # three stage-1 servers, one the attacker's, and a trainer
+STAGES2 = {"stage-gradflip"}  # one stage-1 server, three of stage 2 (one the attacker's), a trainer
 OUTER = {"state-liar", "round-staller", "pg-x1000", "pg-flip9-pair", "pg-orthogonal-pair"}
 # Adaptive pseudo-gradient attackers (issue 42), each under the ×10 norm screen, among replicas of stage 1. The last
 # letter of the Δ a peer sends: θ_global − (θ_global − scale × Δ) ... see ``ADAPTIVE_PG``.
@@ -261,10 +265,12 @@ def screened(judged: list[tuple[Any, float, float, Any]], attackers: set[Any]) -
 # ---- stage-garbler, stage-silent: three stage servers of stage 1, one the attacker's, and a trainer ---------------
 
 
-def stages_run(attack: str | None, steps: int, check_rate: float, seed: int) -> dict[str, Any]:
-    """The trainer's val loss and tokens/s through three replicas of stage 1 (``outer`` off: no round to wait for); the
-    third garbles every forward (random activations of the true per-token norm) or takes every call and never answers
-    (``rpc_s`` 30 s, as the issue measured it). ``banned``: the trainer condemned it, or banned it for deadlines missed."""
+def stages_run(attack: str | None, steps: int, check_rate: float, seed: int, *, stages: int = 1) -> dict[str, Any]:
+    """The trainer's val loss and tokens/s through three replicas of the last middle stage (``outer`` off: no round to
+    wait for; with ``stages`` 2, one server of stage 1 before them); the third garbles every forward (random
+    activations of the true per-token norm), takes every call and never answers (``rpc_s`` 30 s, as the issue measured
+    it), or computes honestly but returns its input gradients sign-flipped (stage-gradflip). ``banned``: the trainer
+    condemned it, or banned it for deadlines missed."""
     import dataclasses
 
     import torch
@@ -273,13 +279,13 @@ def stages_run(attack: str | None, steps: int, check_rate: float, seed: int) -> 
     from swarm.config import TimeoutConfig
     from swarm.node.config import PeerConfig
     from swarm.pipeline.trainer import TrainerOptions
-    from swarmtest.attacks import garble, silence
+    from swarmtest.attacks import flip_backward, garble, silence
     from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
     from swarmtest.node import BackgroundNode
 
     torch.set_num_threads(1)
     timeouts = TimeoutConfig(rpc_s=30.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
-    cfg = tiny_config(stages=1, steps=steps, outer={"method": "none"}, timeouts=timeouts)
+    cfg = tiny_config(stages=stages, steps=steps, outer={"method": "none"}, timeouts=timeouts)
 
     def data(cfg: Any, peer_id: str) -> Any:
         corpus = load_corpus([DATA])
@@ -287,18 +293,26 @@ def stages_run(attack: str | None, steps: int, check_rate: float, seed: int) -> 
         return corpus.sample_batches("train", seed=1 + seed, **kw), corpus.val_batches(num_sequences=64, **kw)
 
     def stage(name: str, joined: list[str]) -> BackgroundNode:
-        config = PeerConfig(role="stage", stage=1, name=name, host_maddrs=LOOPBACK_MADDRS, initial_peers=joined)
-        return BackgroundNode(config if name != "stage1-x" else dataclasses.replace(config, max_pending=10**6), cfg)
+        config = PeerConfig(
+            role="stage", stage=int(name[5]), name=name, host_maddrs=LOOPBACK_MADDRS, initial_peers=joined
+        )
+        return BackgroundNode(
+            config if not name.endswith("-x") else dataclasses.replace(config, max_pending=10**6), cfg
+        )
 
-    first = stage("stage1-a", []).start()
-    servers = [first, *(stage(name, first.maddrs).start() for name in ("stage1-b", "stage1-x"))]
+    last_stage = stages
+    names = [*(["stage1-a"] if stages == 2 else []), *(f"stage{last_stage}-{s}" for s in ("a", "b", "x"))]
+    first = stage(names[0], []).start()
+    servers = [first, *(stage(name, first.maddrs).start() for name in names[1:])]
     try:
-        attacker = servers[2].call(lambda node: asyncio.sleep(0, node.role.holder))
-        attacker_id = servers[2].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
+        attacker = servers[-1].call(lambda node: asyncio.sleep(0, node.role.holder))
+        attacker_id = servers[-1].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
         if attack == "stage-garbler":
             garble(attacker)
         elif attack == "stage-silent":
             silence(attacker)
+        elif attack == "stage-gradflip":
+            flip_backward(attacker)
         options = TrainerOptions(check_rate=check_rate)
         trainer = PeerConfig(
             role="trainer",
@@ -314,8 +328,11 @@ def stages_run(attack: str | None, steps: int, check_rate: float, seed: int) -> 
         for server in servers:
             server.stop()
     condemned = str(attacker_id) in last["condemned"]
-    banned = condemned if attack == "stage-garbler" else last["deadline_bans"] > 0 if attack else False
+    banned = (
+        condemned if attack in ("stage-garbler", "stage-gradflip") else last["deadline_bans"] > 0 if attack else False
+    )
     keys = ("tokens_per_s", "step", "failed", "checks", "check_disagreements", "check_strikes", "checks_unresolved")
+    keys += ("probes", "probe_failures", "resent_inputs")
     keys += ("hop_timeouts", "deadline_bans", "hop_failures")
     return {
         "banned": ("yes" if banned else "no") if attack else "n.a.",
@@ -546,8 +563,8 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     started = time.monotonic()
     if attack in PIPELINE:
         result = pipeline_run(name, args.steps, args.seed)
-    elif attack in STAGES:
-        result = stages_run(name, args.steps, args.check_rate, args.seed)
+    elif attack in STAGES | STAGES2:
+        result = stages_run(name, args.steps, args.check_rate, args.seed, stages=2 if attack in STAGES2 else 1)
     elif attack in OUTER | OUTER3 | OUTER5:
         replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
         result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas, method=args.outer)
@@ -574,6 +591,7 @@ CLEAN_OF: dict[str, str] = {
     **{a: "outer3" for a in OUTER3},
     **{a: "outer5" for a in OUTER5},
     **{a: "stages" for a in STAGES},
+    **{a: "stages2" for a in STAGES2},
 }
 
 

@@ -123,9 +123,10 @@ class TrainerOptions:
     check_rate: float = field(
         default=0.02,
         metadata=cli(
-            "Trainers: fraction of forward hops recomputed by another replica of the stage and compared (checked "
-            "pipeline work: every forward of a server until it passed one check, more of new and suspect servers); "
-            "0 turns checking off.",
+            "Trainers: fraction of forward hops recomputed by another replica of the stage and compared, and of "
+            "backward hops probed by two forwards of the same server at x ± εg (checked pipeline work: every forward "
+            "of a server until it passed one check, every backward until it passed two probes, more of new and "
+            "suspect servers); 0 turns both off.",
             min=0.0,
         ),
     )
