@@ -559,6 +559,8 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     import logging
 
     logging.disable(logging.WARNING)  # the attacks make the honest peers warn a lot; the numbers are the point
+    if args.undefended:
+        undefend()
     name = attack if variant == "attack" else None
     started = time.monotonic()
     if attack in PIPELINE:
@@ -575,9 +577,24 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     return result
 
 
+def undefend() -> None:
+    """Issue 42's defences off, in this process: no centred clip, no pair guard, no backward probes (the baseline the
+    attacks are measured against without them)."""
+    import math
+
+    import optim.outer
+    import swarm.pipeline.trainer
+    from swarm.pipeline.probing import ProbeRule
+
+    optim.outer.CENTRE_RADIUS = math.inf
+    optim.outer.OuterOptimizer._guard_pair = lambda self, members: (members, {})  # type: ignore[method-assign]
+    swarm.pipeline.trainer.ProbeRule = lambda **kw: ProbeRule(rate=0.0, first_probes=0)  # type: ignore[misc]
+
+
 def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", attack, variant, "--steps", str(args.steps), "--seed", str(seed)]
     command += ["--timeout", str(args.timeout), "--check-rate", str(args.check_rate), "--outer", args.outer]
+    command += ["--undefended"] if args.undefended else []
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -685,6 +702,9 @@ def main() -> None:
     parser.add_argument("--clean-seeds", type=int, default=0, help="extra seeds of the clean runs only (their spread)")
     parser.add_argument(
         "--outer", choices=("diloco", "sparseloco"), default="diloco", help="the outer method of the outer scenarios"
+    )
+    parser.add_argument(
+        "--undefended", action="store_true", help="issue 42's defences off (centred clip, pair guard, backward probes)"
     )
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a child's seed
     parser.add_argument("--child", nargs=2, metavar=("ATTACK", "VARIANT"), help=argparse.SUPPRESS)
