@@ -313,7 +313,7 @@ def stages_run(attack: str | None, steps: int, check_rate: float, seed: int, *, 
             silence(attacker)
         elif attack == "stage-gradflip":
             flip_backward(attacker)
-        options = TrainerOptions(check_rate=check_rate)
+        options = TrainerOptions(check_rate=check_rate, probe_rate=check_rate)  # probes on: they are opt-in
         trainer = PeerConfig(
             role="trainer",
             name="trainer",

@@ -10,7 +10,7 @@ from peer.data import load_corpus
 from swarm.model.stages import EDGE_STAGE, build_stage
 from swarm.model.step import head_loss_gradients, stage_forward, stage_gradients
 from swarm.pipeline.boundary import boundary_codecs
-from swarm.pipeline.probing import BackwardProbes, ProbeRule, descent, passes, probe_steps
+from swarm.pipeline.probing import BackwardProbes, ProbeRule, descent, passes, probe_steps, resolved
 from swarmtest.configs import DATA, tiny_config
 
 
@@ -39,7 +39,7 @@ def test_at_real_shapes_an_honest_gradient_descends_and_flipped_scaled_or_random
         "x5": wire_g(5 * g_true),
         "random": wire_g(torch.randn_like(g_true) * g_true.std()),
     }.items():
-        eps = probe_steps(x, g, rule)
+        eps = probe_steps(x, g, rule.step)
         with torch.no_grad():  # the server's own forwards at x ± εg, through the wire
             y_plus, y_minus = (wire_a(stage_forward(middle, wire_a(x + s * eps * g))) for s in (1.0, -1.0))
         judged[name] = descent(u, y_plus, y_minus, eps, g)
@@ -67,3 +67,15 @@ def test_probe_rules_are_validated() -> None:
         ProbeRule(failures=9, window=8)
     with pytest.raises(ValueError):
         ProbeRule(min_descent=0.0)
+
+
+def test_a_probe_the_replies_rounding_swallowed_judges_nothing_and_the_next_steps_further() -> None:
+    rule = ProbeRule(step=0.05, max_step=0.4)  # (the default cap is 0.2)
+    probes = BackwardProbes(rule)
+    y = torch.randn(2, 4, 8)
+    assert resolved(y, y.clone()) == 0.0 and resolved(y, y + 1e-3) == 1.0
+    steps = []
+    for _ in range(4):  # 0.05 → 0.2 → 0.4 (the cap) → at the cap: counted as passed
+        steps.append(probes.step("s"))
+        probes.unresolved("s")
+    assert steps == [0.05, 0.2, 0.4, 0.4] and probes.passed["s"] == 2 and probes.failed["s"] == 0

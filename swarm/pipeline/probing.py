@@ -7,16 +7,23 @@ microbatch ids, ``train`` like any other), and asks of the microbatch that
 
     descent = ⟨u, y⁺ − y⁻⟩ / 2⟨g, ε·g⟩  ≥  ρ           (``ProbeRule.min_descent``, ρ = ¼; ε per token)
 
-An honest server's descent is ~1 (up to the wire's rounding, second-order terms and an inner step the server may take
-between its backward and the probe; measured 0.87-0.95 at 8 × 1024 × 768, ≥ 0.69 on the tiny model). The bound, by
-construction, for any g that passes: ⟨g_true, g⟩_ε ≥ ρ‖g‖²_ε (in the inner product weighted by the per-token steps
-ε), i.e. ‖g − g_true/2ρ‖_ε ≤ ‖g_true‖_ε/2ρ: never against the true gradient, at most 1/ρ times its norm. A sign flip has descent −1, random gradients ~0, a ×5 scaled gradient ⅕. The
-probe is judged by the server's own forward, not by other replicas: colluders cannot outvote it, and an honest replica
-that drifted (H steps apart, or alone ahead) passes it as well as any. Its limits: a microbatch is judged as one
-(flipping one sample of eight passes), and a server that recognises probe inputs (an input near one it holds, offset
-along the gradient it returned) can answer them from a faked Jacobian; docs/architecture.md says so.
+An honest server's descent is ~1 (up to the wire's rounding and second-order terms; measured 0.89-0.99 at 8 × 1024 ×
+768 through int8 both ways, 0.91 at 6 layers, ≥ 0.5 on the tiny model over 100 probes). The bound, by construction,
+for any g that passes: ⟨g_true, g⟩_ε ≥ ρ‖g‖²_ε (in the inner product weighted by the per-token steps ε), i.e.
+‖g − g_true/2ρ‖_ε ≤ ‖g_true‖_ε/2ρ: never against the true gradient, at most 1/ρ times its norm. A sign flip has
+descent −1, random gradients ~0, a ×5 scaled gradient ⅕. The probe is judged by the server's own forward, not by
+other replicas: colluders cannot outvote it, and an honest replica that drifted (H steps apart, or alone ahead) passes
+it as well as any.
 
-    >>> eps = probe_steps(x, g, ProbeRule()); x_plus, x_minus = x + eps * g, x - eps * g  # two forwards of the server
+Why it is off by default (``TrainerOptions.probe_rate``): the forward must run on the weights the backward used. A
+server that takes an inner step between the two (every backward, where its inner batch is one microbatch; or another
+trainer's backward) answers from moved weights, and one AdamW step of a seeded 6-layer stage at lr 1e-4 took an honest
+descent from 0.91 to 0.12 (−0.12 seen in a real swarm): honest servers were condemned. Making it sound needs the
+server to say which weights a forward ran on, or to keep the backward's for the probe. Other limits: a microbatch is
+judged as one (flipping one sample of eight passes), and a server that recognises probe inputs (near an input it
+holds, offset along the gradient it returned) can fake its forward's answer at the cost of a Jacobian-vector product.
+
+    >>> eps = probe_steps(x, g, ProbeRule().step); x_plus, x_minus = x + eps * g, x - eps * g  # two server forwards
     >>> descent(u, y_plus, y_minus, eps, g)  # honest ≈ 1, flipped ≈ −1
 """
 
@@ -30,6 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Links whose codecs round far under a probe's step: int8 rounds ~1% of a token's norm, int4 ~16% (the 5% step drowns:
+# an honest descent of 0.06 was seen), and a subspace frame is exact only for a subspace-constrained model's inputs.
+PROBED_CODECS = frozenset({"fp32", "fp16", "bf16", "int8"})
+
 
 @dataclass(frozen=True, kw_only=True)
 class ProbeRule:
@@ -40,6 +51,12 @@ class ProbeRule:
     # the probe's step per sample, relative to the input's norm: far enough over the wire's int8 rounding (~0.4% of a
     # token's largest value) that the difference is the forward's, near enough that second-order terms stay small
     step: float = 0.05
+    # A probe whose two outputs differ in under this share of their values (as coded on the wire) did not resolve the
+    # step: the reply's rounding swallowed it (an int8 output ~200× its input's norm, as a seeded stage's is) and it
+    # judges nothing; the server's next probe steps 4× further, up to ``max_step``, where an unresolved one counts as
+    # passed (no evidence against it, and its gradients need not wait for a probe again).
+    min_resolved: float = 0.5
+    max_step: float = 0.2  # at 0.4 an honest 6-layer stage's descent is 0.28 (second-order terms)
     # ρ: a microbatch's descent under it fails the probe. Honest: ≥ 0.87 at 8 × 1024 × 768, ≥ 0.69 over 25 probes of
     # the tiny model (whose server may take an inner step between its backward and the probe)
     min_descent: float = 0.25
@@ -58,11 +75,16 @@ class ProbeRule:
             )
 
 
-def probe_steps(x: torch.Tensor, g: torch.Tensor, rule: ProbeRule) -> torch.Tensor:
-    """ε per token (B, T, 1): ‖ε_t g_t‖ = rule.step · ‖x_t‖, so that every token's step is as far above the wire's
+def probe_steps(x: torch.Tensor, g: torch.Tensor, step: float) -> torch.Tensor:
+    """ε per token (B, T, 1): ‖ε_t g_t‖ = step · ‖x_t‖, so that every token's step is as far above the wire's
     per-token rounding (0 where g_t is 0: nothing to judge there)."""
     x_norm, g_norm = x.float().norm(dim=-1, keepdim=True), g.float().norm(dim=-1, keepdim=True)
-    return torch.where(g_norm > 0, rule.step * x_norm / g_norm.clamp_min(1e-30), torch.zeros_like(g_norm))
+    return torch.where(g_norm > 0, step * x_norm / g_norm.clamp_min(1e-30), torch.zeros_like(g_norm))
+
+
+def resolved(y_plus: torch.Tensor, y_minus: torch.Tensor) -> float:
+    """The share of values in which the two probe outputs differ (1 for any fp32 step, ~0 under the rounding)."""
+    return float((y_plus != y_minus).float().mean())
 
 
 def descent(u: torch.Tensor, y_plus: torch.Tensor, y_minus: torch.Tensor, eps: torch.Tensor, g: torch.Tensor) -> float:
@@ -88,6 +110,17 @@ class BackwardProbes:
         self.passed: Counter[Hashable] = Counter()
         self.failed: Counter[Hashable] = Counter()  # in all
         self._recent: dict[Hashable, deque[bool]] = {}  # outcomes (True: failed), newest last
+        self._steps: dict[Hashable, float] = {}  # a server's probe step, grown past steps its replies did not resolve
+
+    def step(self, peer: Hashable) -> float:
+        return self._steps.get(peer, self.rule.step)
+
+    def unresolved(self, peer: Hashable) -> None:
+        """A probe of ``peer`` did not resolve its step: the next one steps 4× further; at ``max_step`` it counts as
+        passed (nothing is known against it)."""
+        if self.step(peer) >= self.rule.max_step:
+            self.passed[peer] += 1
+        self._steps[peer] = min(self.rule.max_step, 4 * self.step(peer))
 
     def should_probe(self, peer: Hashable) -> bool:
         if self.rule.rate == 0.0 and self.rule.first_probes == 0:

@@ -45,7 +45,15 @@ from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.checking import CheckRule, HopChecker
 from swarm.pipeline.deadlines import DeadlineRule, Deadlines
-from swarm.pipeline.probing import BackwardProbes, ProbeRule, descent, passes, probe_steps
+from swarm.pipeline.probing import (
+    PROBED_CODECS,
+    BackwardProbes,
+    ProbeRule,
+    descent,
+    passes,
+    probe_steps,
+    resolved,
+)
 from swarm.pipeline.protocol import KEEPALIVE_S, Backward, Forward, needs_stream
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router, path_length
 from swarm.rpc.servicer import RemoteError, RequestError
@@ -59,7 +67,7 @@ T = TypeVar("T")
 # elsewhere), timeouts (deadlines missed), stages skipped on the way forward, inputs resent for a backward; bans for
 # deadlines missed in a row; checked forwards (checking.py): checks done, disagreements, servers condemned by a
 # referee (or by failed backward probes), disagreements no referee could settle; probed backwards (probing.py): probes
-# judged, probes failed short of a verdict
+# judged, probes failed, probes whose step the replies' rounding swallowed
 COUNTERS = (
     "started",
     "completed",
@@ -78,6 +86,7 @@ COUNTERS = (
     "checks_unresolved",
     "probes",
     "probe_failures",
+    "probes_unresolved",
 )
 
 
@@ -123,10 +132,19 @@ class TrainerOptions:
     check_rate: float = field(
         default=0.02,
         metadata=cli(
-            "Trainers: fraction of forward hops recomputed by another replica of the stage and compared, and of "
-            "backward hops probed by two forwards of the same server at x ± εg (checked pipeline work: every forward "
-            "of a server until it passed one check, every backward until it passed two probes, more of new and "
-            "suspect servers); 0 turns both off.",
+            "Trainers: fraction of forward hops recomputed by another replica of the stage and compared (checked "
+            "pipeline work: every forward of a server until it passed one check, more of new and suspect servers); "
+            "0 turns checking off.",
+            min=0.0,
+        ),
+    )
+    probe_rate: float = field(
+        default=0.0,
+        metadata=cli(
+            "Trainers: fraction of backward hops probed by two forwards of the same server at x ± εg, which must "
+            "confirm the input gradient it returned (every backward of a server until it passed two probes; two "
+            "failures in eight condemn it). Off by default: a server that takes an inner step between its backward "
+            "and the probe fails it honestly (docs/architecture.md).",
             min=0.0,
         ),
     )
@@ -143,6 +161,7 @@ class TrainerOptions:
             min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every, self.deadline_misses) < 1
             or min(self.eval_every, self.max_staleness) < 0
             or not 0.0 <= self.check_rate <= 1.0
+            or not 0.0 <= self.probe_rate <= 1.0
             or min(self.check_tolerance, self.deadline_floor_s) <= 0
             or self.deadline_multiple < 1
         ):
@@ -328,8 +347,9 @@ class RemoteStages:
             )
         )
         self.checker = HopChecker(rule)
-        # backwards judged by the server's own forward (probing.py); the same knob: 0 turns both off
-        self.probes = BackwardProbes(ProbeRule(rate=rate) if rate else ProbeRule(rate=0.0, first_probes=0))
+        # backwards judged by the server's own forward (probing.py)
+        probe_rate = options.probe_rate
+        self.probes = BackwardProbes(ProbeRule(rate=probe_rate) if probe_rate else ProbeRule(rate=0.0, first_probes=0))
         self._checks: set[asyncio.Task[Any]] = set()  # checks under way, off the microbatches' paths
         self._ids = itertools.count()  # microbatch ids: a probe's forwards look like any microbatch's
 
@@ -419,12 +439,16 @@ class RemoteStages:
         reply = await self._call(mb, peer, again, codec)
         return peer, None if reply is None else reply[0]
 
+    def _probeable(self, peer: Peer, shape: tuple[int, ...]) -> bool:
+        """The link's codecs round finely enough for a probe to judge (``PROBED_CODECS``)."""
+        return all(self.codecs.choose(kind, peer, shape).name in PROBED_CODECS for kind in ("activations", "gradients"))
+
     async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> bool:
         """Two ordinary forwards of ``peer`` at x ± εg judge the gradient g it returned (probing.py); False if it failed
         (True if it could not be judged: no answer, which the deadlines deal with)."""
         try:
             _, x, tokens = await self._decode("activations", hop.x, mb.shape)
-            eps = probe_steps(x, g, self.probes.rule)
+            eps = probe_steps(x, g, self.probes.step(peer))
             outputs = []
             for sign in (1.0, -1.0):
                 probe = Microbatch(self.new_id(), mb.shape, train=True)
@@ -434,6 +458,10 @@ class RemoteStages:
                 if (reply := await self._call(probe, peer, request, codec.name)) is None:
                     return True
                 outputs.append(reply[0])
+            if resolved(*outputs) < self.probes.rule.min_resolved:  # the reply's rounding swallowed the step
+                self.counters["probes_unresolved"] += 1
+                self.probes.unresolved(peer)
+                return True
             judged = descent(u.to(outputs[0].device), outputs[0], outputs[1], eps, g.to(outputs[0].device))
         except Exception as e:  # a probe is a side job: it must never take the trainer down
             logger.warning(f"probe of {mb.id} at stage {hop.stage} failed: {type(e).__name__}: {e}")
@@ -476,7 +504,7 @@ class RemoteStages:
                 continue
             if reply is not None:
                 returned = Outgoing(*reply)
-                if not mb.train or not self.probes.should_probe(peer):
+                if not mb.train or not self._probeable(peer, mb.shape) or not self.probes.should_probe(peer):
                     return returned
                 probe = self._probe(mb, hop, peer, grad.value, returned.value)
                 if not self.probes.unproven(peer):  # off the microbatch's path
