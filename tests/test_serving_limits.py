@@ -51,6 +51,7 @@ def test_a_peer_gets_its_budget_of_states_then_one_a_minute_and_others_are_still
         codes = [(await fetch(holder, "state/1", "drainer"))[0].get("error") for _ in range(6)]
         honest, sent = await fetch(holder, "state/1", "joiner")
         assert honest["size"] == len(STATE) and sent == len(STATE)
+        assert (await fetch(holder, "state/2", "drainer"))[0]["size"] == len(STATE)  # each stage has its own budget
         assert (await fetch(holder, "outer/1/2/payload/x", "drainer"))[0]["size"] == len(STATE)  # other blobs: free
         clock.now += 60.0
         return codes + [(await fetch(holder, "state/1", "drainer"))[0].get("error")]
@@ -58,7 +59,7 @@ def test_a_peer_gets_its_budget_of_states_then_one_a_minute_and_others_are_still
     codes = asyncio.run(scenario())
     assert codes == [None] * 4 + [RequestError.BUSY] * 2 + [None]
     assert holder.busy_refusals == 2 and holder.guard.banned_for("drainer") == 0.0  # busy, never a strike
-    assert holder.served_bytes == (4 + 1 + 1 + 1) * len(STATE)
+    assert holder.served_bytes == (4 + 1 + 1 + 1 + 1) * len(STATE)
 
 
 def test_a_peer_holds_at_most_its_streams_open_and_a_closed_one_frees_its_place() -> None:

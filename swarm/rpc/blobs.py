@@ -109,12 +109,15 @@ async def feed(blob: bytes | BlobStream, sink: Sink) -> str:
 @dataclass(frozen=True, kw_only=True)
 class ServingLimits:
     """What one identity may take of a peer's blob service, whatever it asks: streams open at once, and per name prefix
-    a budget of blobs (each a whole stage's state for ``state``: the bytes are bounded through the count). A peer over
+    a budget of each blob (a whole stage's state for ``state/<i>``: the bytes are bounded through the count). A peer over
     either is told busy (no strike: it may be a joiner chasing a stage whose rounds cut its downloads). A stream this
     servicer cuts itself (the state changed while it was sent) gives its blob back to the budget."""
 
-    streams_per_peer: int = 2  # an outer round fetches one payload per member at a time; a joiner one state
-    # per prefix: (blobs at once, seconds to earn one more). A joiner needs one state, two or three if rounds cut it;
+    # an outer round fetches one payload per member at a time, per stage: a full peer holds every stage (2 limited
+    # full peers' rounds of 3 stages, which then failed); a joiner downloads one state
+    streams_per_peer: int = 16
+    # per prefix: (times each blob at once, seconds to earn one more). A joiner needs a stage's state once, two or three
+    # times if rounds cut it;
     # a peer re-downloading a 0.5 GB stage state every few seconds took 16 GB in 200 s (issue 42), now ≤ 4 + 200/60
     budgets: tuple[tuple[str, float, float], ...] = (("state", 4.0, 60.0),)
 
@@ -178,7 +181,7 @@ class BlobServicer(GuardedServicer):
                 blob = await self._lookup(name)
             except Exception as e:
                 if budget is not None:
-                    budget.refund(peer)  # nothing was sent
+                    budget.refund((peer, name))  # nothing was sent
                 yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
                 return
             blob = blob if isinstance(blob, BlobStream) else BlobStream.of(blob)
@@ -196,7 +199,7 @@ class BlobServicer(GuardedServicer):
             except Exception as e:  # the blob changed or vanished while it was sent: the client sees it truncated
                 logger.info(f"blob {name} to {peer}: stopped after {sent} of {blob.size} bytes: {e}")
                 if budget is not None:
-                    budget.refund(peer)  # our cut, not the peer's doing
+                    budget.refund((peer, name))  # our cut, not the peer's doing
                 return
             if sent != blob.size:
                 logger.error(f"blob {name}: made {sent} bytes, announced {blob.size}; not finishing it")
@@ -217,13 +220,12 @@ class BlobServicer(GuardedServicer):
                 RequestError.BUSY, f"peer {peer} holds {self._open[peer]} blob streams open, the most one peer may"
             )
         budget = self._budgets.get(name.split("/", 1)[0])
-        if budget is not None and not budget.take(peer):
+        if budget is not None and not budget.take((peer, name)):  # per blob: a full peer downloads every stage once
             self.busy_refusals += 1
             limits = budget.limits
             raise RequestError(
                 RequestError.BUSY,
-                f"peer {peer} took its {limits.burst:g} {name.split('/', 1)[0]} blobs; one more every "
-                f"{1 / limits.rate:.0f} s",
+                f"peer {peer} took {name} {limits.burst:g} times; once more every {1 / limits.rate:.0f} s",
             )
         return budget
 
