@@ -198,9 +198,12 @@ class OuterOptimizer(ABC, Generic[Part]):
         """Combine the group's payloads, step the global copy, reset ``local`` to it.
 
         A member whose payload is unusable, or whose Δ is far larger than the others' or than this
-        replica's own recent ones (``_screen``), is dropped with a warning. Returns how many members
-        were used and which payloads (by index in ``payloads``) were dropped or clipped; with none
-        used, nothing moves (the local parameters keep their progress).
+        replica's own recent ones (``_screen``), is dropped with a warning. What is left is bounded
+        whatever a minority sends: centred clipping for three or more (``_clip_to_centre``), each
+        member by the other in a pair (``_guard_pair``); docs/architecture.md, "The outer aggregate's
+        bound". Returns how many members were used and which payloads (by index in ``payloads``) were
+        dropped, clipped or guarded; with none used, nothing moves (the local parameters keep their
+        progress).
         """
         self._check_names(local)
         # A canonical order makes the floating-point sums identical on every replica,
