@@ -181,8 +181,11 @@ def last_condemned(node: BackgroundNode) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_on_loopback_the_replicas_leave_the_server_a_trainer_condemned_out_of_their_rounds() -> None:
-    # three stage-1 servers in outer rounds every 5 inner steps, the third garbling every forward; one trainer checks
-    cfg = outer_config(inner_steps=5, stages=1, steps=120, timeouts=FAST_TIMEOUTS)
+    # three stage-1 servers in outer rounds every 5 inner steps, the third garbling every forward; one trainer checks.
+    # 400 steps: the verdict counts only from a trainer listed for 3 announce periods, at a round, so training must
+    # outlast that (120 steps took ~7 s on an idle machine: 3 rounds, all before the verdict could count)
+    steps = 400
+    cfg = outer_config(inner_steps=5, stages=1, steps=steps, timeouts=FAST_TIMEOUTS)
 
     def data(cfg: Any, peer_id: str) -> Any:
         corpus = load_corpus([DATA])
@@ -200,7 +203,7 @@ def test_on_loopback_the_replicas_leave_the_server_a_trainer_condemned_out_of_th
         garble(servers[2].call(lambda node: asyncio.sleep(0, node.role.holder)))
         garbler = str(servers[2].call(lambda node: asyncio.sleep(0, node.dht.peer_id)))
         trainer = PeerConfig(
-            role="trainer", name="trainer", initial_peers=first.maddrs, host_maddrs=LOOPBACK_MADDRS, steps=120
+            role="trainer", name="trainer", initial_peers=first.maddrs, host_maddrs=LOOPBACK_MADDRS, steps=steps
         )
         with BackgroundNode(trainer, data=data) as peer:
             peer.wait("the garbler condemned", lambda: garbler in last_condemned(peer) or None, 300)
@@ -210,7 +213,7 @@ def test_on_loopback_the_replicas_leave_the_server_a_trainer_condemned_out_of_th
     finally:
         for server in servers:
             server.stop()
-    assert last["step"] == 120 and garbler in last["condemned"]
+    assert last["step"] == steps and garbler in last["condemned"]
     for node in honest:
         start = counted_at(node.records)
         assert start is not None
