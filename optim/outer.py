@@ -63,8 +63,8 @@ class Screening:
     used: int
     dropped: dict[int, str] = dataclasses.field(default_factory=dict)
     clipped: dict[int, float] = dataclasses.field(default_factory=dict)
-    # a pair whose Δs pointed against each other: each one's part along the other was removed, by that part's size
-    # (no offence: a pair cannot tell which of two is wrong)
+    # a pair whose Δs pointed against each other: each one's part along the other was removed (the factor of the
+    # other's Δ taken off it); no offence: a pair cannot tell which of two is wrong
     guarded: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
@@ -378,9 +378,9 @@ class OuterOptimizer(ABC, Generic[Part]):
         on both members (a function of the pair's payloads alone, so the pair stays in agreement). The step, their
         mean, then keeps ⟨step, x⟩ = ½‖x‖²·sin²(x, y) of each one's progress, and adds at most ¾‖x‖ at right angles
         to it. Promise to a member a, whatever the other sends: never backwards (⟨step, a⟩ ≥ 0), and a Δ opposed to a
-        moves the step at most ¾‖a‖ off its part along a. Not promised: progress against an exact opposite (a stall), and what a Δ
-        not opposed to a adds at right angles to it, bounded only by ``_screen``'s norm rules. Returns the members
-        and, for each changed one, the removed part's size relative to the other's norm."""
+        moves the step at most ¾‖a‖ off its part along a. Not promised: progress against an exact opposite (a stall),
+        and what a Δ not opposed to a adds at right angles to it, bounded only by ``_screen``'s norm rules. Returns
+        the members and, for each changed one, the factor of the other's Δ taken off it."""
         (i, x), (j, y) = members
         dense_x = {name: self._dense(part) for name, part in x.items()}
         dense_y = {name: self._dense(part) for name, part in y.items()}

@@ -265,7 +265,9 @@ def screened(judged: list[tuple[Any, float, float, Any]], attackers: set[Any]) -
 # ---- stage-garbler, stage-silent: three stage servers of stage 1, one the attacker's, and a trainer ---------------
 
 
-def stages_run(attack: str | None, steps: int, check_rate: float, seed: int, *, stages: int = 1) -> dict[str, Any]:
+def stages_run(
+    attack: str | None, steps: int, check_rate: float, seed: int, *, stages: int = 1, probe_rate: float = 0.0
+) -> dict[str, Any]:
     """The trainer's val loss and tokens/s through three replicas of the last middle stage (``outer`` off: no round to
     wait for; with ``stages`` 2, one server of stage 1 before them); the third garbles every forward (random
     activations of the true per-token norm), takes every call and never answers (``rpc_s`` 30 s, as the issue measured
@@ -292,18 +294,16 @@ def stages_run(attack: str | None, steps: int, check_rate: float, seed: int, *, 
         kw = dict(batch_size=cfg.train.microbatch_size, seq_len=cfg.train.seq_len)
         return corpus.sample_batches("train", seed=1 + seed, **kw), corpus.val_batches(num_sequences=64, **kw)
 
-    def stage(name: str, joined: list[str]) -> BackgroundNode:
+    def stage(index: int, letter: str, joined: list[str]) -> BackgroundNode:
         config = PeerConfig(
-            role="stage", stage=int(name[5]), name=name, host_maddrs=LOOPBACK_MADDRS, initial_peers=joined
+            role="stage", stage=index, name=f"stage{index}-{letter}", host_maddrs=LOOPBACK_MADDRS, initial_peers=joined
         )
-        return BackgroundNode(
-            config if not name.endswith("-x") else dataclasses.replace(config, max_pending=10**6), cfg
-        )
+        return BackgroundNode(config if letter != "x" else dataclasses.replace(config, max_pending=10**6), cfg)
 
-    last_stage = stages
-    names = [*(["stage1-a"] if stages == 2 else []), *(f"stage{last_stage}-{s}" for s in ("a", "b", "x"))]
-    first = stage(names[0], []).start()
-    servers = [first, *(stage(name, first.maddrs).start() for name in names[1:])]
+    # (stage, letter): one server of stage 1 before the last stage's three, where there are two; the attacker's last
+    layout = [*([(1, "a")] if stages == 2 else []), *((stages, letter) for letter in ("a", "b", "x"))]
+    first = stage(*layout[0], []).start()
+    servers = [first, *(stage(index, letter, first.maddrs).start() for index, letter in layout[1:])]
     try:
         attacker = servers[-1].call(lambda node: asyncio.sleep(0, node.role.holder))
         attacker_id = servers[-1].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
@@ -313,7 +313,7 @@ def stages_run(attack: str | None, steps: int, check_rate: float, seed: int, *, 
             silence(attacker)
         elif attack == "stage-gradflip":
             flip_backward(attacker)
-        options = TrainerOptions(check_rate=check_rate, probe_rate=check_rate)  # probes on: they are opt-in
+        options = TrainerOptions(check_rate=check_rate, probe_rate=probe_rate)
         trainer = PeerConfig(
             role="trainer",
             name="trainer",
@@ -566,7 +566,10 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     if attack in PIPELINE:
         result = pipeline_run(name, args.steps, args.seed)
     elif attack in STAGES | STAGES2:
-        result = stages_run(name, args.steps, args.check_rate, args.seed, stages=2 if attack in STAGES2 else 1)
+        # backward probes are opt-in: on at the check rate, unless undefended
+        probe_rate = 0.0 if args.undefended else args.check_rate
+        stages = 2 if attack in STAGES2 else 1
+        result = stages_run(name, args.steps, args.check_rate, args.seed, stages=stages, probe_rate=probe_rate)
     elif attack in OUTER | OUTER3 | OUTER5:
         replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
         result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas, method=args.outer)
@@ -578,17 +581,14 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
 
 
 def undefend() -> None:
-    """Issue 42's defences off, in this process: no centred clip, no pair guard, no backward probes (the baseline the
-    attacks are measured against without them)."""
+    """Issue 42's outer defences off, in this process: no centred clip, no pair guard (the baseline the attacks are
+    measured against without them; the stage scenarios run without backward probes then)."""
     import math
 
     import optim.outer
-    import swarm.pipeline.trainer
-    from swarm.pipeline.probing import ProbeRule
 
     optim.outer.CENTRE_RADIUS = math.inf
     optim.outer.OuterOptimizer._guard_pair = lambda self, members: (members, {})  # type: ignore[method-assign]
-    swarm.pipeline.trainer.ProbeRule = lambda **kw: ProbeRule(rate=0.0, first_probes=0)  # type: ignore[misc]
 
 
 def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:

@@ -139,9 +139,7 @@ def test_the_window_starts_at_one_and_an_unmeasured_cap_of_one_stays_one() -> No
 def test_slow_hops_keep_more_than_an_inner_step_in_flight_with_bounded_staleness() -> None:
     cfg = config(steps=24)  # one microbatch per inner step
     stage = Stage1(cfg, latency_s=0.05)  # the wire, not compute, sets the round trip
-    trainer = Trainer(
-        cfg, stage, stage.router, options=TrainerOptions(check_rate=0.0, in_flight=4, max_staleness=3, log_every=4)
-    )
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3, log_every=4))
     logged: list[dict] = []
     record = run(trainer, stage, trainer.train(batches(), steps=24, on_log=logged.append))
     assert stage.most_open == 4  # four inner steps' microbatches at once: the window spans step boundaries
@@ -157,7 +155,7 @@ def test_slow_hops_keep_more_than_an_inner_step_in_flight_with_bounded_staleness
 def test_max_staleness_bounds_the_window_in_inner_steps() -> None:
     cfg = config(steps=12, microbatches_per_step=2)
     stage = Stage1(cfg, latency_s=0.02)
-    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(check_rate=0.0, in_flight=8, max_staleness=1))
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=8, max_staleness=1))
     record = run(trainer, stage, trainer.train(batches(), steps=12))
     # the current step's two microbatches and the next step's two: no more, whatever the window would take
     assert stage.most_open == 4 and record["staleness_max"] <= 1
@@ -193,7 +191,7 @@ def test_a_window_within_an_inner_step_holds_its_microbatches_and_never_starts_t
     cfg = config(steps=8, microbatches_per_step=4)
     trainer: Trainer
     stage = StepWatch(cfg, lambda: trainer.inner_steps, latency_s=0.05)  # the wire sets the round trip
-    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(check_rate=0.0, in_flight=4, log_every=1))
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, log_every=1))
     logged: list[dict] = []
     record = run(trainer, stage, trainer.train(batches(), steps=8, on_log=logged.append))
     assert stage.most_open == 4 and max(r["window"] for r in logged) == 4  # a whole step's microbatches at once
@@ -210,7 +208,7 @@ def test_a_window_of_one_is_the_synchronous_loop() -> None:
 
     def trained(windowed: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
         stage = Stage1(cfg)
-        trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(check_rate=0.0, in_flight=1, log_every=1))
+        trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=1, log_every=1))
         losses: list[float] = []
 
         async def scenario() -> None:
@@ -242,9 +240,7 @@ def test_a_microbatch_overtaken_past_max_staleness_is_dropped_and_counted() -> N
             await until("inner step 3", lambda: trainer.inner_steps >= 3)
 
     stage = Stage1(cfg, hold=hold_mb1)
-    trainer = Trainer(
-        cfg, stage, stage.router, options=TrainerOptions(check_rate=0.0, in_flight=4, max_staleness=1, log_every=1)
-    )
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=1, log_every=1))
     logged: list[dict] = []
     record = run(trainer, stage, trainer.train(batches(), steps=6, on_log=logged.append))
     assert record["stale_dropped"] == 1 and record["round_dropped"] == 0
@@ -270,7 +266,7 @@ def test_a_download_drops_the_gradients_of_microbatches_begun_on_the_old_weights
             await frozen.wait()
 
     stage = Stage1(cfg, hold=hold_from_mb3)
-    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(check_rate=0.0, in_flight=4, max_staleness=3))
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3))
     sync = ReplicaSync(cfg, EDGE_STAGE, trainer, net=None, board=None, replicas=None, fetch=None)  # type: ignore[arg-type]  # no network: what the test calls needs none
 
     async def scenario() -> tuple[int, int, dict]:
@@ -323,7 +319,7 @@ def test_a_server_refusing_this_trainers_gradient_is_not_banned_for_it() -> None
             raise RemoteError(RequestError.INVALID, "microbatch gradient refused: gradient norm 1e9 is over 1000×")
 
     stage = Stage1(cfg, hold=refuse)
-    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(check_rate=0.0, in_flight=1, max_attempts=3))
+    trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=1, max_attempts=3))
     record = run(trainer, stage, trainer.train(batches(), steps=6))
     assert record["hop_refused_invalid"] == 3 and record["step"] == 6
     assert stage.router.balancers[1].live_peers() == ["s1"]  # never banned: with a ban the stage would have none

@@ -504,7 +504,7 @@ class RemoteStages:
                 continue
             if reply is not None:
                 returned = Outgoing(*reply)
-                if not mb.train or not self._probeable(peer, mb.shape) or not self.probes.should_probe(peer):
+                if not mb.train or not self.probes.should_probe(peer) or not self._probeable(peer, mb.shape):
                     return returned
                 probe = self._probe(mb, hop, peer, grad.value, returned.value)
                 if not self.probes.unproven(peer):  # off the microbatch's path

@@ -117,8 +117,8 @@ class ServingLimits:
     # full peers' rounds of 3 stages, which then failed); a joiner downloads one state
     streams_per_peer: int = 16
     # per prefix: (times each blob at once, seconds to earn one more). A joiner needs a stage's state once, two or three
-    # times if rounds cut it;
-    # a peer re-downloading a 0.5 GB stage state every few seconds took 16 GB in 200 s (issue 42), now ≤ 4 + 200/60
+    # times if rounds cut it; a peer re-downloading a 0.5 GB stage state every few seconds took 16 GB in 200 s (issue
+    # 42), now at most 4 + 200/60 states of each stage
     budgets: tuple[tuple[str, float, float], ...] = (("state", 4.0, 60.0),)
 
     def __post_init__(self) -> None:
@@ -167,11 +167,10 @@ class BlobServicer(GuardedServicer):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         peer = context.remote_id
-        budget: PeerGuard | None = None
         try:
             self.screen(peer)
             name = self.open_request(peer, request.metadata, BlobRequest, max_bytes=MAX_REQUEST_BYTES).name
-            budget = self._admit(peer, name)
+            give_back = self._admit(peer, name)
             self._open[peer] += 1
         except Exception as e:  # every failure becomes the error header; refuse() tells the sender's faults from ours
             yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
@@ -180,8 +179,7 @@ class BlobServicer(GuardedServicer):
             try:
                 blob = await self._lookup(name)
             except Exception as e:
-                if budget is not None:
-                    budget.refund((peer, name))  # nothing was sent
+                give_back()  # nothing was sent
                 yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
                 return
             blob = blob if isinstance(blob, BlobStream) else BlobStream.of(blob)
@@ -198,8 +196,7 @@ class BlobServicer(GuardedServicer):
                         yield runtime_pb2.ExpertResponse(metadata=piece)
             except Exception as e:  # the blob changed or vanished while it was sent: the client sees it truncated
                 logger.info(f"blob {name} to {peer}: stopped after {sent} of {blob.size} bytes: {e}")
-                if budget is not None:
-                    budget.refund((peer, name))  # our cut, not the peer's doing
+                give_back()  # our cut, not the peer's doing
                 return
             if sent != blob.size:
                 logger.error(f"blob {name}: made {sent} bytes, announced {blob.size}; not finishing it")
@@ -212,22 +209,25 @@ class BlobServicer(GuardedServicer):
             if not self._open[peer]:
                 del self._open[peer]
 
-    def _admit(self, peer: PeerID, name: str) -> PeerGuard | None:
-        """Refuse (busy) a peer over its streams or its budget for ``name``'s prefix; the budget it was charged to."""
+    def _admit(self, peer: PeerID, name: str) -> Callable[[], None]:
+        """Refuse (busy) a peer over its streams or its budget for ``name``; else charge the budget, and return what
+        gives the charge back."""
         if self._open[peer] >= self.serving.streams_per_peer:
             self.busy_refusals += 1
             raise RequestError(
                 RequestError.BUSY, f"peer {peer} holds {self._open[peer]} blob streams open, the most one peer may"
             )
-        budget = self._budgets.get(name.split("/", 1)[0])
-        if budget is not None and not budget.take((peer, name)):  # per blob: a full peer downloads every stage once
+        budget, key = self._budgets.get(name.split("/", 1)[0]), (peer, name)  # per blob: a full peer takes every stage
+        if budget is None:
+            return lambda: None
+        if not budget.take(key):
             self.busy_refusals += 1
             limits = budget.limits
             raise RequestError(
                 RequestError.BUSY,
                 f"peer {peer} took {name} {limits.burst:g} times; once more every {1 / limits.rate:.0f} s",
             )
-        return budget
+        return lambda: budget.refund(key)
 
     async def _lookup(self, name: str) -> bytes | BlobStream:
         if not BLOB_NAME.fullmatch(name):
