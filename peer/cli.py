@@ -6,6 +6,7 @@ $ swarmloco sample --checkpoint runs/baseline/model.pt --prompt "def " --tokens 
 $ swarmloco export --initial-peers /ip4/…/p2p/12D3… -o model.pt   # the model of a running swarm
 $ swarmloco export --checkpoint runs/baseline/model.pt --format hf -o model-hf   # a folder transformers loads
 $ swarmloco config show --config swarm.toml   # the effective config, each field's meaning commented
+$ swarmloco plan --preset 125m --link 100mbit   # one trainer's tokens/s over those links, and what limits it
 $ swarmloco --version
 
 The commands live in peer/commands/; importing them registers them on ``app`` (peer/cli_common.py),
@@ -18,7 +19,7 @@ from typing import Annotated
 import typer
 
 from peer.cli_common import app
-from peer.commands import config, dashboard, one_process, private_swarm, swarm, tokenizer  # noqa: F401  (their decorators register the commands)
+from peer.commands import config, dashboard, one_process, plan, private_swarm, swarm, tokenizer  # noqa: F401  (their decorators register the commands)
 from peer.version import DISTRIBUTION, version
 
 __all__ = ["app"]  # what the console script (peer/entry.py) runs

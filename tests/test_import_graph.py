@@ -4,6 +4,7 @@ Layers, top to bottom: scripts/ and tests/ → swarmtest → peer → swarm → 
 its own layer or a lower one, and no package imports a module of tests/ or scripts/. Inside swarm/, each subpackage
 or top-level module is a unit, layered the same way (``SWARM_LAYERS``, top to bottom):
 
+    plan                          the throughput model, and its measurement of the real pipeline in one process
     node                          the Node and its roles: assembles a peer from everything below
     recovery, sim, export         CheckFree and rebalancing, the in-process simulator, the model's export
     pipeline, outer               the microbatch path and the outer step, side by side (neither imports the other)
@@ -38,6 +39,7 @@ SWARM_LAYERS: tuple[tuple[str, ...], ...] = (  # bottom to top
     ("pipeline", "outer"),
     ("recovery", "sim", "export"),
     ("node",),
+    ("plan",),
 )
 
 
