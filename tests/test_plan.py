@@ -223,3 +223,14 @@ def test_plan_help_explains_every_option_and_bad_input_is_one_line() -> None:
     assert result.exit_code == 2 and "a link rate is a number and a unit" in result.output
     result = CliRunner().invoke(app, ["plan", "--preset", "20m"])  # no H200 measurement of 20m
     assert result.exit_code == 2 and "--tokens-per-s" in result.output
+
+
+def test_a_short_run_pays_for_the_window_starting_at_one() -> None:
+    """The trainer's window starts at 1: a run's first microbatch goes alone, so its first step takes a round trip
+    more than the pipeline's, and a run's rate approaches the long-run rate as it lengthens."""
+    two = replace(swarm(up_mbit=10), microbatches_per_step=2, max_staleness=0)
+    steady = predict(two)
+    one_step = predict(two, steps=1)
+    assert 2 * two.tokens / one_step.tokens_per_s == pytest.approx(2 * steady.round_trip_s)
+    rates = [predict(two, steps=k).tokens_per_s for k in (1, 4, 40, 4000)]
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(steady.tokens_per_s, rel=1e-3)

@@ -140,8 +140,9 @@ class Swarm:
     """What the model reads: one trainer's microbatch (``tokens`` of it), its frames, the compute, the network, and the
     trainer's window: at most ``window`` microbatches in flight, ``microbatches_per_step`` of them per inner step, the
     window drained at each step unless ``max_staleness`` > 0. ``trainers``: trainers sharing each stage's server (its
-    link and compute serve them all). ``host_cores``: every peer on one machine of that many cores (the WAN lab), whose
-    compute then also queues for the cores; None for peers on machines of their own."""
+    link and compute serve them all). ``host_cores``: every peer on one machine with that many cores' worth of compute
+    (the WAN lab; fewer than it has when others load it, or when its cores slow each other), whose compute then also
+    queues for them; None for peers on machines of their own."""
 
     tokens: int
     frames: Frames
@@ -151,7 +152,7 @@ class Swarm:
     microbatches_per_step: int = 1
     max_staleness: int = 0
     trainers: int = 1
-    host_cores: int | None = None
+    host_cores: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.compute.stages) != self.frames.stages:
@@ -211,7 +212,7 @@ def resources(swarm: Swarm) -> tuple[Resource, ...]:
         ]
     if swarm.host_cores is not None:  # one machine's cores run every peer's compute
         total = c.trainer * k + c.inner_step * k / swarm.microbatches_per_step + k * sum(c.stages)
-        out.append(Resource(name=f"the host's {swarm.host_cores} cores", seconds=total / swarm.host_cores))
+        out.append(Resource(name=f"the host's {swarm.host_cores:.2g} cores", seconds=total / swarm.host_cores))
     return tuple(out)
 
 
@@ -232,8 +233,10 @@ def round_trip_s(swarm: Swarm) -> float:
     return total
 
 
-def predict(swarm: Swarm) -> Prediction:
-    """The tokens per second of one trainer, and what limits it.
+def predict(swarm: Swarm, *, steps: int | None = None) -> Prediction:
+    """The tokens per second of one trainer, and what limits it: in the long run, or over a run of ``steps`` inner
+    steps from the trainer's start (whose window starts at 1: the first microbatch goes alone, the first step takes
+    one round trip more).
 
     The pipeline delivers a microbatch every ``max(resource times)`` while the window keeps it full, and no faster
     than ``window`` microbatches per round trip (Little's law). With ``max_staleness`` 0 the window stays within an
@@ -251,6 +254,9 @@ def predict(swarm: Swarm) -> Prediction:
     else:
         step_s = latency + (n - 1) * interval + swarm.compute.inner_step
     tokens_per_s = n * swarm.tokens / step_s
+    if steps is not None:  # the window's start: the first microbatch alone, then the pipeline as above
+        first_s = step_s + (latency - interval if n > 1 else 0.0)
+        tokens_per_s = steps * n * swarm.tokens / (first_s + (steps - 1) * step_s)
     if latency / window > slowest.seconds:
         bottleneck = f"the window: {window} microbatch(es) in flight over a {latency:.3g} s round trip"
     elif n * slowest.seconds < BUBBLE_SHARE * step_s:
