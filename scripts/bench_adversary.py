@@ -22,6 +22,9 @@ test_membership.py, test_outer.py), played here with the same helpers (swarmtest
   server (one identity) answers every forward with random activations of the true per-token norm, or takes every
   call and never answers. The honest outcome is the trainer's val loss and tokens/s against the clean run's (three
   honest servers); ``--check-rate`` sets the trainer's share of forwards checked (0: checking off).
+- stage-lazy, stage-collude (issue 42): as stage-garbler, with a server passing its input through (forward and
+  backward: it computes nothing), or two of the three returning the same wrong output for the same input (random
+  activations of the input's norm, seeded by the input: they agree exactly when they check each other).
 - stage-gradflip: one server of stage 1, three of stage 2 and a trainer; one stage-2 server computes honestly but
   returns its input gradients sign-flipped (its forwards pass every check).
 - memory-bomb: a real ``OuterOptimizer`` applies a round with a SparseLoCo frame declaring (1, 64M) and a DiLoCo
@@ -64,10 +67,13 @@ ATTACKS = (
     "pg-flip9-pair",
     "pg-orthogonal-pair",
     "stage-gradflip",
+    "stage-lazy",
+    "stage-collude",
 )
 # the rest: outer attacks, and the in-process memory bomb
 PIPELINE = {"stage-nan", "cache-flood", "forged-records", "grad-570x-sybil"}
-STAGES = {"stage-garbler", "stage-silent"}  # three stage-1 servers, one the attacker's, and a trainer
+# three stage-1 servers, one the attacker's (two for stage-collude), and a trainer
+STAGES = {"stage-garbler", "stage-silent", "stage-lazy", "stage-collude"}
 STAGES2 = {"stage-gradflip"}  # one stage-1 server, three of stage 2 (one the attacker's), a trainer
 OUTER = {"state-liar", "round-staller", "pg-x1000", "pg-flip9-pair", "pg-orthogonal-pair"}
 # Adaptive pseudo-gradient attackers (issue 42), each under the ×10 norm screen, among replicas of stage 1. The last
@@ -278,10 +284,9 @@ def stages_run(
     import torch
 
     from peer.data import load_corpus
-    from swarm.config import TimeoutConfig
+    from swarm.config import TimeoutConfig, TrainerOptions
     from swarm.node.config import PeerConfig
-    from swarm.pipeline.trainer import TrainerOptions
-    from swarmtest.attacks import flip_backward, garble, silence
+    from swarmtest.attacks import collude, flip_backward, garble, pass_through, silence
     from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
     from swarmtest.node import BackgroundNode
 
@@ -307,12 +312,17 @@ def stages_run(
     try:
         attacker = servers[-1].call(lambda node: asyncio.sleep(0, node.role.holder))
         attacker_id = servers[-1].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
+        accomplice_id = servers[-2].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
         if attack == "stage-garbler":
             garble(attacker)
         elif attack == "stage-silent":
             silence(attacker)
         elif attack == "stage-gradflip":
             flip_backward(attacker)
+        elif attack == "stage-lazy":
+            pass_through(attacker)
+        elif attack == "stage-collude":
+            collude(attacker, servers[-2].call(lambda node: asyncio.sleep(0, node.role.holder)))
         options = TrainerOptions(check_rate=check_rate, probe_rate=probe_rate)
         trainer = PeerConfig(
             role="trainer",
@@ -327,16 +337,16 @@ def stages_run(
     finally:
         for server in servers:
             server.stop()
-    condemned = str(attacker_id) in last["condemned"]
-    banned = (
-        condemned if attack in ("stage-garbler", "stage-gradflip") else last["deadline_bans"] > 0 if attack else False
-    )
+    attackers = [attacker_id, accomplice_id] if attack == "stage-collude" else [attacker_id]
+    condemned = all(str(peer) in last["condemned"] for peer in attackers)
+    banned = condemned if attack != "stage-silent" else last["deadline_bans"] > 0
     keys = ("tokens_per_s", "step", "failed", "checks", "check_disagreements", "check_strikes", "checks_unresolved")
+    keys += ("check_failures",)
     keys += ("probes", "probe_failures", "resent_inputs")
     keys += ("hop_timeouts", "deadline_bans", "hop_failures")
     return {
         "banned": ("yes" if banned else "no") if attack else "n.a.",
-        "identities": 1,
+        "identities": len(attackers),
         "metric": "val_loss",
         "value": last.get("val_loss"),
         "rounds": None,

@@ -155,6 +155,77 @@ HASHED_ONLY_IF_SET: dict[str, object] = {
 }
 
 
+@dataclass(kw_only=True)
+class TrainerOptions:
+    """A trainer's own options (``PeerConfig.trainer``, its ``[trainer]`` table): how it runs its pipeline, not what the
+    swarm trains, so they stay out of ``SwarmConfig``. Used by swarm/pipeline/ (trainer.py, hops.py, audit.py)."""
+
+    in_flight: int = field(
+        default=4,
+        metadata=cli(
+            "Trainers: the most microbatches in flight at once, across inner steps (the window's cap; the window "
+            "itself follows round trip × delivery rate); 1 is the synchronous pipeline.",
+            min=1,
+        ),
+    )
+    # inner steps a microbatch may land after its forward began; the window never starts one that would land staler
+    # in order, and drops one overtaken past it. 0 (the default): the window stays within an inner step, so with one
+    # microbatch per inner step the pipeline is synchronous. Measured (docs/benchmarks.md): spanning steps (6, with a
+    # cap of 4) keeps 0.82 of the uncapped tokens/s at 20 Mbit/s instead of 0.53, but trains 9% worse at equal tokens
+    # (the servers recompute a backward on weights newer than its forward's), so it is a choice, not the default
+    max_staleness: int = field(
+        default=0,
+        metadata=cli(
+            "Trainers: inner steps a microbatch may land after its forward began; staler ones are not started, "
+            "or their gradients are dropped (counted). 0 keeps the window within an inner step (no staleness); "
+            "more lets it span steps: faster over slow links, at a quality cost (docs/benchmarks.md).",
+            min=0,
+        ),
+    )
+
+    max_attempts: int = (
+        3  # replicas tried per hop before the stage is skipped (forward) or the microbatch fails (backward)
+    )
+    max_failures_in_a_row: int = 50  # then the swarm is unusable: stop with an error instead of spinning
+    log_every: int = 10  # inner steps between progress records
+    check_rate: float = field(
+        default=0.02,
+        metadata=cli(
+            "Trainers: fraction of forward hops recomputed by another replica of the stage and compared (checked "
+            "pipeline work: every forward of a server until it passed one check, more of new and suspect servers); "
+            "0 turns checking off.",
+            min=0.0,
+        ),
+    )
+    probe_rate: float = field(
+        default=0.0,
+        metadata=cli(
+            "Trainers: fraction of backward hops probed by two forwards of the same server at x ± εg, which must "
+            "confirm the input gradient it returned (every backward of a server until it passed two probes; two "
+            "failures in eight condemn it). Off by default: a server that takes an inner step between its backward "
+            "and the probe fails it honestly (docs/architecture.md).",
+            min=0.0,
+        ),
+    )
+    deadline_multiple: float = 4.0  # a hop's deadline: this × the server's recent p95 service time (deadlines.py)
+    deadline_floor_s: float = 2.0  # the least time a hop gets
+    deadline_misses: int = 2  # deadlines missed in a row (no success between) that ban a server, for a growing back-off
+    eval_every: int = field(
+        default=0, metadata=cli("Trainers: validation pass every N inner steps (0: only at the end).", min=0)
+    )
+
+    def __post_init__(self) -> None:
+        if (
+            min(self.in_flight, self.max_attempts, self.max_failures_in_a_row, self.log_every, self.deadline_misses) < 1
+            or min(self.eval_every, self.max_staleness) < 0
+            or not 0.0 <= self.check_rate <= 1.0
+            or not 0.0 <= self.probe_rate <= 1.0
+            or self.deadline_floor_s <= 0
+            or self.deadline_multiple < 1
+        ):
+            raise ValueError(f"trainer options must be positive (eval_every, max_staleness non-negative), got {self}")
+
+
 # fields a run derives unless the config sets them (``follow_run``): the commented TOML writes them commented out while
 # they hold their default, so a file that `swarmloco config show` printed leaves them to the run (and loads back alike)
 LEFT_TO_THE_RUN = frozenset({"inner.total_steps"})

@@ -8,6 +8,7 @@ forged stage records, a state liar, a round staller, stage servers that garble o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import struct
 import zlib
@@ -205,6 +206,37 @@ def flip_backward(server: StageServer) -> None:
         return -honest(*args, **kwargs)
 
     server._compute_backward = flipped  # type: ignore[method-assign]
+
+
+def pass_through(server: StageServer) -> None:
+    """``server`` computes nothing: every forward returns its input and every backward the gradient it was given. A
+    lazy server at no cost, whose replies pass every shape, norm and finiteness check (issue 42: +11% val loss)."""
+
+    def lazy(x: torch.Tensor, keep: bool, times: Any) -> tuple[torch.Tensor, tuple[int, int], None]:
+        return x.to(server.device), (server.weights_epoch, server.inner_steps), None
+
+    server._forward_at_step = lazy  # type: ignore[method-assign, assignment]
+    server._compute_forward = lambda x: x.to(server.device)  # type: ignore[method-assign]
+    server._compute_backward = lambda entry, grad, *args, **kwargs: grad  # type: ignore[method-assign]
+
+
+def collude(*servers: StageServer) -> None:
+    """Every one of ``servers`` answers a forward with the same wrong output for the same input: random activations of
+    the input's per-token norm, drawn from a seed the input fixes. Two colluders checking each other agree exactly;
+    a third replica refereeing between one of them and an honest server is outvoted (issue 42: ~2× the val loss)."""
+    for server in servers:
+        honest = server._forward_at_step
+
+        def wrong(
+            x: torch.Tensor, keep: bool, times: Any, honest: Any = honest
+        ) -> tuple[torch.Tensor, tuple[int, int], None]:
+            _, at, _ = honest(x, False, times)  # the work is done (and timed) as an honest server's would be
+            seed = int(hashlib.sha256(x.detach().cpu().float().numpy().tobytes()).hexdigest()[:8], 16)
+            noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+            y = noise * (x.float().norm(dim=-1, keepdim=True) / noise.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+            return y.to(server.device), at, None
+
+        server._forward_at_step = wrong  # type: ignore[method-assign, assignment]
 
 
 def silence(server: StageServer) -> None:

@@ -18,14 +18,15 @@ import torch
 from compress.adaptive import Ladder, LinkEstimate, LinkEstimator, choose_codec, frame_bytes
 from compress.codecs import BOUNDARY_MAX_ABS, get_codec
 from compress.errors import ShapeMismatch, UnknownCodec, WireError
-from swarm.config import SwarmConfig
+from swarm.config import SwarmConfig, TrainerOptions
 from swarm.dht.metrics import Meter
 from swarm.pipeline.boundary import boundary_codecs, boundary_ladders
+from swarm.pipeline.frames import Outgoing
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward, Reply, _reply, parse_reply
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
-from swarm.pipeline.trainer import Outgoing, Trainer, TrainerOptions
+from swarm.pipeline.trainer import Trainer
 from swarmtest.configs import BATCH, SEQ, tiny_config
 
 SHAPE = (BATCH, SEQ, 64)  # the tiny config's boundary tensor

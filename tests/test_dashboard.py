@@ -392,7 +392,7 @@ import sys
 from pathlib import Path
 from peer.launch import run_peer
 from swarm.node.config import PeerConfig
-from swarm.pipeline.trainer import TrainerOptions
+from swarm.config import TrainerOptions
 initial_peer, out, data = sys.argv[1:]
 peer = PeerConfig(role="trainer", initial_peers=[initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], steps=100_000, data=[data],
                   out=Path(out), name="trainer-0", threads=1,

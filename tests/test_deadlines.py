@@ -13,12 +13,14 @@ from collections import Counter
 import pytest
 import torch
 
+from swarm.config import TrainerOptions
 from swarm.dht.metrics import Traffic
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.deadlines import MIN_SAMPLES, NEW_PEER_SLACK, DeadlineRule, Deadlines
+from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
+from swarm.pipeline.hops import RemoteStages
 from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import BAN_S, Router
-from swarm.pipeline.trainer import LinkCodecs, Microbatch, Outgoing, RemoteStages, TrainerOptions
 from swarmtest.attacks import INT8
 from swarmtest.clock import FakeClock
 from swarmtest.configs import BATCH, SEQ, tiny_config

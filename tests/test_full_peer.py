@@ -23,7 +23,7 @@ from pydantic.v1 import ValidationError
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config, peer_roles
-from swarm.config import SwarmConfig, save_config
+from swarm.config import SwarmConfig, TrainerOptions, save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.errors import ConfigError
@@ -45,7 +45,7 @@ from swarm.node.lifecycle import wait_for_replicas
 from swarm.node.placement import choose_role, stage_loads
 from swarm.node.roles.full import FullModel
 from swarm.pipeline.routing import Router
-from swarm.pipeline.trainer import Batch, TrainerOptions
+from swarm.pipeline.trainer import Batch
 from swarmtest.bench import swarm_summary
 from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, outer_config, tiny_config
 from swarmtest.node import BackgroundNode

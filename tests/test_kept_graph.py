@@ -24,9 +24,10 @@ from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
 from swarm.hardware import Precision
 from swarm.node.config import PeerConfig
+from swarm.pipeline.cache import ActivationCache, CacheEntry
 from swarm.pipeline.graphs import GraphSizer, KeptGraph, graph_budget_bytes
 from swarm.pipeline.protocol import Backward, Forward
-from swarm.pipeline.server import ActivationCache, CacheEntry, StageServer, warm_up
+from swarm.pipeline.server import StageServer, warm_up
 from swarm.pipeline.timing import SPLIT_FIELDS, synchronize
 from swarm.rpc.servicer import RequestError
 from swarmtest.configs import FP32_BOUNDARIES, RPC_BATCH, RPC_SEQ, RPC_WIDTH, rpc_config, tiny_config

@@ -8,13 +8,13 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from peer.data import load_corpus
-from swarm.config import SwarmConfig
+from swarm.config import SwarmConfig, TrainerOptions
 from swarm.errors import ConfigError
 from swarm.events import Fault, Progress, Serving
 from swarm.faults import FaultSchedule
 from swarm.node.config import PeerConfig
 from swarm.node.context import DataFactory
-from swarm.pipeline.trainer import Batch, TrainerOptions
+from swarm.pipeline.trainer import Batch
 from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, tiny_config
 from swarmtest.faults import kill_at
 from swarmtest.node import BackgroundNode

@@ -84,7 +84,7 @@ def test_a_trainers_record_names_the_servers_it_condemned_until_their_bans_end()
     try:
         assert trainer.status().condemned == {}
         server = PeerID.from_base58("12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG")
-        seconds = trainer.remote.checker.condemn(server)
+        seconds = trainer.remote.audit.checker.condemn(server)
         end = trainer.status().condemned[server.to_base58()]
         assert abs(end - (time.time() + seconds)) < 5.0  # in DHT time (the wall clock), not the checker's clock
     finally:

@@ -19,9 +19,10 @@ import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
 from compress.config import CodecConfig
 from compress.errors import BadMagic, LimitExceeded
-from swarm.config import SwarmConfig
+from swarm.config import SwarmConfig, TrainerOptions
 from swarm.model.stages import build_stage
 from swarm.model.step import stage_gradients
+from swarm.pipeline.cache import STASHED_STEPS, ActivationCache, CacheEntry
 from swarm.pipeline.protocol import (
     Backward,
     Forward,
@@ -31,8 +32,8 @@ from swarm.pipeline.protocol import (
     parse_reply,
     unpack,
 )
-from swarm.pipeline.server import STASHED_STEPS, ActivationCache, CacheEntry, StageServer
-from swarm.pipeline.trainer import Trainer, TrainerOptions
+from swarm.pipeline.server import StageServer
+from swarm.pipeline.trainer import Trainer
 from swarm.sim.centralized import evaluate, train_centralized
 from swarmtest.configs import RPC_BATCH, RPC_SEQ, RPC_WIDTH, rpc_config
 from swarmtest.fakes import CONTEXT, InProcessNetwork, request

@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from swarm.config import SwarmConfig
+from swarm.config import SwarmConfig, TrainerOptions
 from swarm.model.stages import EDGE_STAGE
 from swarm.outer.replica import ReplicaSync, snapshot_weights
 from swarm.outer.state import StageState
 from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
-from swarm.pipeline.trainer import Trainer, TrainerOptions, Window
+from swarm.pipeline.trainer import Trainer
+from swarm.pipeline.window import Window
 from swarmtest.configs import BATCH, SEQ, tiny_config
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -10,14 +10,14 @@ import random
 import pytest
 import torch
 
-from swarm.config import SwarmConfig
+from swarm.config import SwarmConfig, TrainerOptions
 from swarm.model.stages import EDGE_STAGE, to_model_state
 from swarm.model.transformer import Transformer
 from swarm.pipeline.boundary import Link, boundary_codecs
 from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
-from swarm.pipeline.trainer import Trainer, TrainerOptions
+from swarm.pipeline.trainer import Trainer
 from swarm.sim.centralized import train_centralized
 from swarm.sim.centralized import train_microbatch as centralized_microbatch
 from swarm.sim.simulate import Replica, make_replica

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from swarm.config import SwarmConfig, cli
+from swarm.config import SwarmConfig, TrainerOptions, cli
 from swarm.dht.reachability import REACHABILITY_MODES, Reachability, ReachabilityMode, choose_reachability
 from swarm.dht.records import PEER_NAME_PATTERN
 from swarm.errors import ConfigError
 from swarm.faults import FaultSchedule
 from swarm.hardware import DEVICE_HELP, device_spec_problem
 from swarm.model.compiling import COMPILE_HELP, COMPILE_MODES, CompileMode
-from swarm.pipeline.trainer import TrainerOptions
 from swarm.rpc.admission import Credentials
 
 Role = Literal["auto", "trainer", "stage", "full"]

@@ -1,0 +1,268 @@
+"""The trainer's audit of the work its servers return: forward hops checked against another replica and judged by
+the loss each output gives down the rest of the path (checking.py), backwards probed through the same server's own
+forwards (probing.py), verdicts turned into bans.
+
+A new or suspect server's work lands only once its check or probe passed (``forward``/``backward`` wait for it); a
+proven server's is audited off the microbatch's critical path, as a side job (``close`` cancels those). The calls
+themselves go through the trainer's ``RemoteStages`` (``HopCalls``): one place for deadlines, metering and codecs.
+
+    >>> audit = HopAudit(stages, router, options, counters=counters)  # RemoteStages builds its own
+    >>> if not await audit.forward(mb, request, codec, peer, y): ...  # condemned: the hop again, elsewhere
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, Protocol
+
+import torch
+
+from compress.codecs import Codec
+from swarm.config import TrainerOptions
+from swarm.pipeline.checking import CheckRule, HopChecker
+from swarm.pipeline.frames import Hop, LinkCodecs, Microbatch, Outgoing
+from swarm.pipeline.probing import PROBED_CODECS, BackwardProbes, ProbeRule, descent, passes, probe_steps, resolved
+from swarm.pipeline.protocol import Forward
+from swarm.pipeline.routing import Peer, Router
+
+logger = logging.getLogger(__name__)
+Reply = tuple[torch.Tensor, torch.Tensor | None, bytes, Codec]  # decoded value, token ids, the frame, its codec
+# the trainer's loss for a training microbatch's last boundary output h (B, T, d): its head, against ``mb.targets``
+LossOf = Callable[[Microbatch, torch.Tensor], Awaitable[float]]
+
+
+class HopCalls(Protocol):
+    """What an audit calls servers through (``RemoteStages``)."""
+
+    codecs: LinkCodecs
+
+    def new_id(self, prefix: str = "mb") -> str: ...
+
+    def other_replica(self, stage: int, tried: list[Peer]) -> Peer | None: ...
+
+    async def call(self, mb: Microbatch, peer: Peer, request: Forward, codec: str) -> Reply | None: ...
+
+    async def decode(
+        self, kind: str, frame: bytes, shape: tuple[int, ...]
+    ) -> tuple[Codec, torch.Tensor, torch.Tensor | None]: ...
+
+
+class HopAudit:
+    """Checks and probes of one trainer's hops, their verdicts (``checker.condemned``), and the side jobs under way."""
+
+    def __init__(
+        self,
+        calls: HopCalls,
+        router: Router,
+        options: TrainerOptions,
+        *,
+        counters: Counter[str],
+        loss_of: LossOf | None = None,
+    ) -> None:
+        self.calls, self.router, self.counters, self.loss_of = calls, router, counters, loss_of
+        rate = options.check_rate  # 0: off, probation and suspects included (the cost measurement's baseline)
+        rule = (
+            CheckRule(rate=rate) if rate else CheckRule(rate=0.0, first_checks=0, probation_rate=0.0, suspect_rate=0.0)
+        )
+        self.checker = HopChecker(rule)
+        probe_rate = options.probe_rate
+        self.probes = BackwardProbes(ProbeRule(rate=probe_rate) if probe_rate else ProbeRule(rate=0.0, first_probes=0))
+        self._jobs: set[asyncio.Task[Any]] = set()  # audits under way, off the microbatches' paths
+
+    async def forward(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
+        """A training forward ``peer`` answered with ``y``: whether it may land (False: it failed its check, so the hop
+        goes to another replica). Sampled ones are checked; a new or suspect server's only lands once its check
+        passed."""
+        if not mb.train or not self.checker.should_check(peer):
+            return True
+        check = self._check(mb, request, codec, peer, y)
+        if not self.checker.unproven(peer):
+            self._side_job(check)
+            return True
+        return await check
+
+    async def backward(self, mb: Microbatch, hop: Hop, peer: Peer, grad: torch.Tensor, returned: torch.Tensor) -> bool:
+        """``peer`` answered the backward of ``hop`` given output gradient ``grad`` with ``returned``: whether it may
+        land (False: its probe failed, so the backward goes to another replica). Sampled ones are probed off the path
+        once the server passed its first probes, else before they land."""
+        if not mb.train or not self.probes.should_probe(peer) or not self._probeable(peer, mb.shape):
+            return True
+        probe = self._probe(mb, hop, peer, grad, returned)
+        if not self.probes.unproven(peer):
+            self._side_job(probe)
+            return True
+        return await probe
+
+    def observe_loss(self, loss: float, path: list[Peer]) -> None:
+        """A training microbatch's loss through ``path``'s servers: spikes make a path's servers suspect."""
+        self.checker.observe_loss(loss, path)
+
+    def condemned_now(self) -> set[Hashable]:
+        return self.checker.condemned_now()
+
+    async def close(self) -> None:
+        """Cancel the audits under way."""
+        for task in list(self._jobs):
+            task.cancel()
+        await asyncio.gather(*self._jobs, return_exceptions=True)
+
+    def _side_job(self, job: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(job)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    async def _check(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
+        """The hop's forward again, on another replica; outputs apart judged by the loss each gives down the rest of
+        the path (``HopChecker.by_loss``), the worse one's server failing. False if ``peer``'s failed."""
+        stage = request.stage
+        try:
+            checker_peer, other = await self._recompute(mb, request, codec, [peer])
+            if checker_peer is None or other is None:
+                return True  # no other replica, or it failed: unchecked
+            self.counters["checks"] += 1
+            if self.checker.agree(y.value, other.value):
+                self.checker.clear(peer)
+                self.checker.clear(checker_peer)
+                return True
+            self.counters["check_disagreements"] += 1
+            losses = await self._losses(mb, stage, [y, other], prev=stage)
+            if losses is None:  # the rest of the path failed, or no loss to judge by: both checked more
+                self.counters["checks_unresolved"] += 1
+                self.checker.suspect(peer, checker_peer)
+                logger.warning(f"stage {stage}: {peer} and {checker_peer} disagree on {mb.id}; no loss settled it")
+                return True
+            worse = self.checker.by_loss(*losses)
+            logger.debug(
+                f"stage {stage}: {mb.id} judged by loss: {peer} {losses[0]:.4f}, {checker_peer} {losses[1]:.4f}"
+            )
+            if worse is None:
+                self.checker.clear(peer)
+                self.checker.clear(checker_peer)
+                return True
+            wrong, right = (peer, checker_peer) if worse == 0 else (checker_peer, peer)
+            loss_wrong, loss_right = (losses[0], losses[1]) if worse == 0 else (losses[1], losses[0])
+            _, x, tokens = await self.calls.decode("activations", request.x, mb.shape)
+            skip = await self._losses(mb, stage, [Outgoing(x, tokens)], prev=request.prev_stage)
+            if skip is None:
+                self.counters["checks_unresolved"] += 1
+                self.checker.suspect(peer, checker_peer)
+                return True
+            if not self.checker.no_better_than_skipping(loss_wrong, skip[0]):  # it did the stage's work, less of it
+                self.counters["checks_behind"] += 1
+                self.checker.clear(right)
+                self.checker.suspect(wrong)  # checked more: it may be an attacker doing just enough
+                logger.info(
+                    f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f}"
+                    f" of {right}'s, yet better than skipping the stage ({skip[0]:.4f}): behind, not wrong"
+                )
+                return True
+            self.checker.clear(right)
+            self.counters["check_failures"] += 1
+            logger.warning(
+                f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f} of"
+                f" {right}'s, no better than skipping the stage ({skip[0]:.4f})"
+            )
+            if self.checker.failed(wrong):
+                rule = self.checker.rule
+                why = (
+                    f"its outputs gave a loss over {rule.loss_margin:.0%} above another replica's, no better than"
+                    f" skipping the stage, in {rule.failures} of its last {rule.history} checks"
+                )
+                self.condemn(stage, wrong, mb, why=why)
+            return wrong != peer
+        except Exception as e:  # a check is a side job: it must never take the trainer down
+            logger.warning(f"check of {mb.id} at stage {stage} failed: {type(e).__name__}: {e}")
+            return True
+
+    async def _recompute(
+        self, mb: Microbatch, request: Forward, codec: str, tried: list[Peer]
+    ) -> tuple[Peer | None, Outgoing | None]:
+        """Another replica's output for the same input (its forward not kept: ``train=False``), or Nones."""
+        if (peer := self.calls.other_replica(request.stage, tried)) is None:
+            return None, None
+        again = Forward(
+            mb=f"{mb.id}.check{len(tried)}",
+            stage=request.stage,
+            prev_stage=request.prev_stage,
+            x=request.x,
+            train=False,
+        )
+        reply = await self.calls.call(mb, peer, again, codec)
+        return peer, None if reply is None else Outgoing(*reply)
+
+    async def _losses(self, mb: Microbatch, stage: int, outputs: list[Outgoing], *, prev: int) -> list[float] | None:
+        """The trainer's loss for each of ``outputs`` (coming from stage ``prev``), each taken down the rest of
+        ``mb``'s path after ``stage`` through the same replicas (not kept: ``train=False``); None if a call failed or
+        there is no loss to take."""
+        if self.loss_of is None or mb.targets is None:
+            return None
+        rest = mb.path[mb.path.index(stage) + 1 :] if stage in mb.path else ()
+        peers = [self.calls.other_replica(s, []) for s in rest]  # one replica per later stage, for every output
+        if any(p is None for p in peers):
+            return None
+        losses = []
+        for i, out in enumerate(outputs):
+            came_from = prev
+            for s, peer in zip(rest, peers, strict=True):
+                assert peer is not None
+                codec = self.calls.codecs.choose("activations", peer, mb.shape)
+                request = Forward(
+                    mb=f"{mb.id}.judge{i}.{s}.{came_from}",
+                    stage=s,
+                    prev_stage=came_from,
+                    x=out.frame(codec),
+                    train=False,
+                )
+                if (reply := await self.calls.call(mb, peer, request, codec.name)) is None:
+                    return None
+                out, came_from = Outgoing(*reply), s
+            losses.append(await self.loss_of(mb, out.value))
+        return losses
+
+    def _probeable(self, peer: Peer, shape: tuple[int, ...]) -> bool:
+        """The link's codecs round finely enough for a probe to judge (``PROBED_CODECS``)."""
+        codecs = self.calls.codecs
+        return all(codecs.choose(kind, peer, shape).name in PROBED_CODECS for kind in ("activations", "gradients"))
+
+    async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> bool:
+        """Two ordinary forwards of ``peer`` at x ± εg judge the gradient g it returned (probing.py); False if it failed
+        (True if it could not be judged: no answer, which the deadlines deal with)."""
+        try:
+            _, x, tokens = await self.calls.decode("activations", hop.x, mb.shape)
+            eps = probe_steps(x, g, self.probes.step(peer))
+            outputs = []
+            for sign in (1.0, -1.0):
+                probe = Microbatch(self.calls.new_id(), mb.shape, train=True)
+                codec = self.calls.codecs.choose("activations", peer, mb.shape)
+                frame = Outgoing(x + sign * eps * g.to(x), tokens).frame(codec)
+                request = Forward(mb=probe.id, stage=hop.stage, prev_stage=hop.prev_stage, x=frame, train=True)
+                if (reply := await self.calls.call(probe, peer, request, codec.name)) is None:
+                    return True
+                outputs.append(reply[0])
+            if resolved(*outputs) < self.probes.rule.min_resolved:  # the reply's rounding swallowed the step
+                self.counters["probes_unresolved"] += 1
+                self.probes.unresolved(peer)
+                return True
+            judged = descent(u.to(outputs[0].device), outputs[0], outputs[1], eps, g.to(outputs[0].device))
+        except Exception as e:  # a probe is a side job: it must never take the trainer down
+            logger.warning(f"probe of {mb.id} at stage {hop.stage} failed: {type(e).__name__}: {e}")
+            return True
+        self.counters["probes"] += 1
+        passed = passes(judged, self.probes.rule)
+        self.counters["probe_failures"] += not passed
+        if self.probes.record(peer, judged):
+            self.condemn(hop.stage, peer, mb, why="its backward points against its own forward's gradient")
+        elif not passed:
+            logger.warning(f"stage {hop.stage}: {peer}'s backward of {mb.id} failed a probe (descent {judged:.3f})")
+        return passed
+
+    def condemn(self, stage: int, peer: Peer, mb: Microbatch, *, why: str = "") -> None:
+        """``peer`` did wrong work: banned from this trainer's routing, for longer each time (``HopChecker.condemn``)."""
+        seconds = self.checker.condemn(peer)
+        self.counters["check_strikes"] += 1
+        reason = why or f"its work on {mb.id} was wrong"
+        self.router.ban(stage, peer, seconds, reason=reason)
+        logger.warning(f"stage {stage}: {peer} condemned ({reason}); banned for {seconds:.0f} s")

@@ -1,0 +1,122 @@
+"""HopAudit (swarm/pipeline/audit.py): a checked forward judged by the loss each output gives, not by a vote.
+
+Replicas are fakes whose outputs are constant tensors; the trainer's loss of an output is a table by that constant,
+so each case sets the losses it is about: a garbler (or two colluders, or a server passing its input through) fails
+and its reply does not land; an honest replica behind the other, but better than skipping its stage, is not failed;
+three failures in a server's last eight checks condemn it; colluders that agree with each other pass, until an honest
+replica checks one of them. The losses at real shapes are tests/test_stage_checks.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import torch
+
+from compress.codecs import Codec
+from swarm.config import TrainerOptions
+from swarm.pipeline.audit import HopAudit
+from swarm.pipeline.boundary import boundary_ladders
+from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
+from swarm.pipeline.protocol import Forward
+from swarm.pipeline.routing import Peer, Router
+from swarmtest.configs import tiny_config
+
+SHAPE = (2, 8, 16)  # (B, T, d)
+INPUT = 0.0  # the hop's input: the constant every output is told apart by (its loss is the skip's)
+
+
+class FakeReplicas:
+    """``HopCalls`` over replicas of stage 1 answering with ``torch.full(SHAPE, level)``."""
+
+    def __init__(self, levels: dict[str, float]) -> None:
+        self.levels = levels
+        self.codecs = LinkCodecs(dict(zip(("activations", "gradients"), boundary_ladders(tiny_config()), strict=True)))
+        self.checkers: list[str] = []  # the replica asked to recompute each check, in order (``other_replica``)
+        self._ids = 0
+
+    def new_id(self, prefix: str = "mb") -> str:
+        self._ids += 1
+        return f"{prefix}{self._ids}"
+
+    def other_replica(self, stage: int, tried: list[Peer]) -> Peer | None:
+        left = [peer for peer in self.levels if peer not in tried]
+        if left:
+            self.checkers.append(left[0])
+        return left[0] if left else None
+
+    async def call(
+        self, mb: Microbatch, peer: Peer, request: Forward, codec: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bytes, Codec] | None:
+        reply_codec = self.codecs.choose("activations", peer, mb.shape)
+        return torch.full(SHAPE, self.levels[str(peer)]), None, b"", reply_codec
+
+    async def decode(self, kind: str, frame: bytes, shape: tuple[int, ...]) -> tuple[Codec, torch.Tensor, None]:
+        return self.codecs.choose(kind, "any", shape), torch.full(SHAPE, INPUT), None
+
+
+def audit_of(replicas: FakeReplicas, losses: dict[float, float]) -> tuple[HopAudit, Counter[str]]:
+    """An audit checking every forward, whose loss of an output is ``losses[its constant]``."""
+
+    async def loss_of(mb: Microbatch, h: torch.Tensor) -> float:
+        return losses[round(float(h.flatten()[0]), 3)]
+
+    router = Router(1, random.Random(0))
+    router.update(1, list(replicas.levels))
+    counters: Counter[str] = Counter()
+    audit = HopAudit(replicas, router, TrainerOptions(check_rate=1.0), counters=counters, loss_of=loss_of)
+    return audit, counters
+
+
+def check(audit: HopAudit, replicas: FakeReplicas, peer: str) -> bool:
+    """``peer`` answered a training forward of stage 1 (the path's last): whether its reply lands."""
+    mb = Microbatch(replicas.new_id(), SHAPE, train=True, path=(1,), targets=torch.zeros(SHAPE[:2], dtype=torch.long))
+    request = Forward(mb=mb.id, stage=1, prev_stage=0, x=b"", train=True)
+    y = Outgoing(torch.full(SHAPE, replicas.levels[peer]), None)
+    return asyncio.run(audit.forward(mb, request, "int8", peer, y))
+
+
+def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_and_three_condemn() -> None:
+    replicas = FakeReplicas({"evil": 3.0, "honest": 1.0})
+    audit, counters = audit_of(replicas, {1.0: 3.0, 3.0: 4.5, INPUT: 3.6})  # honest 3.0, skipping 3.6, evil 4.5
+    assert not check(audit, replicas, "evil") and counters["check_failures"] == 1
+    assert "evil" in audit.checker.suspects and not audit.checker.is_condemned("evil")  # one failure: suspect
+    assert not check(audit, replicas, "evil") and not check(audit, replicas, "evil")
+    assert audit.checker.is_condemned("evil") and counters["check_strikes"] == 1  # the third of its last eight
+    assert not audit.checker.is_condemned("honest") and audit.checker.passed["honest"] == 3
+
+
+def test_a_replica_behind_the_other_but_better_than_skipping_its_stage_is_not_failed() -> None:
+    replicas = FakeReplicas({"behind": 2.0, "ahead": 1.0})
+    audit, counters = audit_of(replicas, {1.0: 3.0, 2.0: 3.4, INPUT: 3.6})  # 13% behind, 6% better than skipping
+    for _ in range(5):
+        assert check(audit, replicas, "behind")
+    assert counters["checks_behind"] == 5 and counters["check_failures"] == 0
+    assert not audit.checker.is_condemned("behind") and "behind" in audit.checker.suspects  # checked more
+
+
+def test_outputs_within_the_margin_pass_however_far_apart_they_are() -> None:
+    replicas = FakeReplicas({"a": 1.0, "b": 2.0})
+    audit, counters = audit_of(replicas, {1.0: 3.0, 2.0: 3.1, INPUT: 3.0})  # 3% apart: both pass, skip unasked
+    assert check(audit, replicas, "b") and counters["check_disagreements"] == 1 and counters["check_failures"] == 0
+    assert audit.checker.passed == Counter({"a": 1, "b": 1})
+
+
+def test_a_server_passing_its_input_through_fails_once_its_stage_does_work() -> None:
+    replicas = FakeReplicas({"lazy": INPUT, "honest": 1.0})
+    audit, counters = audit_of(replicas, {1.0: 3.2, INPUT: 5.3})  # d_model 768 after 10 steps: 3.19 against 5.33
+    assert not check(audit, replicas, "lazy") and counters["check_failures"] == 1
+
+
+def test_colluders_agreeing_pass_each_other_but_fail_against_an_honest_replica_whatever_their_number() -> None:
+    """No vote: two liars agreeing is one check passed, not a verdict on the honest server."""
+    replicas = FakeReplicas({"evil": 3.0, "evil2": 3.0, "honest": 1.0})
+    audit, counters = audit_of(replicas, {1.0: 3.0, 3.0: 4.5, INPUT: 3.6})
+    assert check(audit, replicas, "evil") and replicas.checkers[-1] == "evil2"  # agree exactly: passes
+    assert counters["check_disagreements"] == 0
+    assert check(audit, replicas, "honest") and replicas.checkers[-1] == "evil"  # an honest server checked by a liar
+    assert (
+        counters["check_failures"] == 1 and "evil" in audit.checker.suspects and "honest" not in audit.checker.suspects
+    )
+    assert audit.checker.passed["honest"] == 1
