@@ -221,7 +221,8 @@ def projection() -> list[dict[str, Any]]:
                     "preset": preset,
                     "link": name,
                     "command": f"swarmloco plan --preset {preset} --link {server}"
-                    + ("" if up == down == server else f" --down {down} --up {up}"),
+                    + ("" if up == server else f" --up {up}")
+                    + ("" if down == server else f" --down {down}"),
                     "tokens_per_s": p.tokens_per_s,
                     "fraction": p.tokens_per_s / rate,
                     "bottleneck": p.bottleneck,
