@@ -2,7 +2,7 @@
 process, one microbatch at a time (no network, nothing overlapping), and every call's frames and its server's time
 are recorded.
 
-    >>> m = measure(cfg, batches, steps=3)  # cfg's shapes and codecs; 1 warm-up inner step, then 3 timed
+    >>> m = measure(SwarmConfig(), random_batches(SwarmConfig()), steps=3)  # 1 warm-up inner step, then 3 timed
     >>> m.compute.stages, m.frames.out  # seconds per microbatch per stage; each stage's output frame, bytes
 
 A stage's compute is its server's time per call (decoding the request, forward or backward, encoding the reply: what

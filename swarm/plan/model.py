@@ -8,8 +8,12 @@ stage's compute and the trainer's own compute is a resource with a time per micr
 flight the slowest one sets the rate. The trainer keeps at most ``window`` in flight, and with ``max_staleness`` 0 it
 drains its window at every inner step, so each step also pays one microbatch's whole round trip (the bubble).
 
-    >>> p = predict(Swarm(frames=Frames.uniform(stages=2, activation=6_299_670, gradient=6_299_670), compute=..., network=...))
-    >>> p.tokens_per_s, p.bottleneck  # (4061.2, 'the trainer's uplink')
+    >>> frames = Frames.uniform(stages=2, activation=6_299_689, gradient=6_299_689)  # int8 frames of 8 × 1024 × 768
+    >>> link = Link.symmetric(parse_rate("100mbit"))
+    >>> swarm = Swarm(tokens=8192, frames=frames, compute=Compute(stages=(0.021, 0.021), trainer=0.0),
+    ...               network=Network(trainer=link, server=link, rtt_s=0.05), window=16, microbatches_per_step=2,
+    ...               max_staleness=1)
+    >>> p = predict(swarm); round(p.tokens_per_s), p.bottleneck  # (3889, "the trainer's uplink")
 
 Units: bytes, seconds, bytes per second (``Link``'s rates), tokens per microbatch ``tokens``.
 """

@@ -1,12 +1,12 @@
 """What the throughput model needs from a swarm config: its frames' bytes from the real codecs, and each stage's
 compute on a device known by one process's training rate, split by the stages' FLOPs.
 
-    >>> frames = codec_frames(cfg)  # Frames of cfg's activation and gradient codecs at (B, T, d)
-    >>> compute = reference_compute(cfg, tokens_per_s=REFERENCE_RATES["h200"]["125m"])
+    >>> codec_frames(SwarmConfig()).trainer_sent  # 528712: the default model's int8 frames, 4 × 128 × 128, 4 stages
+    >>> reference_compute(cfg, tokens_per_s=REFERENCE_RATES["h200"]["125m"])  # cfg at 125m: each stage's seconds
 
 Frames here are the codec's own size (``header_bytes`` + ``payload_bytes``, which ``tests/test_plan.py`` checks
-against real encodes): zstd may shrink a real swarm's frames further (the embedding's int8 codes repeat; a block's
-output hardly does), so a prediction from them errs slow. ``swarm/plan/measure.py`` measures real frames instead.
+against real encodes): zstd may shrink a real swarm's frames further (at 125m the embedding's int8 codes to 0.04, a
+block's output to 0.6), so a prediction from them errs slow. ``swarm/plan/measure.py`` measures real frames instead.
 """
 
 from __future__ import annotations
