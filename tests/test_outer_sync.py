@@ -23,6 +23,7 @@ from swarm.events import OuterDeclared, OuterStrike, StateDownload, of_kind
 from swarm.outer.accountability import OUTER_PEER_LIMITS
 from swarm.outer.allgather import allgather_round
 from swarm.outer.board import MAX_COMMIT_BYTES, Board, digest, parse_commit
+from swarm.outer.claims import round_to_meet
 from swarm.outer.group import P2PGroupNetwork, RoundKey, RoundResult, RoundTiming
 from swarm.outer.matchmaking import RoundContext, window_opening
 from swarm.outer.pairs import pair_round
@@ -935,3 +936,105 @@ def test_a_state_served_while_a_round_changes_it_is_cut_short() -> None:
             await anext(chunks)
 
     asyncio.run(scenario())
+
+
+class LaggingRecords(ReplicaGroup):
+    """Replicas whose DHT records are not their live status but ``records`` (name → status), as set: a record lags its
+    replica by up to an announce period, and rounds on a busy machine come faster than that."""
+
+    records: dict[str, StageStatus] = {}
+
+    async def others(self, me: str) -> dict[str, StageStatus]:
+        return {name: status for name, status in self.records.items() if name != me}
+
+
+def noloco_replica_behind(records: dict[str, StageStatus]) -> tuple[LaggingRecords, ReplicaSync]:
+    """NoLoCo replicas a, b, d: a and b (identical weights: a pair's members end on the same ones) have done round 2
+    together since the round 1 that all three did, and serve round 3's state; their ``records`` may still say
+    otherwise. d is at round 1."""
+    swarm = LaggingRecords(sync_config("noloco"), ["a", "b", "d"])
+    swarm.records = records
+    a, b, d = (swarm.syncs[name] for name in "abd")
+    b.outer.load_state_dict(a.outer.state_dict())
+    a.outer.round = b.outer.round = 3
+    d.outer.round = 1
+    return swarm, d
+
+
+def test_a_noloco_replica_behind_moves_to_the_others_round_where_their_records_lag_their_state() -> None:
+    # CI (tests/test_swarm_outer.py, the NoLoCo pairs): a trainer late for one round tried to catch up by download;
+    # the claim was vouched (a pair's members hold the same weights), so only exactly the claimed round would do, and
+    # the holders, a round every second, had always done one or two more than their records said (RecordBehind). It
+    # stayed behind, and the three others met as a triple round after round. NoLoCo replicas never agree: what d lacks
+    # is the round, not anyone's weights.
+    lagging = StageStatus(outer_round=2, global_hash="2" * 16)  # both holders' records: one round behind their state
+    swarm, d = noloco_replica_behind({"a": lagging, "b": lagging})
+    weights = {name: g.clone() for name, g in d.outer.global_params.items()}
+
+    async def scenario() -> bool:
+        now = asyncio.get_running_loop().time()
+        d.trust.did_round(1, ("a", "b", "d"), now=now, inner_steps=0, moved=0.0, steps=0)  # round 1 with a and b
+        return await d.catch_up()
+
+    assert asyncio.run(scenario())
+    assert d.round == 2 and d.counters["outer_rounds_skipped"] == 1  # the others' round, as far as their records say
+    assert all(torch.equal(g, weights[name]) for name, g in d.outer.global_params.items())  # its own weights kept
+    assert d.global_hash == weights_hash(weights) and not of_kind(swarm.of("d"), StateDownload)
+    assert not [blob for _, _, blob in swarm.hub.fetches if blob.startswith("state/")]  # nothing downloaded
+    for sync in swarm.syncs.values():
+        sync.close()
+
+
+def test_a_noloco_replica_moves_its_round_no_further_than_its_reach_and_with_no_history_downloads() -> None:
+    far = StageStatus(outer_round=5, global_hash="5" * 16)  # 4 rounds on: beyond the reach of d's round 1 just now
+    swarm, d = noloco_replica_behind({"a": far, "b": far})
+
+    async def scenario() -> bool:
+        now = asyncio.get_running_loop().time()
+        d.trust.did_round(1, ("a", "b", "d"), now=now, inner_steps=0, moved=0.0, steps=0)
+        return await d.catch_up()
+
+    assert not asyncio.run(scenario()) and d.round == 1
+    for sync in swarm.syncs.values():
+        sync.close()
+    # a replica with no round or state of its own yet (just started) downloads a claim's state, as in every stage
+    swarm, d = noloco_replica_behind({})
+    swarm.records = {"a": StageStatus(**swarm.syncs["a"].status_fields())}  # round 3, as a is
+    assert asyncio.run(d.catch_up()) and d.round == 3 and d.global_hash == swarm.syncs["a"].global_hash
+    assert [e.reason for e in of_kind(swarm.of("d"), StateDownload)] == ["behind"]
+    for sync in swarm.syncs.values():
+        sync.close()
+
+
+def test_a_noloco_half_behind_moves_to_the_round_of_the_half_ahead_on_a_known_peers_word() -> None:
+    # A late round split four NoLoCo replicas into halves (seen on loopback, a trainer paused for 3 s): a and b are two
+    # rounds on, c and d, a pair (the same weights: a vouched claim of their own), behind. d met b and c in its recent
+    # rounds, never a: the half ahead's claim is vouched by one peer d knows, and its own half's vouched claim kept d
+    # off it. c and d waited out each late round (20 s) and went on alone, rounds behind for good.
+    swarm = LaggingRecords(sync_config("noloco"), ["a", "b", "c", "d"])
+    a, b, c, d = (swarm.syncs[name] for name in "abcd")
+    b.outer.load_state_dict(a.outer.state_dict())
+    c.outer.load_state_dict(d.outer.state_dict())
+    a.outer.round = b.outer.round = 5
+    c.outer.round = d.outer.round = 3
+    swarm.records = {name: StageStatus(**sync.status_fields()) for name, sync in swarm.syncs.items()}
+
+    async def scenario() -> bool:
+        earlier = asyncio.get_running_loop().time() - 1.0  # d's last round with others (b, c), a second ago
+        d.trust.did_round(3, ("b", "c", "d"), now=earlier, inner_steps=0, moved=0.0, steps=0)
+        return await d.catch_up()
+
+    assert asyncio.run(scenario()) and d.round == 5 and d.global_hash == c.global_hash  # a's round, its own weights
+    assert not of_kind(swarm.of("d"), StateDownload)
+    for sync in swarm.syncs.values():
+        sync.close()
+
+
+def test_a_noloco_replica_meets_at_a_known_peers_round_within_reach_never_on_a_strangers_word() -> None:
+    others = {
+        "known": StageStatus(outer_round=6),
+        "stranger": StageStatus(outer_round=8),  # in none of its recent rounds: its word counts for nothing alone
+        "far": StageStatus(outer_round=30),  # known, but beyond reach
+    }
+    assert round_to_meet([], others, round_=4, known={"known", "far"}, reach=10) == 6
+    assert round_to_meet([], others, round_=6, known={"known", "far"}, reach=10) is None  # nobody further within reach

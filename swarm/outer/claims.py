@@ -175,6 +175,32 @@ def claims_to_follow(
     return follow if replicas_agree else [claim for claim in follow if claim.round > round_]
 
 
+def round_to_meet(
+    follow: Sequence[StateClaim],
+    others: Mapping[str, StageStatus],
+    *,
+    round_: int,
+    known: Collection[str],
+    reach: int | None,
+) -> int | None:
+    """Where replicas never agree (NoLoCo), the round a replica at ``round_`` moves its counter on to, to meet the
+    others there, keeping its own weights; None: it stays. The latest of the claims it would follow (``follow``, from
+    ``claims_to_follow``) and of the rounds the records of ``known`` peers (those of its recent rounds: whose word
+    vouches) claim, each no further than ``reach``.
+
+    A known peer's word alone suffices for a round, though not for weights: the stage's halves split by a late round
+    hold one vouched claim each, and ``claims_to_follow`` would keep the half behind off the other's claim (vouched
+    by peers of which it knows only one) for good. Moving the counter takes nothing but the round on their word.
+    """
+    rounds = [c.round for c in follow if c.round > round_ and (reach is None or c.round <= reach)]
+    rounds += [
+        s.outer_round
+        for peer, s in others.items()
+        if peer in known and s.outer_round > round_ and (reach is None or s.outer_round <= reach)
+    ]
+    return max(rounds, default=None)
+
+
 def check_plausible(params: Mapping[str, torch.Tensor], reference: Reference, *, max_norm_ratio: float) -> None:
     """ValueError if a tensor's norm differs from ``reference``'s by more than ``max_norm_ratio`` either way.
 

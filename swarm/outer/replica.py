@@ -32,7 +32,7 @@ from swarm.model.step import WeightChange
 from swarm.outer.accountability import Accountability
 from swarm.outer.allgather import allgather_round
 from swarm.outer.board import Board
-from swarm.outer.claims import StateClaim, claims_to_follow
+from swarm.outer.claims import StateClaim, claims_to_follow, round_to_meet
 from swarm.outer.download import NoStateDelivered, Served, StreamFetch, download_claim, later
 from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming
 from swarm.outer.matchmaking import RoundContext, expected_members, window_open
@@ -247,7 +247,14 @@ class ReplicaSync:
 
     async def catch_up(self) -> bool:
         """Download the stage's state if the records show a better claim than this replica's own (``claims_to_follow``:
-        a later round, or this round with other weights held by more replicas); True if it did."""
+        a later round, or this round with other weights held by more replicas); True if it did.
+
+        Where replicas never agree (NoLoCo), a replica with a history of its own (a round done, a state adopted) only
+        moves its round counter on (``round_to_meet``, ``_skip_to``) instead: there is no stage state to converge on,
+        only a round to meet the others at, and a download would throw away its own progress since its last round.
+        (A NoLoCo replica a round behind stayed behind for good: the holders of the claim it followed, a round every
+        second, had moved on by the time they served their state, ``RecordBehind``; or the half of the stage ahead
+        held a claim vouched by peers of which it knew only one, and its own half's vouched claim kept it off that.)"""
         self._others = await self._live_others()
         if self._ahead is not None and self._ahead[1].round <= self.round:
             self._ahead = None  # this replica got there itself: the kept state is of no more use
@@ -272,6 +279,13 @@ class ReplicaSync:
             # the peers whose word vouches (a Sybil that closes every round alone never becomes one)
             leader=self._lone_leader if not self.trust.has_history or self._lone_leader in self.trust.known else None,
         )
+        if self.outer is not None and not self.outer.replicas_agree and self.trust.has_history:
+            # NoLoCo: its own weights are as good as any replica's; the round is all it lacks
+            meet_at = round_to_meet(follow, self._others, round_=self.round, known=self.trust.known, reach=reach)
+            if meet_at is None:
+                return False
+            await self._skip_to(meet_at)
+            return True
         for claim in follow:
             if await self._download(claim, "behind" if claim.round > self.round else "diverged", reach):
                 return True
@@ -368,6 +382,19 @@ class ReplicaSync:
     def _expected(self) -> set[str] | None:
         """Whom the window waits for (``expected_members``), from the records last read and the last round's members."""
         return expected_members(self.net.me, self._last_group, self._others, self.round, self.excluded)
+
+    async def _skip_to(self, round_: int) -> None:
+        """Move the round counter on to ``round_`` (``round_to_meet``: within reach, on a followed claim or a known
+        peer's word), keeping the global weights, the outer optimizer's state and the local progress.
+
+        Only for an outer step whose replicas never agree (NoLoCo): the round is then nothing but when to meet (the
+        matchmaking key, the pairing's seed); no weights are taken on anyone's word, so a liar's claim moves no weights,
+        and it moves the counter no further than honest training reaches (``StateTrust.reach``). The trust's reach mark
+        stays at the last round this replica knew first-hand: a skip is not an adoption."""
+        skipped = round_ - self.round
+        await self._changing(setattr, self._outer, "round", round_)
+        self.counters["outer_rounds_skipped"] += skipped
+        logger.info(f"stage {self.stage}: moved on to outer round {round_}, where the others are ({skipped} skipped)")
 
     async def _download(self, claim: StateClaim, reason: str, reach: int | None) -> bool:
         """Download and adopt the state ``claim`` announces, from one of its holders, if its round is within ``reach``
