@@ -93,7 +93,9 @@ def shape_config(shape: str) -> SwarmConfig:
 # works, then one where every copy does (interleaved, so load from other work on the machine hits both alike)
 PROBE = """import json, sys, time, torch
 torch.set_num_threads(1)
-start, phase_s, index, rounds = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+print("ready", flush=True)
+start = float(sys.stdin.readline())
+phase_s, index, rounds = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 a, counts = torch.randn(384, 384), []
 for phase in range(2 * rounds):
     begin, end = start + phase * phase_s, start + (phase + 1) * phase_s
@@ -110,18 +112,30 @@ print(json.dumps(counts))
 def parallel_capacity(cores: int, phase_s: float = 1.5, rounds: int = 3) -> float:
     """This machine's compute now, in cores running alone: ``cores`` one-thread torch loops at once against one alone
     (other work on the machine, and cores that slow each other, leave fewer than it has); the median of ``rounds``."""
-    start = time.time() + 5.0  # after every copy has imported torch
-    argv = [str(start), str(phase_s)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", PROBE, *argv, str(i), str(rounds)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", PROBE, str(phase_s), str(i), str(rounds)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for i in range(cores)
     ]
+    for p in procs:  # every copy has imported torch
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    start = time.time() + 0.5
+    for p in procs:  # the start to all before any is waited for
+        assert p.stdin is not None
+        p.stdin.write(f"{start}\n")
+        p.stdin.flush()
     counts = [json.loads(p.communicate()[0]) for p in procs]
     ratios = [sum(c[2 * r + 1] for c in counts) / max(1, counts[0][2 * r]) for r in range(rounds)]
     return min(float(cores), statistics.median(ratios))
 
 
-def lab_swarm(cfg: SwarmConfig, measured: Measured, cap_mbit: float, cores: int, effective: float) -> Swarm:
+def lab_swarm(
+    cfg: SwarmConfig, measured: Measured, cap_mbit: float, cores: int, effective: float, rtt_ms: float = 0.0
+) -> Swarm:
     """The model of the lab's swarm: its measured compute and frames, every link capped at ``cap_mbit``, all peers on
     ``cores`` cores worth ``effective`` cores alone (so each computation takes ``cores / effective`` times as long
     when they all compute, and the host's cores are a resource of their own)."""
@@ -132,7 +146,7 @@ def lab_swarm(cfg: SwarmConfig, measured: Measured, cap_mbit: float, cores: int,
         tokens=cfg.train.microbatch_size * cfg.train.seq_len,
         frames=measured.frames,
         compute=replace(c, stages=tuple(slowdown * s for s in c.stages), trainer=slowdown * c.trainer),
-        network=Network(trainer=link, server=link),
+        network=Network(trainer=link, server=link, rtt_s=rtt_ms / 1000),
         window=PeerConfig().trainer.in_flight,
         microbatches_per_step=cfg.train.inner_batch // cfg.train.microbatch_size,
         host_cores=effective * slowdown,  # the contended computations on ``cores`` cores: solo work / effective
@@ -169,7 +183,7 @@ def in_run_prediction(record: dict[str, Any], run: Path, cores: int) -> dict[str
         tokens=shape["microbatch"] * shape["seq_len"],
         frames=frames,
         compute=Compute(stages=served, trainer=slowdown * c["trainer"]),
-        network=Network(trainer=link, server=link),
+        network=Network(trainer=link, server=link, rtt_s=record.get("rtt_ms", 0.0) / 1000),
         window=PeerConfig().trainer.in_flight,
         microbatches_per_step=shape["inner_batch"] // shape["microbatch"],
         host_cores=cores,
@@ -183,10 +197,10 @@ def in_run_prediction(record: dict[str, Any], run: Path, cores: int) -> dict[str
     }
 
 
-def run_lab(cfg: SwarmConfig, steps: int, cap_mbit: float, out: Path) -> dict[str, Any]:
+def run_lab(cfg: SwarmConfig, steps: int, cap_mbit: float, out: Path, rtt_ms: float = 0.0) -> dict[str, Any]:
     layout = replace(LAYOUT, steps=steps)
     names = [name for name, _ in layout.servers()] + ["trainer-0"]
-    with WanLab(caps_mbit=[cap_mbit] * len(names)) as lab:
+    with WanLab(caps_mbit=[cap_mbit] * len(names), rtts_ms=[rtt_ms] * len(names)) as lab:
         hosts = {
             name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)
         }
@@ -288,6 +302,9 @@ def main() -> int:
     parser.add_argument("--caps", type=lambda t: [float(c) for c in t.split(",")], default=list(CAPS_MBIT))
     parser.add_argument("--target-s", type=float, default=30.0, help="training seconds each run is sized for")
     parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument(
+        "--rtt-ms", type=float, default=0.0, help="every peer's round-trip delay (two peers' round trip is this)"
+    )
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the lab's peers share")
     parser.add_argument("--projection-only", action="store_true", help="print the H200 projection, run no lab")
     parser.add_argument("--out", type=Path, help="keep every run's logs here")
@@ -330,17 +347,18 @@ def main() -> int:
             )
             for cap in args.caps:
                 effective = parallel_capacity(args.cores)
-                swarm = lab_swarm(cfg, measured, cap, args.cores, effective)
+                swarm = lab_swarm(cfg, measured, cap, args.cores, effective, args.rtt_ms)
                 steps = max(4, min(args.max_steps, round(args.target_s / predict(swarm).step_s)))
                 p = predict(swarm, steps=steps)
                 load = os.getloadavg()[0]
                 print(f"  {shape} at {cap:g} Mbit/s: {steps} steps, predicted {p.tokens_per_s:.0f} tok/s", flush=True)
                 started = time.perf_counter()
-                result = run_lab(cfg, steps, cap, root / f"{shape}-{cap:g}")
+                result = run_lab(cfg, steps, cap, root / f"{shape}-{cap:g}", args.rtt_ms)
                 measured_tps = result["tokens_per_s"]
                 record = {
                     "shape": shape,
                     "cap_mbit": cap,
+                    "rtt_ms": args.rtt_ms,
                     "steps": steps,
                     "predicted_tokens_per_s": p.tokens_per_s,
                     "measured_tokens_per_s": measured_tps,
