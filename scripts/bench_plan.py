@@ -161,7 +161,7 @@ def served_compute(run: Path, stages: int) -> tuple[float, ...] | None:
     for stage in range(1, stages + 1):
         records = read_events(run / f"stage{stage}-0.jsonl")
         split = next((r["time_split"] for r in reversed(of_kind(records, Progress)) if "time_split" in r), None)
-        if split is None:
+        if split is None or not {"forward", "backward"} <= split.keys():  # a server that never served a training hop
             return None
         parts = ("decode_s", "copy_s", "compute_s", "encode_s")
         per_stage.append(sum(split[kind][part] for kind in ("forward", "backward") for part in parts))
@@ -291,6 +291,10 @@ def report(records: list[dict[str, Any]]) -> None:
             f"{r['ratio']:6.2f} {r.get('in_run_predicted_tokens_per_s', float('nan')):7.0f} "
             f"{r.get('in_run_ratio', float('nan')):6.2f} {r['effective_cores']:5.2f}  {r['bottleneck']}"
         )
+    skipped = [f"{r['shape']} at {r['cap_mbit']:g}" for r in records if r.get("skipped_hops")]
+    if skipped:
+        print(f"left out, their trainer skipped stages (not the path modelled): {', '.join(skipped)}")
+    records = [r for r in records if not r.get("skipped_hops")]
     for key in ("ratio", "in_run_ratio"):
         within = sum(abs(r[key] - 1) <= TARGET_RATIO for r in records if key in r)
         print(f"{key}: {within} of {len(records)} predictions within {TARGET_RATIO:.0%} of the measurement")
@@ -376,6 +380,7 @@ def main() -> int:
                     "load_average": load,
                     "effective_cores": effective,
                     "failed_hops": result["failed_hops"],
+                    "skipped_hops": result["skipped_hops"],  # > 0: not the path modelled, the run does not count
                     "window_mean": result.get("window_mean"),
                     "wall_s": time.perf_counter() - started,
                     "compute": asdict(measured.compute),
