@@ -212,7 +212,7 @@ def pass_through(server: StageServer) -> None:
     """``server`` computes nothing: every forward returns its input and every backward the gradient it was given. A
     lazy server at no cost, whose replies pass every shape, norm and finiteness check (issue 42: +11% val loss)."""
 
-    def lazy(x: torch.Tensor, keep: bool, times: Any) -> tuple[torch.Tensor, tuple[int, int], None]:
+    def lazy(x: torch.Tensor, keep: bool, times: Any, on: Any = None) -> tuple[torch.Tensor, tuple[int, int], None]:
         return x.to(server.device), (server.weights_epoch, server.inner_steps), None
 
     server._forward_at_step = lazy  # type: ignore[method-assign, assignment]
@@ -228,9 +228,9 @@ def collude(*servers: StageServer) -> None:
         honest = server._forward_at_step
 
         def wrong(
-            x: torch.Tensor, keep: bool, times: Any, honest: Any = honest
+            x: torch.Tensor, keep: bool, times: Any, on: Any = None, honest: Any = honest
         ) -> tuple[torch.Tensor, tuple[int, int], None]:
-            _, at, _ = honest(x, False, times)  # the work is done (and timed) as an honest server's would be
+            _, at, _ = honest(x, False, times, on)  # the work is done (and timed) as an honest server's would be
             seed = int(hashlib.sha256(x.detach().cpu().float().numpy().tobytes()).hexdigest()[:8], 16)
             noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
             y = noise * (x.float().norm(dim=-1, keepdim=True) / noise.norm(dim=-1, keepdim=True).clamp_min(1e-12))

@@ -79,3 +79,49 @@ def test_a_probe_the_replies_rounding_swallowed_judges_nothing_and_the_next_step
         steps.append(probes.step("s"))
         probes.unresolved("s")
     assert steps == [0.05, 0.2, 0.4, 0.4] and probes.passed["s"] == 2 and probes.failed["s"] == 0
+
+
+def test_a_server_answers_a_probe_on_the_weights_its_forward_ran_on_after_stepping_and_refuses_once_they_are_gone() -> (
+    None
+):
+    """The forward reply says which weights it ran on; a forward asking for them (``Forward.on_epoch``/``on_step``)
+    runs on the stashed copy after the server stepped, so a probe judges the gradient where the backward took it.
+    Without that, one inner step between the backward and the probe failed honest servers (docs/architecture.md)."""
+    import asyncio
+
+    from swarm.pipeline.protocol import Backward, Forward, RemoteError, parse_reply
+    from swarm.pipeline.protocol import _reply as encoded_reply
+    from swarm.pipeline.server import StageServer
+    from swarm.rpc.servicer import RequestError
+    from swarmtest.configs import BATCH, SEQ
+
+    torch.manual_seed(0)
+    cfg = tiny_config(stages=1, train={"microbatch_size": BATCH, "inner_batch": BATCH})  # a step every backward
+    server = StageServer(cfg, 1)
+    act, grad = boundary_codecs(cfg)
+    x = act.encode(torch.randn(BATCH, SEQ, cfg.model.d_model))
+
+    async def run() -> None:
+        first = parse_reply(encoded_reply(await server.forward("t", Forward(mb="mb0", stage=1, prev_stage=0, x=x))))
+        assert first.weights == (0, 0)  # what it ran on, said in the reply (through the wire format)
+        dy = grad.encode(torch.randn(BATCH, SEQ, cfg.model.d_model))
+        await server.backward("t", Backward(mb="mb0", stage=1, grad=dy))
+        assert server.inner_steps == 1  # stepped: its current weights are no longer those
+        now = await server.forward("t", Forward(mb="mb1", stage=1, prev_stage=0, x=x))
+        probe = await server.forward("t", Forward(mb="mb2", stage=1, prev_stage=0, x=x, on_epoch=0, on_step=0))
+        assert probe.weights == (0, 0) and now.weights == (0, 1)
+        y0, y_now, y_probe = (act.decode(bytes(r)) for r in (first, now, probe))
+        assert torch.equal(y_probe, y0) and not torch.equal(y_now, y0)
+        try:
+            await server.forward("t", Forward(mb="mb3", stage=1, prev_stage=0, x=x, on_epoch=0, on_step=7))
+        except RemoteError as e:
+            raise AssertionError("a server error, not a remote one") from e
+        except RequestError as e:
+            assert e.code == RequestError.INVALID and "no longer held" in e.message
+        else:
+            raise AssertionError("weights it never had must be refused")
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.shutdown()

@@ -113,21 +113,30 @@ def test_every_forward_of_a_server_is_checked_and_held_back_until_it_passed_its_
     assert not any(checker.should_check("new") for _ in range(50)) and not checker.unproven("new")
 
 
-def test_the_worse_loss_fails_two_failures_in_the_history_condemn_and_bans_grow() -> None:
+def test_the_worse_loss_fails_harmful_failures_in_the_history_condemn_and_bans_grow() -> None:
     clock = FakeClock(0.0)
-    checker = HopChecker(CheckRule(ban_s=10.0, loss_margin=0.03, failures=2, history=8), clock=clock)
+    checker = HopChecker(CheckRule(ban_s=10.0, loss_margin=0.03, harm_margin=0.1, failures=2, history=8), clock=clock)
     assert checker.by_loss(3.0, 3.08) is None and checker.by_loss(3.08, 3.0) is None  # within 3%: both pass
     assert checker.by_loss(3.2, 3.0) == 0 and checker.by_loss(3.0, 3.2) == 1
-    assert not checker.failed("bad") and "bad" in checker.suspects  # one failure: checked more, not condemned
+    assert checker.no_better_than_skipping(3.2, 3.2) and not checker.no_better_than_skipping(3.1, 3.2)
+    assert checker.harmful(3.6, 3.2) and not checker.harmful(3.3, 3.2)
+    assert not checker.failed("bad", harmful=True) and "bad" in checker.suspects  # suspect, not condemned
     for _ in range(6):
-        checker.clear("bad")
-    assert checker.failed("bad")  # the second among its last 8 judgements: condemn it
+        checker.clear("bad", by_loss=True)
+    assert not checker.failed("lazy", harmful=False) and not checker.failed("lazy", harmful=False)  # never condemned
+    assert "lazy" in checker.suspects
+    assert checker.failed("bad", harmful=True)  # the second harmful one among its last 8 judgements: condemn it
     checker2 = HopChecker(CheckRule(failures=2, history=3))
-    checker2.failed("x")
+    checker2.failed("x", harmful=True)
+    for _ in range(5):
+        checker2.clear("x")  # agreeing outright: no judgement, so the failure stays among its last 3
+    assert checker2.failed("x", harmful=True)
+    checker3 = HopChecker(CheckRule(failures=2, history=3))
+    checker3.failed("x", harmful=True)
     for _ in range(3):
-        checker2.clear("x")
-    assert not checker2.failed("x")  # the first failure has left its last 3 judgements
-    assert checker2.failed("x")
+        checker3.clear("x", by_loss=True)
+    assert not checker3.failed("x", harmful=True)  # the first failure has left its last 3 judgements
+    assert checker3.failed("x", harmful=True)
     assert checker.condemn("bad") == 10.0 and checker.is_condemned("bad")
     clock.advance(10.5)
     assert not checker.is_condemned("bad") and checker.condemn("bad") == 20.0
@@ -221,12 +230,13 @@ def train(
 
 
 @pytest.mark.timeout(300)
-def test_a_garbling_replica_is_struck_and_routed_around_and_the_trainer_trains_on() -> None:
+def test_a_garbling_replica_fails_its_checks_is_routed_around_and_the_trainer_trains_on() -> None:
+    """Its failing outputs do not land, and each failure takes it out of the routing 15 s (the run's rest here): a
+    verdict needs 4 harmful failures in a row, which a 60-step run is too short for (tests/test_audit.py)."""
     clean, _, _ = train(garbling=False, check_rate=CheckRule().rate)
     last, trainer, calls = train(garbling=True, check_rate=CheckRule().rate)
     assert last["step"] == 60 and last["failed"] == 0
-    assert last["check_strikes"] == 1 and last["checks"] >= 1
-    assert trainer.condemned == {"evil"} and "evil" not in trainer.router.balancers[1].live_peers()
+    assert last["check_failures"] >= 1 and last["checks"] >= 1 and not trainer.condemned - {"evil"}
     assert calls.forwards["evil"] < 15  # caught on probation: the other two served the rest
     assert clean["check_strikes"] == 0  # honest replicas are never condemned
     print(f"val loss: clean {clean['val_loss']:.3f}, one garbling replica of three {last['val_loss']:.3f}")
@@ -234,19 +244,18 @@ def test_a_garbling_replica_is_struck_and_routed_around_and_the_trainer_trains_o
 
 
 @pytest.mark.timeout(300)
-def test_with_every_forward_of_new_servers_checked_only_the_garbler_is_condemned() -> None:
+def test_with_every_forward_of_new_servers_checked_no_honest_one_is_condemned() -> None:
     """Probation rate 1: every one of a server's first 20 forwards is judged (most by the loss, as replicas that
-    never sync drift apart), and the one replica starved of microbatches is behind the others, yet only the garbler is
-    condemned. (Its first outputs may land: at the start random activations give the loss of the honest ones, ~5.5,
-    near chance; a reply that fails does not land: tests/test_audit.py.)"""
+    never sync drift apart, and one may be starved of microbatches), yet no honest replica is condemned, and the
+    garbler is routed around. (Its first outputs may land: at the start random activations give the loss of the
+    honest ones, ~5.5, near chance; a reply that fails does not land: tests/test_audit.py.)"""
     landed: list[str] = []
     rule = CheckRule(probation_rate=1.0)
     # route_seed 5: the garbler serves the first training forward (with 0 it is first met as another hop's checker)
     last, trainer, calls = train(garbling=True, check_rate=0.02, rule=rule, landed=landed, route_seed=5)
-    assert last["step"] == 60 and last["failed"] == 0 and last["check_strikes"] == 1
-    assert last["check_disagreements"] >= 10  # judged by the loss
-    assert calls.forwards["evil"] >= 1 and trainer.condemned == {"evil"}
-    assert {"s1", "s2"} <= set(landed)
+    assert last["step"] == 60 and last["failed"] == 0 and not trainer.condemned - {"evil"}
+    assert last["check_disagreements"] >= 10 and last["check_failures"] >= 1  # judged by the loss
+    assert 1 <= calls.forwards["evil"] < 15 and {"s1", "s2"} <= set(landed)
 
 
 @pytest.mark.timeout(300)
@@ -267,11 +276,16 @@ def test_a_replica_flipping_its_backward_fails_its_probes_and_is_condemned_and_h
 
 
 @pytest.mark.timeout(300)
-def test_two_colluding_garblers_and_a_server_passing_its_input_through_are_condemned_and_no_honest_one_is() -> None:
+def test_two_colluding_garblers_and_a_server_passing_its_input_through_are_routed_around() -> None:
     """Issue 42's adaptive pipeline attackers: two of three replicas return the same wrong output for the same input
     (they agree exactly when they check each other, and outvoted the honest one under a referee), or one returns its
     input (nearer the true output than drifted honest replicas are to each other). The loss judges them."""
-    colluded, trainer, _ = train(check_rate=CheckRule().rate, colluding=True)
-    assert trainer.condemned == {"evil", "evil2"} and colluded["step"] == 60 and colluded["failed"] == 0
-    lazy, trainer, _ = train(check_rate=CheckRule().rate, lazy=True)
-    assert trainer.condemned == {"evil"} and lazy["check_strikes"] == 1 and lazy["failed"] == 0
+    colluded, trainer, calls = train(check_rate=CheckRule().rate, colluding=True)
+    assert colluded["step"] == 60 and colluded["failed"] == 0 and not trainer.condemned - {"evil", "evil2"}
+    assert colluded["check_failures"] >= 2 and calls.forwards["evil"] + calls.forwards["evil2"] < 20  # of ~60
+    lazy, trainer, calls = train(check_rate=CheckRule().rate, lazy=True)
+    # passing its input through is no worse than skipping the stage: it fails (out of the routing 15 s, every forward
+    # checked, its failing outputs redone elsewhere) but is never condemned; the honest replicas do the training
+    # (unchecked, the fastest replica there is: 45-55 of ~70 forwards)
+    assert lazy["check_strikes"] == 0 and lazy["check_failures"] >= 1 and lazy["failed"] == 0
+    assert calls.forwards["evil"] < 15

@@ -48,9 +48,12 @@ def embed(edge: EdgeStage, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def stage_forward(stage: MiddleStage, x: torch.Tensor) -> torch.Tensor:
-    """Step 2 on a stage server: no graph waits in memory until the backward (it recomputes)."""
-    y: torch.Tensor = stage(x)
+def stage_forward(
+    stage: MiddleStage, x: torch.Tensor, weights: Mapping[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Step 2 on a stage server: no graph waits in memory until the backward (it recomputes). ``weights``: trainable
+    parameters by name to run at instead of the stage's current ones (a stashed copy: a backward probe's forward)."""
+    y: torch.Tensor = stage(x) if weights is None else torch.func.functional_call(stage, dict(weights), (x,))
     return y
 
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -30,6 +30,9 @@ from swarm.pipeline.routing import Peer, Router
 
 logger = logging.getLogger(__name__)
 Reply = tuple[torch.Tensor, torch.Tensor | None, bytes, Codec]  # decoded value, token ids, the frame, its codec
+# what a backward's probe found: its gradient confirmed, contradicted, or not judged (no answer, the weights it was
+# taken on gone, the replies' rounding); a backward that needs no probe is "passed"
+ProbeOutcome = Literal["passed", "failed", "unjudged"]
 # the trainer's loss for a training microbatch's last boundary output h (B, T, d): its head, against ``mb.targets``
 LossOf = Callable[[Microbatch, torch.Tensor], Awaitable[float]]
 
@@ -84,16 +87,19 @@ class HopAudit:
             return True
         return await check
 
-    async def backward(self, mb: Microbatch, hop: Hop, peer: Peer, grad: torch.Tensor, returned: torch.Tensor) -> bool:
+    async def backward(
+        self, mb: Microbatch, hop: Hop, peer: Peer, grad: torch.Tensor, returned: torch.Tensor
+    ) -> ProbeOutcome:
         """``peer`` answered the backward of ``hop`` given output gradient ``grad`` with ``returned``: whether it may
-        land (False: its probe failed, so the backward goes to another replica). Sampled ones are probed off the path
-        once the server passed its first probes, else before they land."""
+        land ("passed"), or its probe failed or could not judge it (the backward goes to another replica if there is
+        one: a server that dodges its probes never proves itself). Sampled ones are probed off the path once the
+        server passed its first probes (then "passed" at once), else before they land."""
         if not mb.train or not self.probes.should_probe(peer) or not self._probeable(peer, mb.shape):
-            return True
+            return "passed"
         probe = self._probe(mb, hop, peer, grad, returned)
         if not self.probes.unproven(peer):
             self._side_job(probe)
-            return True
+            return "passed"
         return await probe
 
     def observe_loss(self, loss: float, path: list[Peer]) -> None:
@@ -139,8 +145,8 @@ class HopAudit:
                 f"stage {stage}: {mb.id} judged by loss: {peer} {losses[0]:.4f}, {checker_peer} {losses[1]:.4f}"
             )
             if worse is None:
-                self.checker.clear(peer)
-                self.checker.clear(checker_peer)
+                self.checker.clear(peer, by_loss=True)
+                self.checker.clear(checker_peer, by_loss=True)
                 return True
             wrong, right = (peer, checker_peer) if worse == 0 else (checker_peer, peer)
             loss_wrong, loss_right = (losses[0], losses[1]) if worse == 0 else (losses[1], losses[0])
@@ -152,24 +158,30 @@ class HopAudit:
                 return True
             if not self.checker.no_better_than_skipping(loss_wrong, skip[0]):  # it did the stage's work, less of it
                 self.counters["checks_behind"] += 1
-                self.checker.clear(right)
+                self.checker.clear(right, by_loss=True)
                 self.checker.suspect(wrong)  # checked more: it may be an attacker doing just enough
                 logger.info(
                     f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f}"
                     f" of {right}'s, yet better than skipping the stage ({skip[0]:.4f}): behind, not wrong"
                 )
                 return True
-            self.checker.clear(right)
+            self.checker.clear(right, by_loss=True)
             self.counters["check_failures"] += 1
+            harmful = self.checker.harmful(loss_wrong, skip[0])
+            # out of the routing a while (15 s, the router's failure ban): a server passing its input through is the
+            # fastest there is, and charged only the time its checks took it kept two thirds of the forwards (only to
+            # have them redone elsewhere) and starved the honest replicas until their stages did worse than skipped
+            self.router.report_failure(stage, wrong, reason=f"its output of {mb.id} failed its check")
             logger.warning(
                 f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f} of"
                 f" {right}'s, no better than skipping the stage ({skip[0]:.4f})"
             )
-            if self.checker.failed(wrong):
+            if self.checker.failed(wrong, harmful=harmful):
                 rule = self.checker.rule
                 why = (
-                    f"its outputs gave a loss over {rule.loss_margin:.0%} above another replica's, no better than"
-                    f" skipping the stage, in {rule.failures} of its last {rule.history} checks"
+                    f"its outputs gave a loss over {rule.loss_margin:.0%} above another replica's and"
+                    f" {rule.harm_margin:.0%} above skipping the stage, in {rule.failures} of its last {rule.history}"
+                    " judgements"
                 )
                 self.condemn(stage, wrong, mb, why=why)
             return wrong != peer
@@ -227,9 +239,12 @@ class HopAudit:
         codecs = self.calls.codecs
         return all(codecs.choose(kind, peer, shape).name in PROBED_CODECS for kind in ("activations", "gradients"))
 
-    async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> bool:
-        """Two ordinary forwards of ``peer`` at x ± εg judge the gradient g it returned (probing.py); False if it failed
-        (True if it could not be judged: no answer, which the deadlines deal with)."""
+    async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> ProbeOutcome:
+        """Two ordinary forwards of ``peer`` at x ± εg, on the weights its forward of ``hop`` ran on (``Hop.weights``,
+        which its backward differentiated at), judge the gradient g it returned (probing.py)."""
+        if hop.weights is None:  # the server did not say which weights its forward ran on (an older release)
+            self.counters["probes_unanswered"] += 1
+            return "unjudged"
         try:
             _, x, tokens = await self.calls.decode("activations", hop.x, mb.shape)
             eps = probe_steps(x, g, self.probes.step(peer))
@@ -238,18 +253,22 @@ class HopAudit:
                 probe = Microbatch(self.calls.new_id(), mb.shape, train=True)
                 codec = self.calls.codecs.choose("activations", peer, mb.shape)
                 frame = Outgoing(x + sign * eps * g.to(x), tokens).frame(codec)
-                request = Forward(mb=probe.id, stage=hop.stage, prev_stage=hop.prev_stage, x=frame, train=True)
+                epoch, step = hop.weights
+                request = Forward(
+                    mb=probe.id, stage=hop.stage, prev_stage=hop.prev_stage, x=frame, on_epoch=epoch, on_step=step
+                )
                 if (reply := await self.calls.call(probe, peer, request, codec.name)) is None:
-                    return True
+                    self.counters["probes_unanswered"] += 1  # no answer, or the weights are gone: refused
+                    return "unjudged"
                 outputs.append(reply[0])
             if resolved(*outputs) < self.probes.rule.min_resolved:  # the reply's rounding swallowed the step
                 self.counters["probes_unresolved"] += 1
                 self.probes.unresolved(peer)
-                return True
+                return "unjudged"
             judged = descent(u.to(outputs[0].device), outputs[0], outputs[1], eps, g.to(outputs[0].device))
         except Exception as e:  # a probe is a side job: it must never take the trainer down
             logger.warning(f"probe of {mb.id} at stage {hop.stage} failed: {type(e).__name__}: {e}")
-            return True
+            return "unjudged"
         self.counters["probes"] += 1
         passed = passes(judged, self.probes.rule)
         self.counters["probe_failures"] += not passed
@@ -257,7 +276,7 @@ class HopAudit:
             self.condemn(hop.stage, peer, mb, why="its backward points against its own forward's gradient")
         elif not passed:
             logger.warning(f"stage {hop.stage}: {peer}'s backward of {mb.id} failed a probe (descent {judged:.3f})")
-        return passed
+        return "passed" if passed else "failed"
 
     def condemn(self, stage: int, peer: Peer, mb: Microbatch, *, why: str = "") -> None:
         """``peer`` did wrong work: banned from this trainer's routing, for longer each time (``HopChecker.condemn``)."""

@@ -53,9 +53,19 @@ class WeightStash:
         self._copies: OrderedDict[WeightsAt, WeightCopy] = OrderedDict()
 
     def take(self, at: WeightsAt, module: torch.nn.Module) -> None:
-        """Copy ``module``'s trainable weights as they are at ``at`` (about to move)."""
+        """Copy ``module``'s trainable weights as they are at ``at`` (about to move), into the oldest copy's tensors
+        once ``keep`` are held (a server stashes before every inner step: no allocation per step)."""
+        reuse = (
+            self._copies.popitem(last=False)[1] if len(self._copies) >= self.keep and at not in self._copies else None
+        )
         with torch.no_grad():
-            self._copies[at] = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+            trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+            if reuse is not None and all(name in reuse and reuse[name].shape == p.shape for name, p in trainable):
+                for name, p in trainable:
+                    reuse[name].copy_(p.detach())
+                self._copies[at] = reuse
+            else:
+                self._copies[at] = {name: p.detach().clone() for name, p in trainable}
         self._copies.move_to_end(at)
         while len(self._copies) > self.keep:
             self._copies.popitem(last=False)

@@ -7,11 +7,11 @@ apart, no vote settles it (colluders outvote an honest server, and a server pass
 the true output than drifted honest replicas are to each other): each output goes on down the rest of the
 microbatch's path to the trainer's head, and the loss it gives judges it (``by_loss``). An output fails if its loss
 exceeds the other's by more than ``loss_margin`` and it does no better than skipping the stage (its input passed on
-down the same path: ``no_better_than_skipping``); ``failures`` failures among a server's last ``history``
-judgements condemn it. So whatever a server returns, an output that passes gives a loss within ``loss_margin`` of
-another replica's on the same microbatch, or better than skipping its stage: no server can cost a microbatch more
-than a skipped stage (which SkipPipe-style paths train the model to bear), however many identities agree with it,
-and an honest replica that is merely behind is never condemned. docs/architecture.md, pipeline/.
+down the same path: ``no_better_than_skipping``): it does not land, and its server is suspect, every forward
+checked. A failure ``harm_margin`` above the skip's loss is harmful (worse than no work); ``failures`` harmful ones
+in a row condemn the server. So whatever a server returns, an output that lands gives a loss within ``loss_margin``
+of another replica's on the same microbatch, or better than skipping its stage, however many identities agree with
+it; an honest replica that is merely behind is never condemned. docs/architecture.md, pipeline/.
 
     >>> if checker.should_check(peer) and not checker.agree(y, y2): worse = checker.by_loss(loss_y, loss_y2)
 """
@@ -49,7 +49,9 @@ class CheckRule:
     first_checks: int = 1
     probation_hops: int = 20  # a server's first forwards, checked at probation_rate
     probation_rate: float = 0.5  # off the microbatch's path once the first checks passed (``unproven``)
-    suspect_rate: float = 0.5
+    # a suspect (a failed judgement, or loss spikes on its paths) has every forward checked, each landing once its
+    # check passed: at 0.5, half a garbler's forwards landed unchecked between its first failure and its verdict
+    suspect_rate: float = 1.0
     # relative L2 error within which two replicas' outputs agree outright. Honest replicas H steps apart measured
     # ≤ 0.82 (d_model 768, the first round from the start, at 5× the 125m preset's lr), garbled ones √2, a server
     # passing its input through 0.6 (tiny) to 1.0 (d 768) from the true output: none of these agree outright, and
@@ -64,11 +66,17 @@ class CheckRule:
     # of microbatches (tests/test_stage_checks.py: 14 of 60) measured 0.15% better than skipping its stage, and a
     # server passing its input through gives the skip's loss itself, give or take its codec's rounding
     skip_margin: float = 0.001
-    # failed judgements among a server's last ``history`` that condemn it. A replica starved of microbatches in an
-    # unsynced run (one of three serving 14 of 60) failed 2 of 4 (its stage did worse than skipped): its work does not
-    # help this trainer, but 3 keeps such a replica routed to more often than a garbler, which fails every one
-    failures: int = 3
-    history: int = 8
+    # a failed output this far above the loss with its stage skipped is harmful: worse than no work. Only harmful
+    # failures count towards a verdict: random activations measured +48% once the replicas had learned a little
+    # (5.55 against 3.75), while honest replicas that never sync, in tests/test_stage_checks.py's harness (the tiny
+    # model's stage barely beats skipping it), failed up to ~20% of their judgements at up to +5%, and were
+    # condemned in 3 runs of 8 when every failure counted. A server passing its input through (the skip's loss
+    # itself) fails but is never harmful: it stays suspect, every forward checked and, failing, redone elsewhere
+    harm_margin: float = 0.1
+    # harmful failures among a server's last ``history`` judgements by the loss that condemn it: four in a row. A
+    # suspect's failing outputs never land (``suspect_rate``), so waiting for the fourth costs checks, not quality
+    failures: int = 4
+    history: int = 4
     ban_s: float = 600.0  # a condemned server's first ban; doubles for each further verdict
 
     def __post_init__(self) -> None:
@@ -76,7 +84,7 @@ class CheckRule:
         if (
             not all(0.0 <= r <= 1.0 for r in rates)
             or min(self.probation_hops, self.first_checks) < 0
-            or min(self.tolerance, self.ban_s, self.loss_margin, self.skip_margin) <= 0
+            or min(self.tolerance, self.ban_s, self.loss_margin, self.skip_margin, self.harm_margin) <= 0
             or not 1 <= self.failures <= self.history
         ):
             raise ValueError(
@@ -144,22 +152,28 @@ class HopChecker:
         would be false."""
         return loss > (1.0 - self.rule.skip_margin) * skip_loss
 
-    def failed(self, peer: Hashable) -> bool:
-        """``peer``'s output failed a judgement: suspect (checked more); True if that makes ``failures`` among its last
-        ``history`` judgements (then ``condemn`` it)."""
+    def harmful(self, loss: float, skip_loss: float) -> bool:
+        """A failed output's loss is over ``harm_margin`` above the loss with its stage skipped: worse than no work."""
+        return loss > (1.0 + self.rule.harm_margin) * skip_loss
+
+    def failed(self, peer: Hashable, *, harmful: bool) -> bool:
+        """``peer``'s output failed a judgement: suspect (every forward checked); True if that makes ``failures``
+        harmful failures among its last ``history`` judgements (then ``condemn`` it)."""
         judged = self._judged.setdefault(peer, deque(maxlen=self.rule.history))
-        judged.append(False)
+        judged.append(not harmful)
         self.suspects.add(peer)
         return judged.count(False) >= self.rule.failures
 
     def suspect(self, *peers: Hashable) -> None:
         self.suspects.update(peers)
 
-    def clear(self, peer: Hashable) -> None:
-        """A check ``peer`` passed: no longer suspect, and one check nearer to sampled checking (``first_checks``)."""
+    def clear(self, peer: Hashable, *, by_loss: bool = False) -> None:
+        """A check ``peer`` passed: no longer suspect, and one check nearer to sampled checking (``first_checks``).
+        ``by_loss``: judged by the loss, a judgement in its history; agreeing outright is none (two colluders agree)."""
         self.suspects.discard(peer)
         self.passed[peer] += 1
-        self._judged.setdefault(peer, deque(maxlen=self.rule.history)).append(True)
+        if by_loss:
+            self._judged.setdefault(peer, deque(maxlen=self.rule.history)).append(True)
 
     def condemn(self, peer: Hashable) -> float:
         """``peer`` computed a wrong output: banned for ``ban_s``, doubled per earlier verdict. The ban's seconds."""

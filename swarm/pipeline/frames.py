@@ -34,6 +34,7 @@ class Hop:
     x: bytes  # the frame this hop received: resent if its server loses it
     x_codec: str  # its codec
     prev_stage: int  # the stage x came from (a probe's forward names it, as the hop's did)
+    weights: tuple[int, int] | None = None  # the weights its forward ran on, as the server said: a probe runs on them
 
 
 class Outgoing:

@@ -122,7 +122,8 @@ class RemoteStages:
             request = Forward(mb=mb.id, stage=stage, prev_stage=prev, x=frame, train=mb.train)
             if (reply := await self.call(mb, peer, request, codec.name)) is not None:
                 if await self.audit.forward(mb, request, codec.name, peer, out := Outgoing(*reply)):
-                    return Hop(stage, peer, frame, codec.name, prev), out
+                    weights = getattr(reply[2], "weights", None)  # (``Reply.weights``): a backward probe asks for them
+                    return Hop(stage, peer, frame, codec.name, prev, weights), out
                 # condemned by its check: this hop again, on another replica
         raise HopFailed(f"stage {stage}: {len(tried)} replicas failed")
 
@@ -132,9 +133,10 @@ class RemoteStages:
 
     async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
         """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again. The one that
-        answered may have it probed (``HopAudit.backward``): off the path once it passed its first probes, else before it lands
-        (a failed one is redone on another replica)."""
+        answered may have it probed (``HopAudit.backward``): off the path once it passed its first probes, else before
+        it lands (a failed or unjudged one is redone on another replica; unjudged, it lands when none is left)."""
         peer, tried, resend = hop.peer, [hop.peer], False
+        unjudged: Outgoing | None = None  # the last reply whose probe could not judge it
         for _ in range(self.options.max_attempts):
             self.counters["resent_inputs"] += resend
             codec = self.codecs.choose("gradients", peer, mb.shape)
@@ -144,11 +146,21 @@ class RemoteStages:
             except CacheMiss:  # the server dropped the input: resend it, to the same server
                 resend = True
                 continue
-            if reply is not None and await self.audit.backward(mb, hop, peer, grad.value, reply[0]):
-                return Outgoing(*reply)
+            if reply is not None:
+                outcome = await self.audit.backward(mb, hop, peer, grad.value, reply[0])
+                if outcome == "passed":
+                    return Outgoing(*reply)
+                if outcome == "unjudged":
+                    unjudged = Outgoing(*reply)
             resend = True  # another replica never saw this microbatch (or the last one's gradient failed its probe)
-            peer = self.choose(hop.stage, tried)
+            if (other := self.other_replica(hop.stage, tried)) is None:
+                if unjudged is not None:
+                    return unjudged
+                raise HopFailed(f"backward of stage {hop.stage}: no replica left after {len(tried)}")
+            peer = other
             tried.append(peer)
+        if unjudged is not None:
+            return unjudged
         raise HopFailed(f"backward of stage {hop.stage}: {len(tried)} attempts failed")
 
     def other_replica(self, stage: int, tried: list[Peer]) -> Peer | None:

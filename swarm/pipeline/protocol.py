@@ -63,6 +63,10 @@ class Forward:
     prev_stage: int  # where the input comes from (0 = the embedding): tells servers the path order
     x: bytes  # activation frame, (B, T, d)
     train: bool = True  # False: evaluation, nothing is kept for backward
+    # run on the weights a forward of this server reported (``Reply.weights``: outer installs, inner steps), not the
+    # current ones: a backward probe's (probing.py), judging a gradient taken there. Refused once they are gone
+    on_epoch: int | None = None
+    on_step: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,19 +110,27 @@ def _check_microbatch(message: Forward | Backward) -> Forward | Backward:
 
 class Reply(bytes):
     """A reply frame, and what its server said about it: the codec it chose (server side only), how long it held the
-    request (from taking it to the reply being ready, waiting for its compute thread included) and how long it
-    computed. Plain bytes to a caller that needs only the frame; a trainer times its links with the rest
-    (``compress/adaptive.py``). Timings are None when the server did not say (an older release)."""
+    request (from taking it to the reply being ready, waiting for its compute thread included), how long it
+    computed, and for a forward the weights it ran on ((outer installs, inner steps): a backward probe asks for them
+    again, ``Forward.on_epoch``). Plain bytes to a caller that needs only the frame; a trainer times its links with
+    the rest (``compress/adaptive.py``). None where the server did not say (an older release)."""
 
     codec: str | None
     server_s: float | None
     compute_s: float | None
+    weights: tuple[int, int] | None
 
     def __new__(
-        cls, frame: bytes, *, codec: str | None = None, server_s: float | None = None, compute_s: float | None = None
+        cls,
+        frame: bytes,
+        *,
+        codec: str | None = None,
+        server_s: float | None = None,
+        compute_s: float | None = None,
+        weights: tuple[int, int] | None = None,
     ) -> Reply:
         reply = super().__new__(cls, frame)
-        reply.codec, reply.server_s, reply.compute_s = codec, server_s, compute_s
+        reply.codec, reply.server_s, reply.compute_s, reply.weights = codec, server_s, compute_s, weights
         return reply
 
 
@@ -127,7 +139,9 @@ _TIMINGS = ("server_s", "compute_s")
 
 def _reply(frame: bytes) -> bytes:
     timings = {name: value for name in _TIMINGS if (value := getattr(frame, name, None)) is not None}
-    reply: bytes = msgpack.packb({"y": frame, **timings}, use_bin_type=True)
+    weights = getattr(frame, "weights", None)
+    at = {} if weights is None else {"epoch": weights[0], "step": weights[1]}
+    reply: bytes = msgpack.packb({"y": frame, **timings, **at}, use_bin_type=True)
     return reply
 
 
@@ -137,7 +151,14 @@ def parse_reply(data: bytes) -> Reply:
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise RemoteError(RequestError.INTERNAL, f"unreadable reply: {e}") from None
     if isinstance(body, dict) and isinstance(body.get("y"), bytes):
-        return Reply(body["y"], server_s=_seconds(body.get("server_s")), compute_s=_seconds(body.get("compute_s")))
+        epoch, step = body.get("epoch"), body.get("step")
+        weights = (epoch, step) if type(epoch) is int and type(step) is int and min(epoch, step) >= 0 else None
+        return Reply(
+            body["y"],
+            server_s=_seconds(body.get("server_s")),
+            compute_s=_seconds(body.get("compute_s")),
+            weights=weights,
+        )
     if (error := remote_error(body)) is not None:
         raise error
     raise RemoteError(RequestError.INTERNAL, "reply holds neither a frame nor an error")

@@ -155,8 +155,9 @@ class StageServer:
         codec, x, tokens = await self._decoded(self._decode_input, request.x, times)
         why_not = self._why_no_graph(peer, x) if request.train else "eval"
         keep = why_not is None
+        on = None if request.on_epoch is None or request.on_step is None else (request.on_epoch, request.on_step)
         (y, (weights, inner_step), graph), elapsed = await self._run(
-            self._forward_at_step, x, keep, times, busy=True, times=times
+            self._forward_at_step, x, keep, times, on, busy=True, times=times
         )
         if request.train:
             entry = CacheEntry(x=x, tokens=tokens, forward_s=elapsed, weights=weights, inner_step=inner_step)
@@ -165,7 +166,8 @@ class StageServer:
             self.from_stage[request.prev_stage] += 1
         self.counters["forward" if request.train else "eval_forward"] += 1
         self.first_served_at = self.first_served_at or time.time()
-        return self._reply(codec, y.detach(), tokens, taken, times, "forward" if request.train else "eval_forward")
+        kind = "forward" if request.train else "eval_forward"
+        return self._reply(codec, y.detach(), tokens, taken, times, kind, weights=(weights, inner_step))
 
     async def backward(self, peer: PeerID, request: Backward) -> Reply:
         taken = self.clock()
@@ -194,7 +196,15 @@ class StageServer:
         return self._reply(codec, grad_x, None, taken, times, "backward")
 
     def _reply(
-        self, codec: Codec, t: torch.Tensor, tokens: torch.Tensor | None, taken: float, times: RequestTimes, kind: str
+        self,
+        codec: Codec,
+        t: torch.Tensor,
+        tokens: torch.Tensor | None,
+        taken: float,
+        times: RequestTimes,
+        kind: str,
+        *,
+        weights: WeightsAt | None = None,
     ) -> Reply:
         """``t`` encoded, with our times (the rest of the trainer's round trip is its link's); into ``time_split``."""
         started = self.clock()
@@ -202,7 +212,7 @@ class StageServer:
         times.encode_s = self.clock() - started
         self.time_split.add(kind, times)
         compute_s = times.compute_s + times.copy_s  # the compute thread's time, as the busy fraction counts it
-        return Reply(frame, codec=codec.name, server_s=self.clock() - taken, compute_s=compute_s)
+        return Reply(frame, codec=codec.name, server_s=self.clock() - taken, compute_s=compute_s, weights=weights)
 
     def info(self) -> dict[str, Any]:
         recent, total = self.busy.fractions()
@@ -257,9 +267,9 @@ class StageServer:
         return result
 
     def _stash_weights(self, step: int) -> None:
-        """Before an inner step (on the compute thread): keep the weights if a forward on them awaits its backward."""
-        if len(self.cache):
-            self.stash.take((self.weights_epoch, step), self.module)
+        """Before an inner step (on the compute thread): keep the weights, for a forward on them awaiting its backward
+        and for the backward probes of a backward just taken on them (they ask for these weights again)."""
+        self.stash.take((self.weights_epoch, step), self.module)
 
     def shutdown(self) -> None:
         self._decoder.shutdown(wait=True, cancel_futures=True)
@@ -322,13 +332,19 @@ class StageServer:
         return self.cache.why_no_graph(peer, nbytes, due_in)
 
     def _forward_at_step(
-        self, x: torch.Tensor, keep: bool, times: RequestTimes
+        self, x: torch.Tensor, keep: bool, times: RequestTimes, on: WeightsAt | None = None
     ) -> tuple[torch.Tensor, WeightsAt, KeptGraph | None]:
         """The forward, the weights it ran on, its graph if kept. Read here, on the compute thread, where weights
         change: read back on the event loop, an outer install queued behind this forward would already count, and
-        the backward would take the kept graph of weights since moved in place."""
+        the backward would take the kept graph of weights since moved in place. ``on``: the weights to run on, if not
+        the current ones (a backward probe's: the stashed copy, refused once it is gone)."""
         on_device = timed_copy(x, self.device, times, self.clock)
         at = (self.weights_epoch, self.inner_steps)
+        if on is not None and on != at:
+            if (stashed := self.stash.get(on)) is None:
+                raise RequestError(RequestError.INVALID, f"weights {on} are no longer held (now at {at})")
+            with compute_precision(self.device, self.cfg.train.precision):
+                return stage_forward(self.module, on_device, weights=stashed), on, None
         if not keep:
             return self._compute_forward(on_device), at, None
         with compute_precision(self.device, self.cfg.train.precision):

@@ -47,12 +47,13 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 eac
 T = TypeVar("T")
 # microbatches: started = completed + failed + cancelled (on shutdown) + in flight; of the completed, those whose
 # stage-0 gradients were dropped: landed more than max_staleness inner steps after their start, or began before a
-# download replaced the weights (with those landed since the last inner step; the name is older); hops: failed attempts (retried
-# elsewhere), timeouts (deadlines missed), stages skipped on the way forward, inputs resent for a backward; bans for
-# deadlines missed in a row; checked forwards (checking.py): checks done, disagreements (outputs apart, judged by
-# their loss), servers condemned (by failed checks or failed backward probes), disagreements no loss could settle,
-# outputs that failed their loss judgement, outputs worse than the other's yet better than skipping the stage; probed backwards (probing.py): probes judged, probes failed, probes whose
-# step the replies' rounding swallowed
+# download replaced the weights (with those landed since the last inner step; the name is older); hops: failed
+# attempts (retried elsewhere), timeouts (deadlines missed), stages skipped on the way forward, inputs resent for a
+# backward; bans for deadlines missed in a row; checked forwards (checking.py, audit.py): checks done, disagreements
+# (outputs apart, judged by their loss), servers condemned (by failed checks or failed backward probes),
+# disagreements no loss could settle, outputs that failed their loss judgement, outputs worse than the other's yet
+# better than skipping the stage; probed backwards (probing.py): probes judged, probes failed, probes whose step the
+# replies' rounding swallowed, probes not answered (refused: the weights gone; or no reply)
 COUNTERS = (
     "started",
     "completed",
@@ -74,6 +75,7 @@ COUNTERS = (
     "probes",
     "probe_failures",
     "probes_unresolved",
+    "probes_unanswered",
 )
 
 
