@@ -576,7 +576,7 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     if attack in PIPELINE:
         result = pipeline_run(name, args.steps, args.seed)
     elif attack in STAGES | STAGES2:
-        # backward probes are opt-in: on at the check rate, unless undefended
+        # backward probes on at the check rate, unless undefended
         probe_rate = 0.0 if args.undefended else args.check_rate
         stages = 2 if attack in STAGES2 else 1
         result = stages_run(name, args.steps, args.check_rate, args.seed, stages=stages, probe_rate=probe_rate)

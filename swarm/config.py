@@ -198,12 +198,11 @@ class TrainerOptions:
         ),
     )
     probe_rate: float = field(
-        default=0.0,
+        default=0.02,
         metadata=cli(
-            "Trainers: fraction of backward hops probed by two forwards of the same server at x ± εg, which must "
-            "confirm the input gradient it returned (every backward of a server until it passed two probes; two "
-            "failures in eight condemn it). Off by default: a server that takes an inner step between its backward "
-            "and the probe fails it honestly (docs/architecture.md).",
+            "Trainers: fraction of backward hops probed by two forwards of the same server at x ± εg, on the weights "
+            "its backward used, which must confirm the input gradient it returned (every backward of a server until "
+            "it passed two probes; two failures in eight condemn it); 0 turns probing off.",
             min=0.0,
         ),
     )

@@ -42,8 +42,6 @@ class HopCalls(Protocol):
 
     codecs: LinkCodecs
 
-    def new_id(self, prefix: str = "mb") -> str: ...
-
     def other_replica(self, stage: int, tried: list[Peer]) -> Peer | None: ...
 
     async def call(self, mb: Microbatch, peer: Peer, request: Forward, codec: str) -> Reply | None: ...
@@ -249,13 +247,21 @@ class HopAudit:
             _, x, tokens = await self.calls.decode("activations", hop.x, mb.shape)
             eps = probe_steps(x, g, self.probes.step(peer))
             outputs = []
-            for sign in (1.0, -1.0):
-                probe = Microbatch(self.calls.new_id(), mb.shape, train=True)
+            for i, sign in enumerate((1.0, -1.0)):
+                probe = Microbatch(f"{mb.id}.probe{i}", mb.shape, train=True)  # its traffic counted as training's
                 codec = self.calls.codecs.choose("activations", peer, mb.shape)
                 frame = Outgoing(x + sign * eps * g.to(x), tokens).frame(codec)
                 epoch, step = hop.weights
+                # not kept (``train=False``): naming old weights, a probe is known for one anyway, and kept it would
+                # hold a cache entry on the server that no backward ever takes
                 request = Forward(
-                    mb=probe.id, stage=hop.stage, prev_stage=hop.prev_stage, x=frame, on_epoch=epoch, on_step=step
+                    mb=probe.id,
+                    stage=hop.stage,
+                    prev_stage=hop.prev_stage,
+                    x=frame,
+                    train=False,
+                    on_epoch=epoch,
+                    on_step=step,
                 )
                 if (reply := await self.calls.call(probe, peer, request, codec.name)) is None:
                     self.counters["probes_unanswered"] += 1  # no answer, or the weights are gone: refused

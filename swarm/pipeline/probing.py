@@ -2,8 +2,8 @@
 
 A stage server's backward should return g = Jᵀu, where u is the gradient the trainer sent it and J the Jacobian of the
 forward it ran. Whatever it returns, its own forward says how the stage's output moves along g: ⟨u, f(x + εg) −
-f(x − εg)⟩ / 2ε ≈ ⟨u, Jg⟩ = ⟨Jᵀu, g⟩. So the trainer sends the same server two ordinary forwards, x ± εg (fresh
-microbatch ids, ``train`` like any other), and asks of the microbatch that
+f(x − εg)⟩ / 2ε ≈ ⟨u, Jg⟩ = ⟨Jᵀu, g⟩. So the trainer sends the same server two forwards, x ± εg (fresh microbatch
+ids, not kept: ``train=False``), and asks of the microbatch that
 
     descent = ⟨u, y⁺ − y⁻⟩ / 2⟨g, ε·g⟩  ≥  ρ           (``ProbeRule.min_descent``, ρ = ¼; ε per token)
 
@@ -15,13 +15,16 @@ descent −1, random gradients ~0, a ×5 scaled gradient ⅕. The probe is judge
 other replicas: colluders cannot outvote it, and an honest replica that drifted (H steps apart, or alone ahead) passes
 it as well as any.
 
-Why it is off by default (``TrainerOptions.probe_rate``): the forward must run on the weights the backward used. A
-server that takes an inner step between the two (every backward, where its inner batch is one microbatch; or another
-trainer's backward) answers from moved weights, and one AdamW step of a seeded 6-layer stage at lr 1e-4 took an honest
-descent from 0.91 to 0.12 (−0.12 seen in a real swarm): honest servers were condemned. Making it sound needs the
-server to say which weights a forward ran on, or to keep the backward's for the probe. Other limits: a microbatch is
-judged as one (flipping one sample of eight passes), and a server that recognises probe inputs (near an input it
-holds, offset along the gradient it returned) can fake its forward's answer at the cost of a Jacobian-vector product.
+On the weights the backward used (``TrainerOptions.probe_rate``, 2% of backwards once a server passed its first
+two): a server that takes an inner step between the two (every backward, where its inner batch is one microbatch; or
+another trainer's backward) would answer from moved weights, and one AdamW step of a seeded 6-layer stage at lr 1e-4
+took an honest descent from 0.91 to 0.12 (−0.12 seen in a real swarm). So a forward reply says which weights it ran
+on (``Reply.weights``), the probe's forwards ask for those (``Forward.on_epoch``/``on_step``), and the server runs
+them on its stash (the weights before each of its last two inner steps) or refuses: an unanswered probe judges
+nothing, and an unproven server's backward then goes to another replica. Other limits: a microbatch is judged as one
+(flipping one sample of eight passes), and a server that recognises probe inputs (they name old weights, and lie near
+an input it holds, offset along the gradient it returned) can fake its forward's answer at the cost of a
+Jacobian-vector product, or refuse them (its backwards then land only where no other replica is left).
 
     >>> eps = probe_steps(x, g, ProbeRule().step); x_plus, x_minus = x + eps * g, x - eps * g  # two server forwards
     >>> descent(u, y_plus, y_minus, eps, g)  # honest ≈ 1, flipped ≈ −1
