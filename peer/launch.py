@@ -36,7 +36,7 @@ from peer.data import Shard, load_corpus, resolve_paths
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
 from swarm.config import SwarmConfig, follow_run, load_config, save_config
-from swarm.events import Event, Progress, Spawned, Stamp, of_kind, read_events
+from swarm.events import Event, Progress, Spawned, StageProgress, Stamp, TrainerProgress, Training, of_kind, read_events
 from swarm.hardware import peak_gpu_memory
 from swarm.model.stages import StagesConfig
 from swarm.node.config import PeerConfig
@@ -98,7 +98,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         if metrics is not None:
             metrics.write(json.dumps(stamped.to_record()) + "\n")
             metrics.flush()
-        if isinstance(stamped, Progress) and stamped.role in ("trainer", "full"):  # progress, not outer-step events
+        if isinstance(stamped, Training):  # a trainer's or full peer's progress, not outer-step events
             echo(progress_line(stamped, peer.steps))
 
     async def main() -> dict[str, Any]:
@@ -114,18 +114,18 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
             metrics.close()
 
 
-def progress_line(record: Progress, steps: int) -> str:
-    loss = "-" if record.get("train_loss") is None else f"{record['train_loss']:.3f}"
-    val = f"  val {record['val_loss']:.3f}" if "val_loss" in record else ""
+def progress_line(record: Training, steps: int) -> str:
+    loss = "-" if record.train_loss is None else f"{record.train_loss:.3f}"
+    val = f"  val {record.val_loss:.3f}" if record.val_loss is not None else ""
     pipeline = (  # a full peer's microbatches take no path
-        f"done {record.get('completed', 0)} failed {record.get('failed', 0)} skipped hops {record.get('skipped_hops', 0)}  "
-        if record.get("role") == "trainer"
+        f"done {record.pipeline.completed} failed {record.pipeline.failed} skipped hops {record.pipeline.skipped_hops}  "
+        if isinstance(record, TrainerProgress)
         else "full model  "
     )
     who = record.stamp.peer if record.stamp else "?"
     return (
-        f"[{who}] step {record['step']}/{steps}  loss {loss}{val}  {record['tokens_per_s'] / 1000:.1f}k tok/s  "
-        f"{pipeline}{elapsed_and_eta(record['elapsed_s'], done=record['step'], total=steps)}"
+        f"[{who}] step {record.step}/{steps}  loss {loss}{val}  {record.tokens_per_s / 1000:.1f}k tok/s  "
+        f"{pipeline}{elapsed_and_eta(record.elapsed_s, done=record.step, total=steps)}"
     )
 
 
@@ -378,26 +378,27 @@ def summary(out: Path, names: Iterable[str]) -> list[str]:
     wire: Counter[str] = Counter()
     fp32: Counter[str] = Counter()
     for name, r in records.items():
-        rounds = sum(r.get(f"outer_{outcome}", 0) for outcome in ("done", "late", "failed"))
-        if r["role"] in ("trainer", "full"):
-            val = f"{r['val_loss']:.4f}" if "val_loss" in r else "-"
+        rounds = sum(r.count(f"outer_{outcome}") for outcome in ("done", "late", "failed"))
+        if isinstance(r, Training):
+            val = f"{r.val_loss:.4f}" if r.val_loss is not None else "-"
+            pipeline = r.pipeline if isinstance(r, TrainerProgress) else None
             row = [
-                r["role"],
+                r.role,
                 val,
-                r["tokens"],
-                f"{r['tokens_per_s']:.0f}",
-                r.get("failed", "-"),
-                r.get("skipped_hops", "-"),
+                r.tokens,
+                f"{r.tokens_per_s:.0f}",
+                pipeline.failed if pipeline else "-",
+                pipeline.skipped_hops if pipeline else "-",
             ]
         else:
-            row = [f"stage {r.get('stage')}", "-", "-", "-", "-", "-"]
-        done = f"{r.get('outer_done', 0)} of {rounds}"
+            row = [f"stage {r.stage}" if isinstance(r, StageProgress) else r.role, "-", "-", "-", "-", "-"]
+        done = f"{r.count('outer_done')} of {rounds}"
         lines.append(f"{name:<12} {row[0]:<8} {row[1]:>8} {row[2]:>9} {row[3]:>7} {row[4]:>6} {row[5]:>7} {done:>12}")
-        if r["role"] == "trainer":
-            wire.update(r.get("wire_bytes", {}))
-            fp32.update(r.get("fp32_bytes", {}))
-        wire["pseudo_gradients"] += r.get("pseudo_grad_bytes", 0)
-        fp32["pseudo_gradients"] += r.get("pseudo_grad_fp32_bytes", 0)
+        if isinstance(r, TrainerProgress):
+            wire.update(r.wire_bytes)
+            fp32.update(r.fp32_bytes)
+        wire["pseudo_gradients"] += r.count("pseudo_grad_bytes")
+        fp32["pseudo_gradients"] += r.count("pseudo_grad_fp32_bytes")
     kinds = []
     for kind, label in (
         ("activations", "activations"),
@@ -417,7 +418,7 @@ def absolute_spec(spec: str) -> str:
 
 def has_trained(metrics: Path) -> bool:
     """Whether a trainer's metrics file holds a progress record yet."""
-    return any(record.role == "trainer" for record in of_kind(read_events(metrics), Progress))
+    return bool(of_kind(read_events(metrics), TrainerProgress))
 
 
 def spawn_peer(name: str, args: list[str], out: Path, *, prefix: Sequence[str] = ()) -> subprocess.Popen:

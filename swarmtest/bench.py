@@ -16,7 +16,19 @@ from typing import Any
 from optim.config import OuterMethod
 from peer.launch import LOOPBACK, LocalSwarm, Placement, launch_local
 from swarm.config import ConfigValue, SwarmConfig, derive_config
-from swarm.events import Event, OuterRound, Progress, Serving, Spawned, StateDownload, of_kind, read_events
+from swarm.events import (
+    Event,
+    OuterRound,
+    Progress,
+    Serving,
+    Spawned,
+    StageProgress,
+    StateDownload,
+    TrainerProgress,
+    Training,
+    of_kind,
+    read_events,
+)
 
 Peers = dict[str, list[Event]]  # each peer's events, by its name
 
@@ -31,9 +43,10 @@ def outer_summary(peers: Peers, tokens: int) -> dict[str, Any]:
     rounds_of = [r for records in peers.values() for r in of_kind(records, OuterRound)]
     done = [r for r in rounds_of if r.outcome == "done"]
     last = [  # final counters: the last progress record (a full peer's sums its stages')
-        progress[-1].fields for records in peers.values() if (progress := of_kind(records, Progress))
+        progress[-1] for records in peers.values() if (progress := of_kind(records, Progress))
     ]
-    sent, fp32 = sum(r.get("pseudo_grad_bytes", 0) for r in last), sum(r.get("pseudo_grad_fp32_bytes", 0) for r in last)
+    sent = sum(r.count("pseudo_grad_bytes") for r in last)
+    fp32 = sum(r.count("pseudo_grad_fp32_bytes") for r in last)
     rounds: dict[str, int] = {}
     for r in done:
         rounds[str(r.stage)] = max(rounds.get(str(r.stage), 0), r.outer_round)
@@ -55,15 +68,15 @@ def busy_summary(peers: Peers) -> dict[str, float | None]:
     after the last are left out. None for a server that never served."""
     busy: dict[str, float | None] = {}
     for name, records in peers.items():
-        stage = [r for r in of_kind(records, Progress) if r.role == "stage" and "busy_fraction" in r]
+        stage = of_kind(records, StageProgress)
         if not stage:
             continue
         serving = [
-            r["busy_fraction"]
+            r.busy_fraction
             for before, r in zip(stage, stage[1:])
-            if r["busy_fraction"] is not None and r.get("backward", 0) > before.get("backward", 0)
+            if r.busy_fraction is not None and r.count("backward") > before.count("backward")
         ]
-        busy[name] = statistics.median(serving) if serving else stage[-1].get("busy_fraction_total")
+        busy[name] = statistics.median(serving) if serving else stage[-1].busy_fraction_total
     return busy
 
 
@@ -71,8 +84,8 @@ def recompute_summary(peers: Peers) -> dict[str, float | None]:
     """Over every stage server's backwards: the share differentiated at a stashed copy of the weights their forward ran
     on (inner steps moved them in between), the share recomputed on moved weights (older than the stash keeps), and
     the inner steps between, on average over all."""
-    last = [
-        next((r.fields for r in reversed(of_kind(records, Progress)) if r.role == "stage" and "backward" in r), {})
+    last = [  # each server's last record that counts a backward
+        next((r.counters for r in reversed(of_kind(records, StageProgress)) if "backward" in r.counters), {})
         for records in peers.values()
     ]
     backward = sum(r.get("backward", 0) for r in last)
@@ -93,11 +106,11 @@ def window_args(window: int | None, max_staleness: int | None = None) -> list[st
     ]
 
 
-def window_summary(progress: list[Progress]) -> dict[str, Any]:
+def window_summary(progress: list[TrainerProgress]) -> dict[str, Any]:
     """The trainers' microbatch window over their progress records: its mean size, the mean staleness of the
     microbatches that landed."""
-    windows = [r["window"] for r in progress if r.get("window") is not None]
-    staleness = [r["staleness_mean"] for r in progress if r.get("staleness_mean") is not None]
+    windows = [r.window for r in progress]
+    staleness = [r.staleness_mean for r in progress if r.staleness_mean is not None]
     return {
         "window_mean": statistics.mean(windows) if windows else None,
         "staleness_mean": statistics.mean(staleness) if staleness else None,
@@ -108,7 +121,7 @@ def join_summary(records: list[Event]) -> dict[str, Any]:
     """How a late joiner got in: its role, the round it started from, and the time from its start to its first served request."""
     spawned = of_kind(records, Spawned)[0].time
     serving = next(iter(of_kind(records, Serving)), None)
-    served = next((r["first_served_at"] for r in of_kind(records, Progress) if r.get("first_served_at")), None)
+    served = next((r.first_served_at for r in of_kind(records, StageProgress) if r.first_served_at), None)
     return {
         "join_role": "stage" if serving else "trainer",
         "join_stage": serving and serving.stage,
@@ -142,37 +155,32 @@ def swarm_summary(peers: Peers, layout: LocalSwarm) -> dict[str, Any]:
     """A finished swarm's loss, throughput and traffic from its peers' records. Every replica that trains (trainers,
     then full peers) counts for tokens; the pipeline's counters are the trainers' (a full peer sends no activations)."""
     names = [f"trainer-{i}" for i in range(layout.trainers)] + [f"full-{i}" for i in range(layout.full)]
-    last = {
-        name: next(r for r in reversed(of_kind(peers[name], Progress)) if r.role in ("trainer", "full"))
-        for name in names
-    }
-    replicas, trainers = list(last.values()), [last[name] for name in names[: layout.trainers]]
-    tokens = sum(r["tokens"] for r in replicas)
+    last = {name: of_kind(peers[name], Training)[-1] for name in names}
+    replicas = list(last.values())
+    trainers = [r for name in names[: layout.trainers] if isinstance(r := last[name], TrainerProgress)]
+    tokens = sum(r.tokens for r in replicas)
     training = ("activations", "gradients")  # validation traffic is counted apart ("eval"), not per training token
-    wire = {kind: sum(t["wire_bytes"][kind] for t in trainers) for kind in training}
-    fp32 = {kind: sum(t["fp32_bytes"][kind] for t in trainers) for kind in training}
+    wire = {kind: sum(t.wire_bytes[kind] for t in trainers) for kind in training}
+    fp32 = {kind: sum(t.fp32_bytes[kind] for t in trainers) for kind in training}
     return {
-        "val_loss": replicas[0]["val_loss"],  # trainer-0's (through the swarm's current replicas), else full-0's
-        "val_losses": {name: r.get("val_loss") for name, r in last.items()},
+        "val_loss": replicas[0].val_loss,  # trainer-0's (through the swarm's current replicas), else full-0's
+        "val_losses": {name: r.val_loss for name, r in last.items()},
         "tokens": tokens,
-        "tokens_per_s": sum(r["tokens_per_s"] for r in replicas),  # while training, startup excluded
+        "tokens_per_s": sum(r.tokens_per_s for r in replicas),  # while training, startup excluded
         "bytes_per_token": {kind: wire[kind] / tokens for kind in training} | {"total": sum(wire.values()) / tokens},
         "fp32_bytes_per_token": {kind: fp32[kind] / tokens for kind in training}
         | {"total": sum(fp32.values()) / tokens},
-        "failed_hops": sum(
-            t["hop_failures"] + t["hop_timeouts"] + sum(v for k, v in t.fields.items() if k.startswith("hop_refused_"))
-            for t in trainers
-        ),
-        "skipped_hops": sum(t["skipped_hops"] for t in trainers),
-        "resent_inputs": sum(t["resent_inputs"] for t in trainers),
-        "microbatches": {k: sum(t[k] for t in trainers) for k in ("started", "completed", "failed", "cancelled")},
-        "unaccounted_microbatches": sum(t["started"] - t["completed"] - t["failed"] - t["cancelled"] for t in trainers),
+        "failed_hops": sum(t.pipeline.hop_failures + t.pipeline.hop_timeouts + t.refused_hops() for t in trainers),
+        "skipped_hops": sum(t.pipeline.skipped_hops for t in trainers),
+        "resent_inputs": sum(t.pipeline.resent_inputs for t in trainers),
+        "microbatches": {
+            k: sum(getattr(t.pipeline, k) for t in trainers) for k in ("started", "completed", "failed", "cancelled")
+        },
+        "unaccounted_microbatches": sum(t.pipeline.in_flight for t in trainers),
         **outer_summary(peers, tokens),
         "busy_fraction": busy_summary(peers),  # per stage server: median while serving
         **recompute_summary(peers),
-        **window_summary(
-            [r for i in range(layout.trainers) for r in of_kind(peers[f"trainer-{i}"], Progress) if r.role == "trainer"]
-        ),
+        **window_summary([r for i in range(layout.trainers) for r in of_kind(peers[f"trainer-{i}"], TrainerProgress)]),
     }
 
 

@@ -3,7 +3,7 @@
     swarm = Swarm(tmp_path, tiny_config(stages=1, steps=30), child_processes)   # child_processes (conftest) stops whatever is left
     swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")   # the first peer creates the swarm
     swarm.spawn("trainer-0", "--role", "trainer", "--steps", "30", "--data", DATA)
-    swarm.wait("10 steps", lambda: any(r["step"] >= 10 for r in swarm.progress("trainer-0")), 120)
+    swarm.wait("10 steps", lambda: any(r.step >= 10 for r in swarm.progress("trainer-0")), 120)
     (result,) = swarmloco(["status", *swarm.join, "--json"], children=child_processes)
 
 Every process is started in its own process group and appended to the test's ``child_processes`` list; ``reap``
@@ -29,7 +29,7 @@ from peer.launch import REPO_ROOT, spawn_peer, stop_processes, wait_for_address
 from swarm.config import SwarmConfig, save_config
 from swarm.dht.membership import Membership
 from swarm.dht.process import SwarmDHT
-from swarm.events import E, Event, OuterRound, Progress, StateDownload, StateServed
+from swarm.events import E, Event, OuterRound, Progress, StateDownload, StateServed, TrainerProgress
 from swarmtest.configs import LOOPBACK
 from swarmtest.records import records
 
@@ -98,8 +98,9 @@ class Swarm:
         """The peer's JSONL events of ``kind`` (by default its progress records)."""
         return records(self.out, name, kind)
 
-    def progress(self, name: str) -> list[Progress]:
-        return [r for r in self.records(name) if r.role == "trainer"]
+    def progress(self, name: str) -> list[TrainerProgress]:
+        """The peer's trainer progress records."""
+        return self.records(name, TrainerProgress)
 
     def rounds(self, name: str) -> list[OuterRound]:
         return [r for r in self.records(name, OuterRound) if r.outcome == "done"]

@@ -17,7 +17,7 @@ from peer.cli_common import progress_line
 from peer.launch import progress_line as peer_progress_line
 from peer.progress import elapsed_and_eta, format_duration
 from swarm.config import OUTER_CHOICES, SwarmConfig, class_docs, config_from_dict, dumps_config, load_config
-from swarm.events import Progress, Stamp
+from swarm.events import Stamp, TrainerProgress
 from swarm.node.config import ROLES
 from swarm.sim.simulate import ROUTINGS
 
@@ -115,6 +115,15 @@ def test_elapsed_and_eta(elapsed: float, done: int, total: int, text: str) -> No
 def test_progress_lines_end_with_the_eta() -> None:
     local = {"step": 5, "tokens": 10240, "train_loss": 4.7, "val_loss": 4.6, "elapsed_s": 24.0, "tokens_per_s": 426.7}
     assert progress_line(5, 20, local).endswith("0.4k tok/s  24s, ETA 1m12s")
-    peer = {"role": "trainer", "step": 10, "train_loss": 4.2, "tokens_per_s": 5100.0, "elapsed_s": 20.0}
-    line = peer_progress_line(Progress(stamp=Stamp(time=1.0, peer="trainer-0"), fields=peer), 100)
+    peer = TrainerProgress(
+        stamp=Stamp(time=1.0, peer="trainer-0"),
+        step=10,
+        tokens=102000,
+        train_loss=4.2,
+        tokens_per_s=5100.0,
+        elapsed_s=20.0,
+        lr=1e-3,
+        grad_norm=1.0,
+    )
+    line = peer_progress_line(peer, 100)
     assert line.startswith("[trainer-0] step 10/100") and line.endswith("  20s, ETA 3m00s")

@@ -386,7 +386,8 @@ def bench_records(name: str, role: str, **fields: object) -> list[Event]:
         clipped=(),
     )
     last = {"role": role, "tokens": 1000, "tokens_per_s": 100.0, "val_loss": 2.0 if role == "full" else 3.0}
-    return [Spawned(stamp=Stamp(time=0.0, peer=name)), done, Progress(fields=last | fields)]
+    training = {"step": 10, "elapsed_s": 10.0, "train_loss": 3.0, "lr": 1e-3, "grad_norm": 1.0}
+    return [Spawned(stamp=Stamp(time=0.0, peer=name)), done, Progress.from_json(training | last | fields)]
 
 
 def test_bench_swarm_summarises_a_swarm_with_full_peers_or_only_full_peers() -> None:

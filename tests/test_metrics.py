@@ -7,6 +7,7 @@ import math
 import pickle
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hivemind.dht.protocol import DHTProtocol
@@ -22,6 +23,7 @@ from swarm.dht.membership import Membership, metrics_key, stage_validator
 from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.process import SwarmDHT
 from swarm.dht.records import MAX_KINDS, PROTOCOL_VERSION, STATES, PeerMetrics, RecoveryClaim, StageStatus
+from swarm.events import FullProgress, TrainerProgress
 from swarm.node.lifecycle import publish_metrics
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
@@ -145,6 +147,17 @@ def test_every_record_a_peer_can_build_is_accepted_unchanged(
     assert PeerMetrics.parse_obj(DHTProtocol.serializer.loads(DHTProtocol.serializer.dumps(metrics.dict()))) == metrics
 
 
+TRAINED = {"step": 0, "tokens": 0, "elapsed_s": 1.0, "tokens_per_s": 0.0, "lr": 1e-3, "grad_norm": 0.0}
+
+
+def trainer_record(**fields: Any) -> TrainerProgress:
+    return TrainerProgress(**(TRAINED | fields))
+
+
+def full_record(**fields: Any) -> FullProgress:
+    return FullProgress(**(TRAINED | fields))
+
+
 def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses() -> None:
     now = [100.0]
     meter = Meter(role="trainer", stage=0, state="joining", name="alice", device="cpu", clock=lambda: now[0])
@@ -152,9 +165,10 @@ def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses
     now[0] += 2.0
     first = meter.sample(status, tokens=1000, bans=1)
     assert (first.tokens_per_s, first.step, first.outer_round, first.bans, first.train_loss) == (500.0, 7, 2, 1, None)
-    meter.observe({"train_loss": 3.25, "step": 10})
-    meter.observe({"train_loss": 3.0, "val_loss": 3.5})
-    meter.observe({"train_loss": None, "val_loss": math.nan})  # no new loss; a diverged validation is not published
+    meter.observe(full_record(train_loss=3.25, step=10))
+    meter.observe(full_record(train_loss=3.0, val_loss=3.5))
+    # no new loss; a diverged validation is not published
+    meter.observe(full_record(train_loss=None, val_loss=math.nan))
     meter.state, meter.traffic.sent["activations"] = "training", 4096
     now[0] += 4.0
     second = meter.sample(status, tokens=1000 + 2 * 4000)
@@ -168,11 +182,11 @@ def test_meter_publishes_a_trainers_window_and_staleness_from_its_progress_recor
     meter = Meter(role="trainer", stage=0, state="training")
     status = StageStatus(inner_steps=7)
     assert (meter.sample(status, tokens=0).window, meter.last.staleness_max) == (None, None)  # nothing logged yet
-    meter.observe({"train_loss": 3.0, "window": 3, "staleness_mean": 1.5, "staleness_max": 2})
+    meter.observe(trainer_record(train_loss=3.0, window=3, staleness_mean=1.5, staleness_max=2))
     record = meter.sample(status, tokens=0)
     assert (record.window, record.staleness_mean, record.staleness_max) == (3, 1.5, 2)
     assert stage_validator(CFG).validate(stored(record.dict()))
-    meter.observe({"train_loss": 3.0, "window": 4, "staleness_mean": None, "staleness_max": None})  # none landed
+    meter.observe(trainer_record(train_loss=3.0, window=4))  # none landed
     assert (meter.sample(status, tokens=0).window, meter.last.staleness_mean) == (4, None)
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from swarm.dht.records import PeerMetrics, StageStatus
+from swarm.events import TrainerProgress, Training
 
 
 @dataclass
@@ -55,16 +55,16 @@ class Meter:
         self._started = clock()
         self._since = (self._started, 0)  # (time, tokens) of the previous sample
 
-    def observe(self, record: Mapping[str, Any]) -> None:
-        """Take the losses, window and staleness of a trainer's progress record (a non-finite loss is dropped: the DHT
-        schema refuses it)."""
-        for name in ("train_loss", "val_loss"):
-            if (value := record.get(name)) is not None:
+    def observe(self, record: Training) -> None:
+        """Take the losses of a trainer's or full peer's progress record, and a trainer's window and staleness (a
+        non-finite loss is dropped: the DHT schema refuses it)."""
+        for name, value in (("train_loss", record.train_loss), ("val_loss", record.val_loss)):
+            if value is not None:
                 setattr(self, name, float(value) if math.isfinite(value) else None)
-        if "window" in record:
-            self.window = record["window"]
-            self.staleness_mean = None if record["staleness_mean"] is None else float(record["staleness_mean"])
-            self.staleness_max = record["staleness_max"]
+        if isinstance(record, TrainerProgress):
+            self.window = record.window
+            self.staleness_mean = None if record.staleness_mean is None else float(record.staleness_mean)
+            self.staleness_max = record.staleness_max
 
     def sample(
         self,

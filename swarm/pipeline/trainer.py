@@ -24,6 +24,7 @@ import torch
 from swarm.config import SwarmConfig, TrainerOptions
 from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus, verdicts
+from swarm.events import PipelineCounts, TrainerProgress
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 from swarm.model.step import (
@@ -181,31 +182,34 @@ class Trainer:
         return planned < min(self.inner_steps + 1 + self.options.max_staleness, steps) * ib
 
     def progress(self, started: float, losses: list[float]) -> dict[str, Any]:
-        """The progress record; staleness (inner steps between a microbatch's start and its landing, the dropped
+        """The progress record (``TrainerProgress``, as its JSON line: ``train`` adds ``val_loss`` and the role the
+        outer step's part); staleness (inner steps between a microbatch's start and its landing, the dropped
         included) over the microbatches landed since the last record."""
         elapsed = time.perf_counter() - started
         staleness, self.staleness = self.staleness, []
-        return {
-            "role": "trainer",
-            "step": self.inner_steps,
-            "tokens": self.tokens,
-            "elapsed_s": elapsed,
-            "train_loss": sum(losses) / len(losses) if losses else None,
-            "tokens_per_s": self.tokens / max(elapsed, 1e-9),
-            "lr": self.inner.lr,
-            "grad_norm": self.inner.grad_norm,
-            "window": self.window.size,
-            "round_trip_s": self.window.round_trip_s,
-            "microbatches_per_s": self.window.microbatches_per_s,
-            "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
-            "staleness_max": max(staleness, default=None),
-            **self.counters,
-            "wire_bytes": dict(self.traffic.sent + self.traffic.received),
-            "fp32_bytes": dict(self.fp32_bytes),
-            "frames_sent": dict(self.traffic.frames),  # by codec
-            "links": self.codecs.report(),  # per peer: codecs chosen, bytes/s and compute per call measured
-            "condemned": sorted(map(str, self.condemned)),  # servers whose checked work failed, banned now
-        }
+        counters = dict(self.counters)
+        pipeline = PipelineCounts(**{name: counters.pop(name) for name in COUNTERS})  # the rest: hop_refused_<code>
+        return TrainerProgress(
+            step=self.inner_steps,
+            tokens=self.tokens,
+            elapsed_s=elapsed,
+            train_loss=sum(losses) / len(losses) if losses else None,
+            tokens_per_s=self.tokens / max(elapsed, 1e-9),
+            lr=self.inner.lr,
+            grad_norm=self.inner.grad_norm,
+            window=self.window.size,
+            round_trip_s=self.window.round_trip_s,
+            microbatches_per_s=self.window.microbatches_per_s,
+            staleness_mean=sum(staleness) / len(staleness) if staleness else None,
+            staleness_max=max(staleness, default=None),
+            pipeline=pipeline,
+            counters=counters,
+            wire_bytes=dict(self.traffic.sent + self.traffic.received),
+            fp32_bytes=dict(self.fp32_bytes),
+            frames_sent=dict(self.traffic.frames),  # by codec
+            links=self.codecs.report(),  # per peer: codecs chosen, bytes/s and compute per call measured
+            condemned=tuple(sorted(map(str, self.condemned))),  # servers whose checked work failed, banned now
+        ).to_record()
 
     def status(self) -> StageStatus:
         in_flight = self.counters["started"] - sum(self.counters[k] for k in ("completed", "failed", "cancelled"))

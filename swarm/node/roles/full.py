@@ -10,6 +10,7 @@ docs/architecture.md ("Full peers") says why it announces ``serves=False`` and n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -22,7 +23,7 @@ import torch
 from swarm.config import SwarmConfig
 from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
-from swarm.events import Progress, ServesStages
+from swarm.events import FullProgress, ServesStages
 from swarm.hardware import compute_precision, describe
 from swarm.model.compiling import compile_stage
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, middle_stages
@@ -212,7 +213,7 @@ class FullRole:
         """Microbatches until ``config.steps`` inner steps of stage 0, holding still while a stage's round is due."""
         config, edge = self.ctx.peer_config, full.inners[EDGE_STAGE]
         options, started, losses = config.trainer, time.perf_counter(), []
-        record: dict[str, Any] = {}
+        record: FullProgress | None = None
         logged = edge.steps
         while edge.steps < config.steps:
             while any(sync.due for sync in syncs):  # a round to meet first: never lap the pipelines
@@ -224,11 +225,11 @@ class FullRole:
                 if val_batches and (
                     edge.steps >= config.steps or (options.eval_every and logged % options.eval_every == 0)
                 ):
-                    record["val_loss"] = await full.evaluate(val_batches)
+                    record = dataclasses.replace(record, val_loss=await full.evaluate(val_batches))
                 meter.observe(record)
-                self.ctx.on_log(Progress(fields=record))
+                self.ctx.on_log(record)
                 losses = []
-        return record
+        return record.to_record() if record is not None else {}
 
 
 def sync_poll_s(syncs: Sequence[ReplicaSync]) -> float:
@@ -241,7 +242,7 @@ def progress(
     started: float,
     losses: list[float],
     holders: Sequence[StageHolder],
-) -> dict[str, Any]:
+) -> FullProgress:
     """A full peer's progress record: a trainer's fields that apply, its outer counters summed over its stages, and
     (``--serve``) the microbatches it served per stage (backwards done) with each stage's inner steps."""
     served = {
@@ -253,16 +254,15 @@ def progress(
     counters: Counter[str] = Counter()
     for sync in syncs:
         counters.update(sync.counters)
-    return {
-        "role": "full",
-        "step": edge.steps,
-        "tokens": full.tokens,
-        "elapsed_s": elapsed,
-        "train_loss": sum(losses) / len(losses) if losses else None,
-        "tokens_per_s": full.tokens / max(elapsed, 1e-9),
-        "lr": edge.lr,
-        "grad_norm": edge.grad_norm,
-        "outer_rounds": {str(sync.stage): sync.round for sync in syncs},
-        **({"served": served} if served else {}),
-        **counters,
-    }
+    return FullProgress(
+        step=edge.steps,
+        tokens=full.tokens,
+        elapsed_s=elapsed,
+        train_loss=sum(losses) / len(losses) if losses else None,
+        tokens_per_s=full.tokens / max(elapsed, 1e-9),
+        lr=edge.lr,
+        grad_norm=edge.grad_norm,
+        outer_rounds={str(sync.stage): sync.round for sync in syncs},
+        served=served or None,
+        counters=dict(counters),
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 from swarm.dht.metrics import Meter, Traffic
 from swarm.dht.records import StageStatus
-from swarm.events import Progress, Recovered, Serving
+from swarm.events import Recovered, Serving, StageProgress
 from swarm.hardware import describe
 from swarm.model.compiling import compile_stage
 from swarm.node.context import NodeContext
@@ -93,22 +93,25 @@ class ServedStage:
         self.life.start(
             status=self._status,
             usage=self._usage,
-            on_announced=lambda: ctx.on_log(Progress(fields=self.record())),
+            on_announced=lambda: ctx.on_log(self.record()),
             periodic_checkpoints=True,
         )
         ctx.on_log(Serving(stage=self.stage, outer_round=sync.round, global_hash=sync.global_hash))
 
-    def record(self) -> dict[str, Any]:
-        """The stage server's progress record (the dashboard's and the role's result)."""
-        return {
-            "role": "stage",
-            "stage": self.stage,
-            "elapsed_s": time.perf_counter() - self.started,
-            "queue": self.servicer.pending,
-            "refused": self.servicer.refused,
-            **self.server.info(),
-            **self.life.syncs[0].info(),
-        }
+    def record(self) -> StageProgress:
+        """The stage server's progress record (the dashboard's and the role's result): this peer's queue and refusals,
+        its server's numbers (``StageServer.info``) and its replica's round and outer counters."""
+        return StageProgress.from_json(
+            {
+                "role": StageProgress.role,
+                "stage": self.stage,
+                "elapsed_s": time.perf_counter() - self.started,
+                "queue": self.servicer.pending,
+                "refused": self.servicer.refused,
+                **self.server.info(),
+                **self.life.syncs[0].info(),
+            }
+        )
 
     def _status(self, stage: int) -> StageStatus:
         return self.server.status(queue=self.servicer.pending).copy(update={"recovered": self.rebuilt is not None})

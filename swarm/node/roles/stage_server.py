@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.dht.membership import pipeline_replicas
-from swarm.events import Move, Progress, Rollback
+from swarm.events import Move, Rollback
 from swarm.node.context import NodeContext, until_stopped
 from swarm.node.lifecycle import download_state
 from swarm.node.placement import stage_loads
@@ -158,8 +158,8 @@ class StageRole:
         if move is not None:
             return move
         record = served.record()
-        ctx.on_log(Progress(fields=record))
-        return record
+        ctx.on_log(record)
+        return record.to_record()
 
     async def _next_move(self, period_s: float) -> PlannedMove:
         """Wait until rebalancing moves this server: its target stage, with that stage's state downloaded or rebuilt.

@@ -15,7 +15,7 @@ from typing import Any
 
 from swarm.dht.metrics import Meter
 from swarm.dht.records import serving
-from swarm.events import Progress
+from swarm.events import TrainerProgress
 from swarm.hardware import describe
 from swarm.model.stages import EDGE_STAGE
 from swarm.node.context import DataFactory, NodeContext, until_stopped
@@ -68,9 +68,10 @@ class TrainerRole:
                     router.update_records(stage, replicas, task_size=cfg.train.microbatch_size)
                     banned += len(serving(replicas)) - len(router.balancers[stage].live_peers())
 
-        def log(record: dict[str, Any]) -> None:
-            meter.observe(record)
-            ctx.on_log(Progress(fields={**record, **sync.info()}))
+        def log(record: dict[str, Any]) -> None:  # Trainer.progress's line, with val_loss when evaluated
+            progress = TrainerProgress.from_json({**record, **sync.info()})  # and the outer step's round and counters
+            meter.observe(progress)
+            ctx.on_log(progress)
 
         life.start(
             status=lambda stage: trainer.status(),
