@@ -46,9 +46,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "swarmloco: join with --initial-peers "
 
 
-def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[str], None] = print) -> Progress | None:
     """Run one peer (``config``: the swarm.toml of a swarm it creates or checks) until it is done (trainer) or gets
-    SIGINT/SIGTERM; returns its last record."""
+    SIGINT/SIGTERM; returns its last progress record (None if stopped before one)."""
     if peer.threads:
         torch.set_num_threads(peer.threads)
     tokenizer = load_tokenizer(peer.tokenizer)  # fail on a bad file before joining
@@ -101,7 +101,7 @@ def run_peer(peer: PeerConfig, *, config: Path | None = None, echo: Callable[[st
         if isinstance(stamped, Training):  # a trainer's or full peer's progress, not outer-step events
             echo(progress_line(stamped, peer.steps))
 
-    async def main() -> dict[str, Any]:
+    async def main() -> Progress | None:
         node = Node(peer, cfg, data=batches, on_log=on_log, on_ready=on_ready)
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, lambda: asyncio.ensure_future(node.stop()))

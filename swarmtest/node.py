@@ -16,10 +16,10 @@ import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from swarm.config import SwarmConfig
-from swarm.events import E, Event, of_kind
+from swarm.events import E, Event, Progress, of_kind
 from swarm.node.config import PeerConfig
 from swarm.node.context import DataFactory
 from swarm.node.node import Node
@@ -52,7 +52,7 @@ class BackgroundNode:
         self._loop: asyncio.AbstractEventLoop | None = None  # the node's, while it runs
         self._thread = threading.Thread(target=self._main, name=f"node-{config.name or config.role}", daemon=True)
         self._ready, self._done = threading.Event(), threading.Event()
-        self._result: dict[str, Any] | None = None
+        self._result: Progress | None = None  # the node's last progress record (None: stopped before one)
         self._error: BaseException | None = None
 
     def start(self) -> BackgroundNode:
@@ -69,22 +69,22 @@ class BackgroundNode:
                 )
         return self
 
-    def stop(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Stop the node (if it still runs) and wait for it to leave; its last record."""
+    def stop(self, timeout: float = 60.0) -> Progress | None:
+        """Stop the node (if it still runs) and wait for it to leave; its last progress record."""
         loop, node = self._loop, self.node
         if loop is not None and node is not None and not self._done.is_set():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the node ended by itself
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.stop()))
         return self.result(timeout)
 
-    def result(self, timeout: float) -> dict[str, Any]:
-        """Wait for ``run`` to end by itself (a trainer's last step, a fault); its last record, or what it raised."""
+    def result(self, timeout: float) -> Progress | None:
+        """Wait for ``run`` to end by itself (a trainer's last step, a fault); its last progress record (None: stopped
+        before one), or what it raised."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"{self.config.name or self.config.role} still running after {timeout:.0f}s")
         self._thread.join(timeout)
         if self._error is not None:
             raise self._error
-        assert self._result is not None
         return self._result
 
     def call(self, fn: Callable[[Node], Awaitable[T]], timeout: float = 30.0) -> T:

@@ -87,7 +87,7 @@ def test_nodes_in_this_process_train_and_a_fault_keyed_by_peer_and_step_stops_on
         with trainer("doomed", server, steps=200, faults=kill_at({"doomed": 4, "stage1-a": 2})) as doomed:
             last = doomed.result(timeout=180)  # ends by itself: the fault crashed it
             (fault,) = doomed.events(Fault)
-            assert last == {} and fault.peer == "doomed" and fault.action == "crash" and fault.stage == 0
+            assert last is None and fault.peer == "doomed" and fault.action == "crash" and fault.stage == 0
             assert fault.step >= 4 and max(r["step"] for r in doomed.events(Progress) if r.role == "trainer") < 200
         # a crash retires nothing: the newcomer finds the dead trainer listed for stage 0, and must neither give up
         # on it nor crash, but wait out the record and start (here the dead one was the only trainer)

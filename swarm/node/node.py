@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from hivemind import DHT
@@ -28,7 +28,7 @@ from swarm.dht.process import SwarmDHT
 from swarm.dht.reachability import RELAY_WAIT_S, Reachability, visible_maddrs, wait_for_circuit
 from swarm.dht.revocations import RevocationFollower
 from swarm.dht.start import start_dht
-from swarm.events import EventSink, Fault
+from swarm.events import EventSink, Fault, Progress
 from swarm.faults import kill_this_peer, wait_for_step
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageFootprint, check_fits
@@ -181,8 +181,9 @@ class Node:
             raise ValueError(f"this swarm needs a {role}, and a {role} needs data")
         return FullRole(ctx, self.data) if role == "full" else TrainerRole(ctx, self.data)
 
-    async def run(self) -> dict[str, Any]:
-        """Play the role (``start`` first if not yet) until a trainer's last step or ``stop``; returns the last record.
+    async def run(self) -> Progress | None:
+        """Play the role (``start`` first if not yet) until a trainer's last step or ``stop``; returns the last progress
+        record (None if stopped before one).
 
         Whatever ends it, the node then retires its records and shuts its DHT down.
         """

@@ -147,12 +147,12 @@ class FullRole:
         self.holder: StageHolder | None = None  # stage 0's (a fault schedule reads its step)
         self.stage = EDGE_STAGE
 
-    async def run(self) -> dict[str, Any]:
-        """Train ``steps`` inner steps of stage 0; the last record ({} if stopped first)."""
+    async def run(self) -> FullProgress | None:
+        """Train ``steps`` inner steps of stage 0; the last progress record (None if stopped first)."""
         self.ctx.ready()
-        return await until_stopped(self._train(), self.ctx.stop) or {}
+        return await until_stopped(self._train(), self.ctx.stop)
 
-    async def _train(self) -> dict[str, Any]:
+    async def _train(self) -> FullProgress | None:
         ctx, cfg, config = self.ctx, self.ctx.swarm_config, self.ctx.peer_config
         meter = Meter(role="full", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(ctx.device))
         life = ReplicaLifecycle(ctx, meter, checkpoint_stage=EDGE_STAGE)
@@ -209,8 +209,9 @@ class FullRole:
         batches: Iterator[Batch],
         val_batches: Sequence[Batch],
         meter: Meter,
-    ) -> dict[str, Any]:
-        """Microbatches until ``config.steps`` inner steps of stage 0, holding still while a stage's round is due."""
+    ) -> FullProgress | None:
+        """Microbatches until ``config.steps`` inner steps of stage 0, holding still while a stage's round is due; the
+        last record (None if it had no step left to take)."""
         config, edge = self.ctx.peer_config, full.inners[EDGE_STAGE]
         options, started, losses = config.trainer, time.perf_counter(), []
         record: FullProgress | None = None
@@ -229,7 +230,7 @@ class FullRole:
                 meter.observe(record)
                 self.ctx.on_log(record)
                 losses = []
-        return record.to_record() if record is not None else {}
+        return record
 
 
 def sync_poll_s(syncs: Sequence[ReplicaSync]) -> float:

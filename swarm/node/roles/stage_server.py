@@ -15,10 +15,9 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from swarm.dht.membership import pipeline_replicas
-from swarm.events import Move, Rollback
+from swarm.events import Move, Rollback, StageProgress
 from swarm.node.context import NodeContext, until_stopped
 from swarm.node.lifecycle import download_state
 from swarm.node.placement import stage_loads
@@ -60,11 +59,11 @@ class StageRole:
         self.holder: Holder | None = None  # the stage server of the stage served now
         self.recoveries = 0  # stages this peer rebuilt
 
-    async def run(self) -> dict[str, Any]:
-        """Serve until stopped; the final record ({} if stopped before serving)."""
+    async def run(self) -> StageProgress | None:
+        """Serve until stopped; the final record (None if stopped before serving)."""
         initial = await until_stopped(self._initial_state(), self.ctx.stop)
         if initial is None:  # stopped while waiting for another peer's rebuild
-            return {}
+            return None
         state, rebuilt = initial
         while True:
             self.recoveries += rebuilt is not None
@@ -136,7 +135,7 @@ class StageRole:
                 raise
             return None
 
-    async def _serve(self, served: ServedStage) -> dict[str, Any] | PlannedMove:
+    async def _serve(self, served: ServedStage) -> StageProgress | PlannedMove:
         """Serve one stage until stopped (the final record) or a rebalancing move (returned)."""
         ctx = self.ctx
         self.holder = served.server
@@ -159,7 +158,7 @@ class StageRole:
             return move
         record = served.record()
         ctx.on_log(record)
-        return record.to_record()
+        return record
 
     async def _next_move(self, period_s: float) -> PlannedMove:
         """Wait until rebalancing moves this server: its target stage, with that stage's state downloaded or rebuilt.

@@ -33,12 +33,12 @@ class TrainerRole:
         self.ctx, self.data = ctx, data
         self.holder: Trainer | None = None  # the trainer, once built (a fault schedule reads its step)
 
-    async def run(self) -> dict[str, Any]:
-        """Train ``steps`` inner steps; the last record ({} if stopped first)."""
+    async def run(self) -> TrainerProgress | None:
+        """Train ``steps`` inner steps; the last progress record (None if stopped first)."""
         self.ctx.ready()
-        return await until_stopped(self._train(), self.ctx.stop) or {}
+        return await until_stopped(self._train(), self.ctx.stop)
 
-    async def _train(self) -> dict[str, Any]:
+    async def _train(self) -> TrainerProgress:
         ctx, cfg, config = self.ctx, self.ctx.swarm_config, self.ctx.peer_config
         router = Router(cfg.stages.num_stages, random.Random(f"{cfg.train.seed}/{ctx.membership.peer_id}"))
         meter = Meter(role="trainer", stage=EDGE_STAGE, state="joining", name=config.name, device=describe(ctx.device))
@@ -90,7 +90,7 @@ class TrainerRole:
             meter.state = "training"
             last = await trainer.train(batches, steps=config.steps, val_batches=val_batches, on_log=log)
             await life.checkpoint()  # stage 0 outlives the trainer: what a local swarm exports
-            return last
+            return TrainerProgress.from_json({**last, **sync.info()})  # the record logged last
         finally:
             life.close()
             trainer.shutdown()
