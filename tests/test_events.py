@@ -1,4 +1,4 @@
-"""The typed events (swarm/events.py): each kind's JSONL line is the dict literal's line of before, and reads back."""
+"""The typed events (swarm/events/): each kind's JSONL line is the dict literal's line of before, and reads back."""
 
 from __future__ import annotations
 
