@@ -3,7 +3,7 @@
 Replicas are fakes whose outputs are constant tensors; the trainer's loss of an output is a table by that constant,
 so each case sets the losses it is about: a garbler (or two colluders, or a server passing its input through) fails
 and its reply does not land; an honest replica behind the other, but better than skipping its stage, is not failed;
-four failed judgements by the loss in a row condemn a server (agreeing outright is no judgement); colluders that agree with each other pass, until an honest
+three harmful failures among a server's last four judgements by the loss condemn it (agreeing outright is no judgement); colluders that agree with each other pass, until an honest
 replica checks one of them. The losses at real shapes are tests/test_stage_checks.py's."""
 
 from __future__ import annotations
@@ -77,16 +77,16 @@ def check(audit: HopAudit, replicas: FakeReplicas, peer: str) -> bool:
     return asyncio.run(audit.forward(mb, request, "int8", peer, y))
 
 
-def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_and_four_in_a_row_condemn() -> None:
+def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_and_three_harmful_ones_condemn() -> None:
     replicas = FakeReplicas({"evil": 3.0, "honest": 1.0})
     audit, counters = audit_of(replicas, {1.0: 3.0, 3.0: 4.5, INPUT: 3.6})  # honest 3.0, skipping 3.6, evil 4.5
     assert not check(audit, replicas, "evil") and counters["check_failures"] == 1
     assert "evil" in audit.checker.suspects and not audit.checker.is_condemned("evil")  # one failure: suspect
-    assert not check(audit, replicas, "evil") and not check(audit, replicas, "evil")
+    assert not check(audit, replicas, "evil")
     assert not audit.checker.is_condemned("evil")
     assert not check(audit, replicas, "evil")
-    assert audit.checker.is_condemned("evil") and counters["check_strikes"] == 1  # its last four judgements failed
-    assert not audit.checker.is_condemned("honest") and audit.checker.passed["honest"] == 4
+    assert audit.checker.is_condemned("evil") and counters["check_strikes"] == 1  # 3 of its last 4 judgements failed
+    assert not audit.checker.is_condemned("honest") and audit.checker.passed["honest"] == 3
 
 
 def test_a_replica_behind_the_other_but_better_than_skipping_its_stage_is_not_failed() -> None:

@@ -117,7 +117,7 @@ def test_a_server_answers_a_probe_on_the_weights_its_forward_ran_on_after_steppi
         except RemoteError as e:
             raise AssertionError("a server error, not a remote one") from e
         except RequestError as e:
-            assert e.code == RequestError.INVALID and "no longer held" in e.message
+            assert e.code == RequestError.GONE and "no longer held" in e.message  # no strike against the trainer
         else:
             raise AssertionError("weights it never had must be refused")
 

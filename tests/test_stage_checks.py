@@ -231,8 +231,8 @@ def train(
 
 @pytest.mark.timeout(300)
 def test_a_garbling_replica_fails_its_checks_is_routed_around_and_the_trainer_trains_on() -> None:
-    """Its failing outputs do not land, and each failure takes it out of the routing 15 s (the run's rest here): a
-    verdict needs 4 harmful failures in a row, which a 60-step run is too short for (tests/test_audit.py)."""
+    """Its failing outputs do not land, and each failure takes it out of the routing 2 s (or, harmful, has its every
+    forward judged): a verdict needs 3 harmful failures among its last 4 judgements (tests/test_audit.py)."""
     clean, _, _ = train(garbling=False, check_rate=CheckRule().rate)
     last, trainer, calls = train(garbling=True, check_rate=CheckRule().rate)
     assert last["step"] == 60 and last["failed"] == 0
@@ -286,7 +286,7 @@ def test_two_colluding_garblers_and_a_server_passing_its_input_through_are_route
     assert colluded["step"] == 60 and colluded["failed"] == 0 and not trainer.condemned - {"evil", "evil2"}
     assert colluded["check_failures"] >= 2 and calls.forwards["evil"] + calls.forwards["evil2"] < 20  # of ~60
     lazy, trainer, calls = train(check_rate=CheckRule().rate, lazy=True)
-    # passing its input through is no worse than skipping the stage: it fails (out of the routing 15 s, every forward
+    # passing its input through is no worse than skipping the stage: it fails (out of the routing 2 s, every forward
     # checked, its failing outputs redone elsewhere) but is never condemned; the honest replicas do the training
     # (unchecked, the fastest replica there is: 45-55 of ~70 forwards)
     assert lazy["check_strikes"] == 0 and lazy["check_failures"] >= 1 and lazy["failed"] == 0

@@ -29,6 +29,9 @@ from swarm.pipeline.protocol import Forward
 from swarm.pipeline.routing import Peer, Router
 
 logger = logging.getLogger(__name__)
+# how long a server whose output failed its check (not harmfully: no worse than its stage skipped) leaves this
+# trainer's routing: long next to a forward, short next to a run (the 60-step tests run ~5 s)
+FAILED_OUTPUT_BAN_S = 2.0
 Reply = tuple[torch.Tensor, torch.Tensor | None, bytes, Codec]  # decoded value, token ids, the frame, its codec
 # what a backward's probe found: its gradient confirmed, contradicted, or not judged (no answer, the weights it was
 # taken on gone, the replies' rounding); a backward that needs no probe is "passed"
@@ -166,10 +169,12 @@ class HopAudit:
             self.checker.clear(right, by_loss=True)
             self.counters["check_failures"] += 1
             harmful = self.checker.harmful(loss_wrong, skip[0])
-            # out of the routing a while (15 s, the router's failure ban): a server passing its input through is the
-            # fastest there is, and charged only the time its checks took it kept two thirds of the forwards (only to
-            # have them redone elsewhere) and starved the honest replicas until their stages did worse than skipped
-            self.router.report_failure(stage, wrong, reason=f"its output of {mb.id} failed its check")
+            if not harmful:
+                # out of the routing a while: a server passing its input through is the fastest there is, and charged
+                # only the time its checks took it kept two thirds of the forwards (to have them redone elsewhere) and
+                # starved the honest replicas until their stages did worse than skipped. A harmful one stays routed,
+                # each forward checked and held as a suspect's, towards its verdict
+                self.router.ban(stage, wrong, FAILED_OUTPUT_BAN_S, reason=f"its output of {mb.id} failed its check")
             logger.warning(
                 f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f} of"
                 f" {right}'s, no better than skipping the stage ({skip[0]:.4f})"

@@ -7,8 +7,8 @@ apart, no vote settles it (colluders outvote an honest server, and a server pass
 the true output than drifted honest replicas are to each other): each output goes on down the rest of the
 microbatch's path to the trainer's head, and the loss it gives judges it (``by_loss``). An output fails if its loss
 exceeds the other's by more than ``loss_margin`` and it does no better than skipping the stage (its input passed on
-down the same path: ``no_better_than_skipping``): it does not land, its server is out of the trainer's routing 15 s
-(``HopAudit``) and suspect after, every forward checked. A failure ``harm_margin`` above the skip's loss is harmful (worse than no work); ``failures`` harmful ones
+down the same path: ``no_better_than_skipping``): it does not land, and its server is suspect (every forward checked)
+and, unless the failure was harmful, out of the trainer's routing 2 s (``HopAudit``). A failure ``harm_margin`` above the skip's loss is harmful (worse than no work); ``failures`` harmful ones
 in a row condemn the server. So whatever a server returns, an output that lands gives a loss within ``loss_margin``
 of another replica's on the same microbatch, or better than skipping its stage, however many identities agree with
 it; an honest replica that is merely behind is never condemned. docs/architecture.md, pipeline/.
@@ -71,11 +71,13 @@ class CheckRule:
     # (5.55 against 3.75), while honest replicas that never sync, in tests/test_stage_checks.py's harness (the tiny
     # model's stage barely beats skipping it), failed up to ~20% of their judgements at up to +5%, and were
     # condemned in 3 runs of 8 when every failure counted. A server passing its input through (the skip's loss
-    # itself) fails but is never harmful: each failure takes it out of the routing 15 s (``HopAudit``), no verdict
+    # itself) fails but is never harmful: each failure takes it out of the routing 2 s (``HopAudit``), no verdict
     harm_margin: float = 0.1
-    # harmful failures among a server's last ``history`` judgements by the loss that condemn it: four in a row. A
-    # suspect's failing outputs never land (``suspect_rate``), so waiting for the fourth costs checks, not quality
-    failures: int = 4
+    # harmful failures among a server's last ``history`` judgements by the loss that condemn it. Harmful failures are
+    # strong evidence (honest replicas' worst, starved and never synced, was +5% over the skip's loss), and they come
+    # rarely where a garbler is also routed around for its non-harmful ones: in a loopback swarm one failed at mb5
+    # (+6%, near chance), mb61, mb118 and mb153 (+83-121%), so four in a row never came within the run
+    failures: int = 3
     history: int = 4
     ban_s: float = 600.0  # a condemned server's first ban; doubles for each further verdict
 

@@ -342,7 +342,7 @@ class StageServer:
         at = (self.weights_epoch, self.inner_steps)
         if on is not None and on != at:
             if (stashed := self.stash.get(on)) is None:
-                raise RequestError(RequestError.INVALID, f"weights {on} are no longer held (now at {at})")
+                raise RequestError(RequestError.GONE, f"weights {on} are no longer held (now at {at})")
             with compute_precision(self.device, self.cfg.train.precision):
                 return stage_forward(self.module, on_device, weights=stashed), on, None
         if not keep:

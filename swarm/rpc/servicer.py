@@ -51,6 +51,7 @@ class RequestError(Exception):
     BANNED = "banned"  # the calling peer sent too much invalid data; refused for a while
     NOT_FOUND = "not_found"  # no such blob here (or not in time), or not a stage this server holds: ask another peer
     CACHE_MISS = "cache_miss"  # (stage RPC) backward without the forward input: resend it
+    GONE = "gone"  # (stage RPC) a forward asked for weights the server no longer holds (a probe's): no one's fault
     INTERNAL = "internal"  # the server failed: try another replica
     TOO_LARGE = "too_large"  # (stage RPC) the reply cannot go as one unary message: ask again by stream
     UNREACHABLE = "unreachable"  # (client side) the call did not get through: try another replica
