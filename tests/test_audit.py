@@ -127,3 +127,14 @@ def test_colluders_agreeing_pass_each_other_but_fail_against_an_honest_replica_w
         counters["check_failures"] == 1 and "evil" in audit.checker.suspects and "honest" not in audit.checker.suspects
     )
     assert audit.checker.passed["honest"] == 1
+
+
+def test_outputs_too_far_apart_for_honest_drift_pass_neither_while_the_loss_cannot_tell() -> None:
+    """At the start every output gives a loss near chance: a garbler's random activations pass the loss, but not the
+    distance (√2 from the true output; honest drift ≤ 0.82). Neither is cleared: both stay suspect, checked on every
+    forward, until the loss can tell (cleared, a garbler landed 98% of its forwards unchecked: +46% val)."""
+    replicas = FakeReplicas({"garbler": -1.0, "honest": 1.0})  # relative error 2
+    audit, counters = audit_of(replicas, {1.0: 5.50, -1.0: 5.52, INPUT: 5.5})  # all near chance
+    assert check(audit, replicas, "garbler")  # lands (the loss says it does no harm yet), but proves nothing
+    assert counters["checks_unresolved"] == 1 and audit.checker.passed == Counter()
+    assert audit.checker.suspects == {"garbler", "honest"} and audit.checker.unproven("garbler")

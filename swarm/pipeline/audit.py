@@ -146,6 +146,13 @@ class HopAudit:
                 f"stage {stage}: {mb.id} judged by loss: {peer} {losses[0]:.4f}, {checker_peer} {losses[1]:.4f}"
             )
             if worse is None:
+                if not self.checker.close_enough(y.value, other.value):
+                    # no honest drift is this far, and the loss cannot yet tell (near chance, at the start): neither
+                    # is cleared, both checked on every forward until it can. Cleared here, a garbler passed its
+                    # first check at the start and then landed 98% of its forwards unchecked (+46% val)
+                    self.counters["checks_unresolved"] += 1
+                    self.checker.suspect(peer, checker_peer)
+                    return True
                 self.checker.clear(peer, by_loss=True)
                 self.checker.clear(checker_peer, by_loss=True)
                 return True

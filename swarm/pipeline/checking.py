@@ -57,6 +57,9 @@ class CheckRule:
     # passing its input through 0.6 (tiny) to 1.0 (d 768) from the true output: none of these agree outright, and
     # the loss judges them
     tolerance: float = 0.25
+    # outputs further apart than this are not both honest, whatever their losses: while the loss cannot tell which
+    # (near chance, at the start), neither passes (``close_enough``). Honest drift measured ≤ 0.82; random √2
+    far: float = 1.2
     # an output whose loss through the rest of the path exceeds the other replica's by more than this fraction fails.
     # Measured (tests/test_stage_checks.py's harness, tiny model, 200 steps, replicas never synced: the widest honest
     # drift): honest pairs median 1.7%, at most 5.2% in 53 judgements; random activations of the true norm +4-8% at
@@ -87,6 +90,7 @@ class CheckRule:
             not all(0.0 <= r <= 1.0 for r in rates)
             or min(self.probation_hops, self.first_checks) < 0
             or min(self.tolerance, self.ban_s, self.loss_margin, self.skip_margin, self.harm_margin) <= 0
+            or self.far < self.tolerance
             or not 1 <= self.failures <= self.history
         ):
             raise ValueError(
@@ -136,6 +140,10 @@ class HopChecker:
 
     def agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return relative_error(a, b) <= self.rule.tolerance
+
+    def close_enough(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Within ``far`` of each other: outputs two honest replicas could give."""
+        return relative_error(a, b) <= self.rule.far
 
     def by_loss(self, loss_a: float, loss_b: float) -> int | None:
         """Two outputs' losses through the same rest of the path: 0 if ``a``'s exceeds ``b``'s by more than
