@@ -270,5 +270,15 @@ def warm_up_optimizers() -> None:
     """
     if "torch._dynamo" not in sys.modules:
         threading.Thread(
-            target=importlib.import_module, args=("torch._dynamo",), name="warm-up-optimizers", daemon=True
+            target=_import_quietly, args=("torch._dynamo",), name="warm-up-optimizers", daemon=True
         ).start()
+
+
+def _import_quietly(module: str) -> None:
+    """Import ``module``, saying nothing if it fails: a peer that exits at once (refused by its swarm: a clear one-line
+    error) tears the import down under this daemon thread, whose traceback would bury that line. The optimizer's own
+    import, where it is needed, fails loudly."""
+    try:
+        importlib.import_module(module)
+    except BaseException:  # noqa: BLE001  (interpreter shutdown raises anything mid-import)
+        pass

@@ -164,6 +164,12 @@ class HopAudit:
                 self.counters["checks_unresolved"] += 1
                 self.checker.suspect(peer, checker_peer)
                 return True
+            # the better one proves itself only by beating its stage skipped: at the start, near chance, a garbler
+            # "won" judgements by chance and, cleared, landed its forwards unchecked
+            if self.checker.no_better_than_skipping(loss_right, skip[0]):
+                self.counters["checks_unresolved"] += 1
+                self.checker.suspect(peer, checker_peer)
+                return True
             if not self.checker.no_better_than_skipping(loss_wrong, skip[0]):  # it did the stage's work, less of it
                 self.counters["checks_behind"] += 1
                 self.checker.clear(right, by_loss=True)
