@@ -189,14 +189,17 @@ class RemoteStages:
             kind, frame, resent = "activations", request.x, None
         else:
             kind, frame, resent = "gradients", request.grad, request.x
-        sent = self._count(mb, kind, frame, sent=True, codec=codec)
+        # a forward not kept (validation, a check's recompute or continuation, a probe) is "eval" traffic, as its
+        # server meters it (metering.py): the per-token costs of training are of the forwards that train
+        counted = "eval" if isinstance(request, Forward) and not request.train else kind
+        sent = self._count(mb, counted, frame, sent=True, codec=codec)
         if resent is not None:
             sent += self._count(mb, "activations", resent, sent=True, codec=x_codec)
         timeout = self._deadline(peer, request, sent)
         try:
             out = await self._send(peer, request, timeout)
             wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
-            received = self._count(mb, kind, out, sent=False)
+            received = self._count(mb, counted, out, sent=False)
             # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
             reply_codec, value, tokens = await self.decode(kind, out, mb.shape)
         except TimeoutError:
