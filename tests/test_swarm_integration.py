@@ -92,7 +92,9 @@ def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path
     # one backward per microbatch per stage: 30 steps' each, and those an outer round's install dropped at stage 0
     completed = [records(tmp_path, trainer)[-1] for trainer in ("trainer-0", "trainer-1")]
     assert all(r["completed"] - r["round_dropped"] - r["stale_dropped"] == 30 for r in completed), completed
-    assert served["stage1-0"] + served["stage1-1"] == sum(r["completed"] for r in completed)
+    # plus the backwards redone on another replica (a new server's unjudged backward probe: resent inputs)
+    redone = sum(r["resent_inputs"] for r in completed)
+    assert 0 <= served["stage1-0"] + served["stage1-1"] - sum(r["completed"] for r in completed) <= redone
 
 
 def test_killed_stage_server_does_not_stop_training(tmp_path: Path, child_processes: list) -> None:

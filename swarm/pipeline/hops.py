@@ -208,8 +208,8 @@ class RemoteStages:
         except RemoteError as e:
             if e.code == RequestError.CACHE_MISS:
                 raise CacheMiss(str(e)) from None
-            if e.code == RequestError.GONE:  # a probe's weights are gone: no one's fault, no charge (audit.py)
-                self.counters["hop_refused_gone"] += 1
+            if e.code == RequestError.GONE:  # a probe's weights are gone: no one's fault, no failed hop (audit.py)
+                self.counters["probes_weights_gone"] += 1
                 return None
             self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
             # busy: alive but loaded; invalid: it refused what this trainer sent (a gradient its screen would not
