@@ -111,6 +111,22 @@ class Training(Progress):
     grad_norm: float  # stage 0's gradient norm at its last inner step, before clipping
 
 
+def training_fields(
+    *, step: int, tokens: int, elapsed_s: float, losses: list[float], lr: float, grad_norm: float
+) -> dict[str, Any]:
+    """The fields of ``Training`` a trainer and a full peer fill alike, from their counts since the run's start and the
+    losses of the microbatches finished since the last record."""
+    return {
+        "step": step,
+        "tokens": tokens,
+        "elapsed_s": elapsed_s,
+        "train_loss": sum(losses) / len(losses) if losses else None,
+        "tokens_per_s": tokens / max(elapsed_s, 1e-9),
+        "lr": lr,
+        "grad_norm": grad_norm,
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineCounts:
     """A trainer's microbatch and hop counters (``COUNTERS`` in swarm/pipeline/trainer.py says what each counts),

@@ -137,10 +137,8 @@ class HopAudit:
             self.counters["check_disagreements"] += 1
             losses = await self._losses(mb, stage, [y, other], prev=stage)
             if losses is None:  # the rest of the path failed, or no loss to judge by: both checked more
-                self.counters["checks_unresolved"] += 1
-                self.checker.suspect(peer, checker_peer)
                 logger.warning(f"stage {stage}: {peer} and {checker_peer} disagree on {mb.id}; no loss settled it")
-                return True
+                return self._unresolved(peer, checker_peer)
             worse = self.checker.by_loss(*losses)
             logger.debug(
                 f"stage {stage}: {mb.id} judged by loss: {peer} {losses[0]:.4f}, {checker_peer} {losses[1]:.4f}"
@@ -150,9 +148,7 @@ class HopAudit:
                     # no honest drift is this far, and the loss cannot yet tell (near chance, at the start): neither
                     # is cleared, both checked on every forward until it can. Cleared here, a garbler passed its
                     # first check at the start and then landed 98% of its forwards unchecked (+46% val)
-                    self.counters["checks_unresolved"] += 1
-                    self.checker.suspect(peer, checker_peer)
-                    return True
+                    return self._unresolved(peer, checker_peer)
                 self.checker.clear(peer, by_loss=True)
                 self.checker.clear(checker_peer, by_loss=True)
                 return True
@@ -161,15 +157,11 @@ class HopAudit:
             _, x, tokens = await self.calls.decode("activations", request.x, mb.shape)
             skip = await self._losses(mb, stage, [Outgoing(x, tokens)], prev=request.prev_stage)
             if skip is None:
-                self.counters["checks_unresolved"] += 1
-                self.checker.suspect(peer, checker_peer)
-                return True
+                return self._unresolved(peer, checker_peer)
             # the better one proves itself only by beating its stage skipped: at the start, near chance, a garbler
             # "won" judgements by chance and, cleared, landed its forwards unchecked
             if self.checker.no_better_than_skipping(loss_right, skip[0]):
-                self.counters["checks_unresolved"] += 1
-                self.checker.suspect(peer, checker_peer)
-                return True
+                return self._unresolved(peer, checker_peer)
             if not self.checker.no_better_than_skipping(loss_wrong, skip[0]):  # it did the stage's work, less of it
                 self.counters["checks_behind"] += 1
                 self.checker.clear(right, by_loss=True)
@@ -204,6 +196,12 @@ class HopAudit:
         except Exception as e:  # a check is a side job: it must never take the trainer down
             logger.warning(f"check of {mb.id} at stage {stage} failed: {type(e).__name__}: {e}")
             return True
+
+    def _unresolved(self, *peers: Peer) -> bool:
+        """A check nothing settled: no one cleared, both checked on every forward; the reply lands (True)."""
+        self.counters["checks_unresolved"] += 1
+        self.checker.suspect(*peers)
+        return True
 
     async def _recompute(
         self, mb: Microbatch, request: Forward, codec: str, tried: list[Peer]

@@ -25,6 +25,7 @@ from swarm.config import SwarmConfig, TrainerOptions
 from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus, verdicts
 from swarm.events import PipelineCounts, TrainerProgress
+from swarm.events.progress import training_fields
 from swarm.hardware import CPU, compute_precision
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
 from swarm.model.step import (
@@ -190,13 +191,14 @@ class Trainer:
         counters = dict(self.counters)
         pipeline = PipelineCounts(**{name: counters.pop(name) for name in COUNTERS})  # the rest: hop_refused_<code>
         return TrainerProgress(
-            step=self.inner_steps,
-            tokens=self.tokens,
-            elapsed_s=elapsed,
-            train_loss=sum(losses) / len(losses) if losses else None,
-            tokens_per_s=self.tokens / max(elapsed, 1e-9),
-            lr=self.inner.lr,
-            grad_norm=self.inner.grad_norm,
+            **training_fields(
+                step=self.inner_steps,
+                tokens=self.tokens,
+                elapsed_s=elapsed,
+                losses=losses,
+                lr=self.inner.lr,
+                grad_norm=self.inner.grad_norm,
+            ),
             window=self.window.size,
             round_trip_s=self.window.round_trip_s,
             microbatches_per_s=self.window.microbatches_per_s,

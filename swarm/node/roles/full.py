@@ -24,6 +24,7 @@ from swarm.config import SwarmConfig
 from swarm.dht.metrics import Meter
 from swarm.dht.records import StageStatus
 from swarm.events import FullProgress, ServesStages
+from swarm.events.progress import training_fields
 from swarm.hardware import compute_precision, describe
 from swarm.model.compiling import compile_stage
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, middle_stages
@@ -256,13 +257,9 @@ def progress(
     for sync in syncs:
         counters.update(sync.counters)
     return FullProgress(
-        step=edge.steps,
-        tokens=full.tokens,
-        elapsed_s=elapsed,
-        train_loss=sum(losses) / len(losses) if losses else None,
-        tokens_per_s=full.tokens / max(elapsed, 1e-9),
-        lr=edge.lr,
-        grad_norm=edge.grad_norm,
+        **training_fields(
+            step=edge.steps, tokens=full.tokens, elapsed_s=elapsed, losses=losses, lr=edge.lr, grad_norm=edge.grad_norm
+        ),
         outer_rounds={str(sync.stage): sync.round for sync in syncs},
         served=served or None,
         counters=dict(counters),
