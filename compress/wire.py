@@ -93,6 +93,9 @@ class CodecId(IntEnum):
     SUBSPACE_GRAD = 7  # activation-gradients: the k-dim projection Uᵀg only
     SPARSELOCO = 8
     OUTER_PAYLOAD = 9  # a replica's whole pseudo-gradient for one round: its parameters' frames, one zstd stream
+    ROT4 = 10  # randomized Hadamard rotation, then 4, 2 or 1 bits per value (compress/rotated.py)
+    ROT2 = 11
+    ROT1 = 12
 
 
 @dataclass(kw_only=True)

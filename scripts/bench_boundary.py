@@ -1,0 +1,221 @@
+"""Boundary codecs against fp32 at equal tokens: validation loss (mean ± sd over seeds) and bytes per token.
+
+The model trains in one process, cut into stages as the swarm cuts it (``swarm/model/stages.py``); every boundary
+(embedding → stage 1 → … → stage S → head) passes its forward activations through encode → decode of the
+activation codec and its backward gradients through the gradient codec (``Boundary``, an autograd function), as a
+swarm's hops would. Every codec pair trains on the same tokens and seeds as the fp32 baseline of the same run. Bytes
+per token count both directions at every boundary, once each, before zstd (frames as ``Codec.round_trip`` sizes
+them); the ``zstd`` column codes one sampled microbatch per ``--zstd-every`` steps fully and scales by what zstd saved.
+A subspace pair trains the subspace-constrained model (``model.subspace_rank``): it is judged by its own loss.
+
+    python scripts/bench_boundary.py --preset tiny --steps 250 --seeds 3 --pairs fp32 int8 rot4 rot2 rot1 rot2:rot1 \\
+        --jobs 2 --json docs/data/bench-boundary-tiny.json
+    python scripts/bench_boundary.py --preset 20m --seq-len 256 --batch 4 --steps 120 --pairs fp32 rot2 rot2:rot1
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from compress.codecs import Codec, get_codec
+from peer.data import Corpus, load_corpus
+from swarm.config import SwarmConfig, derive_config
+from swarm.model.stages import EdgeStage, middle_stages
+from swarm.model.step import InnerStep
+from swarm.model.transformer import ModelConfig, Transformer, loss_fn, subspace_basis
+
+
+class Link:
+    """One boundary's codecs and the bytes that crossed it, by direction."""
+
+    def __init__(self, act: Codec, grad: Codec, tokens: torch.Tensor | None) -> None:
+        self.act, self.grad, self.tokens = act, grad, tokens
+        self.sent = {"activations": 0, "gradients": 0}
+        self.zstd = {"activations": [0, 0], "gradients": [0, 0]}  # sampled (bytes after zstd, bytes before)
+        self.sample = False
+
+    def code(self, kind: str, codec: Codec, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        y, nbytes = codec.round_trip(x, tokens)
+        self.sent[kind] += nbytes
+        if self.sample:
+            self.zstd[kind][0] += len(codec.encode(x, tokens=tokens))
+            self.zstd[kind][1] += nbytes
+        return y
+
+
+class Boundary(torch.autograd.Function):
+    """Identity in autograd's eyes; forward and backward values cross the link's codecs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, link: Link) -> torch.Tensor:  # noqa: D102
+        ctx.link = link
+        return link.code("activations", link.act, x, link.tokens)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return ctx.link.code("gradients", ctx.link.grad, g, None), None
+
+
+def codecs_for(pair: str, cfg: ModelConfig) -> tuple[Codec, Codec]:
+    act, _, grad = pair.partition(":")
+    basis, table = subspace_basis(cfg) if cfg.subspace_rank else (None, None)
+    return get_codec(act, basis=basis, table=table), get_codec(grad or act, basis=basis, kind="gradient")
+
+
+def config_for(args: argparse.Namespace, pair: str) -> SwarmConfig:
+    overrides: dict[str, Any] = {"model.preset": args.preset, "train.seq_len": args.seq_len}
+    overrides |= {"train.inner_batch": args.batch, "train.microbatch_size": args.batch}
+    overrides |= {"inner.total_steps": args.steps, "stages.num_stages": args.stages}
+    if pair.startswith("subspace"):
+        overrides["model.subspace_rank"] = args.subspace_rank
+    return derive_config(SwarmConfig(), overrides)
+
+
+def forward(edge: EdgeStage, middles: list, links: list[Link], inputs: torch.Tensor) -> torch.Tensor:
+    h = edge.embed(inputs)
+    for i, stage in enumerate(middles):
+        links[i].tokens = inputs
+        h = stage(Boundary.apply(h, links[i]))
+    links[-1].tokens = inputs
+    logits: torch.Tensor = edge.head(Boundary.apply(h, links[-1]))
+    return logits
+
+
+def run(args: argparse.Namespace, pair: str, seed: int, corpus: Corpus) -> dict[str, Any]:
+    """One training run: the final validation loss through the codecs and without them, and the bytes sent."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(seed)
+    cfg = config_for(args, pair)
+    model_cfg = dataclasses.replace(cfg.model, init_seed=seed)
+    model = Transformer(model_cfg)
+    edge, middles = EdgeStage(model), middle_stages(model, cfg.stages.num_stages)
+    act, grad = codecs_for(pair, model_cfg)
+    links = [Link(act, grad, None) for _ in range(len(middles) + 1)]
+    inner = InnerStep(model.parameters(), cfg.inner, inner_batch=args.batch)
+    batches = corpus.sample_batches("train", batch_size=args.batch, seq_len=args.seq_len, seed=seed)
+    started, tokens = time.perf_counter(), 0
+    for step in range(args.steps):
+        inputs, targets = next(batches)
+        for link in links:
+            link.sample = step % args.zstd_every == 0
+        loss_fn(forward(edge, middles, links, inputs), targets).backward()
+        inner.add(inputs.shape[0])
+        tokens += inputs.numel()
+    sent = {k: sum(link.sent[k] for link in links) for k in ("activations", "gradients")}  # training frames only
+    zstd = {k: [sum(link.zstd[k][i] for link in links) for i in (0, 1)] for k in sent}
+    val = corpus.val_batches(batch_size=args.batch, seq_len=args.seq_len, num_sequences=args.val_sequences)
+    model.eval()
+    with torch.no_grad():
+        for link in links:
+            link.sample = False
+        coded = [float(loss_fn(forward(edge, middles, links, x), y)) for x, y in val]
+        clean = [float(loss_fn(model(x), y)) for x, y in val]
+    return {
+        "pair": pair,
+        "seed": seed,
+        "tokens": tokens,
+        "val_loss": statistics.fmean(coded),
+        "val_loss_clean": statistics.fmean(clean),
+        "train_bytes": sent,
+        "zstd_saving": {k: 1 - v[0] / v[1] if v[1] else 0.0 for k, v in zstd.items()},
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def bytes_per_token(record: dict[str, Any]) -> dict[str, float]:
+    """Training frames per trained token, both directions, every boundary."""
+    act = record["train_bytes"]["activations"] / record["tokens"]
+    grad = record["train_bytes"]["gradients"] / record["tokens"]
+    return {"activations": act, "gradients": grad, "total": act + grad}
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    base = statistics.fmean(r["val_loss"] for r in records if r["pair"] == "fp32")
+    base_bytes = statistics.fmean(bytes_per_token(r)["total"] for r in records if r["pair"] == "fp32")
+    rows = []
+    for pair in dict.fromkeys(r["pair"] for r in records):
+        runs = [r for r in records if r["pair"] == pair]
+        losses = [r["val_loss"] for r in runs]
+        per_tok = bytes_per_token(runs[0])
+        saving = runs[0]["zstd_saving"]
+        zstd = per_tok["activations"] * (1 - saving["activations"]) + per_tok["gradients"] * (1 - saving["gradients"])
+        rows.append(
+            {
+                "pair": pair,
+                "seeds": len(runs),
+                "val_loss": statistics.fmean(losses),
+                "val_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                "val_loss_clean": statistics.fmean(r["val_loss_clean"] for r in runs),
+                "loss_ratio": statistics.fmean(losses) / base,
+                "bytes_per_token": per_tok,
+                "ratio_vs_fp32": base_bytes / per_tok["total"],
+                "zstd_bytes_per_token": zstd,
+                "zstd_ratio_vs_fp32": base_bytes / zstd,
+                "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| act:grad | B/token (act + grad) | × below fp32 | zstd × | val loss (mean ± sd) | ratio | val, no codec |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: -r["bytes_per_token"]["total"]):
+        b = r["bytes_per_token"]
+        lines.append(
+            f"| {r['pair']} | {b['total']:,.0f} ({b['activations']:,.0f} + {b['gradients']:,.0f}) "
+            f"| {r['ratio_vs_fp32']:.1f} | {r['zstd_ratio_vs_fp32']:.1f} | {r['val_loss']:.4f} ± {r['val_sd']:.4f} "
+            f"| {r['loss_ratio']:.4f} | {r['val_loss_clean']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", choices=["tiny", "20m", "125m"])
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (one microbatch, one inner step)")
+    parser.add_argument("--stages", type=int, default=4, help="middle stages: stages + 1 boundaries")
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--pairs", nargs="+", default=["fp32", "int8", "rot4", "rot2", "rot1"])
+    parser.add_argument("--subspace-rank", type=int, default=16)
+    parser.add_argument("--val-sequences", type=int, default=64)
+    parser.add_argument("--zstd-every", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
+    parser.add_argument("--json", help="write the runs and the summary here")
+    args = parser.parse_args()
+    if "fp32" not in args.pairs:
+        args.pairs.insert(0, "fp32")
+    corpus = load_corpus()
+    jobs = [(pair, seed) for seed in range(args.seeds) for pair in args.pairs]
+    started = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run, args, pair, seed, corpus) for pair, seed in jobs]
+        records = []
+        for future in concurrent.futures.as_completed(futures):
+            records.append(future.result())
+            r = records[-1]
+            print(f"{r['pair']:>12} seed {r['seed']}: val {r['val_loss']:.4f} ({r['wall_s']:.0f} s)", flush=True)
+    records.sort(key=lambda r: (args.pairs.index(r["pair"]), r["seed"]))
+    rows = summarize(records)
+    print(table(rows))
+    print(f"wall {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "summary": rows, "runs": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
