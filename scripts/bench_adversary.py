@@ -27,6 +27,10 @@ test_membership.py, test_outer.py), played here with the same helpers (swarmtest
   activations of the input's norm, seeded by the input: they agree exactly when they check each other).
 - stage-gradflip: one server of stage 1, three of stage 2 and a trainer; one stage-2 server computes honestly but
   returns its input gradients sign-flipped (its forwards pass every check).
+- stage-late-join (no attacker: false verdicts): three honest stage-1 servers in DiLoCo rounds (H = 10); the first
+  trains alone with the trainer for a quarter of the run before the other two join. Every stage scenario counts what
+  befell the honest servers: condemned (a published verdict), found unfit (routed around by the trainer until they
+  sync), banned for deadlines, struck in the outer rounds.
 - memory-bomb: a real ``OuterOptimizer`` applies a round with a SparseLoCo frame declaring (1, 64M) and a DiLoCo
   fp32 frame declaring (4096, 4096); tracemalloc's peak against the same round without the bomb.
 
@@ -69,12 +73,18 @@ ATTACKS = (
     "stage-gradflip",
     "stage-lazy",
     "stage-collude",
+    "stage-late-join",
 )
 # the rest: outer attacks, and the in-process memory bomb
 PIPELINE = {"stage-nan", "cache-flood", "forged-records", "grad-570x-sybil"}
 # three stage-1 servers, one the attacker's (two for stage-collude), and a trainer
 STAGES = {"stage-garbler", "stage-silent", "stage-lazy", "stage-collude"}
 STAGES2 = {"stage-gradflip"}  # one stage-1 server, three of stage 2 (one the attacker's), a trainer
+# no attacker (issue 42's false verdicts): three honest stage-1 servers in outer rounds (DiLoCo, H = LATE_JOIN_H), the
+# first training alone with the trainer until it is LATE_JOIN_AT of the way through, the other two joining then from
+# the seeded weights or a download; its clean run has all three from the start
+STAGES_OUTER = {"stage-late-join"}
+LATE_JOIN_H, LATE_JOIN_AT = 10, 0.25
 OUTER = {"state-liar", "round-staller", "pg-x1000", "pg-flip9-pair", "pg-orthogonal-pair"}
 # Adaptive pseudo-gradient attackers (issue 42), each under the ×10 norm screen, among replicas of stage 1. The last
 # letter of the Δ a peer sends: θ_global − (θ_global − scale × Δ) ... see ``ADAPTIVE_PG``.
@@ -272,27 +282,45 @@ def screened(judged: list[tuple[Any, float, float, Any]], attackers: set[Any]) -
 
 
 def stages_run(
-    attack: str | None, steps: int, check_rate: float, seed: int, *, stages: int = 1, probe_rate: float = 0.0
+    attack: str | None,
+    steps: int,
+    check_rate: float,
+    seed: int,
+    *,
+    stages: int = 1,
+    probe_rate: float = 0.0,
+    outer_h: int = 0,
 ) -> dict[str, Any]:
     """The trainer's val loss and tokens/s through three replicas of the last middle stage (``outer`` off: no round to
     wait for; with ``stages`` 2, one server of stage 1 before them); the third garbles every forward (random
     activations of the true per-token norm), takes every call and never answers (``rpc_s`` 30 s, as the issue measured
     it), or computes honestly but returns its input gradients sign-flipped (stage-gradflip). ``banned``: the trainer
-    condemned it, or banned it for deadlines missed."""
+    condemned it (yes), found it unfit by the loss and routed around it (unfit), or banned it for deadlines missed.
+    ``outer_h``: outer rounds (DiLoCo) every ``outer_h`` inner steps; with stage-late-join, the first server trains
+    alone with the trainer for ``LATE_JOIN_AT`` of the run before the others join. The honest servers' verdicts, rests,
+    strikes and bans are counted in every run."""
     import dataclasses
 
     import torch
 
     from peer.data import load_corpus
     from swarm.config import TimeoutConfig, TrainerOptions
+    from swarm.events import Progress
     from swarm.node.config import PeerConfig
     from swarmtest.attacks import collude, flip_backward, garble, pass_through, silence
-    from swarmtest.configs import DATA, LOOPBACK_MADDRS, tiny_config
+    from swarmtest.configs import DATA, LOOPBACK_MADDRS, outer_config, tiny_config
     from swarmtest.node import BackgroundNode
+
+    def trained(node: BackgroundNode) -> int:
+        records = node.events(Progress)
+        return int(records[-1].get("step") or 0) if records else 0
 
     torch.set_num_threads(1)
     timeouts = TimeoutConfig(rpc_s=30.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
-    cfg = tiny_config(stages=stages, steps=steps, outer={"method": "none"}, timeouts=timeouts)
+    if outer_h:
+        cfg = outer_config("diloco", inner_steps=outer_h, stages=stages, steps=steps, timeouts=timeouts)
+    else:
+        cfg = tiny_config(stages=stages, steps=steps, outer={"method": "none"}, timeouts=timeouts)
 
     def data(cfg: Any, peer_id: str) -> Any:
         corpus = load_corpus([DATA])
@@ -307,12 +335,16 @@ def stages_run(
 
     # (stage, letter): one server of stage 1 before the last stage's three, where there are two; the attacker's last
     layout = [*([(1, "a")] if stages == 2 else []), *((stages, letter) for letter in ("a", "b", "x"))]
+    late = attack == "stage-late-join"
     first = stage(*layout[0], []).start()
-    servers = [first, *(stage(index, letter, first.maddrs).start() for index, letter in layout[1:])]
+    servers = [first, *(stage(index, letter, first.maddrs) for index, letter in layout[1:])]
+    for server in servers[1:] if not late else []:
+        server.start()
     try:
-        attacker = servers[-1].call(lambda node: asyncio.sleep(0, node.role.holder))
-        attacker_id = servers[-1].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
-        accomplice_id = servers[-2].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
+        if not late:
+            attacker = servers[-1].call(lambda node: asyncio.sleep(0, node.role.holder))
+            attacker_id = servers[-1].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
+            accomplice_id = servers[-2].call(lambda node: asyncio.sleep(0, node.dht.peer_id))
         if attack == "stage-garbler":
             garble(attacker)
         elif attack == "stage-silent":
@@ -333,20 +365,40 @@ def stages_run(
             trainer=options,
         )
         with BackgroundNode(trainer, data=data) as peer:
+            if late:  # the first server trains alone with the trainer, then the others join
+                peer.wait("the trainer a quarter through", lambda: trained(peer) >= LATE_JOIN_AT * steps or None, 300)
+                for server in servers[1:]:
+                    server.start()
             last = peer.result(timeout=600)
+            checker = peer.node.role.holder.remote.audit.checker  # type: ignore[union-attr]
+        outer_counts = [server.events(Progress)[-1].counters if server.events(Progress) else {} for server in servers]
+        server_ids = [str(server.call(lambda node: asyncio.sleep(0, node.dht.peer_id))) for server in servers]
     finally:
         for server in servers:
             server.stop()
-    attackers = [attacker_id, accomplice_id] if attack == "stage-collude" else [attacker_id]
-    condemned = all(str(peer) in last["condemned"] for peer in attackers)
+    attackers = (
+        [] if late or attack is None else [attacker_id, accomplice_id] if attack == "stage-collude" else [attacker_id]
+    )
+    honest = set(server_ids) - set(map(str, attackers))
+    condemned = bool(attackers) and all(str(peer) in last["condemned"] for peer in attackers)
     banned = condemned if attack != "stage-silent" else last["deadline_bans"] > 0
+    rested = all(checker.rests[peer] for peer in attackers) and bool(attackers)
+    honest_outcome = {  # what befell the honest servers: issue 42 wants none of it in a clean run
+        "honest_condemned": sum(peer in honest for peer in last["condemned"]),
+        "honest_rests": sum(n for peer, n in checker.rests.items() if str(peer) in honest),
+        "honest_outer_strikes": sum(c.get("outer_strikes", 0) for c in outer_counts),
+        "honest_outer_condemned": sum(c.get("outer_condemned", 0) for c in outer_counts),
+        "deadline_bans": last["deadline_bans"],
+    }
     keys = ("tokens_per_s", "step", "failed", "checks", "check_disagreements", "check_strikes", "checks_unresolved")
-    keys += ("check_failures",)
+    keys += ("check_failures", "check_rests", "checks_behind")
     keys += ("probes", "probe_failures", "resent_inputs")
     keys += ("hop_timeouts", "deadline_bans", "hop_failures")
     return {
-        "banned": ("yes" if banned else "no") if attack else "n.a.",
+        "banned": ("yes" if banned else "unfit" if rested else "no") if attackers else "n.a.",
         "identities": len(attackers),
+        **honest_outcome,
+        "rounds_done": [c.get("outer_done", 0) for c in outer_counts] if outer_h else None,
         "metric": "val_loss",
         "value": last.get("val_loss"),
         "rounds": None,
@@ -575,11 +627,14 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     started = time.monotonic()
     if attack in PIPELINE:
         result = pipeline_run(name, args.steps, args.seed)
-    elif attack in STAGES | STAGES2:
+    elif attack in STAGES | STAGES2 | STAGES_OUTER:
         # backward probes on at the check rate, unless undefended
         probe_rate = 0.0 if args.undefended else args.check_rate
         stages = 2 if attack in STAGES2 else 1
-        result = stages_run(name, args.steps, args.check_rate, args.seed, stages=stages, probe_rate=probe_rate)
+        outer_h = LATE_JOIN_H if attack in STAGES_OUTER else 0
+        result = stages_run(
+            name, args.steps, args.check_rate, args.seed, stages=stages, probe_rate=probe_rate, outer_h=outer_h
+        )
     elif attack in OUTER | OUTER3 | OUTER5:
         replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
         result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas, method=args.outer)
@@ -619,6 +674,7 @@ CLEAN_OF: dict[str, str] = {
     **{a: "outer5" for a in OUTER5},
     **{a: "stages" for a in STAGES},
     **{a: "stages2" for a in STAGES2},
+    **{a: "stages-outer" for a in STAGES_OUTER},
 }
 
 
@@ -685,7 +741,20 @@ def summaries(rows: list[dict[str, Any]], cleans: dict[tuple[str, int], dict[str
     attacks = {
         a: spread([r["ratio"] for r in rows if r["attack"] == a]) for a in dict.fromkeys(r["attack"] for r in rows)
     }
-    return {"clean": clean, "ratio": attacks}
+    # what befell honest servers (stage scenarios): summed over the clean runs of each group, and over each attack's runs
+    honest = {f"clean {g}": honest_totals([c for (group, _), c in cleans.items() if group == g]) for g in groups} | {
+        a: honest_totals([r["attack_run"] for r in rows if r["attack"] == a]) for a in attacks
+    }
+    return {"clean": clean, "ratio": attacks, "honest": {k: v for k, v in honest.items() if v}}
+
+
+HONEST_KEYS = ("honest_condemned", "honest_rests", "honest_outer_strikes", "honest_outer_condemned", "deadline_bans")
+
+
+def honest_totals(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """The honest servers' verdicts, rests, strikes and bans summed over ``runs`` (empty: no stage scenario)."""
+    runs = [r for r in runs if "honest_rests" in r]
+    return {"runs": len(runs), **{key: sum(r.get(key) or 0 for r in runs) for key in HONEST_KEYS}} if runs else {}
 
 
 def print_summaries(summary: dict[str, Any]) -> None:
@@ -699,6 +768,12 @@ def print_summaries(summary: dict[str, Any]) -> None:
                 print(
                     f"  {name:<16} n={s['n']} mean {s['mean']:.4f} ± {s['std']:.4f} (min {s['min']:.4f}, max {s['max']:.4f})"
                 )
+    if summary.get("honest"):
+        print(
+            "\nhonest servers, summed over runs (condemned, found unfit, outer strikes, outer verdicts, deadline bans):"
+        )
+        for name, totals in summary["honest"].items():
+            print(f"  {name:<22} " + ", ".join(f"{key} {n}" for key, n in totals.items()))
 
 
 def main() -> None:

@@ -3,8 +3,10 @@
 Replicas are fakes whose outputs are constant tensors; the trainer's loss of an output is a table by that constant,
 so each case sets the losses it is about: a garbler (or two colluders, or a server passing its input through) fails
 and its reply does not land; an honest replica behind the other, but better than skipping its stage, is not failed;
-three harmful failures among a server's last four judgements by the loss condemn it (agreeing outright is no judgement); colluders that agree with each other pass, until an honest
-replica checks one of them. The losses at real shapes are tests/test_stage_checks.py's."""
+three harmful failures among a server's last four judgements by the loss make it unfit, routed around until its outer
+round moves on, and never condemn it (that takes a failed backward probe); agreeing outright is no judgement, and a
+suspect that agrees vouches for nothing: colluders that agree with each other pass, until one of them is suspect, and
+then the honest replica is asked. The losses at real shapes are tests/test_stage_checks.py's."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ import torch
 
 from compress.codecs import Codec
 from swarm.config import TrainerOptions
+from swarm.dht.records import StageStatus
 from swarm.pipeline.audit import HopAudit
+from swarm.pipeline.checking import CheckRule, HopChecker
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.protocol import Forward
 from swarm.pipeline.routing import Peer, Router
+from swarmtest.clock import FakeClock
 from swarmtest.configs import tiny_config
 
 SHAPE = (2, 8, 16)  # (B, T, d)
@@ -77,16 +82,51 @@ def check(audit: HopAudit, replicas: FakeReplicas, peer: str) -> bool:
     return asyncio.run(audit.forward(mb, request, "int8", peer, y))
 
 
-def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_and_three_harmful_ones_condemn() -> None:
+def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_and_three_harmful_ones_make_it_unfit() -> (
+    None
+):
     replicas = FakeReplicas({"evil": 3.0, "honest": 1.0})
     audit, counters = audit_of(replicas, {1.0: 3.0, 3.0: 4.5, INPUT: 3.6})  # honest 3.0, skipping 3.6, evil 4.5
     assert not check(audit, replicas, "evil") and counters["check_failures"] == 1
-    assert "evil" in audit.checker.suspects and not audit.checker.is_condemned("evil")  # one failure: suspect
+    assert "evil" in audit.checker.suspects and not audit.excluded_now()  # one failure: suspect, still routed
     assert not check(audit, replicas, "evil")
-    assert not audit.checker.is_condemned("evil")
+    assert not audit.excluded_now()
     assert not check(audit, replicas, "evil")
-    assert audit.checker.is_condemned("evil") and counters["check_strikes"] == 1  # 3 of its last 4 judgements failed
-    assert not audit.checker.is_condemned("honest") and audit.checker.passed["honest"] == 3
+    assert audit.excluded_now() == {"evil"} and counters["check_rests"] == 1  # 3 of its last 4 judgements failed
+    # unfit is no verdict: nothing in the trainer's record, nothing for the outer rounds
+    assert not audit.checker.is_condemned("evil") and counters["check_strikes"] == 0 and not audit.condemned_now()
+    assert "evil" in audit.checker.suspects  # back from its rest, its forwards land only once checked
+    assert not audit.excluded_now() - {"evil"} and audit.checker.passed["honest"] == 3
+
+
+def test_an_unfit_server_rests_until_its_outer_round_moves_on_or_its_rest_ends_which_doubles() -> None:
+    """A replica behind the others gives outputs worse than no work until it syncs with them: its next round ends
+    its rest. Without records (outer off) the rest runs ``rest_s``, doubled per rest, at most ``ban_s``."""
+    clock = FakeClock()
+    checker = HopChecker(CheckRule(rest_s=30.0, ban_s=100.0), clock=clock)
+    rounds = {"behind": 4}
+    assert checker.rest("behind", 4) == 30.0 and checker.unfit_now(rounds.get) == {"behind"}
+    rounds["behind"] = 5  # it took part in a round: its weights are the others' now
+    assert checker.unfit_now(rounds.get) == set() and "behind" in checker.suspects
+    assert checker.rest("evil", None) == 30.0 and checker.rest("evil", None) == 60.0
+    clock.advance(59.0)
+    assert checker.unfit_now(rounds.get) == {"evil"}
+    clock.advance(2.0)
+    assert checker.unfit_now(rounds.get) == set()
+    assert checker.rest("evil", None) == 100.0  # at most ban_s
+    assert not checker.condemned_now()
+
+
+def test_the_audit_reads_an_unfit_servers_round_from_its_record() -> None:
+    replicas = FakeReplicas({"behind": 3.0, "ahead": 1.0})
+    audit, counters = audit_of(replicas, {1.0: 3.0, 3.0: 4.5, INPUT: 3.6})
+    records = {"behind": StageStatus(outer_round=7), "ahead": StageStatus(outer_round=7)}
+    audit.router.update_records(1, records)
+    for _ in range(3):
+        assert not check(audit, replicas, "behind")
+    assert audit.excluded_now() == {"behind"} and audit.checker.unfit["behind"][1] == 7
+    audit.router.update_records(1, {**records, "behind": StageStatus(outer_round=8)})
+    assert audit.excluded_now() == set()
 
 
 def test_a_replica_behind_the_other_but_better_than_skipping_its_stage_is_not_failed() -> None:
@@ -127,6 +167,19 @@ def test_colluders_agreeing_pass_each_other_but_fail_against_an_honest_replica_w
         counters["check_failures"] == 1 and "evil" in audit.checker.suspects and "honest" not in audit.checker.suspects
     )
     assert audit.checker.passed["honest"] == 1
+
+
+def test_a_suspect_agreeing_vouches_for_nothing_the_next_replica_is_asked() -> None:
+    """Two colluders, both suspect once an honest replica caught each: agreeing with each other neither clears them
+    nor lands their output; the check goes on to the honest replica, and the loss judges."""
+    replicas = FakeReplicas({"evil": 3.0, "evil2": 3.0, "honest": 1.0})
+    audit, counters = audit_of(replicas, {1.0: 3.0, 3.0: 4.5, INPUT: 3.6})
+    audit.checker.suspect("evil", "evil2")
+    assert not check(audit, replicas, "evil") and replicas.checkers[-2:] == ["evil2", "honest"]
+    assert counters["checks"] == 2 and counters["check_failures"] == 1 and audit.checker.passed["evil"] == 0
+    assert {"evil", "evil2"} <= audit.checker.suspects
+    del replicas.levels["honest"]  # no one else to ask: unchecked, it lands, and clears no one
+    assert check(audit, replicas, "evil") and audit.checker.passed == Counter({"honest": 1})
 
 
 def test_outputs_too_far_apart_for_honest_drift_pass_neither_while_the_loss_cannot_tell() -> None:

@@ -23,7 +23,7 @@ from swarm.outer.matchmaking import RoundContext
 from swarm.outer.verdicts import Verdicts
 from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Trainer
-from swarmtest.attacks import garble
+from swarmtest.attacks import flip_backward
 from swarmtest.clock import in_virtual_time
 from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, outer_config, tiny_config
 from swarmtest.fakes import Hub, MemoryNet
@@ -181,7 +181,9 @@ def last_condemned(node: BackgroundNode) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_on_loopback_the_replicas_leave_the_server_a_trainer_condemned_out_of_their_rounds() -> None:
-    # three stage-1 servers in outer rounds every 5 inner steps, the third garbling every forward; one trainer checks.
+    # three stage-1 servers in outer rounds every 5 inner steps, the third returning sign-flipped input gradients (its
+    # forwards right); one trainer probes its backwards, and its own forwards contradict them: a verdict. (A garbler is
+    # only found unfit by the loss, routed around by the trainer and never condemned: tests/test_audit.py.)
     # 400 steps: the verdict counts only from a trainer listed for 3 announce periods, at a round, so training must
     # outlast that (120 steps took ~7 s on an idle machine: 3 rounds, all before the verdict could count)
     steps = 400
@@ -200,29 +202,29 @@ def test_on_loopback_the_replicas_leave_the_server_a_trainer_condemned_out_of_th
     servers = [first, *(stage(name, first.maddrs).start() for name in ("stage1-b", "stage1-x"))]
     honest = servers[:2]
     try:
-        garble(servers[2].call(lambda node: asyncio.sleep(0, node.role.holder)))
-        garbler = str(servers[2].call(lambda node: asyncio.sleep(0, node.dht.peer_id)))
-        # checks at 20%: this test is of what replicas do with a verdict; at 2% the loss judgements a verdict needs
-        # (three harmful failures, checking.py) came too rarely for a ~20 s run in 1 run of 3
+        flip_backward(servers[2].call(lambda node: asyncio.sleep(0, node.role.holder)))
+        liar = str(servers[2].call(lambda node: asyncio.sleep(0, node.dht.peer_id)))
+        # probes at 20%: this test is of what replicas do with a verdict (two failed probes, probing.py), not of how
+        # soon a trainer finds the liar out
         trainer = PeerConfig(
             role="trainer",
             name="trainer",
             initial_peers=first.maddrs,
             host_maddrs=LOOPBACK_MADDRS,
             steps=steps,
-            trainer=TrainerOptions(check_rate=0.2),
+            trainer=TrainerOptions(probe_rate=0.2),
         )
         with BackgroundNode(trainer, data=data) as peer:
-            peer.wait("the garbler condemned", lambda: garbler in last_condemned(peer) or None, 300)
+            peer.wait("the liar condemned", lambda: liar in last_condemned(peer) or None, 300)
             for node in honest:  # the trainer's record reaches their outer step, once the trainer is seasoned
                 node.wait("the verdict counted", lambda node=node: counted_at(node.records) is not None or None, 60)
             last = peer.result(timeout=300)
     finally:
         for server in servers:
             server.stop()
-    assert last["step"] == steps and garbler in last["condemned"]
+    assert last["step"] == steps and liar in last["condemned"]
     for node in honest:
         start = counted_at(node.records)
         assert start is not None
         after = [r for r in node.records[start:] if isinstance(r, OuterRound) and r.outcome == "done"]
-        assert after and all(garbler not in r.contributor_ids for r in after), after
+        assert after and all(liar not in r.contributor_ids for r in after), after

@@ -145,10 +145,11 @@ class PipelineCounts:
     deadline_bans: int = 0  # servers banned for deadlines missed in a row
     checks: int = 0  # forwards checked against another replica
     check_disagreements: int = 0  # checks whose outputs were apart (judged by their loss)
-    check_strikes: int = 0  # servers condemned (by failed checks or failed backward probes)
+    check_strikes: int = 0  # servers condemned (their backwards failed probes against their own forwards)
     checks_unresolved: int = 0  # disagreements no loss could settle
     check_failures: int = 0  # outputs that failed their loss judgement
     checks_behind: int = 0  # outputs worse than the other's, yet better than skipping the stage
+    check_rests: int = 0  # servers found unfit (outputs worse than no work), routed around until they sync
     probes: int = 0  # backward probes judged
     probe_failures: int = 0  # probes failed
     probes_unresolved: int = 0  # probes whose step the replies' rounding swallowed

@@ -1,6 +1,7 @@
 """The trainer's audit of the work its servers return: forward hops checked against another replica and judged by
 the loss each output gives down the rest of the path (checking.py), backwards probed through the same server's own
-forwards (probing.py), verdicts turned into bans.
+forwards (probing.py). Outputs worse than no work make a server unfit: routed around until it syncs (``rest``);
+work that contradicts itself (a failed probe) condemns it: banned, and named in the trainer's record (``condemn``).
 
 A new or suspect server's work lands only once its check or probe passed (``forward``/``backward`` wait for it); a
 proven server's is audited off the microbatch's critical path, as a side job (``close`` cancels those). The calls
@@ -110,6 +111,10 @@ class HopAudit:
     def condemned_now(self) -> set[Hashable]:
         return self.checker.condemned_now()
 
+    def excluded_now(self) -> set[Hashable]:
+        """Servers no hop of this trainer goes to now: condemned, or unfit and not synced since (``rest``)."""
+        return self.checker.condemned_now() | self.checker.unfit_now(self.router.outer_round)
+
     async def close(self) -> None:
         """Cancel the audits under way."""
         for task in list(self._jobs):
@@ -126,11 +131,10 @@ class HopAudit:
         the path (``HopChecker.by_loss``), the worse one's server failing. False if ``peer``'s failed."""
         stage = request.stage
         try:
-            checker_peer, other = await self._recompute(mb, request, codec, [peer])
+            checker_peer, other, agreed = await self._compare(mb, request, codec, peer, y)
             if checker_peer is None or other is None:
-                return True  # no other replica, or it failed: unchecked
-            self.counters["checks"] += 1
-            if self.checker.agree(y.value, other.value):
+                return True  # no other replica, or it failed, or only suspects agreed: unchecked
+            if agreed:
                 self.checker.clear(peer)
                 self.checker.clear(checker_peer)
                 return True
@@ -178,20 +182,14 @@ class HopAudit:
                 # out of the routing a while: a server passing its input through is the fastest there is, and charged
                 # only the time its checks took it kept two thirds of the forwards (to have them redone elsewhere) and
                 # starved the honest replicas until their stages did worse than skipped. A harmful one stays routed,
-                # each forward checked and held as a suspect's, towards its verdict
+                # each forward checked and held as a suspect's, until it is found unfit (``rest``)
                 self.router.ban(stage, wrong, FAILED_OUTPUT_BAN_S, reason=f"its output of {mb.id} failed its check")
             logger.warning(
                 f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f} of"
                 f" {right}'s, no better than skipping the stage ({skip[0]:.4f})"
             )
             if self.checker.failed(wrong, harmful=harmful):
-                rule = self.checker.rule
-                why = (
-                    f"its outputs gave a loss over {rule.loss_margin:.0%} above another replica's and"
-                    f" {rule.harm_margin:.0%} above skipping the stage, in {rule.failures} of its last {rule.history}"
-                    " judgements"
-                )
-                self.condemn(stage, wrong, mb, why=why)
+                self.rest(stage, wrong)
             return wrong != peer
         except Exception as e:  # a check is a side job: it must never take the trainer down
             logger.warning(f"check of {mb.id} at stage {stage} failed: {type(e).__name__}: {e}")
@@ -202,6 +200,25 @@ class HopAudit:
         self.counters["checks_unresolved"] += 1
         self.checker.suspect(*peers)
         return True
+
+    async def _compare(
+        self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing
+    ) -> tuple[Peer | None, Outgoing | None, bool]:
+        """Another replica's output for the hop's input, and whether it agrees with ``y``. A suspect that agrees vouches
+        for nothing (two colluders agree with each other, and clearing each other they landed their outputs
+        unchecked), so the next replica is asked, until one that is no suspect agrees or one disagrees; Nones if none
+        is left or a recompute failed."""
+        tried = [peer]
+        while True:
+            checker_peer, other = await self._recompute(mb, request, codec, tried)
+            if checker_peer is None or other is None:
+                return None, None, False
+            self.counters["checks"] += 1
+            if not self.checker.agree(y.value, other.value):
+                return checker_peer, other, False
+            if checker_peer not in self.checker.suspects:
+                return checker_peer, other, True
+            tried.append(checker_peer)
 
     async def _recompute(
         self, mb: Microbatch, request: Forward, codec: str, tried: list[Peer]
@@ -299,6 +316,22 @@ class HopAudit:
         elif not passed:
             logger.warning(f"stage {hop.stage}: {peer}'s backward of {mb.id} failed a probe (descent {judged:.3f})")
         return "passed" if passed else "failed"
+
+    def rest(self, stage: int, peer: Peer) -> None:
+        """``peer``'s outputs were worse than no work, harmfully often: out of this trainer's routing until its outer
+        round moves on or its rest ends (``HopChecker.rest``). No verdict: a replica behind, or one that trained alone,
+        does this honestly, and nothing here tells it from a liar."""
+        outer_round = self.router.outer_round(peer)
+        seconds = self.checker.rest(peer, outer_round)
+        self.counters["check_rests"] += 1
+        rule = self.checker.rule
+        reason = (
+            f"its outputs gave a loss over {rule.harm_margin:.0%} above skipping the stage in {rule.failures} of its"
+            f" last {rule.history} judgements"
+        )
+        # not a router ban: that would outlast a sync. ``RemoteStages.choose`` leaves out ``excluded_now`` instead
+        synced = "" if outer_round is None else f" or its outer round moves past {outer_round}"
+        logger.warning(f"stage {stage}: {peer} unfit ({reason}); routed around for {seconds:.0f} s{synced}")
 
     def condemn(self, stage: int, peer: Peer, mb: Microbatch, *, why: str = "") -> None:
         """``peer`` did wrong work: banned from this trainer's routing, for longer each time (``HopChecker.condemn``)."""

@@ -8,10 +8,15 @@ the true output than drifted honest replicas are to each other): each output goe
 microbatch's path to the trainer's head, and the loss it gives judges it (``by_loss``). An output fails if its loss
 exceeds the other's by more than ``loss_margin`` and it does no better than skipping the stage (its input passed on
 down the same path: ``no_better_than_skipping``): it does not land, and its server is suspect (every forward checked)
-and, unless the failure was harmful, out of the trainer's routing 2 s (``HopAudit``). A failure ``harm_margin`` above the skip's loss is harmful (worse than no work); ``failures`` harmful ones
-in a row condemn the server. So whatever a server returns, an output that lands gives a loss within ``loss_margin``
-of another replica's on the same microbatch, or better than skipping its stage, however many identities agree with
-it; an honest replica that is merely behind is never condemned. docs/architecture.md, pipeline/.
+and, unless the failure was harmful, out of the trainer's routing 2 s (``HopAudit``). A failure ``harm_margin`` above
+the skip's loss is harmful (worse than no work); ``failures`` harmful ones among its last ``history`` judgements make
+the server **unfit** (``rest``): out of this trainer's routing until its outer round moves on (its weights synced with
+the other replicas') or ``rest_s`` passes (doubling per rest). Unfit is no verdict: an honest replica behind the
+others, or one that trained alone, gives harmful outputs too, and the loss cannot tell it from a liar. So whatever a
+server returns, an output that lands gives a loss within ``loss_margin`` of another replica's on the same microbatch,
+or better than skipping its stage, however many identities agree with it, and no honest server is ever condemned by
+the loss. Verdicts (``condemn``, published to the stage's outer rounds) come only from work that contradicts itself:
+a backward against the server's own forwards (probing.py). docs/architecture.md, pipeline/.
 
     >>> if checker.should_check(peer) and not checker.agree(y, y2): worse = checker.by_loss(loss_y, loss_y2)
 """
@@ -44,7 +49,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 class CheckRule:
     rate: float = 0.02  # of hops checked once a server is past probation
     # a server's forwards are all checked (and held back) until it passed this many checks: a garbler from the start
-    # is condemned at its first forward, and none of its output lands (at 50% probation alone, 1-2 landed per run,
+    # is found out at its first forward, and none of its output lands (at 50% probation alone, 1-2 landed per run,
     # +3.5% val in bench_adversary's stage-garbler); an honest server costs one extra forward per trainer
     first_checks: int = 1
     probation_hops: int = 20  # a server's first forwards, checked at probation_rate
@@ -70,37 +75,41 @@ class CheckRule:
     # server passing its input through gives the skip's loss itself, give or take its codec's rounding
     skip_margin: float = 0.001
     # a failed output this far above the loss with its stage skipped is harmful: worse than no work. Only harmful
-    # failures count towards a verdict: random activations measured +48% once the replicas had learned a little
+    # failures count towards unfitness: random activations measured +48% once the replicas had learned a little
     # (5.55 against 3.75), while honest replicas that never sync, in tests/test_stage_checks.py's harness (the tiny
     # model's stage barely beats skipping it), failed up to ~20% of their judgements at up to +5%, and were
     # condemned in 3 runs of 8 when every failure counted. A server passing its input through (the skip's loss
-    # itself) fails but is never harmful: each failure takes it out of the routing 2 s (``HopAudit``), no verdict
+    # itself) fails but is never harmful: each failure takes it out of the routing 2 s (``HopAudit``), never unfit
     harm_margin: float = 0.1
-    # harmful failures among a server's last ``history`` judgements by the loss that condemn it. Harmful failures are
+    # harmful failures among a server's last ``history`` judgements by the loss that make it unfit. Harmful failures are
     # strong evidence (honest replicas' worst, starved and never synced, was +5% over the skip's loss), and they come
     # rarely where a garbler is also routed around for its non-harmful ones: in a loopback swarm one failed at mb5
     # (+6%, near chance), mb61, mb118 and mb153 (+83-121%), so four in a row never came within the run
     failures: int = 3
     history: int = 4
     ban_s: float = 600.0  # a condemned server's first ban; doubles for each further verdict
+    # an unfit server's first rest from this trainer's routing, unless its outer round moves on first; doubles per rest,
+    # at most ``ban_s``. Back from it, the server is still suspect: its forwards land only once their checks passed
+    rest_s: float = 30.0
 
     def __post_init__(self) -> None:
         rates = (self.rate, self.probation_rate, self.suspect_rate)
         if (
             not all(0.0 <= r <= 1.0 for r in rates)
             or min(self.probation_hops, self.first_checks) < 0
-            or min(self.tolerance, self.ban_s, self.loss_margin, self.skip_margin, self.harm_margin) <= 0
+            or min(self.tolerance, self.ban_s, self.rest_s, self.loss_margin, self.skip_margin, self.harm_margin) <= 0
             or self.far < self.tolerance
             or not 1 <= self.failures <= self.history
         ):
             raise ValueError(
-                f"check rates must be in [0, 1], tolerance, loss_margin and ban_s positive, 1 ≤ failures ≤ history,"
+                f"check rates must be in [0, 1], tolerance, margins, ban_s and rest_s positive, 1 ≤ failures ≤ history,"
                 f" got {self}"
             )
 
 
 class HopChecker:
-    """Which hops to check, the verdicts, and the servers condemned (``condemned``: until when, by clock)."""
+    """Which hops to check, the verdicts, the servers condemned (``condemned``: until when, by clock) and those unfit
+    (``unfit``: until when, or until their outer round moves past the one they had)."""
 
     def __init__(
         self, rule: CheckRule, rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic
@@ -111,6 +120,8 @@ class HopChecker:
         self.suspects: set[Hashable] = set()
         self.verdicts: Counter[Hashable] = Counter()  # times condemned
         self.condemned: dict[Hashable, float] = {}  # server → end of its ban
+        self.rests: Counter[Hashable] = Counter()  # times found unfit
+        self.unfit: dict[Hashable, tuple[float, int | None]] = {}  # server → (end of its rest, its outer round then)
         self._losses: deque[float] = deque(maxlen=SPIKE_HISTORY)
         self._on_path: Counter[Hashable] = Counter()  # microbatches whose loss was judged, per server on the path
         self._spikes: Counter[Hashable] = Counter()
@@ -168,7 +179,7 @@ class HopChecker:
 
     def failed(self, peer: Hashable, *, harmful: bool) -> bool:
         """``peer``'s output failed a judgement: suspect (every forward checked); True if that makes ``failures``
-        harmful failures among its last ``history`` judgements (then ``condemn`` it)."""
+        harmful failures among its last ``history`` judgements (then ``rest`` it)."""
         judged = self._judged.setdefault(peer, deque(maxlen=self.rule.history))
         judged.append(not harmful)
         self.suspects.add(peer)
@@ -186,13 +197,37 @@ class HopChecker:
             self._judged.setdefault(peer, deque(maxlen=self.rule.history)).append(True)
 
     def condemn(self, peer: Hashable) -> float:
-        """``peer`` computed a wrong output: banned for ``ban_s``, doubled per earlier verdict. The ban's seconds."""
+        """``peer``'s work contradicted itself (a backward against its own forwards): banned for ``ban_s``, doubled per
+        earlier verdict. The ban's seconds."""
         self.verdicts[peer] += 1
         self._judged.pop(peer, None)  # a fresh record once its ban ends
         seconds = self.rule.ban_s * 2.0 ** (self.verdicts[peer] - 1)
         self.condemned[peer] = self._clock() + seconds
         self.suspects.discard(peer)
         return seconds
+
+    def rest(self, peer: Hashable, outer_round: int | None) -> float:
+        """``peer``'s outputs were worse than no work, as its weights stand at ``outer_round`` (None: unknown): out of
+        the routing for ``rest_s``, doubled per earlier rest (at most ``ban_s``), or until its round moves on
+        (``unfit_now``). It is suspect when it comes back. The rest's seconds."""
+        self.rests[peer] += 1
+        self.suspects.add(peer)
+        self._judged.pop(peer, None)  # a fresh record when it comes back
+        seconds = min(self.rule.rest_s * 2.0 ** (self.rests[peer] - 1), self.rule.ban_s)
+        self.unfit[peer] = (self._clock() + seconds, outer_round)
+        return seconds
+
+    def unfit_now(self, outer_round: Callable[[Hashable], int | None] = lambda peer: None) -> set[Hashable]:
+        """The servers resting now: their rest runs, and their outer round (``outer_round``, as their records say)
+        has not moved past the one they had when found unfit."""
+        now, resting = self._clock(), set()
+        for peer, (until, then) in list(self.unfit.items()):
+            current = outer_round(peer)
+            if until <= now or (then is not None and current is not None and current > then):
+                del self.unfit[peer]  # rested, or synced since: its next forwards are checked (it is still suspect)
+            else:
+                resting.add(peer)
+        return resting
 
     def is_condemned(self, peer: Hashable) -> bool:
         until = self.condemned.get(peer)

@@ -171,9 +171,9 @@ class RemoteStages:
             return None
 
     def choose(self, stage: int, tried: list[Peer]) -> Peer:
-        """A replica of ``stage`` not in ``tried`` and not condemned (its router ban may have ended with a DHT
-        re-listing, which forgets bans)."""
-        exclude = set(tried) | self.audit.condemned_now()
+        """A replica of ``stage`` not in ``tried``, not condemned (its router ban may have ended with a DHT re-listing,
+        which forgets bans) and not resting as unfit (``HopAudit.excluded_now``)."""
+        exclude = set(tried) | self.audit.excluded_now()
         try:
             return self.router.choose(stage, task_size=self.cfg.train.microbatch_size, exclude=exclude)
         except NoLiveReplica as e:

@@ -271,6 +271,7 @@ class Router:
     def __init__(self, num_stages: int, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
         self._rng = rng
         self.balancers = {stage: StageBalancer(rng, clock) for stage in range(1, num_stages + 1)}
+        self._outer_rounds: dict[Peer, int] = {}  # each replica's outer round, as its last record read announced it
 
     def update(
         self, stage: int, peers: Iterable[Peer], *, queues: Mapping[Peer, int] | None = None, task_size: float = 1.0
@@ -284,9 +285,14 @@ class Router:
         """The replicas of ``stage`` as their DHT records announce them, with their queues; a record that takes no
         pipeline traffic (a full peer's: it holds the stage only for the outer step) is left out."""
         served = serving(records)
+        self._outer_rounds.update({peer: status.outer_round for peer, status in served.items()})
         self.update(
             stage, list(served), queues={peer: status.queue for peer, status in served.items()}, task_size=task_size
         )
+
+    def outer_round(self, peer: Hashable) -> int | None:
+        """``peer``'s outer round as its record last announced it (None: never read from a record)."""
+        return self._outer_rounds.get(peer)
 
     def choose(self, stage: int, task_size: float = 1.0, exclude: Container[Peer] = ()) -> Peer:
         """A replica of ``stage``; ``exclude`` holds the replicas already tried for this hop."""

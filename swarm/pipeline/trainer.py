@@ -52,9 +52,9 @@ T = TypeVar("T")
 # download replaced the weights (with those landed since the last inner step; the name is older); hops: failed
 # attempts (retried elsewhere), timeouts (deadlines missed), stages skipped on the way forward, inputs resent for a
 # backward; bans for deadlines missed in a row; checked forwards (checking.py, audit.py): checks done, disagreements
-# (outputs apart, judged by their loss), servers condemned (by failed checks or failed backward probes),
-# disagreements no loss could settle, outputs that failed their loss judgement, outputs worse than the other's yet
-# better than skipping the stage; probed backwards (probing.py): probes judged, probes failed, probes whose step the
+# (outputs apart, judged by their loss), servers condemned (their backwards failed probes), disagreements no loss
+# could settle, outputs that failed their loss judgement, outputs worse than the other's yet better than skipping the
+# stage, servers found unfit (outputs worse than no work: routed around until they sync); probed backwards (probing.py): probes judged, probes failed, probes whose step the
 # replies' rounding swallowed, probes not answered (refused: the weights gone; or no reply)
 COUNTERS = (
     "started",
@@ -74,6 +74,7 @@ COUNTERS = (
     "checks_unresolved",
     "check_failures",
     "checks_behind",
+    "check_rests",
     "probes",
     "probe_failures",
     "probes_unresolved",
@@ -341,8 +342,8 @@ class Trainer:
 
     @property
     def condemned(self) -> set[Peer]:
-        """Servers whose checked work failed (banned now): the outer step leaves their pseudo-gradients
-        out of the round."""
+        """Servers whose work contradicted itself (a failed backward probe; banned now): the outer step leaves their
+        pseudo-gradients out of the round. Unfit ones (``HopAudit.rest``) are not named: that is no verdict."""
         return self.remote.audit.condemned_now()
 
     @property
