@@ -27,6 +27,10 @@ test_membership.py, test_outer.py), played here with the same helpers (swarmtest
   activations of the input's norm, seeded by the input: they agree exactly when they check each other).
 - stage-gradflip: one server of stage 1, three of stage 2 and a trainer; one stage-2 server computes honestly but
   returns its input gradients sign-flipped (its forwards pass every check).
+- stage-noise, stage-gradnoise (just under a threshold): as stage-garbler, a server adding noise of 0.2 × each
+  token's norm to its true outputs (under the 0.25 within which two outputs agree outright); as stage-gradflip, a
+  stage-2 server adding noise at right angles to its input gradients, as much as a backward probe passes (descent
+  0.35 against the 0.25 that fails).
 - stage-late-join (no attacker: false verdicts): three honest stage-1 servers in DiLoCo rounds (H = 10); the first
   trains alone with the trainer for a quarter of the run before the other two join. Every stage scenario counts what
   befell the honest servers: condemned (a published verdict), found unfit (routed around by the trainer until they
@@ -74,12 +78,14 @@ ATTACKS = (
     "stage-lazy",
     "stage-collude",
     "stage-late-join",
+    "stage-noise",
+    "stage-gradnoise",
 )
 # the rest: outer attacks, and the in-process memory bomb
 PIPELINE = {"stage-nan", "cache-flood", "forged-records", "grad-570x-sybil"}
 # three stage-1 servers, one the attacker's (two for stage-collude), and a trainer
-STAGES = {"stage-garbler", "stage-silent", "stage-lazy", "stage-collude"}
-STAGES2 = {"stage-gradflip"}  # one stage-1 server, three of stage 2 (one the attacker's), a trainer
+STAGES = {"stage-garbler", "stage-silent", "stage-lazy", "stage-collude", "stage-noise"}
+STAGES2 = {"stage-gradflip", "stage-gradnoise"}  # one stage-1 server, three of stage 2 (one the attacker's), a trainer
 # no attacker (issue 42's false verdicts): three honest stage-1 servers in outer rounds (DiLoCo, H = LATE_JOIN_H), the
 # first training alone with the trainer until it is LATE_JOIN_AT of the way through, the other two joining then from
 # the seeded weights or a download; its clean run has all three from the start
@@ -307,7 +313,15 @@ def stages_run(
     from swarm.config import TimeoutConfig, TrainerOptions
     from swarm.events import Progress
     from swarm.node.config import PeerConfig
-    from swarmtest.attacks import collude, flip_backward, garble, pass_through, silence
+    from swarmtest.attacks import (
+        add_noise,
+        collude,
+        flip_backward,
+        garble,
+        noisy_backward,
+        pass_through,
+        silence,
+    )
     from swarmtest.configs import DATA, LOOPBACK_MADDRS, outer_config, tiny_config
     from swarmtest.node import BackgroundNode
 
@@ -353,6 +367,10 @@ def stages_run(
             flip_backward(attacker)
         elif attack == "stage-lazy":
             pass_through(attacker)
+        elif attack == "stage-noise":
+            add_noise(attacker)
+        elif attack == "stage-gradnoise":
+            noisy_backward(attacker)
         elif attack == "stage-collude":
             collude(attacker, servers[-2].call(lambda node: asyncio.sleep(0, node.role.holder)))
         options = TrainerOptions(check_rate=check_rate, probe_rate=probe_rate)

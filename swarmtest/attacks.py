@@ -198,6 +198,29 @@ def garble(server: StageServer) -> None:
     server._compute_forward = lambda x: true_norm_noise(honest(x))  # type: ignore[method-assign]
 
 
+def add_noise(server: StageServer, relative: float = 0.2) -> None:
+    """``server`` answers every forward with its true output plus ``relative`` × ``true_norm_noise`` of it: just under
+    the checks' tolerance for agreeing outright (``CheckRule.tolerance``, 0.25), where one check against an honest
+    replica on the same weights agrees without a judgement."""
+    honest = server._compute_forward
+    server._compute_forward = lambda x: (y := honest(x)) + relative * true_norm_noise(y)  # type: ignore[method-assign]
+
+
+def noisy_backward(server: StageServer, descent: float = 0.35) -> None:
+    """``server`` computes its forwards and trains honestly, but returns its input gradient plus noise at right angles
+    to it, sized so a backward probe measures ``descent`` (``ProbeRule.min_descent`` is 0.25): ‖noise‖² =
+    (1/descent − 1) ‖g‖², the most a probe lets through, ~1.7× the gradient's norm at 0.35."""
+    honest = server._compute_backward
+
+    def noisy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        g = honest(*args, **kwargs)
+        noise = torch.randn_like(g)
+        noise -= (noise * g).sum() / (g * g).sum().clamp_min(1e-30) * g  # at right angles to g
+        return g + noise * (g.norm() * (1.0 / descent - 1.0) ** 0.5 / noise.norm().clamp_min(1e-30))
+
+    server._compute_backward = noisy  # type: ignore[method-assign]
+
+
 def flip_backward(server: StageServer) -> None:
     """``server`` computes its forwards and trains honestly, but returns the sign-flipped input gradient."""
     honest = server._compute_backward
