@@ -2,7 +2,9 @@
 
 A command lists its ``ConfigOption``s in ``@config_options(...)`` and takes ``overrides``: the decorator puts one typer
 option per entry there, typed (and so its choices, for ``Literal`` fields) from the dataclasses, and hands the command
-``{dotted field: value}`` for the options given. ``field_options(PeerConfig)`` makes one per field with ``cli`` metadata.
+``{dotted field: value}`` for the options given. ``field_options(PeerConfig)`` makes one per field with ``cli`` metadata
+(``swarm/cli_fields.py``), so a command's options, their help and defaults are written once, on its config dataclass; the command builds the
+dataclass from the overrides it receives.
 
     @app.command("simulate")
     @config_options(ConfigOption(field="codecs.activations", flags=("--act-codec",), help="Activation codec."))
@@ -16,12 +18,13 @@ import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 import typer
 
+from swarm.cli_fields import cli_flag, cli_spec, negated
 from swarm.config import ConfigValue, SwarmConfig
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -59,7 +62,7 @@ class ConfigOption:
     @property
     def param(self) -> str:
         """The Python parameter name: the first long flag, as typer would name it."""
-        long = next(flag for flag in self.flags if flag.startswith("--"))
+        long = next(flag for flag in self.flags if flag.startswith("--")).split("/")[0]  # --x/--no-x: x
         return long[2:].replace("-", "_").replace(".", "_")
 
     def annotation(self) -> object:
@@ -68,21 +71,26 @@ class ConfigOption:
         return Annotated[kind if self.default is not None else typing.Optional[kind], option]  # noqa: UP045 (a value)
 
 
-def field_options(root: type, *, section: type | None = None, prefix: str = "") -> tuple[ConfigOption, ...]:
-    """One option per field of ``root`` (and of its nested dataclasses) that has ``cli`` metadata (``swarm.config.cli``),
-    its default the field's plain default (a factory's: None, the config's own)."""
+def field_options(
+    root: type, *, section: type | None = None, prefix: str = "", only: Collection[str] | None = None
+) -> tuple[ConfigOption, ...]:
+    """One option per field of ``root`` (and of its nested dataclasses) that has ``cli`` metadata
+    (``swarm.cli_fields.cli``; ``only``: those of these dotted names), its default the field's plain default (a
+    factory's: None, the config's own); a boolean field's flag comes with its ``--no-`` form."""
     section = section or root
     options: list[ConfigOption] = []
     for f in dataclasses.fields(section):
         path, kind = prefix + f.name, typing.get_type_hints(section)[f.name]
-        if (spec := f.metadata.get("cli")) is None:
+        if (spec := cli_spec(f)) is None or (flag := cli_flag(f)) is None:
             if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-                options += field_options(root, section=kind, prefix=f"{path}.")
+                options += field_options(root, section=kind, prefix=f"{path}.", only=only)
+            continue
+        if only is not None and path not in only:
             continue
         options.append(
             ConfigOption(
                 field=path,
-                flags=(spec["flag"] or "--" + f.name.replace("_", "-"),),
+                flags=(f"{flag}/{negated(flag)}" if kind is bool else flag, *spec["aliases"]),
                 help=spec["help"],
                 default=f.default if isinstance(f.default, str | int | float | bool) else None,
                 limits=spec["limits"],

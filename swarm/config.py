@@ -38,6 +38,7 @@ from optim.config import (
     fitting_pseudo_gradient_codec,
     pseudo_gradient_codec_problem,
 )
+from swarm.cli_fields import cli
 from swarm.errors import ConfigError
 from swarm.hardware import Precision
 from swarm.model.stages import StagesConfig
@@ -48,17 +49,6 @@ if TYPE_CHECKING:
 
 D = TypeVar("D")  # a config section's dataclass
 ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
-
-
-def cli(help: str, *, flag: str | None = None, min: float | None = None, as_text: bool = False) -> dict[str, object]:
-    """A config field's command-line option, as the field's metadata: its ``--help`` text, its flag (default
-    ``--field-name``), the least value typer accepts, and ``as_text`` for a field the command line gives as text that
-    the config parses (``peer/config_options.py`` builds the options from these).
-
-        >>> steps: int = field(default=100, metadata=cli("Trainers: inner steps of stage 0 to run.", min=1))
-    """
-    limits = {} if min is None else {"min": min}
-    return {"cli": {"help": help, "flag": flag, "limits": limits, "as_text": as_text}}
 
 
 OuterChoice = Literal[

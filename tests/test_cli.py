@@ -16,9 +16,20 @@ from peer.cli import app
 from peer.cli_common import progress_line
 from peer.launch import progress_line as peer_progress_line
 from peer.progress import elapsed_and_eta, format_duration
-from swarm.config import OUTER_CHOICES, SwarmConfig, class_docs, config_from_dict, dumps_config, load_config
+from swarm.config import (
+    OUTER_CHOICES,
+    SwarmConfig,
+    TrainerOptions,
+    class_docs,
+    config_from_dict,
+    dumps_config,
+    load_config,
+)
+from swarm.dht.reachability import REACHABILITY_MODES
 from swarm.events import Stamp, TrainerProgress
-from swarm.node.config import ROLES
+from swarm.faults import FaultSchedule
+from swarm.model.compiling import COMPILE_MODES
+from swarm.node.config import ROLES, PeerConfig
 from swarm.sim.simulate import ROUTINGS
 
 
@@ -127,3 +138,75 @@ def test_progress_lines_end_with_the_eta() -> None:
     )
     line = peer_progress_line(peer, 100)
     assert line.startswith("[trainer-0] step 10/100") and line.endswith("  20s, ETA 3m00s")
+
+
+def parsed_run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> PeerConfig:
+    """The PeerConfig ``swarmloco run ARGV`` would start its peer with (the peer itself not run)."""
+    import peer.launch
+
+    started: list[PeerConfig] = []
+    monkeypatch.setattr(peer.launch, "run_peer", lambda peer, **kwargs: started.append(peer))
+    swarmloco("run", *argv)
+    (config,) = started
+    return config
+
+
+ROUND_TRIPS = [
+    PeerConfig(),
+    *(PeerConfig(role=role) for role in ROLES),
+    *(PeerConfig(role="trainer", reachability=mode) for mode in REACHABILITY_MODES),
+    *(PeerConfig(compile=mode) for mode in COMPILE_MODES),
+    PeerConfig(role="full", serve=True, steps=7, wait_for_replicas=2, keep_graph_mb=0, swarm_name="demo"),
+    PeerConfig(
+        role="stage",
+        stage=2,
+        initial_peers=["/ip4/10.0.0.1/tcp/4/p2p/12D3a", "/ip4/10.0.0.2/tcp/5/p2p/12D3b"],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        announce_maddrs=["/ip4/1.2.3.4/tcp/9"],
+        identity=Path("peer.id"),
+        name="stage2-a",
+        out=Path("runs/x"),
+        max_pending=3,
+        rebalance_period_s=0.0,
+        stage_checkpoint=Path("s2.pt"),
+        checkpoint_every=4,
+        threads=2,
+        device="cpu",
+    ),
+    PeerConfig(
+        role="trainer",
+        data=["a.txt", "docs/*.md"],
+        tokenizer=Path("tok.json"),
+        data_shard=1,
+        seed=3,
+        steps=30,
+        wait_for_stages_s=7.25,
+        trainer=TrainerOptions(in_flight=2, max_staleness=1, check_rate=0.0, probe_rate=0.125, eval_every=5),
+        faults=FaultSchedule.parse("trainer-0@step=4,stage1-a@step=9"),
+    ),
+]
+
+
+@pytest.mark.parametrize("config", ROUND_TRIPS, ids=lambda c: " ".join(c.to_argv()) or "defaults")
+def test_a_peer_config_turns_back_into_the_run_argv_that_recreates_it(
+    config: PeerConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parsed_run(config.to_argv(), monkeypatch) == config
+
+
+def test_the_argv_holds_only_what_differs_from_the_defaults() -> None:
+    assert PeerConfig().to_argv() == []
+    assert PeerConfig(role="stage", stage=1, steps=100).to_argv() == ["--role", "stage", "--stage", "1"]
+    assert PeerConfig(trainer=TrainerOptions(eval_every=5)).to_argv() == ["--eval-every", "5"]
+
+
+@pytest.mark.parametrize(
+    "config,field",
+    [
+        (PeerConfig(trainer=TrainerOptions(max_attempts=5)), "trainer.max_attempts"),  # no option sets it
+        (PeerConfig(host_maddrs=[]), "host_maddrs"),  # a list the command line cannot empty
+    ],
+)
+def test_a_config_no_argv_recreates_is_refused_by_name(config: PeerConfig, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        config.to_argv()

@@ -11,7 +11,7 @@ or top-level module is a unit, layered the same way (``SWARM_LAYERS``, top to bo
     dht                           records, membership, the DHT process
     config                        the swarm config (its sections come from model/, optim/, compress/)
     model, rpc                    the plain model and its stages; the servicer base, auth, blobs
-    errors, hardware, faults, events    leaves
+    errors, hardware, faults, events, cli_fields    leaves
 
 and no two units import each other, even through others. Every import counts: at module level, inside functions and
 under ``if TYPE_CHECKING:`` (a type-only import is still a dependency a reader follows). The graph comes from walking
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("compress", "optim", "swarm", "peer", "swarmtest")  # bottom to top
 OUTSIDE_PACKAGES = ("scripts", "tests")  # the top: run, never imported by a package
 SWARM_LAYERS: tuple[tuple[str, ...], ...] = (  # bottom to top
-    ("errors", "hardware", "faults", "events"),
+    ("errors", "hardware", "faults", "events", "cli_fields"),
     ("model", "rpc"),
     ("config",),
     ("dht",),

@@ -2,7 +2,8 @@
 
 The swarm-wide part (``SwarmConfig``, hashed and shared) is ``swarm/config.py``; this part never leaves the peer. Its
 fields with ``cli`` metadata are ``swarmloco run``'s options (``peer/config_options.py``); ``from_flat`` builds it from
-that flat namespace, routing each name to the level that owns it (the trainer's options are nested).
+that flat namespace, routing each name to the level that owns it (the trainer's options are nested); ``to_argv``
+turns it back into the options that recreate it.
 
     >>> PeerConfig.from_flat({"role": "trainer", "steps": 20, "eval_every": 5}).trainer.eval_every
     5
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from swarm.config import SwarmConfig, TrainerOptions, cli
+from swarm.cli_fields import cli, config_argv
+from swarm.config import SwarmConfig, TrainerOptions
 from swarm.dht.reachability import REACHABILITY_MODES, Reachability, ReachabilityMode, choose_reachability
 from swarm.dht.records import PEER_NAME_PATTERN
 from swarm.errors import ConfigError
@@ -263,6 +265,20 @@ class PeerConfig:
         return min(
             (event.step for event in self.faults.events if event.peer == name and event.step is not None), default=None
         )
+
+    def to_argv(self) -> list[str]:
+        """The ``swarmloco run`` options that recreate this config: one per field (the trainer's options included) that
+        differs from its default, and ``--swarm`` for another swarm name. Credentials come from files
+        (``--credentials``, ``--identity``), so a config that holds them, or a field no option sets, is a ValueError.
+
+            >>> PeerConfig(role="trainer", steps=30, trainer=TrainerOptions(in_flight=2)).to_argv()
+            ['--role', 'trainer', '--steps', '30', '--in-flight', '2']
+        """
+        if self.credentials is not None:
+            raise ValueError("credentials: give `swarmloco run --credentials FILE` the certificate file instead")
+        default_name = PeerConfig().swarm_name
+        swarm = [] if self.swarm_name == default_name else ["--swarm", self.swarm_name]
+        return config_argv(dataclasses.replace(self, swarm_name=default_name)) + swarm
 
     @classmethod
     def from_flat(cls, options: Mapping[str, object]) -> PeerConfig:
