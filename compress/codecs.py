@@ -482,9 +482,10 @@ class SubspaceCodec(Codec):
 # The codec names, once: the config's choices (compress/config.py) and the CLI's read these aliases.
 FloatCodecName = Literal["fp32", "fp16", "bf16"]
 FlatCodecName = Literal[FloatCodecName, "int8", "int4"]
-RotatedCodecName = Literal["rot4", "rot2", "rot1"]  # compress/rotated.py
+# below 4 bits a value: compress/rotated.py (rotN), compress/lowrank.py (lowrankR)
+LowBitCodecName = Literal["rot4", "rot2", "rot1", "lowrank16", "lowrank32"]
 CodecName = Literal[
-    FlatCodecName, RotatedCodecName, "subspace", "subspace+fp16", "subspace+bf16", "subspace+int8", "subspace+int4"
+    FlatCodecName, LowBitCodecName, "subspace", "subspace+fp16", "subspace+bf16", "subspace+int8", "subspace+int4"
 ]
 PseudoGradientCodecName = Literal[FloatCodecName, "sparseloco"]  # DiLoCo sends a float codec; SparseLoCo its own
 
@@ -501,7 +502,7 @@ _FLAT: dict[str, Codec] = {
 CODEC_NAMES: tuple[CodecName, ...] = get_args(CodecName)
 if CODEC_NAMES != (
     *_FLAT,
-    *get_args(RotatedCodecName),
+    *get_args(LowBitCodecName),
     *(f"subspace+{n}" if n != "fp32" else "subspace" for n in _FLAT),
 ):  # the aliases name what the registry holds
     raise ImportError(f"compress.codecs: CodecName {CODEC_NAMES} disagrees with the codec registry {tuple(_FLAT)}")
@@ -510,7 +511,7 @@ if CODEC_NAMES != (
 def get_codec(
     name: str, *, basis: torch.Tensor | None = None, table: torch.Tensor | None = None, kind: Kind = "activation"
 ) -> Codec:
-    """A codec by name: fp32, fp16, bf16, int8, int4, rot4, rot2, rot1, subspace, subspace+{fp16,bf16,int8,int4}.
+    """A codec by name: fp32, fp16, bf16, int8, int4, rot4, rot2, rot1, lowrank16, lowrank32, subspace, subspace+{fp16,bf16,int8,int4}.
 
     Subspace codecs need the model's basis U (d×k) and, for ``kind="activation"``, its token
     table T (vocab×d), as ``swarm.model.transformer.subspace_basis(cfg)`` returns them. ``kind`` only
@@ -520,10 +521,11 @@ def get_codec(
         raise ValueError(f"kind must be 'activation' or 'gradient', got {kind!r}")
     if name in _FLAT:
         return _FLAT[name]
-    if name in get_args(RotatedCodecName):
-        from compress.rotated import ROTATED_CODECS  # (it builds on this module)
+    if name in get_args(LowBitCodecName):  # (they build on this module)
+        from compress.lowrank import LOWRANK_CODECS
+        from compress.rotated import ROTATED_CODECS
 
-        return ROTATED_CODECS[name]
+        return (ROTATED_CODECS | LOWRANK_CODECS)[name]
     head, _, inner = name.partition("+")
     if head != "subspace" or name not in CODEC_NAMES:
         raise ValueError(f"unknown codec {name!r}; choose from {', '.join(CODEC_NAMES)}")

@@ -96,6 +96,8 @@ class CodecId(IntEnum):
     ROT4 = 10  # randomized Hadamard rotation, then 4, 2 or 1 bits per value (compress/rotated.py)
     ROT2 = 11
     ROT1 = 12
+    LOWRANK16 = 13  # the frame's own top-r principal directions + int8 coordinates (compress/lowrank.py)
+    LOWRANK32 = 14
 
 
 @dataclass(kw_only=True)

@@ -180,6 +180,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SETTINGS = ("preset", "seq_len", "batch", "stages", "steps", "subspace_rank", "val_sequences", "zstd_every", "threads")
+
+
+def previous_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The runs of ``--merge``, refused unless they trained as these would."""
+    if not args.merge:
+        return []
+    with open(args.merge) as f:
+        data = json.load(f)
+    differ = [k for k in SETTINGS if data["args"].get(k) != getattr(args, k)]
+    if differ or args.threads != 1:
+        raise SystemExit(f"--merge {args.merge}: settings differ ({', '.join(differ) or 'threads ≠ 1'})")
+    runs: list[dict[str, Any]] = data["runs"]
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", choices=["tiny", "20m", "125m"])
@@ -195,19 +211,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
     parser.add_argument("--json", help="write the runs and the summary here")
+    parser.add_argument(
+        "--merge", help="a previous --json of the same settings: its runs are kept, not rerun (1 thread: deterministic)"
+    )
     args = parser.parse_args()
     if "fp32" not in args.pairs:
         args.pairs.insert(0, "fp32")
     corpus = load_corpus()
-    jobs = [(pair, seed) for seed in range(args.seeds) for pair in args.pairs]
+    records = previous_runs(args)
+    done = {(r["pair"], r["seed"]) for r in records}
+    jobs = [(pair, seed) for seed in range(args.seeds) for pair in args.pairs if (pair, seed) not in done]
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(run, args, pair, seed, corpus) for pair, seed in jobs]
-        records = []
         for future in concurrent.futures.as_completed(futures):
             records.append(future.result())
             r = records[-1]
             print(f"{r['pair']:>12} seed {r['seed']}: val {r['val_loss']:.4f} ({r['wall_s']:.0f} s)", flush=True)
+    records = [r for r in records if r["pair"] in args.pairs and r["seed"] < args.seeds]
     records.sort(key=lambda r: (args.pairs.index(r["pair"]), r["seed"]))
     rows = summarize(records)
     print(table(rows))
