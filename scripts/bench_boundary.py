@@ -74,6 +74,8 @@ def config_for(args: argparse.Namespace, pair: str) -> SwarmConfig:
     overrides: dict[str, Any] = {"model.preset": args.preset, "train.seq_len": args.seq_len}
     overrides |= {"train.inner_batch": args.batch, "train.microbatch_size": args.batch}
     overrides |= {"inner.total_steps": args.steps, "stages.num_stages": args.stages}
+    if args.warmup is not None:
+        overrides["inner.warmup_steps"] = args.warmup
     if pair.startswith("subspace"):
         overrides["model.subspace_rank"] = args.subspace_rank
     return derive_config(SwarmConfig(), overrides)
@@ -180,7 +182,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-SETTINGS = ("preset", "seq_len", "batch", "stages", "steps", "subspace_rank", "val_sequences", "zstd_every", "threads")
+SETTINGS = (
+    "preset",
+    "seq_len",
+    "batch",
+    "stages",
+    "steps",
+    "warmup",
+    "subspace_rank",
+    "val_sequences",
+    "zstd_every",
+    "threads",
+)
 
 
 def previous_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -204,6 +217,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4, help="middle stages: stages + 1 boundaries")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, help="inner warm-up steps (default: the preset's)")
     parser.add_argument("--pairs", nargs="+", default=["fp32", "int8", "rot4", "rot2", "rot1"])
     parser.add_argument("--subspace-rank", type=int, default=16)
     parser.add_argument("--val-sequences", type=int, default=64)
@@ -228,14 +242,21 @@ def main() -> None:
             records.append(future.result())
             r = records[-1]
             print(f"{r['pair']:>12} seed {r['seed']}: val {r['val_loss']:.4f} ({r['wall_s']:.0f} s)", flush=True)
-    records = [r for r in records if r["pair"] in args.pairs and r["seed"] < args.seeds]
-    records.sort(key=lambda r: (args.pairs.index(r["pair"]), r["seed"]))
-    rows = summarize(records)
+            save(args, records)  # after every run: a sweep stopped early keeps what it finished (--merge resumes)
+    rows = save(args, records)
     print(table(rows))
     print(f"wall {time.perf_counter() - started:.0f} s")
+
+
+def save(args: argparse.Namespace, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The summary of the runs so far (once fp32 has one), written with them to ``--json``."""
+    records = [r for r in records if r["pair"] in args.pairs and r["seed"] < args.seeds]
+    records.sort(key=lambda r: (args.pairs.index(r["pair"]), r["seed"]))
+    rows = summarize(records) if any(r["pair"] == "fp32" for r in records) else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summary": rows, "runs": records}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":
