@@ -3,7 +3,7 @@
 Replicas are fakes whose outputs are constant tensors; the trainer's loss of an output is a table by that constant,
 so each case sets the losses it is about: a garbler (or two colluders, or a server passing its input through) fails
 and its reply does not land; an honest replica behind the other, but better than skipping its stage, is not failed;
-three harmful failures among a server's last four judgements by the loss make it unfit, routed around until its outer
+two harmful failures among a server's last four judgements by the loss make it unfit, routed around until its outer
 round moves on, and never condemn it (that takes a failed backward probe); agreeing outright is no judgement, and a
 suspect that agrees vouches for nothing: colluders that agree with each other pass, until one of them is suspect, and
 then the honest replica is asked. The losses at real shapes are tests/test_stage_checks.py's."""
@@ -20,8 +20,8 @@ from compress.codecs import Codec
 from swarm.config import TrainerOptions
 from swarm.dht.records import StageStatus
 from swarm.pipeline.audit import HopAudit
-from swarm.pipeline.checking import CheckRule, HopChecker
 from swarm.pipeline.boundary import boundary_ladders
+from swarm.pipeline.checking import CheckRule, HopChecker
 from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.protocol import Forward
 from swarm.pipeline.routing import Peer, Router
@@ -41,9 +41,9 @@ class FakeReplicas:
         self.checkers: list[str] = []  # the replica asked to recompute each check, in order (``other_replica``)
         self._ids = 0
 
-    def new_id(self, prefix: str = "mb") -> str:
+    def new_id(self) -> str:
         self._ids += 1
-        return f"{prefix}{self._ids}"
+        return f"mb{self._ids}"
 
     def other_replica(self, stage: int, tried: list[Peer]) -> Peer | None:
         left = [peer for peer in self.levels if peer not in tried]
@@ -82,7 +82,7 @@ def check(audit: HopAudit, replicas: FakeReplicas, peer: str) -> bool:
     return asyncio.run(audit.forward(mb, request, "int8", peer, y))
 
 
-def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_and_three_harmful_ones_make_it_unfit() -> (
+def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_and_two_harmful_ones_make_it_unfit() -> (
     None
 ):
     replicas = FakeReplicas({"evil": 3.0, "honest": 1.0})
@@ -90,13 +90,11 @@ def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_a
     assert not check(audit, replicas, "evil") and counters["check_failures"] == 1
     assert "evil" in audit.checker.suspects and not audit.excluded_now()  # one failure: suspect, still routed
     assert not check(audit, replicas, "evil")
-    assert not audit.excluded_now()
-    assert not check(audit, replicas, "evil")
-    assert audit.excluded_now() == {"evil"} and counters["check_rests"] == 1  # 3 of its last 4 judgements failed
+    assert audit.excluded_now() == {"evil"} and counters["check_rests"] == 1  # 2 of its last 4 judgements failed
     # unfit is no verdict: nothing in the trainer's record, nothing for the outer rounds
     assert not audit.checker.is_condemned("evil") and counters["check_strikes"] == 0 and not audit.condemned_now()
     assert "evil" in audit.checker.suspects  # back from its rest, its forwards land only once checked
-    assert not audit.excluded_now() - {"evil"} and audit.checker.passed["honest"] == 3
+    assert not audit.excluded_now() - {"evil"} and audit.checker.passed["honest"] == 2
 
 
 def test_an_unfit_server_rests_until_its_outer_round_moves_on_or_its_rest_ends_which_doubles() -> None:
@@ -122,7 +120,7 @@ def test_the_audit_reads_an_unfit_servers_round_from_its_record() -> None:
     audit, counters = audit_of(replicas, {1.0: 3.0, 3.0: 4.5, INPUT: 3.6})
     records = {"behind": StageStatus(outer_round=7), "ahead": StageStatus(outer_round=7)}
     audit.router.update_records(1, records)
-    for _ in range(3):
+    for _ in range(2):
         assert not check(audit, replicas, "behind")
     assert audit.excluded_now() == {"behind"} and audit.checker.unfit["behind"][1] == 7
     audit.router.update_records(1, {**records, "behind": StageStatus(outer_round=8)})

@@ -232,7 +232,7 @@ def train(
 @pytest.mark.timeout(300)
 def test_a_garbling_replica_fails_its_checks_is_routed_around_and_the_trainer_trains_on() -> None:
     """Its failing outputs do not land, and each failure takes it out of the routing 2 s (or, harmful, has its every
-    forward judged): 3 harmful failures among its last 4 judgements make it unfit, routed around (tests/test_audit.py);
+    forward judged): 2 harmful failures among its last 4 judgements make it unfit, routed around (tests/test_audit.py);
     never condemned (only a failed backward probe condemns)."""
     clean, _, _ = train(garbling=False, check_rate=CheckRule().rate)
     last, trainer, calls = train(garbling=True, check_rate=CheckRule().rate)

@@ -236,11 +236,14 @@ def test_a_microbatch_overtaken_past_max_staleness_is_dropped_and_counted() -> N
     cfg = config(steps=6)
     trainer: Trainer
 
-    async def hold_mb1(request: Backward) -> None:  # mb1 starts at step 1; it lands at step 3
-        if request.mb == "mb1":
+    backwards: list[str] = []  # the microbatches whose backwards came, in order (a probe's forward takes an id too)
+
+    async def hold_second(request: Backward) -> None:  # the second microbatch starts at step 1; it lands at step 3
+        backwards.extend([] if request.mb in backwards else [request.mb])
+        if backwards.index(request.mb) == 1:
             await until("inner step 3", lambda: trainer.inner_steps >= 3)
 
-    stage = Stage1(cfg, hold=hold_mb1)
+    stage = Stage1(cfg, hold=hold_second)
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=1, log_every=1))
     logged: list[dict] = []
     record = run(trainer, stage, trainer.train(batches(), steps=6, on_log=logged.append))

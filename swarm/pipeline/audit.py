@@ -46,6 +46,8 @@ class HopCalls(Protocol):
 
     codecs: LinkCodecs
 
+    def new_id(self) -> str: ...
+
     def other_replica(self, stage: int, tried: list[Peer]) -> Peer | None: ...
 
     async def call(self, mb: Microbatch, peer: Peer, request: Forward, codec: str) -> Reply | None: ...
@@ -227,7 +229,7 @@ class HopAudit:
         if (peer := self.calls.other_replica(request.stage, tried)) is None:
             return None, None
         again = Forward(
-            mb=f"{mb.id}.check{len(tried)}",
+            mb=self.calls.new_id(),  # from the trainer's one sequence: no id tells a check from validation
             stage=request.stage,
             prev_stage=request.prev_stage,
             x=request.x,
@@ -247,13 +249,13 @@ class HopAudit:
         if any(p is None for p in peers):
             return None
         losses = []
-        for i, out in enumerate(outputs):
+        for out in outputs:
             came_from = prev
             for s, peer in zip(rest, peers, strict=True):
                 assert peer is not None
                 codec = self.calls.codecs.choose("activations", peer, mb.shape)
                 request = Forward(
-                    mb=f"{mb.id}.judge{i}.{s}.{came_from}",
+                    mb=self.calls.new_id(),
                     stage=s,
                     prev_stage=came_from,
                     x=out.frame(codec),
@@ -280,8 +282,8 @@ class HopAudit:
             _, x, tokens = await self.calls.decode("activations", hop.x, mb.shape)
             eps = probe_steps(x, g, self.probes.step(peer))
             outputs = []
-            for i, sign in enumerate((1.0, -1.0)):
-                probe = Microbatch(f"{mb.id}.probe{i}", mb.shape, train=True)  # its traffic counted as training's
+            for sign in (1.0, -1.0):
+                probe = Microbatch(self.calls.new_id(), mb.shape, train=True)  # its traffic counted as training's
                 codec = self.calls.codecs.choose("activations", peer, mb.shape)
                 frame = Outgoing(x + sign * eps * g.to(x), tokens).frame(codec)
                 epoch, step = hop.weights

@@ -93,8 +93,11 @@ class RemoteStages:
         )  # checks and probes of the servers' work
         self._ids = itertools.count()  # microbatch ids: a probe's forwards look like any microbatch's
 
-    def new_id(self, prefix: str = "mb") -> str:
-        return f"{prefix}{next(self._ids)}"
+    def new_id(self) -> str:
+        """The next microbatch id on the wire, one sequence for every forward this trainer sends (training,
+        validation, a check's recompute or continuation, a probe): a server that could tell a check from ordinary
+        work by its id could answer checks honestly and lie otherwise."""
+        return f"mb{next(self._ids)}"
 
     async def forward_path(
         self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor

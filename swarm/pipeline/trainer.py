@@ -256,7 +256,7 @@ class Trainer:
         total, count = 0.0, 0
         size = self.cfg.train.microbatch_size  # the most a server accepts
         for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(torch.split(t, size) for t in batch))):
-            mb = Microbatch(self.remote.new_id("eval"), (*inputs.shape, self.cfg.model.d_model), train=False)
+            mb = Microbatch(self.remote.new_id(), (*inputs.shape, self.cfg.model.d_model), train=False)
             h0 = await self._run(self._embed_eval, inputs)
             _, h = await self.remote.forward_path(mb, sorted(self.router.live_stages()), h0, inputs)
             total += await self._run(self._head_eval, h, targets) * inputs.shape[0]
