@@ -3,8 +3,8 @@
 A command lists its ``ConfigOption``s in ``@config_options(...)`` and takes ``overrides``: the decorator puts one typer
 option per entry there, typed (and so its choices, for ``Literal`` fields) from the dataclasses, and hands the command
 ``{dotted field: value}`` for the options given. ``field_options(PeerConfig)`` makes one per field with ``cli`` metadata
-(``swarm/cli_fields.py``), so a command's options, their help and defaults are written once, on its config dataclass; the command builds the
-dataclass from the overrides it receives.
+(``swarm/cli_fields.py``), so a command's options, their help and defaults are written once, on its config dataclass;
+``from_options`` builds the dataclass back from the overrides the command receives.
 
     @app.command("simulate")
     @config_options(ConfigOption(field="codecs.activations", flags=("--act-codec",), help="Activation codec."))
@@ -28,6 +28,7 @@ from swarm.cli_fields import cli_flag, cli_spec, negated
 from swarm.config import ConfigValue, SwarmConfig
 
 F = TypeVar("F", bound=Callable[..., object])
+C = TypeVar("C")  # a config dataclass
 ConfigOverrides = Mapping[str, ConfigValue] | None  # the parameter a decorated command receives the overrides in
 OVERRIDES_PARAM = "overrides"
 
@@ -99,6 +100,13 @@ def field_options(
             )
         )
     return tuple(options)
+
+
+def from_options(section: Callable[..., C], options: ConfigOverrides, **fixed: object) -> C:
+    """The config dataclass ``section`` built from the overrides its ``field_options`` gave (its own flat fields) and
+    ``fixed``; the dataclass checks every value."""
+    values: dict[str, object] = {**(options or {}), **fixed}
+    return section(**values)
 
 
 def config_options(*options: ConfigOption, into: str = OVERRIDES_PARAM) -> Callable[[F], F]:

@@ -9,6 +9,8 @@ once they finish, stops the servers.
     $ swarmloco run --role stage --stage 1 --config swarm.toml          # prints the address to join through
     $ swarmloco run --role trainer --initial-peers /ip4/…/p2p/12D3…
     $ swarmloco local --peers 3 --stages 2 --steps 100 --out runs/local
+
+The layout of a local swarm and each peer's config are ``peer/local_swarm.py``'s.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ import torch
 
 from peer import logs
 from peer.data import Shard, load_corpus, resolve_paths
+from peer.local_swarm import LocalSwarm, local_config, peer_roles, stage0_file
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
-from swarm.config import SwarmConfig, follow_run, load_config, save_config
+from swarm.config import SwarmConfig, load_config, save_config
 from swarm.events import Event, Progress, Spawned, StageProgress, Stamp, TrainerProgress, Training, of_kind, read_events
 from swarm.hardware import peak_gpu_memory
-from swarm.model.stages import StagesConfig
 from swarm.node.config import PeerConfig
 from swarm.node.node import Node
 
@@ -129,47 +131,6 @@ def progress_line(record: Training, steps: int) -> str:
     )
 
 
-@dataclasses.dataclass(kw_only=True)
-class LocalSwarm:
-    """The process layout of a loopback swarm: ``peers`` pipeline processes, ``trainers`` of them trainers, and ``full``
-    full peers besides (each the whole model, one more replica of every stage; ``swarm/node/roles/full.py``). A swarm of full peers
-    only has no pipeline: no trainer, no server (``peers=0, trainers=0``).
-
-    ``joiners`` more peers start with ``--role auto`` ``join_after_s`` seconds after the trainers start training:
-    they join the running swarm, take the role it needs most and download their stage's state.
-    """
-
-    peers: int = 3
-    stages: int = 2
-    trainers: int = 1
-    steps: int = 100
-    joiners: int = 0
-    join_after_s: float = 30.0
-    full: int = 0
-
-    def __post_init__(self) -> None:
-        if self.stages < 1 or self.steps < 1:
-            raise ValueError("stages and steps must be positive")
-        if self.trainers < 0 or self.joiners < 0 or self.join_after_s < 0 or self.full < 0:
-            raise ValueError("trainers, joiners, full and join_after_s must be non-negative")
-        if self.trainers + self.full < 1:
-            raise ValueError("a swarm needs a trainer or a full peer to train")
-        if self.trainers == 0 and self.peers != 0:  # only full peers: no pipeline, so no server has anyone to serve
-            raise ValueError(f"a swarm of full peers only has no pipeline: use --peers 0, not {self.peers}")
-        if self.trainers and self.peers - self.trainers < self.stages:
-            raise ValueError(
-                f"{self.peers} peers with {self.trainers} trainer(s) leave {self.peers - self.trainers} servers "
-                f"for {self.stages} stages; use --peers {self.trainers + self.stages} or more"
-            )
-
-    def servers(self) -> list[tuple[str, int]]:
-        """(name, stage) of every stage server, replicas spread round-robin."""
-        return [
-            (f"stage{k % self.stages + 1}-{k // self.stages}", k % self.stages + 1)
-            for k in range(self.peers - self.trainers)
-        ]
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement:
     """Where a peer process runs: a command prefix (e.g. ``ip netns exec NS`` for the WAN lab), the address it listens
@@ -183,24 +144,12 @@ class Placement:
 LOOPBACK = Placement()
 
 
-def local_config(base: SwarmConfig, layout: LocalSwarm, *, schedule_set: bool = False) -> SwarmConfig:
-    """``base`` with the layout's stages and steps (the cosine schedule as long as the run unless ``schedule_set``: the
-    config sets ``inner.total_steps``); several trainers (and full peers) get a data shard each unless ``base`` shards."""
-    shards = layout.trainers + layout.full if base.data.shards == 1 else base.data.shards
-    return dataclasses.replace(
-        follow_run(base, layout.steps, schedule_set=schedule_set),
-        stages=StagesConfig(num_stages=layout.stages),
-        data=dataclasses.replace(base.data, shards=shards),
-    )
-
-
 def launch_local(
     layout: LocalSwarm,
     *,
     out: Path,
     config: SwarmConfig | None = None,
-    data: Sequence[str] | None = None,
-    tokenizer: Path | None = None,
+    peer: PeerConfig | None = None,
     extra_args: Sequence[str] = (),
     echo: Callable[[str], None] = print,
     ready_timeout_s: float = 120.0,
@@ -210,8 +159,10 @@ def launch_local(
 ) -> int:
     """Run a whole swarm until its trainers finish; 0 if every trainer succeeded.
 
-    With several trainers, each reads its own data shard (``local_config``); ``tokenizer`` is the file the config
-    names, handed to every peer; ``schedule_set``: the config sets ``inner.total_steps``, which the run then keeps
+    Every peer's config is ``peer`` (its data, tokenizer, device, ...: the ``swarmloco run`` options all peers share;
+    one torch thread unless it sets ``threads``) with its role's fields set (``peer_roles``), handed over as the argv that recreates it (``PeerConfig.to_argv``),
+    then ``extra_args``. With several trainers, each reads its own data shard (``local_config``); the tokenizer is
+    the file the config names; ``schedule_set``: the config sets ``inner.total_steps``, which the run then keeps
     (else it is the run's steps). Every peer runs on loopback unless ``place`` (peer name -> Placement) puts it elsewhere. The
     peers run in ``out``, so every path handed to them is made absolute first. With ``export``, the
     model is saved to ``out/model.pt`` before the servers stop: stage 0 as the first trainer left it
@@ -221,17 +172,17 @@ def launch_local(
     out.mkdir(parents=True, exist_ok=True)
     cfg = local_config(config or SwarmConfig(), layout, schedule_set=schedule_set)
     save_config(cfg, out / "swarm.toml")
-    common = ["--out", str(out), "--threads", "1", "--log-level", logs.current_level(), *extra_args]
-    for spec in data or ():
-        common += ["--data", absolute_spec(spec)]
-    if tokenizer is not None:
-        common += ["--tokenizer", absolute_spec(str(tokenizer))]
+    base = peer or PeerConfig()
+    tokenizer = None if base.tokenizer is None else Path(absolute_spec(str(base.tokenizer)))
+    base = dataclasses.replace(
+        base, out=out, threads=base.threads or 1, data=[absolute_spec(spec) for spec in base.data], tokenizer=tokenizer
+    )
+    common = ["--log-level", logs.current_level(), *extra_args]
 
-    def spawn(name: str, args: list[str]) -> subprocess.Popen:
+    def spawn(name: str, role: PeerConfig, *args: str) -> subprocess.Popen:
         where = place(name)
-        return spawn_peer(
-            name, [*args, "--host-maddrs", f"/ip4/{where.host}/tcp/0", *where.args, *common], out, prefix=where.prefix
-        )
+        listen = dataclasses.replace(role, host_maddrs=[f"/ip4/{where.host}/tcp/0"])
+        return spawn_peer(name, [*listen.to_argv(), *args, *where.args, *common], out, prefix=where.prefix)
 
     echo(
         f"local swarm {cfg.swarm_id}: {layout.trainers} trainer(s), {layout.peers - layout.trainers} stage servers over "
@@ -244,14 +195,13 @@ def launch_local(
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        (first, first_args), *others = peer_roles(layout, cfg, out)  # the first creates the swarm, the others join it
-        procs[first] = spawn(first, [*first_args, "--config", str(out / "swarm.toml")])
+        (first, first_role), *others = peer_roles(layout, cfg, out, base)  # the first creates the swarm
+        procs[first] = spawn(first, first_role, "--config", str(out / "swarm.toml"))
         address = wait_for_address(procs[first], out / f"{first}.log", ready_timeout_s)
-        join = ["--initial-peers", address]
         for line in watch_commands(address, cfg.name):
             echo(line)
-        for name, args in others:
-            procs[name] = spawn(name, [*args, *join])
+        for name, role in others:  # the others join it
+            procs[name] = spawn(name, dataclasses.replace(role, initial_peers=[address]))
         trainers = [f"trainer-{i}" for i in range(layout.trainers)]
         full = [f"full-{i}" for i in range(layout.full)]
         joiners = [f"joiner-{i}" for i in range(layout.joiners)]
@@ -262,12 +212,15 @@ def launch_local(
                 join_at.append(time.monotonic() + layout.join_after_s)
             while joiners and join_at and time.monotonic() >= join_at[0]:
                 name = joiners.pop(0)
-                procs[name] = spawn(name, ["--role", "auto", "--steps", str(layout.steps), *join])
+                procs[name] = spawn(
+                    name, dataclasses.replace(base, role="auto", steps=layout.steps, initial_peers=[address])
+                )
                 echo(f"{name} joins the running swarm")
 
         codes = follow_trainers({name: procs[name] for name in trainers + full}, out, echo, tick=start_joiners)
         if export:
-            export_model(address, cfg, out, [name for name in trainers if codes[name] == 0], echo, tokenizer=tokenizer)
+            finished = [name for name in trainers if codes[name] == 0]
+            export_model(address, cfg, out, finished, echo, tokenizer=base.tokenizer)
     finally:
         stop_processes(procs.values())
     for name, code in codes.items():
@@ -281,30 +234,6 @@ def launch_local(
 
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def peer_roles(layout: LocalSwarm, cfg: SwarmConfig, out: Path) -> list[tuple[str, list[str]]]:
-    """(name, role options) of every peer but the joiners, in start order: the stage servers, the trainers, the full
-    peers. The first of them creates the swarm: a server, or with no pipeline the first full peer."""
-    roles = [(name, ["--role", "stage", "--stage", str(stage)]) for name, stage in layout.servers()]
-    # each replica of stage 0 trains once all are listed: the first to start would run its first rounds alone
-    meet = ["--wait-for-replicas", str(layout.trainers + layout.full)]
-    for i in range(layout.trainers):
-        name = f"trainer-{i}"
-        saved = ["--stage-checkpoint", str(stage0_file(out, name))]
-        shard = ["--data-shard", str(i % cfg.data.shards)]  # distinct shards: no two trainers share documents
-        seed = ["--seed", str(i)]
-        roles.append((name, ["--role", "trainer", "--steps", str(layout.steps), *seed, *shard, *saved, *meet]))
-    for i in range(layout.full):  # the shards and seeds after the trainers'
-        shard = ["--data-shard", str((layout.trainers + i) % cfg.data.shards)]
-        seed = ["--seed", str(layout.trainers + i)]
-        roles.append((f"full-{i}", ["--role", "full", "--steps", str(layout.steps), *seed, *shard, *meet]))
-    return roles
-
-
-def stage0_file(out: Path, trainer: str) -> Path:
-    """Where a local swarm's trainer saves stage 0 when it finishes."""
-    return out / f"{trainer}.stage0"
 
 
 def export_model(

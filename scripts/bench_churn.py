@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -31,6 +32,7 @@ import numpy as np
 from peer.launch import spawn_peer, stop_processes, wait_for_address
 from swarm.config import TrainerOptions, save_config
 from swarm.events import Event, Metrics, Progress, of_kind, read_events
+from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 
 STEPS = 1_000_000  # trainers train until stopped
@@ -130,26 +132,26 @@ class Churn:
         self.killed: list[dict[str, Any]] = []
         self.seen_pids: dict[int, str] = {}  # every pid ever in a peer's tree: none may outlive the run
         self.samples: dict[str, list[tuple[float, float, float]]] = {}  # name → (time, rss, cpu s) of the tree
-        self.join: list[str] = []
+        self.join: list[str] = []  # the first peer's address, once it printed it
         self.rng = random.Random(args.seed)
 
-    def spawn(self, name: str, *role: str) -> None:
-        common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(self.out), "--threads", "1"]
-        data = ["--data", DATA, "--steps", str(STEPS)]
-        config = self.join or ["--config", str(self.out / "swarm.toml")]
+    def spawn(self, name: str, role: PeerConfig) -> None:
+        common = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "out": self.out, "threads": 1, "data": [DATA]}
+        peer = dataclasses.replace(role, **common, steps=STEPS, initial_peers=self.join)
+        config = [] if self.join else ["--config", str(self.out / "swarm.toml")]
         self.spawned[name] = time.time()
-        self.procs[name] = spawn_peer(name, [*role, *data, *config, *common], self.out)
+        self.procs[name] = spawn_peer(name, [*peer.to_argv(), *config], self.out)
 
     def start(self) -> None:
         args = self.args
         trainers = max(1, args.peers // 4)
         servers = args.peers - trainers
-        self.spawn("stage1-0", "--role", "stage", "--stage", "1")
-        self.join = ["--initial-peers", wait_for_address(self.procs["stage1-0"], self.out / "stage1-0.log", 180)]
+        self.spawn("stage1-0", PeerConfig(role="stage", stage=1))
+        self.join = [wait_for_address(self.procs["stage1-0"], self.out / "stage1-0.log", 180)]
         for k in range(1, servers):
-            self.spawn(f"stage{k % 2 + 1}-{k // 2}", "--role", "stage", "--stage", str(k % 2 + 1))
+            self.spawn(f"stage{k % 2 + 1}-{k // 2}", PeerConfig(role="stage", stage=k % 2 + 1))
         for i in range(trainers):
-            self.spawn(f"trainer-{i}", "--role", "trainer", "--seed", str(i))
+            self.spawn(f"trainer-{i}", PeerConfig(role="trainer", seed=i))
 
     def sample(self) -> None:
         children, now = children_map(), time.time()
@@ -173,7 +175,7 @@ class Churn:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         self.killed.append({"peer": victim, "role": role, "time": time.time(), "descendants": below})
-        self.spawn(f"auto-{number}", "--role", "auto")
+        self.spawn(f"auto-{number}", PeerConfig(role="auto"))
         print(f"[{time.strftime('%X')}] killed {victim} ({role}); auto-{number} joins", flush=True)
 
     def orphans_of_kills(self) -> list[dict[str, Any]]:

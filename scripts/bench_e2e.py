@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from peer.launch import LocalSwarm, Placement, local_config
-from swarm.config import OuterChoice, SwarmConfig, derive_config
-from swarmtest.bench import run_swarm, window_args
+from swarm.config import OuterChoice, SwarmConfig, TrainerOptions, derive_config
+from swarmtest.bench import run_swarm, window_options
 from swarmtest.wanlab import WanLab, parse_rtts, unsupported_reason
 
 LAYOUT = dict(trainers=2, stages=3)  # and one server per stage
@@ -63,8 +63,8 @@ class Run:
         name = f"{bw}/{self.act_codec}/{self.outer}/skip{self.skip:g}" + (f"/w{self.window}" if self.window else "")
         return name + ("" if self.max_staleness is None else f"/s{self.max_staleness}")
 
-    def peer_args(self) -> list[str]:
-        return window_args(self.window, self.max_staleness)
+    def trainer_options(self) -> TrainerOptions:
+        return window_options(self.window, self.max_staleness)
 
 
 def plan(
@@ -110,7 +110,7 @@ def measure(
         hosts = {
             name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)
         }
-        swarm = run_swarm(cfg, layout, data, out, place=hosts.__getitem__, peer_args=run.peer_args())
+        swarm = run_swarm(cfg, layout, data, out, place=hosts.__getitem__, trainer=run.trainer_options())
     tokens_per_step = layout.trainers * cfg.train.inner_batch * cfg.train.seq_len  # one inner step of every trainer
     pseudo = swarm["pseudo_grad_bytes_per_token"]
     return {

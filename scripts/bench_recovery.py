@@ -27,6 +27,7 @@ drift apart, and the rebuild would merge whichever of them it downloads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -39,11 +40,12 @@ from typing import Any
 from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, save_config
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, TrainerOptions, save_config
 from swarm.events import Event, Progress, Recovered, Rollback, of_kind, read_events
 from swarm.faults import FaultInjector, FaultSchedule
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import ModelConfig
+from swarm.node.config import PeerConfig
 
 SCENARIOS = ("none", "checkfree", "checkpoint")
 TARGET_RECOVERY_S = 30.0
@@ -84,41 +86,34 @@ def progress(out: Path, name: str, role: str) -> list[Progress]:
 def run_scenario(scenario: str, cfg: SwarmConfig, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "swarm.toml")
-    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(out), "--threads", "1"]
-    checkpoint = (
-        ["--stage-checkpoint", str(out / "stage2.ckpt"), "--checkpoint-every", str(args.checkpoint_every)]
-        if scenario == "checkpoint"
-        else []
-    )
+    common = PeerConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], out=out, threads=1)
+    server = dataclasses.replace(common, role="stage")
+    victim = dataclasses.replace(server, stage=2)
+    if scenario == "checkpoint":  # it writes a checkpoint, which its restart loads
+        victim = dataclasses.replace(
+            victim, stage_checkpoint=out / "stage2.ckpt", checkpoint_every=args.checkpoint_every
+        )
     procs: dict[str, subprocess.Popen] = {}
     try:
         # The stage-1 servers may move only where CheckFree is the recovery (elsewhere they would rebuild the lost stage):
         # the least-loaded of the two does. 600 s: no throughput moves within a run; holes are looked for every second.
-        movable = ["--rebalance-period", "600" if scenario != "checkpoint" else "0"]
-        procs["stage3-a"] = spawn_peer(
-            "stage3-a", ["--role", "stage", "--stage", "3", "--config", str(out / "swarm.toml"), *common], out
-        )
-        join = ["--initial-peers", wait_for_address(procs["stage3-a"], out / "stage3-a.log", 120)]
-        procs[VICTIM] = spawn_peer(VICTIM, ["--role", "stage", "--stage", "2", *checkpoint, *join, *common], out)
+        movable = dataclasses.replace(server, stage=1, rebalance_period_s=600.0 if scenario != "checkpoint" else 0.0)
+        first = dataclasses.replace(server, stage=3).to_argv()
+        procs["stage3-a"] = spawn_peer("stage3-a", [*first, "--config", str(out / "swarm.toml")], out)
+        join = [wait_for_address(procs["stage3-a"], out / "stage3-a.log", 120)]
+        procs[VICTIM] = spawn_peer(VICTIM, dataclasses.replace(victim, initial_peers=join).to_argv(), out)
         wait_for_address(procs[VICTIM], out / f"{VICTIM}.log", 120)  # serving before stage 1's movers look for holes
-        procs["stage1-a"] = spawn_peer("stage1-a", ["--role", "stage", "--stage", "1", *movable, *join, *common], out)
-        procs["spare"] = spawn_peer("spare", ["--role", "stage", "--stage", "1", *movable, *join, *common], out)
-        data = [arg for spec in args.data or () for arg in ("--data", spec)]
-        procs["trainer-0"] = spawn_peer(
-            "trainer-0",
-            [
-                "--role",
-                "trainer",
-                "--steps",
-                str(args.steps),
-                "--eval-every",
-                str(args.eval_every),
-                *data,
-                *join,
-                *common,
-            ],
-            out,
+        for name in ("stage1-a", "spare"):
+            procs[name] = spawn_peer(name, dataclasses.replace(movable, initial_peers=join).to_argv(), out)
+        trainer = dataclasses.replace(
+            common,
+            role="trainer",
+            steps=args.steps,
+            trainer=TrainerOptions(eval_every=args.eval_every),
+            data=list(args.data or ()),
+            initial_peers=join,
         )
+        procs["trainer-0"] = spawn_peer("trainer-0", trainer.to_argv(), out)
         schedule = FaultSchedule.parse(f"{VICTIM}@step={args.kill_at}" if scenario != "none" else "")
         injector = FaultInjector(
             schedule, {VICTIM: procs[VICTIM]}, kill=lambda pid, sig: os.killpg(pid, sig)
@@ -133,7 +128,7 @@ def run_scenario(scenario: str, cfg: SwarmConfig, args: argparse.Namespace, out:
                     scenario == "checkpoint"
                 ):  # restarted at once; it loads the checkpoint once the stage has no live record
                     procs["stage2-b"] = spawn_peer(
-                        "stage2-b", ["--role", "stage", "--stage", "2", *checkpoint, *join, *common], out
+                        "stage2-b", dataclasses.replace(victim, initial_peers=join).to_argv(), out
                     )
             time.sleep(0.2)
         if procs["trainer-0"].returncode != 0:

@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -97,6 +98,7 @@ from swarm.events import (
 )
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageDoesNotFit, StageFootprint, check_fits, model_parameters
+from swarm.node.config import PeerConfig
 from swarmtest.bench import Peers, preset_config, read_peers
 
 # Inner steps per preset when --steps does not say: the default run (20m and 125m at 8 x 1024) takes ~25 min on two
@@ -316,20 +318,17 @@ class Conductor:
 
 def measure_swarm(cfg: SwarmConfig, steps: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     layout = LocalSwarm(peers=3, stages=2, trainers=1, steps=steps)
-    peer_args = ["--device", args.device, "--threads", str(args.threads)]
-    if args.keep_graph_mb is not None:  # else each server's default (a quarter of the memory free at its start)
-        peer_args += ["--keep-graph-mb", str(args.keep_graph_mb)]
-    joiner_args = [
-        *("--role", "stage", "--stage", "1", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"),
-        *("--out", str(out), "--log-level", logs.current_level(), *peer_args),
-    ]
+    # keep_graph_mb None: each server's default (a quarter of the memory free at its start)
+    peer = PeerConfig(device=args.device, threads=args.threads, keep_graph_mb=args.keep_graph_mb)
+    joiner = dataclasses.replace(peer, role="stage", stage=1, host_maddrs=["/ip4/127.0.0.1/tcp/0"], out=out)
+    joiner_args = [*joiner.to_argv(), "--log-level", logs.current_level()]
     conductor = Conductor(cfg, out, steps, args.join_at_step, joiner_args)
     started = time.perf_counter()
     try:
         with recording_spawns(conductor.procs) as spawn:
             conductor.spawn = spawn
             conductor.thread.start()
-            code = launch_local(layout, out=out, config=cfg, extra_args=peer_args, export=False, echo=conductor.echo)
+            code = launch_local(layout, out=out, config=cfg, peer=peer, export=False, echo=conductor.echo)
     finally:
         conductor.done.set()
         conductor.thread.join()

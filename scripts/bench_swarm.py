@@ -39,7 +39,7 @@ from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config
 from swarm.config import SwarmConfig, load_config, parse_overrides
 from swarm.sim.centralized import train_centralized
-from swarmtest.bench import bench_config, run_swarm, window_args
+from swarmtest.bench import bench_config, run_swarm, window_options
 
 TARGET_LOSS_GAP = 0.05  # swarm val loss within 5% of the baseline's
 TARGET_COMPRESSION = 4.0  # activation bytes per token at least 4× below fp32
@@ -153,7 +153,7 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
     """One seed: the swarm, then the baseline on as many tokens; the comparison and the targets."""
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
         out = args.out / f"seed{cfg.train.seed}" if args.out else Path(tmp)
-        swarm = run_swarm(cfg, layout, args.data, out, peer_args=window_args(args.in_flight, args.max_staleness))
+        swarm = run_swarm(cfg, layout, args.data, out, trainer=window_options(args.in_flight, args.max_staleness))
     tokens_per_step = cfg.train.inner_batch * cfg.train.seq_len
     baseline = run_baseline(
         cfg, swarm["tokens"] // tokens_per_step, args.data

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from optim.config import OuterMethod
 from peer.launch import LOOPBACK, LocalSwarm, Placement, launch_local
-from swarm.config import ConfigValue, SwarmConfig, derive_config
+from swarm.config import ConfigValue, SwarmConfig, TrainerOptions, derive_config
 from swarm.events import (
     Event,
     OuterRound,
@@ -29,6 +29,7 @@ from swarm.events import (
     of_kind,
     read_events,
 )
+from swarm.node.config import PeerConfig
 
 Peers = dict[str, list[Event]]  # each peer's events, by its name
 
@@ -97,13 +98,11 @@ def recompute_summary(peers: Peers) -> dict[str, float | None]:
     }
 
 
-def window_args(window: int | None, max_staleness: int | None = None) -> list[str]:
-    """The peer options for a trainers' window cap and max staleness; None leaves the trainers' default (a cap of 4,
+def window_options(window: int | None, max_staleness: int | None = None) -> TrainerOptions:
+    """The trainers' options for a window cap and max staleness; None leaves the trainers' default (a cap of 4,
     staleness 0: the window stays within an inner step)."""
-    return [
-        *([] if window is None else ["--in-flight", str(window)]),
-        *([] if max_staleness is None else ["--max-staleness", str(max_staleness)]),
-    ]
+    given = {"in_flight": window, "max_staleness": max_staleness}
+    return TrainerOptions(**{name: value for name, value in given.items() if value is not None})
 
 
 def window_summary(progress: list[TrainerProgress]) -> dict[str, Any]:
@@ -137,12 +136,13 @@ def run_swarm(
     data: list[str] | None,
     out: Path,
     place: Callable[[str], Placement] = lambda name: LOOPBACK,
-    peer_args: Sequence[str] = (),
+    trainer: TrainerOptions | None = None,
 ) -> dict[str, Any]:
     """Run the swarm to the end; its loss, throughput and traffic from the peers' metrics (``place``: see ``launch_local``;
-    ``peer_args``: options every peer gets)."""
+    ``trainer``: the trainers' options, e.g. ``window_options``)."""
     started = time.perf_counter()
-    code = launch_local(layout, out=out, config=cfg, data=data, place=place, export=False, extra_args=peer_args)
+    peer = PeerConfig(data=list(data or ()), trainer=trainer or TrainerOptions())
+    code = launch_local(layout, out=out, config=cfg, peer=peer, place=place, export=False)
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")
     peers = read_peers(out)

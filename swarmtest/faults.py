@@ -1,7 +1,7 @@
 """Faults keyed by (peer, step), as torchft keys them by (rank, step): each named peer kills itself at its own inner
 step (``swarm.faults`` carries them out inside the peer), in a swarm of processes or a ``Node`` in this process.
 
-    swarm.spawn("stage2-a", "--role", "stage", "--stage", "2", *fault_args(kill_at({"stage2-a": 10})))
+    swarm.spawn("stage2-a", PeerConfig(role="stage", stage=2, faults=kill_at({"stage2-a": 10})))  # give every peer the same
     BackgroundNode(PeerConfig(role="trainer", name="doomed", faults=kill_at({"doomed": 4})), ...)
 
 In-memory networks take faults by peer: ``Hub.dead`` / ``cut`` / ``slow``, ``InProcessNetwork.dead`` (swarmtest.fakes).
@@ -17,8 +17,3 @@ from swarm.faults import FaultEvent, FaultSchedule
 def kill_at(steps: Mapping[str, int]) -> FaultSchedule:
     """Each peer named in ``steps`` dies once its inner step reaches its number (every other peer ignores it)."""
     return FaultSchedule([FaultEvent(peer=peer, step=step) for peer, step in steps.items()])
-
-
-def fault_args(schedule: FaultSchedule) -> list[str]:
-    """``swarmloco run``'s options for ``schedule``: give every peer the same; each carries out only its own events."""
-    return ["--faults", str(schedule)]

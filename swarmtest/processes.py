@@ -1,8 +1,8 @@
 """Swarms of real processes on loopback: ``swarmloco run`` peers, other commands, and cleanup of all they started.
 
     swarm = Swarm(tmp_path, tiny_config(stages=1, steps=30), child_processes)   # child_processes (conftest) stops whatever is left
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")   # the first peer creates the swarm
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "30", "--data", DATA)
+    swarm.spawn("stage1-a", PeerConfig(role="stage", stage=1))   # the first peer creates the swarm
+    swarm.spawn("trainer-0", PeerConfig(role="trainer", steps=30, data=[DATA]))
     swarm.wait("10 steps", lambda: any(r.step >= 10 for r in swarm.progress("trainer-0")), 120)
     (result,) = swarmloco(["status", *swarm.join, "--json"], children=child_processes)
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -30,6 +31,7 @@ from swarm.config import SwarmConfig, save_config
 from swarm.dht.membership import Membership
 from swarm.dht.process import SwarmDHT
 from swarm.events import E, Event, OuterRound, Progress, StateDownload, StateServed, TrainerProgress
+from swarm.node.config import PeerConfig
 from swarmtest.configs import LOOPBACK
 from swarmtest.records import records
 
@@ -59,11 +61,15 @@ class Swarm:
         self.gone: set[str] = set()  # killed or stopped by the test: their exit is no failure
         save_config(cfg, out / "swarm.toml")
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
-        """A ``swarmloco run`` peer; the first one creates the swarm, and is waited for until it prints its address."""
-        common = ["--host-maddrs", LOOPBACK, "--out", str(self.out), "--threads", "1"]
+    def spawn(self, name: str, peer: PeerConfig | None = None, *args: str) -> subprocess.Popen:
+        """A ``swarmloco run`` peer of config ``peer`` (listening on loopback, writing to ``out``, one thread), then
+        ``args`` (options that name files, as ``--credentials``); the first one creates the swarm, and is waited for
+        until it prints its address."""
+        peer = dataclasses.replace(peer or PeerConfig(), host_maddrs=[LOOPBACK], out=self.out, threads=1)
         self.started[name] = time.time()
-        proc = spawn_peer(name, [*args, *(self.join or ["--config", str(self.out / "swarm.toml")]), *common], self.out)
+        proc = spawn_peer(
+            name, [*peer.to_argv(), *args, *(self.join or ["--config", str(self.out / "swarm.toml")])], self.out
+        )
         self._register(name, proc)
         if not self.join:  # everyone else joins through the first peer
             self.ready(name)

@@ -13,6 +13,7 @@ import pytest
 from peer.credentials import create_swarm, invite, new_identity, peer_id_of_identity, revoke
 from peer.status import format_status
 from swarm.config import SwarmConfig, TimeoutConfig, save_config
+from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm, swarmloco
 
@@ -80,7 +81,7 @@ def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: P
     root = private_swarm
     swarm = Swarm(root, swarm_config(), child_processes)
     first = swarm.spawn(
-        "a", "--role", "stage", "--stage", "1", *peer(root, "a"), "--revocations", str(root / "revocations.json")
+        "a", PeerConfig(role="stage", stage=1), *peer(root, "a"), "--revocations", str(root / "revocations.json")
     )
     join, address = swarm.join, swarm.join[1]
 
@@ -122,7 +123,7 @@ def test_private_swarm_trains_members_and_refuses_everyone_else(private_swarm: P
 def test_public_swarm_status_and_start_up_errors(tmp_path: Path, child_processes: list) -> None:
     swarm = Swarm(tmp_path, swarm_config(name="open"), child_processes)
     save_config(swarm_config(name="open", seed=1), tmp_path / "other.toml")
-    first = swarm.spawn("first", "--role", "stage", "--stage", "1", "--identity", str(tmp_path / "first.id"))
+    first = swarm.spawn("first", PeerConfig(role="stage", stage=1, identity=tmp_path / "first.id"))
     join, address = swarm.join, swarm.join[1]
     new_identity(tmp_path / "m.id")
     create_swarm("open", tmp_path / "authority", private=True)

@@ -30,6 +30,7 @@ from peer.launch import REPO_ROOT
 from swarm.config import TimeoutConfig
 from swarm.dht.records import PROTOCOL_VERSION, PeerMetrics
 from swarm.events import Metrics, of_kind, read_events
+from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm
 
@@ -417,8 +418,8 @@ def chromium(url: str, profile: Path, *args: str) -> str:
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (.ci/run installs Debian's chromium package)")
 def test_the_page_shows_a_live_swarm_in_a_browser(tmp_path: Path, child_processes: list) -> None:
     swarm = Swarm(tmp_path, CFG, child_processes)
-    swarm.spawn("stage1-0", "--role", "stage", "--stage", "1")
-    swarm.spawn("stage2-0", "--role", "stage", "--stage", "2")
+    swarm.spawn("stage1-0", PeerConfig(role="stage", stage=1))
+    swarm.spawn("stage2-0", PeerConfig(role="stage", stage=2))
     initial_peer = swarm.join[1]
     swarm.spawn_command("trainer-0", [sys.executable, "-u", "-c", TRAINER, initial_peer, str(tmp_path), DATA])
     history_file = tmp_path / "history.sqlite"

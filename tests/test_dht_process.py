@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from swarm.dht.process import SIGTERM_GRACE_S, SwarmDHT
+from swarm.node.config import PeerConfig
 from swarmtest.configs import LOOPBACK, tiny_config
 from swarmtest.processes import Swarm, descendants, wait_until
 
@@ -40,7 +41,7 @@ def command(pid: int) -> str:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
 def test_a_sigkilled_peer_leaves_no_dht_process_or_daemon_behind(tmp_path: Path, child_processes: list) -> None:
     swarm = Swarm(tmp_path, tiny_config(stages=1), child_processes)
-    peer = swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")  # waits until it prints its address
+    peer = swarm.spawn("stage1-a", PeerConfig(role="stage", stage=1))  # waits until it prints its address
     below = descendants(peer.pid)
     assert any("p2pd" in command(pid) for pid in below) and len(below) >= 2, [command(pid) for pid in below]
 

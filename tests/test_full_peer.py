@@ -329,12 +329,13 @@ def test_a_local_swarm_of_full_peers_only_is_created_by_its_first_full_peer(tmp_
     assert layout.servers() == []
     roles = peer_roles(layout, local_config(SwarmConfig(), layout), tmp_path)
     assert [name for name, _ in roles] == ["full-0", "full-1"]  # full-0 first: it creates the swarm
-    for _, args in roles:  # every replica trains once both are listed; distinct shards
-        assert args[args.index("--role") + 1] == "full" and args[args.index("--wait-for-replicas") + 1] == "2"
-    assert [args[args.index("--data-shard") + 1] for _, args in roles] == ["0", "1"]
+    for _, peer in roles:  # every replica trains once both are listed; distinct shards
+        assert peer.role == "full" and peer.wait_for_replicas == 2
+    assert [peer.data_shard for _, peer in roles] == [0, 1]
     mixed = peer_roles(LocalSwarm(peers=3, trainers=1, stages=2, full=1), SwarmConfig(), tmp_path)
     assert [name for name, _ in mixed] == ["stage1-0", "stage2-0", "trainer-0", "full-0"]  # a server creates it
-    assert all(args[args.index("--wait-for-replicas") + 1] == "2" for name, args in mixed if "stage" not in name)
+    assert all(peer.wait_for_replicas == 2 for name, peer in mixed if "stage" not in name)
+    assert [peer.to_argv()[:4] for _, peer in mixed[:2]] == [["--role", "stage", "--stage", str(s)] for s in (1, 2)]
     with pytest.raises(ValueError, match="a trainer or a full peer"):
         LocalSwarm(peers=0, trainers=0, full=0)
     with pytest.raises(ValueError, match="--peers 0"):

@@ -19,6 +19,7 @@ from swarm.config import SwarmConfig, save_config
 from swarm.errors import ExportError
 from swarm.model.hf import NotLlamaError, llama_config, rope_half_order, to_llama_state_dict
 from swarm.model.transformer import ModelConfig, Transformer
+from swarm.node.config import PeerConfig
 from swarm.recovery.checkpoint import save_checkpoint
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm, swarmloco
@@ -213,8 +214,8 @@ def test_cli_exports_a_train_local_checkpoint(tmp_path: Path, child_processes: l
 @pytest.mark.timeout(240)
 def test_cli_exports_a_running_swarm_as_a_hugging_face_folder(tmp_path: Path, child_processes: list) -> None:
     swarm = Swarm(tmp_path, tiny_config(stages=1, steps=5000), child_processes)
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "5000", "--data", DATA)
+    swarm.spawn("stage1-a", PeerConfig(role="stage", stage=1))
+    swarm.spawn("trainer-0", PeerConfig(role="trainer", steps=5000, data=[DATA]))
     swarm.wait("3 steps", lambda: any(r["step"] >= 3 for r in swarm.progress("trainer-0")), 120)
     out = tmp_path / "hf"
     (exported,) = swarmloco(

@@ -84,7 +84,12 @@ def test_peers_behind_a_firewall_serve_and_train_in_the_wan_lab(tmp_path: Path) 
             for name, (i, args) in where.items()
         }
         code = launch_local(
-            layout, out=tmp_path, config=cfg, data=[DATA], place=hosts.__getitem__, echo=lambda line: None
+            layout,
+            out=tmp_path,
+            config=cfg,
+            peer=PeerConfig(data=[DATA]),
+            place=hosts.__getitem__,
+            echo=lambda line: None,
         )
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in where}
     assert code == 0, logs["trainer-1"][-3000:]

@@ -18,6 +18,7 @@ from optim.config import OuterOptimConfig
 from swarm.config import TimeoutConfig
 from swarm.events import Metrics, OuterRound, StateDownload
 from swarm.model.sizing import stage_parameters
+from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm
 
@@ -38,8 +39,8 @@ def test_a_swarm_at_d768_seq1024_microbatch8_trains_3_steps_without_a_failed_hop
         outer=OuterOptimConfig(method="none"),
     )
     swarm = Swarm(tmp_path, cfg, child_processes)
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "3", "--data", DATA)
+    swarm.spawn("stage1-a", PeerConfig(role="stage", stage=1))
+    swarm.spawn("trainer-0", PeerConfig(role="trainer", steps=3, data=[DATA]))
     last = swarm.finish("trainer-0", timeout=360)
     assert last["step"] == 3, last
     assert last["failed"] == 0 and last["hop_timeouts"] == 0 and last["hop_failures"] == 0, last
@@ -65,20 +66,20 @@ def test_a_125m_sized_stage_meets_in_outer_rounds_and_a_late_peer_downloads_it(
     params = stage_parameters(cfg.model, num_stages=1, stage=1)
     assert params > 42_000_000  # one of the 125m preset's two middle stages
     swarm = Swarm(tmp_path, cfg, child_processes)
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
-    swarm.spawn("stage1-b", "--role", "stage", "--stage", "1")
+    swarm.spawn("stage1-a", PeerConfig(role="stage", stage=1))
+    swarm.spawn("stage1-b", PeerConfig(role="stage", stage=1))
     swarm.ready("stage1-b")
     # checks on (the default): the loss once judged the replica that trained less harmful (6.76 against 3.99,
     # skipping the stage 5.18), condemned it, and its rounds stopped. Now such a replica is only unfit, routed around
     # by this trainer until its next round, and no verdict reaches the rounds
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "5000", "--data", DATA)
+    swarm.spawn("trainer-0", PeerConfig(role="trainer", steps=5000, data=[DATA]))
     swarm.wait(
         "a round of both replicas of the stage",
         lambda: [r for r in swarm.rounds("stage1-a") if r.contributors == 2],
         240,
     )
 
-    swarm.spawn("late", "--role", "stage", "--stage", "1")
+    swarm.spawn("late", PeerConfig(role="stage", stage=1))
     (download,) = swarm.wait("the late peer's download", lambda: swarm.records("late", StateDownload), 120)
     assert download.outer_round >= 1, download  # a round's result, not the seeded weights
 

@@ -22,6 +22,7 @@ from swarm.dht.records import RecoveryClaim, StageStatus
 from swarm.events import Fault, Metrics, Move, Recovered, Serving
 from swarm.export import ExportError, download_model, export_sources
 from swarm.model.stages import build_stage
+from swarm.node.config import PeerConfig
 from swarm.outer.claims import StateClaim
 from swarm.outer.state import StageState, pack_state, stream_state, unpack_state, weights_hash
 from swarm.recovery.checkfree import checkfree_merge
@@ -36,7 +37,7 @@ from swarm.recovery.rebuild import (
 )
 from swarm.rpc.blobs import Sink, TransferError, feed
 from swarmtest.configs import DATA, FAST_TIMEOUTS, tiny_config
-from swarmtest.faults import fault_args, kill_at
+from swarmtest.faults import kill_at
 from swarmtest.processes import Swarm, swarmloco
 
 
@@ -340,10 +341,10 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
 ) -> None:
     steps = 5000  # trains on while the test looks (it must not finish first, however fast it runs); stopped at the end
     swarm = Swarm(tmp_path, recovery_config(steps=steps), child_processes)
-    faults = fault_args(kill_at({"stage2-a": 10}))  # every peer gets it; stage2-a SIGKILLs itself at its inner step 10
+    faults = kill_at({"stage2-a": 10})  # every peer gets it; stage2-a SIGKILLs itself at its inner step 10
     swarm.gone.add("stage2-a")
     for name, stage in (("stage3-a", 3), ("stage2-a", 2)):
-        swarm.spawn(name, "--role", "stage", "--stage", str(stage), *faults)
+        swarm.spawn(name, PeerConfig(role="stage", stage=stage, faults=faults))
     swarm.wait(
         "stage 2 to serve", lambda: swarm.records("stage2-a", Serving), 90
     )  # else stage 1's movers would fill it
@@ -352,8 +353,8 @@ def test_a_killed_interior_stage_is_rebuilt_by_the_rebalancer_and_the_running_sw
         "stage1-b",
     ]  # stage 1 has a replica to spare: the less loaded one moves (600 s: no throughput moves)
     for name in pair:
-        swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "600", *faults)
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", str(steps), "--data", DATA)
+        swarm.spawn(name, PeerConfig(role="stage", stage=1, rebalance_period_s=600.0, faults=faults))
+    swarm.spawn("trainer-0", PeerConfig(role="trainer", steps=steps, data=[DATA]))
 
     (fault,) = swarm.wait("stage2-a to die at its step 10", lambda: swarm.records("stage2-a", Fault), 120)
     assert fault.step >= 10 and fault.stage == 2 and fault.action == "kill", fault
@@ -406,8 +407,8 @@ def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_o
     steps = 400
     swarm = Swarm(tmp_path, recovery_config(steps=steps, paths=PathConfig(max_swaps=1, swap_prob=0.5)), child_processes)
     for stage in (1, 2, 3):
-        swarm.spawn(f"stage{stage}-a", "--role", "stage", "--stage", str(stage))
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", str(steps), "--data", DATA)
+        swarm.spawn(f"stage{stage}-a", PeerConfig(role="stage", stage=stage))
+    swarm.spawn("trainer-0", PeerConfig(role="trainer", steps=steps, data=[DATA]))
     swarm.wait("10 steps", lambda: any(r["step"] >= 10 for r in swarm.progress("trainer-0")), 120)
 
     killed_at = swarm.kill("stage3-a")
@@ -418,7 +419,7 @@ def test_a_killed_edge_stage_with_swaps_is_rebuilt_by_a_joining_peer_as_a_copy_o
             lambda: not asyncio.run(membership.replicas(3)),
             2 * FAST_TIMEOUTS.record_ttl_s + 30,
         )
-    swarm.spawn("joiner", "--role", "auto")  # --role auto: the empty stage first
+    swarm.spawn("joiner", PeerConfig(role="auto"))  # --role auto: the empty stage first
     event = swarm.wait("the joiner to rebuild stage 3", lambda: swarm.records("joiner", Recovered), 90)[0]
     event = check_rebuild(swarm, "joiner", 3, {2: "stage2-a"})
     assert event.kind == "copy-swap-partner"

@@ -28,6 +28,7 @@ from peer.launch import LocalSwarm, launch_local
 from swarm.config import PathConfig, SwarmConfig, TimeoutConfig
 from swarm.events import Progress
 from swarm.model.transformer import Transformer
+from swarm.node.config import PeerConfig
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageClient, StageServicer, pack
 from swarm.sim.centralized import evaluate
 from swarmtest.configs import BATCH, DATA, SEQ, tiny_config
@@ -48,9 +49,9 @@ def swarm_config(
 def start_peers(swarm: Swarm, servers: list[tuple[str, int]], trainers: dict[str, int]) -> None:
     """Stage servers (the first creates the swarm), then trainers {name: steps} joining through it."""
     for name, stage in servers:
-        swarm.spawn(name, "--role", "stage", "--stage", str(stage))
+        swarm.spawn(name, PeerConfig(role="stage", stage=stage))
     for i, (name, steps) in enumerate(trainers.items()):
-        swarm.spawn(name, "--role", "trainer", "--steps", str(steps), "--seed", str(i), "--data", DATA)
+        swarm.spawn(name, PeerConfig(role="trainer", steps=steps, seed=i, data=[DATA]))
 
 
 def assert_accounted(record: Progress) -> None:
@@ -74,7 +75,7 @@ def test_local_swarm_of_two_trainers_and_replicated_stages_learns(tmp_path: Path
         LocalSwarm(peers=6, stages=2, trainers=2, steps=30),
         out=tmp_path,
         config=cfg,
-        data=[DATA],
+        peer=PeerConfig(data=[DATA]),
         echo=lambda line: None,
     )
 
@@ -152,7 +153,7 @@ def test_server_refuses_malformed_requests_keeps_serving_and_retires_on_sigterm(
         timeouts=TimeoutConfig(rpc_s=10.0, announce_period_s=1.0, record_ttl_s=120.0),
     )  # records outlive the test
     swarm = Swarm(tmp_path, cfg, child_processes)
-    swarm.spawn("stage1-0", "--role", "stage", "--stage", "1")
+    swarm.spawn("stage1-0", PeerConfig(role="stage", stage=1))
     server = PeerID.from_base58(swarm.ids["stage1-0"])
     with swarm.observer() as membership:
         asyncio.run(_probe_server(cfg, membership.dht, server, monkeypatch))

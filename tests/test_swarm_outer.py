@@ -19,6 +19,7 @@ from optim.config import OuterOptimConfig
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.events import Move, OuterDeclared, OuterRound, Serving
+from swarm.node.config import PeerConfig
 from swarm.node.placement import choose_role, stage_loads
 from swarm.outer.group import RoundTiming
 from swarm.recovery.rebalance import StageLoad
@@ -35,10 +36,10 @@ def sparseloco_config(*, stages: int, steps: int) -> SwarmConfig:
 
 def start_trainers_behind_one_server(swarm: Swarm, trainers: list[str], *, steps: int) -> None:
     """One server of stage 1 (``stage1-a``), then ``trainers`` (seeds 0, 1, …), each ready before this returns."""
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
+    swarm.spawn("stage1-a", PeerConfig(role="stage", stage=1))
     swarm.ready("stage1-a")
     for i, name in enumerate(trainers):
-        swarm.spawn(name, "--role", "trainer", "--steps", str(steps), "--seed", str(i), "--data", DATA)
+        swarm.spawn(name, PeerConfig(role="trainer", steps=steps, seed=i, data=[DATA]))
     for name in trainers:
         swarm.ready(name)
 
@@ -162,15 +163,15 @@ def test_a_late_joiner_takes_the_bottleneck_stage_downloads_its_round_and_serves
     tmp_path: Path, child_processes: list
 ) -> None:
     swarm = Swarm(tmp_path, sparseloco_config(stages=1, steps=5000), child_processes)
-    swarm.spawn("stage1-a", "--role", "stage", "--stage", "1")
+    swarm.spawn("stage1-a", PeerConfig(role="stage", stage=1))
     swarm.ready("stage1-a")
     swarm.spawn(
-        "trainer-0", "--role", "trainer", "--steps", "5000", "--data", DATA
+        "trainer-0", PeerConfig(role="trainer", steps=5000, data=[DATA])
     )  # trains until stopped: the swarm has a trainer
     swarm.ready("trainer-0")
     swarm.wait("two rounds of stage 1", lambda: len(swarm.rounds("stage1-a")) >= 2, 120)
 
-    swarm.spawn("late", "--rebalance-period", "2")  # --role auto: stage 1 is the only (so the bottleneck) stage
+    swarm.spawn("late", PeerConfig(rebalance_period_s=2.0))  # --role auto: stage 1 is the only, so the bottleneck
     first = swarm.wait(
         "the late peer to serve", lambda: [r for r in swarm.records("late") if r.get("first_served_at")], 90
     )[0]
@@ -202,10 +203,10 @@ def test_a_server_moves_to_an_unserved_stage_and_leaves_none_empty(tmp_path: Pat
     swarm = Swarm(tmp_path, sparseloco_config(stages=2, steps=30), child_processes)
     both = ["stage1-a", "stage1-b"]
     for name in both:  # both on stage 1, rebalancing every 2 ± 0.4 s: stage 2 has nobody
-        swarm.spawn(name, "--role", "stage", "--stage", "1", "--rebalance-period", "2")
+        swarm.spawn(name, PeerConfig(role="stage", stage=1, rebalance_period_s=2.0))
         swarm.ready(name)
     ready_at = time.time()
-    swarm.spawn("trainer-0", "--role", "trainer", "--steps", "30", "--data", DATA)
+    swarm.spawn("trainer-0", PeerConfig(role="trainer", steps=30, data=[DATA]))
 
     moves = swarm.wait("a move", lambda: [(n, r) for n in both for r in swarm.records(n, Move)], 30)
     ((mover, move),) = moves

@@ -15,6 +15,7 @@ import pytest
 from optim.config import InnerOptimConfig
 from peer.launch import LocalSwarm, Placement, launch_local
 from swarm.config import TimeoutConfig
+from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.records import records
 from swarmtest.wanlab import WanLab, cleanup, lab_namespaces, measure_mbit, ping_ms, rtt_within, unsupported_reason
@@ -176,7 +177,12 @@ def test_a_swarm_trains_across_lab_hosts(tmp_path: Path) -> None:
             for i, name in enumerate(["stage1-0", "trainer-0"])
         }
         code = launch_local(
-            layout, out=tmp_path, config=cfg, data=[DATA], place=hosts.__getitem__, echo=lambda line: None
+            layout,
+            out=tmp_path,
+            config=cfg,
+            peer=PeerConfig(data=[DATA]),
+            place=hosts.__getitem__,
+            echo=lambda line: None,
         )
     assert code == 0, (tmp_path / "trainer-0.log").read_text()[-3000:]
     last = records(tmp_path, "trainer-0")[-1]

@@ -17,9 +17,6 @@ import typer
 
 from peer.cli_common import (
     ConfigOpt,
-    DataOpt,
-    DeviceOpt,
-    TokenizerOpt,
     app,
     config_with_tokenizer,
     fail,
@@ -28,10 +25,10 @@ from peer.cli_common import (
     user_errors,
     watched_swarm,
 )
-from peer.config_options import ConfigOverrides, config_options, field_options
+from peer.config_options import ConfigOverrides, config_options, field_options, from_options
 from peer.export import ExportFormat
+from peer.local_swarm import LocalSwarm
 from swarm.config import SwarmConfig, sets_field
-from swarm.model.compiling import COMPILE_HELP, CompileMode
 from swarm.node.config import PeerConfig
 
 CredentialsOpt = Annotated[
@@ -195,70 +192,37 @@ def export_cmd(
         fail(f"cannot export: {e}")
 
 
+LOCAL_PEER_FIELDS = ("data", "tokenizer", "device", "compile")  # `swarmloco run` options every local peer is given
+
+
 @app.command("local")
 @user_errors
+@config_options(*field_options(PeerConfig, only=LOCAL_PEER_FIELDS), into="peer_options")
+@config_options(*field_options(LocalSwarm), into="layout_options")
 def local_cmd(
-    peers: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            help="Pipeline peer processes in all (trainers + stage servers; full peers extra; 0 with --trainers 0: "
-            "full peers only).",
-        ),
-    ] = 3,
-    stages: Annotated[int, typer.Option(min=1, help="Middle stages S.")] = 2,
-    trainers: Annotated[int, typer.Option(min=0, help="How many of the peers are trainers.")] = 1,
-    steps: Annotated[int, typer.Option(min=1, help="Inner steps per trainer.")] = 100,
+    layout_options: ConfigOverrides = None,
     config: ConfigOpt = None,
-    data: DataOpt = None,
-    tokenizer: TokenizerOpt = None,
     out: Annotated[Path, typer.Option(help="Logs, metrics (<peer>.jsonl) and swarm.toml go here.")] = Path(
         "runs/local"
     ),
-    joiners: Annotated[
-        int,
-        typer.Option(min=0, help="Extra peers that join mid-run with --role auto (downloading their stage's state)."),
-    ] = 0,
-    join_after: Annotated[
-        float, typer.Option(min=0.0, help="Seconds after the trainers start training that the joiners start.")
-    ] = 30.0,
-    full: Annotated[
-        int,
-        typer.Option(
-            "--full",
-            min=0,
-            help="Extra full peers: each trains the whole model on its own data shard and joins every stage's outer "
-            "rounds.",
-        ),
-    ] = 0,
-    device: DeviceOpt = "auto",
-    compile: Annotated[CompileMode, typer.Option(help=COMPILE_HELP)] = "auto",
+    peer_options: ConfigOverrides = None,
 ) -> None:
     """Run a whole swarm of separate peer processes on this machine (loopback) until its trainers (and full peers)
     finish; trainers and full peers read distinct data shards."""
-    from peer.launch import LocalSwarm, launch_local
+    from peer.launch import launch_local
 
     try:
-        layout = LocalSwarm(
-            peers=peers,
-            stages=stages,
-            trainers=trainers,
-            steps=steps,
-            joiners=joiners,
-            join_after_s=join_after,
-            full=full,
-        )
+        layout = from_options(LocalSwarm, layout_options)  # its fields are the layout options (peer/local_swarm.py)
+        peer = PeerConfig.from_flat(peer_options or {})
     except ValueError as e:
         fail(str(e))
-    cfg, _ = config_with_tokenizer(config, tokenizer)
+    cfg, _ = config_with_tokenizer(config, peer.tokenizer)
     raise typer.Exit(
         launch_local(
             layout,
             out=out,
             config=cfg,
-            data=data,
-            tokenizer=tokenizer,
-            extra_args=["--device", device, "--compile", compile],
+            peer=peer,
             echo=typer.echo,
             schedule_set=sets_field(config, "inner.total_steps"),
         )
