@@ -37,6 +37,7 @@ from swarm.outer.download import NoStateDelivered, Served, StreamFetch, download
 from swarm.outer.group import GroupNetwork, RoundKey, RoundResult, RoundTiming
 from swarm.outer.matchmaking import RoundContext, expected_members, window_open
 from swarm.outer.pairs import pair_round
+from swarm.outer.snapshots import SharedSnapshot
 from swarm.outer.state import StageState, stream_state, weights_hash
 from swarm.outer.trust import StateTrust, distance
 from swarm.outer.verdicts import Verdicts
@@ -123,6 +124,11 @@ class ReplicaSync:
         self._others: Mapping[str, StageStatus] = {}  # the stage's other replicas, as the DHT showed them last
         self._ahead: Served | None = None  # a state served before its holder's record claimed it (``claimed_ahead``)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"outer{stage}")
+        self.announced_round: int | None = None  # the round of this replica's last record (``status_fields``)
+        # the local weights, copied once per version for the downloads that ask at once (``local_state``)
+        self._snapshot = SharedSnapshot(
+            functools.partial(snapshot_weights, holder), lambda: (holder.inner_steps, self.round, self._changes)
+        )
         self.verdicts = Verdicts.of(cfg.timeouts, trainers)  # ``trainers``' records: whom they condemned
 
     @property
@@ -170,7 +176,8 @@ class ReplicaSync:
         return self.outer is not None and self.holder.inner_steps - self.synced_at >= self.horizon
 
     def status_fields(self) -> dict[str, Any]:
-        """The outer step's part of this replica's DHT record."""
+        """The outer step's part of this replica's DHT record (its round, as announced: ``announced_round``)."""
+        self.announced_round = self.round
         return {"outer_round": self.round, "global_hash": self.global_hash}
 
     def info(self) -> dict[str, Any]:
@@ -296,6 +303,7 @@ class ReplicaSync:
         if self.outer is not None:
             await self._changing(_load_outer, self.outer, state)
         await self.holder.exclusive(functools.partial(_copy_into, self.params, state.params), change="replaced")
+        self._snapshot.invalidate()
         self.synced_at = self.holder.inner_steps
         self.global_hash = weights_hash(state.params) if self.outer else ""
         self.trust.adopted(state.round, now=asyncio.get_running_loop().time(), inner_steps=self.synced_at)
@@ -313,7 +321,7 @@ class ReplicaSync:
     async def local_state(self) -> StageState:
         """This replica's current (local) weights as a stage state, no optimizer: what a rebuild merges, an export saves,
         a checkpoint keeps (``state/<stage>`` serves the global weights of the last round instead)."""
-        params = await snapshot_weights(self.holder)
+        params = await self._snapshot.get()  # one copy on the compute thread, shared by the downloads of its version
         return StageState(
             stage=self.stage, round=self.round, schedule_step=self.schedule_step, params=params, optimizer=None
         )
@@ -356,6 +364,7 @@ class ReplicaSync:
         # the new global weights + the progress made during the exchange: a move that keeps this replica's progress, so
         # work begun before it keeps its gradients, and a stage server differentiates the weights its forward ran on
         await self.holder.exclusive(functools.partial(_move_by, self.params, target, snapshot), change="moved")
+        self._snapshot.invalidate()
         return screening
 
     async def _live_others(self) -> dict[str, StageStatus]:
@@ -456,7 +465,10 @@ async def _stream_outer(sync: ReplicaSync, outer: OuterOptimizer[Any]) -> BlobSt
             raise StateChanged(f"stage {sync.stage}'s outer state changed while it was sent")
         return copy()
 
-    return stream_state(state, read=lambda copy: sync._on_thread(unchanged, copy))
+    blob = stream_state(state, read=lambda copy: sync._on_thread(unchanged, copy))
+    # a round past this replica's record: its receiver refuses it (``RecordBehind``), so it costs the receiver nothing
+    ahead = sync.announced_round is not None and state.round > sync.announced_round
+    return dataclasses.replace(blob, charged=not ahead)
 
 
 async def await_progress(sync: ReplicaSync, round_: int, *, leader: str | None = None) -> bool:

@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
@@ -27,7 +28,7 @@ from compress.errors import WireError
 from compress.wire import DEFAULT_LIMITS, raw_frame_bytes
 from swarm.rpc.admission import Credentials
 from swarm.rpc.auth import Certificate, CertificateVerifier
-from swarm.rpc.defences import PeerLimits
+from swarm.rpc.defences import PeerLimits, ServingLimits
 from swarm.rpc.servicer import (  # RemoteError, RequestError: the stage RPC's callers import them from here too
     TRANSPORT_ERRORS,
     GuardedServicer,
@@ -191,7 +192,9 @@ class StageServicer(GuardedServicer):
 
     ``verifier`` makes the swarm private: every request must carry a certificate admitting its
     sender (for ``rpc_info``, in the request's ``uid``, its only field). ``limits`` set the
-    per-peer rate limit and ban policy; a streamed request must arrive within ``stream_timeout_s``.
+    per-peer rate limit and ban policy; a streamed request must arrive within ``stream_timeout_s``. It holds at most
+    ``max_pending`` requests at once, at most ``serving.pending_per_peer`` of them one peer's (more are refused busy:
+    one identity cannot hold the whole queue of the compute thread); ``refused_held`` counts those refusals.
     """
 
     def __init__(
@@ -206,6 +209,7 @@ class StageServicer(GuardedServicer):
         stream_timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
         other_stages: Mapping[int, StageBackend] | None = None,
+        serving: ServingLimits | None = None,
     ) -> None:
         self.backends = {stage: backend, **(other_stages or {})}
         label = f"stage {stage}" if len(self.backends) == 1 else f"stages {', '.join(map(str, sorted(self.backends)))}"
@@ -214,6 +218,9 @@ class StageServicer(GuardedServicer):
         self.max_request_bytes, self.max_pending = max_request_bytes, max_pending
         self.stream_timeout_s = stream_timeout_s
         self.pending = 0  # requests admitted and not answered yet (the queue length others see)
+        self.pending_per_peer = min(max_pending, (serving or ServingLimits()).pending_per_peer)
+        self._held: Counter[PeerID] = Counter()  # of them, each peer's
+        self.refused_held = 0  # requests refused busy: their peer held its most already
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         try:
@@ -264,15 +271,14 @@ class StageServicer(GuardedServicer):
         self, kind: type[Forward] | type[Backward], requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: PeerID
     ) -> bytes:
         try:
-            self._admit(peer)
-            self.pending += 1  # a stream holds its slot while it arrives: slow streams cannot pile up
+            self._admit(peer)  # a stream holds its slot while it arrives: slow streams cannot pile up
             try:
                 data = await asyncio.wait_for(
                     receive_stream(requests, max_bytes=self.max_request_bytes), self.stream_timeout_s
                 )
                 return await self._handle(kind, data, peer)
             finally:
-                self.pending -= 1
+                self._release(peer)
         except RequestError as e:
             return self.refuse(e, peer)
         except TimeoutError:
@@ -285,11 +291,10 @@ class StageServicer(GuardedServicer):
             self._admit(peer)
         except RequestError as e:
             return self.refuse(e, peer)
-        self.pending += 1
         try:
             reply = await self._handle(kind, data, peer)
         finally:
-            self.pending -= 1
+            self._release(peer)
         if len(reply) > MAX_UNARY_REPLY_BYTES:  # hivemind would drop it unsaid: say so, both here and to the caller
             message = (
                 f"a {kind.__name__.lower()} reply of {len(reply)} bytes is over the unary limit of "
@@ -300,9 +305,24 @@ class StageServicer(GuardedServicer):
         return reply
 
     def _admit(self, peer: PeerID) -> None:
+        """Take a place for ``peer``'s request; busy if the server holds its most, or the peer its share of them."""
         self.screen(peer)
         if self.pending >= self.max_pending:
             raise RequestError(RequestError.BUSY, f"{self.pending} requests in progress")
+        if self._held[peer] >= self.pending_per_peer:
+            self.refused_held += 1
+            raise RequestError(
+                RequestError.BUSY,
+                f"peer {peer} holds {self._held[peer]} of this server's {self.max_pending} requests, the most one peer may",
+            )
+        self.pending += 1
+        self._held[peer] += 1
+
+    def _release(self, peer: PeerID) -> None:
+        self.pending -= 1
+        self._held[peer] -= 1
+        if not self._held[peer]:
+            del self._held[peer]
 
     async def _handle(self, kind: type[Forward] | type[Backward], data: bytes, peer: PeerID) -> bytes:
         """The reply to an admitted request: the backend's frame, or an error (every request gets one)."""

@@ -11,12 +11,13 @@ More: docs/architecture.md, rpc/.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
 
@@ -26,7 +27,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 
 from swarm.rpc.auth import CertificateVerifier
-from swarm.rpc.defences import PeerGuard, PeerLimits
+from swarm.rpc.defences import STATE_PREFIXES, PeerGuard, PeerLimits, ServingLimits
 from swarm.rpc.servicer import TRANSPORT_ERRORS, GuardedServicer, RequestError, pack_envelope, remote_error
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = MAX_UNARY_PAYLOAD_SIZE // 2  # one stream message
 BLOB_NAME = re.compile(r"\w[\w.-]{0,63}(/\w[\w.-]{0,63}){0,5}")  # e.g. "state/2", "outer/1/7/payload/12D3KooW…"
 MAX_REQUEST_BYTES = 16 << 10  # a name and a certificate
+UPLINK_BLOB_BYTES = 4 * CHUNK_BYTES  # a blob that measures the uplink: long enough to be more than one burst of it
+UPLINK_SAMPLES = 16  # the fastest of the last this many such blobs measures it
 
 
 class TransferError(Exception):
@@ -53,6 +56,9 @@ class BlobStream:
     size: int
     chunks: AsyncIterator[bytes]
     on_sent: Callable[[str], None] = field(default=lambda sha256: None)
+    # False: it costs its receiver no budget (``ServingLimits``): a state served ahead of its holder's own record,
+    # which the receiver refuses (``RecordBehind``), is the holder's doing, not the receiver's
+    charged: bool = True
 
     @classmethod
     def of(cls, data: bytes) -> BlobStream:
@@ -107,35 +113,28 @@ async def feed(blob: bytes | BlobStream, sink: Sink) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServingLimits:
-    """What one identity may take of a peer's blob service, whatever it asks: streams open at once, and per name prefix
-    a budget of each blob (a whole stage's state for ``state/<i>``: the bytes are bounded through the count). A peer over
-    either is told busy (no strike: it may be a joiner chasing a stage whose rounds cut its downloads). A stream this
-    servicer cuts itself (the state changed while it was sent) gives its blob back to the budget."""
-
-    # an outer round fetches one payload per member at a time, per stage: a full peer holds every stage (2 limited
-    # full peers' rounds of 3 stages, which then failed); a joiner downloads one state
-    streams_per_peer: int = 16
-    # per prefix: (times each blob at once, seconds to earn one more). A joiner needs a stage's state once, two or three
-    # times if rounds cut it; a peer re-downloading a 0.5 GB stage state every few seconds took 16 GB in 200 s (issue
-    # 42), now at most 4 + 200/60 states of each stage
-    budgets: tuple[tuple[str, float, float], ...] = (("state", 4.0, 60.0),)
-
-    def __post_init__(self) -> None:
-        if self.streams_per_peer < 1 or any(burst < 1 or every_s <= 0 for _, burst, every_s in self.budgets):
-            raise ValueError(f"serving limits: at least one stream and one blob per budget, got {self}")
-
-
-@dataclass(frozen=True, kw_only=True)
 class BlobRequest:
     name: str  # matches BLOB_NAME; the part before the first '/' picks the provider
+
+
+@dataclass
+class _Ticket:
+    """What admitting one blob request charged its peer, so that what it did not take can be given back."""
+
+    give_back: Callable[[], None]  # the blob's place in its budget (``ServingLimits.budgets``)
+    state: bool  # a stage's state: one of the peer's state streams, and its bytes counted
+    reserved: int = 0  # bytes charged when the header went out
+    sent: int = 0
 
 
 class BlobServicer(GuardedServicer):
     """Serves named blobs from providers registered by name prefix (the part before the first '/').
 
     ``verifier`` makes it private: every request must carry a certificate admitting its sender.
-    ``limits`` set the per-peer rate limit and ban policy; a provider gets ``wait_s`` to deliver.
+    ``limits`` set the per-peer rate limit and ban policy, ``serving`` what one peer may take (``ServingLimits``:
+    streams, times per blob, state bytes); a provider gets ``wait_s`` to deliver. ``counters``: refusals by bound
+    (``refused_streams``, ``refused_state_streams``, ``refused_budget``, ``refused_bytes``) and ``uncharged`` (states
+    served ahead of the holder's record, ``BlobStream.charged``).
     """
 
     def __init__(
@@ -149,19 +148,31 @@ class BlobServicer(GuardedServicer):
     ) -> None:
         super().__init__(label="blob service", verifier=verifier, limits=limits, clock=clock)
         self.providers: dict[str, Provider] = {}
-        self.wait_s = wait_s
+        self.wait_s, self.clock = wait_s, clock
         self.served_bytes = 0
         self.serving = serving or ServingLimits()
         self._open: Counter[PeerID] = Counter()  # streams open per peer
+        self._open_states: Counter[PeerID] = Counter()  # of them, stage states
         # a token bucket of blobs per peer, per budgeted prefix (PeerGuard's, counting blobs instead of requests)
         self._budgets = {
             prefix: PeerGuard(PeerLimits(rate=1.0 / every_s, burst=burst), clock=clock)
             for prefix, burst, every_s in self.serving.budgets
         }
+        state_bytes = self.serving.state_bytes()
+        self._bytes = None if state_bytes is None else PeerGuard(state_bytes, clock=clock)  # state bytes per peer
+        self._rates: deque[float] = deque(maxlen=UPLINK_SAMPLES)  # bytes/s of the last blobs sent whole
+        self.uplink = (
+            self.serving.upload_bytes_per_s
+        )  # this holder's upload, as far as it knows: the bytes' share of it
         self.busy_refusals = 0  # requests refused for the serving limits
+        self.counters: Counter[str] = Counter()
 
     def provide(self, prefix: str, provider: Provider) -> None:
         self.providers[prefix] = provider
+
+    def bytes_left(self, peer: PeerID) -> float | None:
+        """What ``peer`` may still take of state bytes now (below zero: a debt); None without a byte bound."""
+        return None if self._bytes is None else self._bytes.tokens(peer)
 
     async def rpc_blob(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -170,21 +181,38 @@ class BlobServicer(GuardedServicer):
         try:
             self.screen(peer)
             name = self.open_request(peer, request.metadata, BlobRequest, max_bytes=MAX_REQUEST_BYTES).name
-            give_back = self._admit(peer, name)
-            self._open[peer] += 1
+            ticket = self._admit(peer, name)
         except Exception as e:  # every failure becomes the error header; refuse() tells the sender's faults from ours
             yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
             return
+        self._open[peer] += 1
+        self._open_states[peer] += ticket.state
         try:
-            try:
-                blob = await self._lookup(name)
-            except Exception as e:
-                give_back()  # nothing was sent
-                yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
-                return
+            async with contextlib.aclosing(self._serve(peer, name, ticket)) as messages:  # settled when the peer leaves
+                async for message in messages:
+                    yield message
+        finally:
+            for table, held in ((self._open, 1), (self._open_states, int(ticket.state))):
+                table[peer] -= held
+                if not table[peer]:
+                    del table[peer]
+
+    async def _serve(
+        self, peer: PeerID, name: str, ticket: _Ticket
+    ) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:
+        """An admitted request's header, chunks and trailer (or its error header), charged as ``ServingLimits`` says."""
+        try:
+            blob = await self._lookup(name)
             blob = blob if isinstance(blob, BlobStream) else BlobStream.of(blob)
+            self._reserve(peer, ticket, blob)
+        except Exception as e:
+            ticket.give_back()  # nothing was sent
+            yield runtime_pb2.ExpertResponse(metadata=self.refuse(e, peer))
+            return
+        cut = False  # by this side (the blob changed or came short): the peer pays nothing; else what was sent
+        try:
             yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"size": blob.size}))
-            digest, sent = hashlib.sha256(), 0
+            digest, started = hashlib.sha256(), self.clock()
             try:
                 async for chunk in blob.chunks:
                     for start in range(0, len(chunk), CHUNK_BYTES):
@@ -192,42 +220,97 @@ class BlobServicer(GuardedServicer):
                         # refuses, and the stream would end after its header
                         piece = bytes(chunk[start : start + CHUNK_BYTES])
                         digest.update(piece)
-                        sent += len(piece)
+                        ticket.sent += len(piece)
                         yield runtime_pb2.ExpertResponse(metadata=piece)
             except Exception as e:  # the blob changed or vanished while it was sent: the client sees it truncated
-                logger.info(f"blob {name} to {peer}: stopped after {sent} of {blob.size} bytes: {e}")
-                give_back()  # our cut, not the peer's doing
+                logger.info(f"blob {name} to {peer}: stopped after {ticket.sent} of {blob.size} bytes: {e}")
+                cut = True
                 return
-            if sent != blob.size:
-                logger.error(f"blob {name}: made {sent} bytes, announced {blob.size}; not finishing it")
+            if ticket.sent != blob.size:
+                logger.error(f"blob {name}: made {ticket.sent} bytes, announced {blob.size}; not finishing it")
+                cut = True
                 return
             yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"sha256": digest.digest()}))
-            self.served_bytes += sent
+            self._measure(ticket.sent, self.clock() - started)
+            self.served_bytes += ticket.sent
             blob.on_sent(digest.hexdigest())
-        finally:
-            self._open[peer] -= 1
-            if not self._open[peer]:
-                del self._open[peer]
+        finally:  # also when the peer leaves part way (the stream closed or cancelled): it pays the bytes it took
+            self._settle(peer, ticket, cut=cut)
 
-    def _admit(self, peer: PeerID, name: str) -> Callable[[], None]:
-        """Refuse (busy) a peer over its streams or its budget for ``name``; else charge the budget, and return what
-        gives the charge back."""
-        if self._open[peer] >= self.serving.streams_per_peer:
-            self.busy_refusals += 1
-            raise RequestError(
-                RequestError.BUSY, f"peer {peer} holds {self._open[peer]} blob streams open, the most one peer may"
+    def _admit(self, peer: PeerID, name: str) -> _Ticket:
+        """Refuse (busy) a peer over its streams, its budget for ``name`` or (a stage's state) its bytes; else charge
+        the budget, and return the ticket that gives it back."""
+        prefix = name.split("/", 1)[0]
+        state = prefix in STATE_PREFIXES
+        limits = self.serving
+        if self._open[peer] >= limits.streams_per_peer:
+            raise self._busy(
+                "streams", f"peer {peer} holds {self._open[peer]} blob streams open, the most one peer may"
             )
-        budget, key = self._budgets.get(name.split("/", 1)[0]), (peer, name)  # per blob: a full peer takes every stage
+        if state and self._open_states[peer] >= limits.state_streams_per_peer:
+            raise self._busy(
+                "state_streams",
+                f"peer {peer} holds {self._open_states[peer]} state streams open, the most one peer may",
+            )
+        if state:
+            self._check_bytes(peer)
+        budget, key = self._budgets.get(prefix), (peer, name)  # per blob: a full peer takes every stage
         if budget is None:
-            return lambda: None
+            return _Ticket(give_back=lambda: None, state=state)
         if not budget.take(key):
-            self.busy_refusals += 1
-            limits = budget.limits
-            raise RequestError(
-                RequestError.BUSY,
-                f"peer {peer} took {name} {limits.burst:g} times; once more every {1 / limits.rate:.0f} s",
+            every_s = 1 / budget.limits.rate
+            raise self._busy(
+                "budget", f"peer {peer} took {name} {budget.limits.burst:g} times; once more every {every_s:.0f} s"
             )
-        return lambda: budget.refund(key)
+        return _Ticket(give_back=lambda: budget.refund(key), state=state)
+
+    def _check_bytes(self, peer: PeerID) -> None:
+        """Refuse (busy) a peer whose bucket of state bytes is in debt: it took its share of this holder's upload."""
+        if self._bytes is None or (tokens := self._bytes.tokens(peer)) > 0:
+            return
+        rate = self._bytes.limits.rate
+        raise self._busy(
+            "bytes",
+            f"peer {peer} took its share of this holder's upload ({rate / 1e6:.2f} MB/s of state): "
+            f"another state in {(1 - tokens) / rate:.0f} s",
+        )
+
+    def _reserve(self, peer: PeerID, ticket: _Ticket, blob: BlobStream) -> None:
+        """Charge a state's bytes before its header goes out; one the holder serves ahead of its own record
+        (``BlobStream.charged`` False: its receiver refuses it) costs the peer nothing."""
+        if not ticket.state:
+            return
+        if not blob.charged:
+            self.counters["uncharged"] += 1
+            ticket.give_back()
+            ticket.give_back = lambda: None
+            return
+        if self._bytes is not None:
+            self._check_bytes(peer)  # another stream of the peer's may have been charged while this one was looked up
+            self._bytes.charge(peer, blob.size)
+            ticket.reserved = blob.size
+
+    def _settle(self, peer: PeerID, ticket: _Ticket, *, cut: bool) -> None:
+        """Give back the bytes charged and not sent, and, if this side cut the stream (``cut``), everything."""
+        if self._bytes is not None and ticket.reserved:
+            self._bytes.refund(peer, ticket.reserved - (0 if cut else min(ticket.sent, ticket.reserved)))
+        if cut:
+            ticket.give_back()
+
+    def _measure(self, sent: int, seconds: float) -> None:
+        """A blob sent whole in ``seconds``: the fastest of the last ``UPLINK_SAMPLES`` of at least ``UPLINK_BLOB_BYTES``
+        is this holder's upload (``upload_bytes_per_s`` at least), of which each identity gets its share in state bytes.
+        (A blob goes no faster than the uplink, so a peer cannot raise its own share beyond a share of the real one.)"""
+        if self._bytes is None or sent < UPLINK_BLOB_BYTES or seconds <= 0:
+            return
+        self._rates.append(sent / seconds)
+        self.uplink = max(self.serving.upload_bytes_per_s, *self._rates)
+        self._bytes.limits = self.serving.state_bytes(self.uplink) or self._bytes.limits
+
+    def _busy(self, bound: str, message: str) -> RequestError:
+        self.busy_refusals += 1
+        self.counters[f"refused_{bound}"] += 1
+        return RequestError(RequestError.BUSY, message)
 
     async def _lookup(self, name: str) -> bytes | BlobStream:
         if not BLOB_NAME.fullmatch(name):
