@@ -35,6 +35,11 @@ test_membership.py, test_outer.py), played here with the same helpers (swarmtest
   trains alone with the trainer for a quarter of the run before the other two join. Every stage scenario counts what
   befell the honest servers: condemned (a published verdict), found unfit (routed around by the trainer until they
   sync), banned for deadlines, struck in the outer rounds.
+- state-drain (issue 42): one identity downloads a stage's state again and again from a holder that also serves its
+  stage's two other replicas and a joiner, at real size (a 125m middle stage of 3: 226 MB states, 113 MB payloads, a
+  12.5 MB/s uplink, 600 s), in ``scripts/bench_drain.py``'s model of the holder's uplink over the real
+  ``BlobServicer``. The honest outcome is the joiner's download time; ``drainer_share_of_upload`` is the drainer's
+  share of the holder's upload (its fair share: 25%); ``--undefended``: the count budget alone, no byte bound.
 - memory-bomb: a real ``OuterOptimizer`` applies a round with a SparseLoCo frame declaring (1, 64M) and a DiLoCo
   fp32 frame declaring (4096, 4096); tracemalloc's peak against the same round without the bomb.
 
@@ -80,6 +85,7 @@ ATTACKS = (
     "stage-late-join",
     "stage-noise",
     "stage-gradnoise",
+    "state-drain",
 )
 # the rest: outer attacks, and the in-process memory bomb
 PIPELINE = {"stage-nan", "cache-flood", "forged-records", "grad-570x-sybil"}
@@ -96,6 +102,7 @@ OUTER = {"state-liar", "round-staller", "pg-x1000", "pg-flip9-pair", "pg-orthogo
 # letter of the Δ a peer sends: θ_global − (θ_global − scale × Δ) ... see ``ADAPTIVE_PG``.
 OUTER3 = {"pg-flip9", "pg-flip1"}  # 3 replicas, 1 attacker (f < K/2: the centred clip's bound holds)
 OUTER5 = {"pg-flip9-two"}  # 5 replicas, 2 colluding attackers sending the same flip
+DRAIN = {"state-drain"}  # one holder's uplink at real size (scripts/bench_drain.py), a drainer among honest peers
 # the attacker's Δ as a function of its own honest Δ: −9× and −1× (flips under the ×10 norm screen), or 9× its own Δ
 # rolled by one coordinate (at right angles to it, as large as the screen lets through)
 ADAPTIVE_PG = {
@@ -656,11 +663,23 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     elif attack in OUTER | OUTER3 | OUTER5:
         replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
         result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas, method=args.outer)
+    elif attack in DRAIN:
+        result = drain_run(name, args.seed, undefended=args.undefended)
     else:
         result = memory_bomb_run(name)
     result["wall_s"] = time.monotonic() - started
     result.setdefault("peak_mb", peak_rss_mb())
     return result
+
+
+def drain_run(attack: str | None, seed: int, *, undefended: bool) -> dict[str, Any]:
+    """state-drain: ``scripts/bench_drain.py``'s holder at real size for 600 s (its ``count`` limits if undefended)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_drain import LIMITS, run
+
+    limits = LIMITS["count" if undefended else "bytes"]
+    result = asyncio.run(run(attack is not None, limits, seed=seed, duration_s=600.0, round_s=120.0))
+    return {"metric": "joiner_download_s", "value": result["joiner_download_s"], "rounds": None} | result
 
 
 def undefend() -> None:
@@ -693,6 +712,7 @@ CLEAN_OF: dict[str, str] = {
     **{a: "stages" for a in STAGES},
     **{a: "stages2" for a in STAGES2},
     **{a: "stages-outer" for a in STAGES_OUTER},
+    **{a: "drain" for a in DRAIN},
 }
 
 
@@ -837,6 +857,12 @@ def main() -> None:
             print(f"clean {group} seed {seed}: value {cleans[group, seed].get('value')}", flush=True)
     print()
     print_table(rows)
+    for r in rows:  # state-drain: the drainer's share of the holder's upload
+        if (share := r["attack_run"].get("drainer_share_of_upload")) is not None:
+            fair = r["attack_run"]["fair_share"]
+            print(
+                f"{r['attack']} seed {r['seed']}: the drainer took {share:.1%} of the holder's upload (fair {fair:.0%})"
+            )
     summary = summaries(rows, cleans)
     print_summaries(summary)
     load = {"mean_1min": sum(loads) / len(loads), "max_1min": max(loads), "cpus": os.cpu_count()}
