@@ -3,7 +3,7 @@
 Replicas are fakes whose outputs are constant tensors; the trainer's loss of an output is a table by that constant,
 so each case sets the losses it is about: a garbler (or two colluders, or a server passing its input through) fails
 and its reply does not land; an honest replica behind the other, but better than skipping its stage, is not failed;
-two harmful failures among a server's last four judgements by the loss make it unfit, routed around until its outer
+two harmful failures among a server's last sixteen judgements by the loss make it unfit, routed around until its outer
 round moves on, and never condemn it (that takes a failed backward probe); agreeing outright is no judgement, and a
 suspect that agrees vouches for nothing: colluders that agree with each other pass, until one of them is suspect, and
 then the honest replica is asked. The losses at real shapes are tests/test_stage_checks.py's."""
@@ -90,11 +90,46 @@ def test_an_output_worse_than_the_others_and_than_skipping_fails_does_not_land_a
     assert not check(audit, replicas, "evil") and counters["check_failures"] == 1
     assert "evil" in audit.checker.suspects and not audit.excluded_now()  # one failure: suspect, still routed
     assert not check(audit, replicas, "evil")
-    assert audit.excluded_now() == {"evil"} and counters["check_rests"] == 1  # 2 of its last 4 judgements failed
+    assert audit.excluded_now() == {"evil"} and counters["check_rests"] == 1  # 2 of its last 16 judgements failed
     # unfit is no verdict: nothing in the trainer's record, nothing for the outer rounds
     assert not audit.checker.is_condemned("evil") and counters["check_strikes"] == 0 and not audit.condemned_now()
     assert "evil" in audit.checker.suspects  # back from its rest, its forwards land only once checked
     assert not audit.excluded_now() - {"evil"} and audit.checker.passed["honest"] == 2
+
+
+class LiarWhenNotKept(FakeReplicas):
+    """``liar`` answers its training forwards honestly and every forward not kept (a check's recompute, validation: a
+    server cannot tell them apart) with ``GARBAGE``."""
+
+    GARBAGE = 3.0
+
+    def __init__(self, levels: dict[str, float], liar: str) -> None:
+        super().__init__(levels)
+        self.liar = liar
+
+    async def call(
+        self, mb: Microbatch, peer: Peer, request: Forward, codec: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bytes, Codec] | None:
+        reply = await super().call(mb, peer, request, codec)
+        if reply is not None and peer == self.liar and not request.train:
+            return torch.full(SHAPE, self.GARBAGE), *reply[1:]
+        return reply
+
+
+def test_a_server_lying_only_as_a_checker_is_found_unfit_though_it_passes_as_the_checked_in_between() -> None:
+    """Its training forwards pass their checks (by the loss: the replicas drifted apart), and each pass is a judgement
+    in its history; its recomputes for others' checks fail harmfully. Two such failures among its last 16 judgements
+    make it unfit, however many passes come between (among the last 4 they never met)."""
+    replicas = LiarWhenNotKept({"honest": 1.0, "liar": 1.5}, liar="liar")
+    audit, counters = audit_of(replicas, {1.0: 3.0, 1.5: 3.05, LiarWhenNotKept.GARBAGE: 4.5, INPUT: 3.6})
+    assert check(audit, replicas, "honest") and counters["check_failures"] == 1  # the liar's recompute failed
+    while audit.checker.passed["liar"] < 4 and counters["checks"] < 40:  # on probation: half its forwards checked
+        assert check(audit, replicas, "liar")  # its kept forward: 3.05 against 3.0, within the margin
+    assert not audit.excluded_now() and audit.checker.passed["liar"] >= 4
+    while counters["check_failures"] < 2 and counters["checks"] < 60:  # the honest server's forwards, on probation
+        assert check(audit, replicas, "honest")
+    assert audit.excluded_now() == {"liar"} and counters["check_rests"] == 1
+    assert "honest" not in audit.checker.suspects and not audit.condemned_now()
 
 
 def test_an_unfit_server_rests_until_its_outer_round_moves_on_or_its_rest_ends_which_doubles() -> None:

@@ -21,14 +21,13 @@ from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import Link, boundary_codecs
 from swarm.pipeline.checking import CheckRule, HopChecker, relative_error
 from swarm.pipeline.probing import ProbeRule
-from swarm.pipeline.protocol import Backward, Forward
-from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer
 from swarm.sim.simulate import make_replica, train_microbatch
 from swarmtest.attacks import collude, flip_backward, garble, pass_through, true_norm_noise
 from swarmtest.clock import FakeClock
 from swarmtest.configs import BATCH, DATA, SEQ, tiny_config
+from swarmtest.fakes import DirectStages
 
 TOLERANCE = CheckRule().tolerance
 
@@ -155,23 +154,6 @@ def test_loss_spikes_over_represented_on_one_servers_paths_make_it_suspect_and_b
 # ---- a trainer with three replicas of stage 1, one garbling ------------------------------------------------------
 
 
-class Replicas:
-    """``StageCalls`` into several ``StageServer``s of stage 1 by name, called directly."""
-
-    def __init__(self, servers: dict[str, StageServer]) -> None:
-        self.servers = servers
-        self.forwards = dict.fromkeys(servers, 0)
-
-    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
-        await asyncio.sleep(0.001)
-        self.forwards[peer] += request.train
-        return await self.servers[peer].forward("trainer", request)
-
-    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
-        await asyncio.sleep(0.001)
-        return await self.servers[peer].backward("trainer", request)
-
-
 def train(
     *,
     garbling: bool = False,
@@ -184,7 +166,7 @@ def train(
     lazy: bool = False,
     colluding: bool = False,
     steps: int = 60,
-) -> tuple[dict[str, Any], Trainer, Replicas]:
+) -> tuple[dict[str, Any], Trainer, DirectStages]:
     """``steps`` inner steps of the tiny model on text through three replicas of stage 1 (the first garbling, if
     asked); the last progress record (with the validation loss), the trainer and the calls. ``rule`` replaces the
     trainer's check rule; ``landed`` collects the server of every training forward hop that landed; ``flipping``: the
@@ -203,12 +185,11 @@ def train(
         pass_through(servers["evil"])
     if colluding:
         collude(servers["evil"], servers["evil2"])
-    calls, router = Replicas(servers), Router(1, random.Random(route_seed))
-    router.update(1, list(servers))
+    calls = DirectStages(servers, latency_s=0.001, route_seed=route_seed)  # the servers called directly
     corpus = load_corpus([DATA])
     kw = {"batch_size": BATCH, "seq_len": SEQ}
     options = TrainerOptions(in_flight=2, log_every=20, check_rate=check_rate, probe_rate=probe_rate)
-    trainer = Trainer(cfg, calls, router, options=options)
+    trainer = Trainer(cfg, calls, calls.router, options=options)
     if rule is not None:
         trainer.remote.audit.checker.rule = rule
     if landed is not None:
@@ -225,14 +206,13 @@ def train(
         return asyncio.run(trainer.train(batches, steps=steps, val_batches=val)), trainer, calls
     finally:
         trainer.shutdown()
-        for server in servers.values():
-            server.shutdown()
+        calls.shutdown()
 
 
 @pytest.mark.timeout(300)
 def test_a_garbling_replica_fails_its_checks_is_routed_around_and_the_trainer_trains_on() -> None:
     """Its failing outputs do not land, and each failure takes it out of the routing 2 s (or, harmful, has its every
-    forward judged): 2 harmful failures among its last 4 judgements make it unfit, routed around (tests/test_audit.py);
+    forward judged): 2 harmful failures among its last 16 judgements make it unfit, routed around (tests/test_audit.py);
     never condemned (only a failed backward probe condemns)."""
     clean, _, _ = train(garbling=False, check_rate=CheckRule().rate)
     last, trainer, calls = train(garbling=True, check_rate=CheckRule().rate)

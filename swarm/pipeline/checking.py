@@ -83,12 +83,13 @@ class CheckRule:
     harm_margin: float = 0.1
     # harmful failures among a server's last ``history`` judgements by the loss that make it unfit. Harmful failures are
     # strong evidence (honest replicas' worst, starved and never synced, was +5% over the skip's loss), and unfit is no
-    # verdict (a rest from this trainer's routing), so two suffice: a server honest on its training forwards but
-    # garbling those it cannot tell from validation fails only as another's checker, between passes as the checked
-    # (bench_adversary's stage-garbler: harmful at mb39, mb62, mb117, passing in between), and at three of four it
-    # was never found unfit while its val loss through it read 1.3-1.45× clean
+    # verdict (a rest from this trainer's routing), so two suffice, among a long history: a server honest on its
+    # training forwards but garbling those it cannot tell from validation fails only as another's checker, and each
+    # failure makes it a suspect whose every forward is checked and passes (bench_adversary's stage-garbler: harmful
+    # at mb39, mb62, mb117, passing in between). Among its last four it was never found unfit, while the val loss
+    # taken through it read 1.3-1.45× clean
     failures: int = 2
-    history: int = 4
+    history: int = 16
     ban_s: float = 600.0  # a condemned server's first ban; doubles for each further verdict
     # an unfit server's first rest from this trainer's routing, unless its outer round moves on first; doubles per rest,
     # at most ``ban_s``. Back from it, the server is still suspect: its forwards land only once their checks passed
