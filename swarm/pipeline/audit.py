@@ -160,42 +160,51 @@ class HopAudit:
                 return True
             wrong, right = (peer, checker_peer) if worse == 0 else (checker_peer, peer)
             loss_wrong, loss_right = (losses[0], losses[1]) if worse == 0 else (losses[1], losses[0])
-            _, x, tokens = await self.calls.decode("activations", request.x, mb.shape)
-            skip = await self._losses(mb, stage, [Outgoing(x, tokens)], prev=request.prev_stage)
-            if skip is None:
-                return self._unresolved(peer, checker_peer)
-            # the better one proves itself only by beating its stage skipped: at the start, near chance, a garbler
-            # "won" judgements by chance and, cleared, landed its forwards unchecked
-            if self.checker.no_better_than_skipping(loss_right, skip[0]):
-                return self._unresolved(peer, checker_peer)
-            if not self.checker.no_better_than_skipping(loss_wrong, skip[0]):  # it did the stage's work, less of it
-                self.counters["checks_behind"] += 1
-                self.checker.clear(right, by_loss=True)
-                self.checker.suspect(wrong)  # checked more: it may be an attacker doing just enough
-                logger.info(
-                    f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f}"
-                    f" of {right}'s, yet better than skipping the stage ({skip[0]:.4f}): behind, not wrong"
-                )
-                return True
-            self.checker.clear(right, by_loss=True)
-            self.counters["check_failures"] += 1
-            harmful = self.checker.harmful(loss_wrong, skip[0])
-            if not harmful:
-                # out of the routing a while: a server passing its input through is the fastest there is, and charged
-                # only the time its checks took it kept two thirds of the forwards (to have them redone elsewhere) and
-                # starved the honest replicas until their stages did worse than skipped. A harmful one stays routed,
-                # each forward checked and held as a suspect's, until it is found unfit (``rest``)
-                self.router.ban(stage, wrong, FAILED_OUTPUT_BAN_S, reason=f"its output of {mb.id} failed its check")
-            logger.warning(
-                f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f} of"
-                f" {right}'s, no better than skipping the stage ({skip[0]:.4f})"
-            )
-            if self.checker.failed(wrong, harmful=harmful):
-                self.rest(stage, wrong)
-            return wrong != peer
+            return await self._against_the_skip(mb, request, peer, (wrong, loss_wrong), (right, loss_right))
         except Exception as e:  # a check is a side job: it must never take the trainer down
             logger.warning(f"check of {mb.id} at stage {stage} failed: {type(e).__name__}: {e}")
             return True
+
+    async def _against_the_skip(
+        self, mb: Microbatch, request: Forward, peer: Peer, worse: tuple[Peer, float], better: tuple[Peer, float]
+    ) -> bool:
+        """Outputs the loss told apart (``worse``, ``better``: server and loss) judged against the loss with the stage
+        skipped: the worse fails only if it does no better than no work, and is harmful over ``harm_margin`` above it.
+        False if ``peer``'s output failed."""
+        stage, (wrong, loss_wrong), (right, loss_right) = request.stage, worse, better
+        _, x, tokens = await self.calls.decode("activations", request.x, mb.shape)
+        skip = await self._losses(mb, stage, [Outgoing(x, tokens)], prev=request.prev_stage)
+        if skip is None:
+            return self._unresolved(wrong, right)
+        # the better one proves itself only by beating its stage skipped: at the start, near chance, a garbler
+        # "won" judgements by chance and, cleared, landed its forwards unchecked
+        if self.checker.no_better_than_skipping(loss_right, skip[0]):
+            return self._unresolved(wrong, right)
+        if not self.checker.no_better_than_skipping(loss_wrong, skip[0]):  # it did the stage's work, less of it
+            self.counters["checks_behind"] += 1
+            self.checker.clear(right, by_loss=True)
+            self.checker.suspect(wrong)  # checked more: it may be an attacker doing just enough
+            logger.info(
+                f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f}"
+                f" of {right}'s, yet better than skipping the stage ({skip[0]:.4f}): behind, not wrong"
+            )
+            return True
+        self.checker.clear(right, by_loss=True)
+        self.counters["check_failures"] += 1
+        harmful = self.checker.harmful(loss_wrong, skip[0])
+        if not harmful:
+            # out of the routing a while: a server passing its input through is the fastest there is, and charged
+            # only the time its checks took it kept two thirds of the forwards (to have them redone elsewhere) and
+            # starved the honest replicas until their stages did worse than skipped. A harmful one stays routed,
+            # each forward checked and held as a suspect's, until it is found unfit (``rest``)
+            self.router.ban(stage, wrong, FAILED_OUTPUT_BAN_S, reason=f"its output of {mb.id} failed its check")
+        logger.warning(
+            f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f} of"
+            f" {right}'s, no better than skipping the stage ({skip[0]:.4f})"
+        )
+        if self.checker.failed(wrong, harmful=harmful):
+            self.rest(stage, wrong)
+        return wrong != peer
 
     def _unresolved(self, *peers: Peer) -> bool:
         """A check nothing settled: no one cleared, both checked on every forward; the reply lands (True)."""
