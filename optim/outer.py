@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import math
 import statistics
-import struct
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -23,10 +22,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from compress.codecs import Codec
-from compress.errors import MalformedFrame, WireError
+from compress.errors import WireError
 from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
-from compress.wire import BytesLike, CodecId, WireLimits, decode_frame, encode_frame
+from compress.wire import BytesLike
 from optim.inner import fused_kwargs
+from optim.payload import max_payload_bytes, pack_payload, unpack_payload
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +45,6 @@ OWN_NORM_RATIO = 100.0
 # distance from their coordinate-wise median; further, it is pulled in to that radius. Honest replicas' Δ of one round
 # lie within ×2 of each other's distances (tests/test_outer_robust.py), so clean rounds are never clipped.
 CENTRE_RADIUS = 2.0
-
-# A payload is one wire frame (CodecId.OUTER_PAYLOAD) whose body is a header, then per parameter: entry header,
-# name (utf-8), codec frame. The wire layer zstd-compresses that body as one stream: the names and the parameters'
-# frame headers repeat from tensor to tensor, and one stream codes them once (a SparseLoCo payload of the small
-# model's middle stage in a real swarm: a median 6,818 → 5,186 bytes per round; docs/benchmarks.md, "Outer payloads
-# as one stream").
-_HEADER = struct.Struct("<QI")  # round, number of parameters
-_ENTRY = struct.Struct("<HI")  # name length, frame length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +67,21 @@ class _Screened(Generic[Part]):
     clipped: dict[int, float]
 
 
-def max_payload_bytes(params: NamedTensors) -> int:
-    """The most bytes one member's payload for ``params`` may take, encoded or decoded: 8 per parameter (NoLoCo sends
-    Δ and the weights in fp32, the densest payload) and room for the names and headers."""
-    return 8 * sum(p.numel() for p in params.values()) + (1 << 20)
+def check_shape(expected: NamedTensors, name: str, shape: torch.Size) -> None:
+    """ValueError unless ``shape`` is parameter ``name``'s in ``expected``."""
+    if shape != expected[name].shape:
+        raise ValueError(f"{name}: shape {tuple(shape)}, expected {tuple(expected[name].shape)}")
+
+
+def check_names(expected: NamedTensors, tensors: NamedTensors) -> None:
+    """KeyError unless ``tensors`` names ``expected``'s parameters in its order, ValueError unless of their shapes."""
+    if list(tensors) != list(expected):
+        missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
+        raise KeyError(
+            f"parameter names differ from the outer optimizer's (missing {sorted(missing)}, extra {sorted(extra)})"
+        )
+    for name, t in tensors.items():
+        check_shape(expected, name, t.shape)
 
 
 def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
@@ -86,47 +89,6 @@ def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
     ordered = stacked.sort(dim=0).values
     k = len(ordered)
     return ordered[k // 2] if k % 2 else (ordered[k // 2 - 1] + ordered[k // 2]) / 2
-
-
-def _pack(round_: int, frames: Mapping[str, bytes]) -> bytes:
-    out = [_HEADER.pack(round_, len(frames))]
-    for name, frame in frames.items():
-        encoded = name.encode()
-        out += [_ENTRY.pack(len(encoded), len(frame)), encoded, frame]
-    body = b"".join(out)
-    return encode_frame(CodecId.OUTER_PAYLOAD, body, dtype=torch.uint8, shape=(len(body),))
-
-
-def _unpack(data: BytesLike, *, max_bytes: int) -> tuple[int, dict[str, BytesLike]]:
-    """Split a payload into (round, {name: frame}); its body may hold at most ``max_bytes`` once decompressed (checked
-    before decompressing), and every length inside is checked against the body."""
-    limits = WireLimits(max_frame_bytes=max_bytes, max_body_bytes=max_bytes, max_elements=max_bytes, max_ndim=1)
-    frame = decode_frame(data, limits=limits)
-    if frame.codec_id != CodecId.OUTER_PAYLOAD:
-        raise MalformedFrame(f"an outer payload is a frame of codec {int(CodecId.OUTER_PAYLOAD)}, got {frame.codec_id}")
-    payload = frame.body
-    if len(payload) < _HEADER.size:
-        raise WireError(f"outer payload of {len(payload)} bytes is shorter than its header")
-    round_, count = _HEADER.unpack_from(payload)
-    frames: dict[str, BytesLike] = {}
-    view = memoryview(payload)  # frames are views: decoding a whole-stage payload copies no second stage
-    offset = _HEADER.size
-    for _ in range(count):
-        if offset + _ENTRY.size > len(payload):
-            raise WireError("outer payload truncated inside an entry header")
-        name_len, frame_len = _ENTRY.unpack_from(payload, offset)
-        offset += _ENTRY.size
-        end = offset + name_len + frame_len
-        if end > len(payload):
-            raise WireError("outer payload truncated inside an entry")
-        name = bytes(payload[offset : offset + name_len]).decode(errors="replace")
-        frames[name] = view[offset + name_len : end]
-        offset = end
-    if offset != len(payload):
-        raise WireError(f"outer payload has {len(payload) - offset} trailing bytes")
-    if len(frames) != count:
-        raise WireError("outer payload names a parameter twice")
-    return round_, frames
 
 
 class OuterOptimizer(ABC, Generic[Part]):
@@ -185,7 +147,7 @@ class OuterOptimizer(ABC, Generic[Part]):
         self._check_names(local)
         # Coded where the weights lie (SparseLoCo's error buffers too): only the coded bytes go to the host.
         frames = {name: self._encode(name, g - local[name].detach()) for name, g in self._global.items()}
-        payload = _pack(self.round, frames)
+        payload = pack_payload(self.round, frames)
         # what the others will receive, decoded as they will: the scale the others' Δ are screened against
         try:
             self._own_norms.append(self._member_norm(self._decode_member(payload)))
@@ -414,7 +376,7 @@ class OuterOptimizer(ABC, Generic[Part]):
         return {name: self._scale(part, factor) for name, part in member.items()}
 
     def _decode_member(self, payload: bytes) -> dict[str, Part]:
-        round_, frames = _unpack(payload, max_bytes=max_payload_bytes(self._global))
+        round_, frames = unpack_payload(payload, max_bytes=max_payload_bytes(self._global))
         if round_ != self.round:
             raise ValueError(f"payload is for round {round_}, not {self.round}")
         if list(frames) != list(self._global):
@@ -422,17 +384,10 @@ class OuterOptimizer(ABC, Generic[Part]):
         return {name: self._decode(name, frame) for name, frame in frames.items()}
 
     def _check_shape(self, name: str, shape: torch.Size) -> None:
-        if shape != self._global[name].shape:
-            raise ValueError(f"{name}: shape {tuple(shape)}, expected {tuple(self._global[name].shape)}")
+        check_shape(self._global, name, shape)
 
     def _check_names(self, tensors: NamedTensors) -> None:
-        if list(tensors) != list(self._global):
-            missing, extra = set(self._global) - set(tensors), set(tensors) - set(self._global)
-            raise KeyError(
-                f"parameter names differ from the outer optimizer's (missing {sorted(missing)}, extra {sorted(extra)})"
-            )
-        for name, t in tensors.items():
-            self._check_shape(name, t.shape)
+        check_names(self._global, tensors)
 
 
 class DiLoCo(OuterOptimizer[torch.Tensor]):

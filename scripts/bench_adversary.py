@@ -602,7 +602,7 @@ def memory_bomb_run(attack: str | None) -> dict[str, Any]:
     from compress.wire import CodecId, decode_frame
     from optim.config import OuterOptimConfig
     from optim.factory import build_outer_optimizer
-    from optim.outer import _pack, _unpack, max_payload_bytes
+    from optim.payload import max_payload_bytes, pack_payload, unpack_payload
     from swarmtest.attacks import bomb_frame
 
     peaks, dropped, equal = {}, 0, True
@@ -614,14 +614,14 @@ def memory_bomb_run(attack: str | None) -> dict[str, Any]:
         opt = build_outer_optimizer(start, OuterOptimConfig(method=method), codecs)
         payloads = [reference.make_payload({"w": start["w"] - torch.randn(64, 64)}) for _ in range(2)]
         if attack:
-            round_, frames = _unpack(payloads[0], max_bytes=max_payload_bytes(start))
+            round_, frames = unpack_payload(payloads[0], max_bytes=max_payload_bytes(start))
             if method == "sparseloco":
                 shape = (1, 64 << 20)
                 meta = decode_frame(frames["w"]).meta
                 bomb = bomb_frame(CodecId.SPARSELOCO, shape, meta, opt.codec.limits_for(shape).max_body_bytes)
             else:
                 bomb = bomb_frame(CodecId.FP32, (4096, 4096), b"", 4 * 4096 * 4096)
-            payloads = [*payloads, _pack(round_, {"w": bomb})]
+            payloads = [*payloads, pack_payload(round_, {"w": bomb})]
         reference.apply(payloads[:2], {"w": start["w"].clone()})
         tracemalloc.start()
         try:

@@ -18,15 +18,8 @@ from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor
 from compress.wire import CodecId, decode_frame, encode_frame
 from optim.config import OuterOptimConfig
 from optim.factory import build_outer_optimizer
-from optim.outer import (
-    DiLoCo,
-    NamedTensors,
-    OuterOptimizer,
-    SparseLoCo,
-    _pack,
-    _unpack,
-    max_payload_bytes,
-)
+from optim.outer import DiLoCo, NamedTensors, OuterOptimizer, SparseLoCo
+from optim.payload import max_payload_bytes, pack_payload, unpack_payload
 from swarmtest.attacks import bomb_frame
 
 
@@ -353,7 +346,7 @@ def test_a_frame_declaring_a_huge_shape_is_refused_from_its_header_in_bounded_me
     start = {"w": torch.randn(64, 64)}
     clean, dirty = build_outer_optimizer(start, cfg, codecs), build_outer_optimizer(start, cfg, codecs)
     payloads = [clean.make_payload(minus(start, {"w": torch.randn(64, 64)})) for _ in range(2)]
-    round_, frames = _unpack(payloads[0], max_bytes=max_payload_bytes(start))
+    round_, frames = unpack_payload(payloads[0], max_bytes=max_payload_bytes(start))
     if method == "sparseloco":  # (1, 64M): 18 KB on the wire, 3.4 GB to decode, said issue 20
         shape = (1, 64 << 20)
         bomb = bomb_frame(
@@ -362,7 +355,7 @@ def test_a_frame_declaring_a_huge_shape_is_refused_from_its_header_in_bounded_me
     else:  # a 64 MiB fp32 body, within the default limits of a receiver that would not know the shape
         shape = (4096, 4096)
         bomb = bomb_frame(CodecId.FP32, shape, b"", 4 * (4096 * 4096))
-    hostile = _pack(round_, {"w": bomb})
+    hostile = pack_payload(round_, {"w": bomb})
     assert len(hostile) < 32 << 10
     clean.apply(payloads, {"w": start["w"].clone()})
     tracemalloc.start()
@@ -398,7 +391,7 @@ def test_a_payload_codes_its_parameters_names_and_frame_headers_as_one_stream() 
     stage = {f"blocks.{i}.{kind}.weight": torch.randn(64, 64) for i in range(4) for kind in ("attn", "ffn", "out")}
     opt = build_outer_optimizer(stage, OuterOptimConfig(), CodecConfig())
     payload = opt.make_payload({name: w - 1e-3 * torch.randn(64, 64) ** 3 for name, w in stage.items()})
-    round_, frames = _unpack(payload, max_bytes=max_payload_bytes(stage))
+    round_, frames = unpack_payload(payload, max_bytes=max_payload_bytes(stage))
     # one frame per parameter would send every name, entry and frame header apart
     assert round_ == 0 and list(frames) == list(stage)
     apart = sum(len(name) + len(frame) + 6 for name, frame in frames.items()) + 12

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from optim.outer import max_payload_bytes
+from optim.payload import max_payload_bytes
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
 from swarm.dht.records import StageStatus
