@@ -1,8 +1,11 @@
 """In-process fakes: the outer step's network in memory (``Hub``, ``MemoryNet``), stage RPC without sockets
-(``InProcessNetwork``), and a ``Holder`` whose inner step is a seeded random move (``RandomStepHolder``).
+(``InProcessNetwork`` through the servicers' envelope, ``DirectStages`` straight into the servers over a simulated
+wire, ``EchoStages`` with no model at all), and a ``Holder`` whose inner step is a seeded random move
+(``RandomStepHolder``).
 
     hub = Hub(); hub.join("a"); net = MemoryNet(hub, "a")       # hub.dead / cut / slow: faults by peer
     net = InProcessNetwork(cfg, {"1a": 1, "2a": 2}); Trainer(cfg, net, net.router)
+    net = DirectStages.of(cfg, {"s1": 1}, latency_s=0.05); Trainer(cfg, net, net.router)   # net.most_open, forwards
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TypeVar
 
 import torch
@@ -24,11 +28,12 @@ from swarm.outer.board import Board
 from swarm.outer.group import RoundKey
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageServicer, pack, parse_reply
-from swarm.pipeline.routing import Router
+from swarm.pipeline.routing import Peer, Router
 from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import TransferError
 
 T = TypeVar("T")
+Hold = Callable[[Backward], Awaitable[None]]  # awaited before a backward reaches its server: holds or refuses it
 
 CONTEXT = P2PContext(handle_name="test", local_id="server", remote_id="trainer")  # a servicer call from "trainer"
 
@@ -146,3 +151,104 @@ class InProcessNetwork:
 
     def served(self, peer: str) -> int:
         return self.servers[peer].counters["backward"]
+
+
+class DirectStages:
+    """``StageCalls`` straight into ``StageServer``s by peer name (no envelope, no network), with a ``router`` over
+    them, across a simulated wire: each call first waits ``latency_s`` (concurrent calls overlap, as on a wire), and with
+    ``bytes_per_s`` each direction also takes its frames' bytes at that rate; a backward then awaits ``hold(request)``
+    (a test holds it, or refuses it by raising). Counts each peer's training forwards (``forwards``) and the most
+    microbatches open at once (``most_open``: forwarded, backward not yet answered)."""
+
+    def __init__(
+        self,
+        servers: Mapping[str, StageServer],
+        *,
+        latency_s: float = 0.0,
+        bytes_per_s: float | None = None,
+        hold: Hold | None = None,
+        route_seed: int = 0,
+    ) -> None:
+        self.servers: dict[Peer, StageServer] = {peer: server for peer, server in servers.items()}
+        self.latency_s, self.bytes_per_s, self.hold = latency_s, bytes_per_s, hold
+        num_stages = next(iter(self.servers.values())).cfg.stages.num_stages
+        self.router = Router(num_stages, random.Random(route_seed))
+        for stage in sorted({server.stage for server in self.servers.values()}):
+            self.router.update(stage, [peer for peer, server in self.servers.items() if server.stage == stage])
+        self.forwards: dict[Peer, int] = dict.fromkeys(self.servers, 0)  # training forwards by peer
+        self.open: set[str] = set()  # microbatches forwarded, backward not yet answered
+        self.most_open = 0
+
+    @classmethod
+    def of(
+        cls,
+        cfg: SwarmConfig,
+        replicas: Mapping[str, int],
+        *,
+        latency_s: float = 0.0,
+        bytes_per_s: float | None = None,
+        hold: Hold | None = None,
+        route_seed: int = 0,
+    ) -> DirectStages:
+        """A new ``StageServer`` of ``cfg`` for each peer of ``replicas`` (peer → stage)."""
+        servers = {peer: StageServer(cfg, stage) for peer, stage in replicas.items()}
+        return cls(servers, latency_s=latency_s, bytes_per_s=bytes_per_s, hold=hold, route_seed=route_seed)
+
+    @property
+    def server(self) -> StageServer:
+        """The only server (for a fake of one)."""
+        (server,) = self.servers.values()
+        return server
+
+    async def forward(self, peer: Peer, request: Forward, *, timeout: float) -> bytes:
+        await asyncio.sleep(self.latency_s)
+        await self._cross(len(request.x))
+        if request.train:
+            self.forwards[peer] += 1
+            self.open.add(request.mb)
+            self.most_open = max(self.most_open, len(self.open))
+        reply = await self.servers[peer].forward("trainer", request)
+        await self._cross(len(reply))
+        return reply
+
+    async def backward(self, peer: Peer, request: Backward, *, timeout: float) -> bytes:
+        await asyncio.sleep(self.latency_s)
+        await self._cross(len(request.grad) + len(request.x or b""))
+        if self.hold is not None:
+            await self.hold(request)
+        reply = await self.servers[peer].backward("trainer", request)
+        self.open.discard(request.mb)
+        await self._cross(len(reply))
+        return reply
+
+    def shutdown(self) -> None:
+        for server in self.servers.values():
+            server.shutdown()
+
+    async def _cross(self, nbytes: int) -> None:
+        if self.bytes_per_s is not None:
+            await asyncio.sleep(nbytes / self.bytes_per_s)
+
+
+class EchoStages:
+    """``StageCalls`` with no model: a peer answers a forward with its input frame (a backward with its gradient's)
+    after ``delay_s``; a peer in ``silent`` never answers, so the caller's timeout ends the call. ``timeouts`` holds
+    the timeout each peer was given, call by call."""
+
+    def __init__(self, *, delay_s: float = 0.0, silent: Collection[Peer] = ()) -> None:
+        self.delay_s, self.silent = delay_s, set(silent)
+        self.timeouts: defaultdict[Peer, list[float]] = defaultdict(list)
+
+    async def forward(self, peer: Peer, request: Forward, *, timeout: float) -> bytes:
+        await self._answer(peer, timeout)
+        return request.x
+
+    async def backward(self, peer: Peer, request: Backward, *, timeout: float) -> bytes:
+        await self._answer(peer, timeout)
+        return request.grad
+
+    async def _answer(self, peer: Peer, timeout: float) -> None:
+        self.timeouts[peer].append(timeout)
+        if peer in self.silent:
+            await asyncio.wait_for(asyncio.Event().wait(), timeout)
+        await asyncio.sleep(self.delay_s)

@@ -7,7 +7,6 @@ transfer is an ``asyncio.sleep`` of its frames' bytes over its bandwidth."""
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Iterator
 from dataclasses import astuple
 
@@ -24,10 +23,10 @@ from swarm.pipeline.boundary import boundary_codecs, boundary_ladders
 from swarm.pipeline.frames import Outgoing
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward, Reply, _reply, parse_reply
-from swarm.pipeline.routing import Router
 from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer
 from swarmtest.configs import BATCH, SEQ, tiny_config
+from swarmtest.fakes import DirectStages
 
 SHAPE = (BATCH, SEQ, 64)  # the tiny config's boundary tensor
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -159,32 +158,6 @@ def test_the_reply_message_carries_the_times_and_ignores_junk_ones() -> None:
 # a trainer over links of a given bandwidth
 
 
-class TimedWire:
-    """``StageCalls`` into one ``StageServer`` of stage 1 over a wire of ``bytes_per_s`` (None: instant), each direction
-    an ``asyncio.sleep`` of its frames' bytes."""
-
-    def __init__(self, cfg: SwarmConfig, *, bytes_per_s: float | None) -> None:
-        self.server, self.bytes_per_s = StageServer(cfg, 1), bytes_per_s
-        self.router = Router(1, random.Random(0))
-        self.router.update(1, ["s1"])
-
-    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
-        await self._cross(len(request.x))
-        reply = await self.server.forward("trainer", request)
-        await self._cross(len(reply))
-        return reply
-
-    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
-        await self._cross(len(request.grad) + len(request.x or b""))
-        reply = await self.server.backward("trainer", request)
-        await self._cross(len(reply))
-        return reply
-
-    async def _cross(self, nbytes: int) -> None:
-        if self.bytes_per_s is not None:
-            await asyncio.sleep(nbytes / self.bytes_per_s)
-
-
 def batches(seed: int = 0) -> Iterator[Batch]:
     g = torch.Generator().manual_seed(seed)
     while True:
@@ -194,13 +167,13 @@ def batches(seed: int = 0) -> Iterator[Batch]:
 
 def train_over(bytes_per_s: float | None, steps: int = 8) -> tuple[Trainer, dict]:
     cfg = adaptive(steps=steps)
-    link = TimedWire(cfg, bytes_per_s=bytes_per_s)
+    link = DirectStages.of(cfg, {"s1": 1}, bytes_per_s=bytes_per_s)  # each direction takes its bytes at that rate
     trainer = Trainer(cfg, link, link.router, options=TrainerOptions(in_flight=1, log_every=steps))
     try:
         record = asyncio.run(trainer.train(batches(), steps=steps))
     finally:
         trainer.shutdown()
-        link.server.shutdown()
+        link.shutdown()
     assert trainer.counters["completed"] == steps and trainer.counters["failed"] == 0
     assert record["train_loss"] is not None and record["train_loss"] < 6.0
     return trainer, record

@@ -30,6 +30,7 @@ from swarm.rpc.auth import (
     format_time,
     peer_id_of_public_key,
 )
+from swarmtest.clock import FakeClock
 
 SWARM = "demo-0123456789abcdef"
 NOW = 1_700_000_000
@@ -111,13 +112,13 @@ def test_any_altered_byte_is_refused(data: st.DataObject) -> None:
 
 
 def test_expiry_and_revocation_apply_to_cached_certificates() -> None:
-    now = [NOW + 60.0]
-    check = CertificateVerifier(AUTHORITY.public_key(), SWARM, clock=lambda: now[0])
+    clock = FakeClock(NOW + 60.0)
+    check = CertificateVerifier(AUTHORITY.public_key(), SWARM, clock=clock)
     data = certificate()
     check.check(PEER, data)
-    now[0] = NOW + 86400
+    clock.now = NOW + 86400
     assert denied(check, PEER, data).reason == "expired"
-    now[0] = NOW + 60
+    clock.now = NOW + 60
     revocations = RevocationList(swarm_id=SWARM).revoke(PEER, NOW + 30)
     assert check.update_revocations(revocations.sign(AUTHORITY))
     error = denied(check, PEER, data)
@@ -200,15 +201,15 @@ def test_authorizer_refuses_stolen_and_bad_tokens(rsa_keys: list[RSAPrivateKey])
 def test_authorizer_checks_its_own_certificate_and_picks_up_a_renewal(rsa_keys: list[RSAPrivateKey]) -> None:
     with pytest.raises(AccessDenied, match="expired"):
         authorizer(rsa_keys[0], issued=int(time.time()) - 3 * 86400)
-    now = [time.time()]
+    clock = FakeClock(time.time())
     peer = peer_id_of_public_key(rsa_keys[0].get_public_key().to_bytes())
-    current = [certificate(peer=peer, issued=int(now[0]) - 60)]
+    current = [certificate(peer=peer, issued=int(clock.now) - 60)]
     auth = CertificateAuthorizer(
-        rsa_keys[0], lambda: current[0], CertificateVerifier(AUTHORITY.public_key(), SWARM, clock=lambda: now[0])
+        rsa_keys[0], lambda: current[0], CertificateVerifier(AUTHORITY.public_key(), SWARM, clock=clock)
     )
     first = asyncio.run(auth.get_token())
-    now[0] += 86400  # the first certificate has expired; the authority issued a new one meanwhile
-    current[0] = certificate(peer=peer, issued=int(now[0]) - 60)
+    clock.advance(86400)  # the first certificate has expired; the authority issued a new one meanwhile
+    current[0] = certificate(peer=peer, issued=int(clock.now) - 60)
     assert auth.does_token_need_refreshing(first)
     request = dht_pb2.PingRequest()
     asyncio.run(auth.sign_request(request, None))

@@ -19,11 +19,11 @@ from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.deadlines import MIN_SAMPLES, NEW_PEER_SLACK, DeadlineRule, Deadlines
 from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.hops import RemoteStages
-from swarm.pipeline.protocol import Backward, Forward
 from swarm.pipeline.routing import BAN_S, Router
 from swarmtest.attacks import INT8
 from swarmtest.clock import FakeClock
 from swarmtest.configs import BATCH, SEQ, tiny_config
+from swarmtest.fakes import EchoStages
 
 RPC_S = 30.0
 
@@ -74,31 +74,13 @@ def test_the_router_bans_a_server_for_a_growing_back_off_and_a_verdict_for_its_o
     assert router.balancers[1].live_peers() == ["a"]
 
 
-class SilentAndHonest:
-    """``StageCalls``: "honest" echoes its input after 10 ms, "silent" never answers (the caller's timeout ends it);
-    the deadlines each was given."""
-
-    def __init__(self) -> None:
-        self.timeouts: dict[str, list[float]] = {"honest": [], "silent": []}
-
-    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
-        self.timeouts[peer].append(timeout)
-        if peer == "silent":
-            await asyncio.wait_for(asyncio.Event().wait(), timeout)
-        await asyncio.sleep(0.01)
-        return request.x
-
-    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
-        raise AssertionError("forwards only")
-
-
 @pytest.mark.timeout(120)
 def test_a_silent_replica_costs_its_adaptive_deadline_not_rpc_s_and_leaves_routing() -> None:
     cfg = tiny_config(stages=1, steps=10, timeouts={"rpc_s": RPC_S})
     options = TrainerOptions(check_rate=0.0, deadline_floor_s=0.2)
     router = Router(1, random.Random(0))
     router.update(1, ["honest"])
-    calls, counters = SilentAndHonest(), Counter[str]()
+    calls, counters = EchoStages(delay_s=0.01, silent={"silent"}), Counter[str]()  # "honest" echoes after 10 ms
     activations, gradients = boundary_ladders(cfg)
     remote = RemoteStages(
         cfg,
@@ -143,7 +125,7 @@ def test_a_reply_is_decoded_onto_the_trainers_device_off_the_event_loop(monkeypa
     device = torch.device("cpu")
     remote = RemoteStages(
         cfg,
-        SilentAndHonest(),
+        EchoStages(delay_s=0.01),
         router,
         TrainerOptions(check_rate=0.0),
         codecs=LinkCodecs({"activations": activations, "gradients": gradients}),

@@ -27,6 +27,7 @@ from swarm.events import FullProgress, TrainerProgress
 from swarm.node.lifecycle import publish_metrics
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
+from swarmtest.clock import FakeClock
 
 CFG = SwarmConfig()
 SUBKEY = b"12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG[owner:ssh-rsa AAAAB3NzaC1yc2E]"
@@ -159,10 +160,10 @@ def full_record(**fields: Any) -> FullProgress:
 
 
 def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses() -> None:
-    now = [100.0]
-    meter = Meter(role="trainer", stage=0, state="joining", name="alice", device="cpu", clock=lambda: now[0])
+    clock = FakeClock(100.0)
+    meter = Meter(role="trainer", stage=0, state="joining", name="alice", device="cpu", clock=clock)
     status = StageStatus(inner_steps=7, outer_round=2)
-    now[0] += 2.0
+    clock.advance(2.0)
     first = meter.sample(status, tokens=1000, bans=1)
     assert (first.tokens_per_s, first.step, first.outer_round, first.bans, first.train_loss) == (500.0, 7, 2, 1, None)
     meter.observe(full_record(train_loss=3.25, step=10))
@@ -170,7 +171,7 @@ def test_meter_turns_a_running_token_count_into_a_rate_and_keeps_the_last_losses
     # no new loss; a diverged validation is not published
     meter.observe(full_record(train_loss=None, val_loss=math.nan))
     meter.state, meter.traffic.sent["activations"] = "training", 4096
-    now[0] += 4.0
+    clock.advance(4.0)
     second = meter.sample(status, tokens=1000 + 2 * 4000)
     assert (second.tokens_per_s, second.train_loss, second.val_loss, second.state) == (2000.0, 3.0, None, "training")
     assert (second.tokens, second.uptime_s, second.name, second.device) == (9000, 6.0, "alice", "cpu")

@@ -30,7 +30,7 @@ from swarm.outer.pairs import pair_round
 from swarm.outer.replica import ReplicaSync, StateChanged, await_progress, snapshot_weights
 from swarm.outer.state import StageState, StateDecoder, stream_state, weights_hash
 from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
-from swarmtest.clock import in_virtual_time
+from swarmtest.clock import FakeClock, in_virtual_time
 from swarmtest.configs import outer_config
 from swarmtest.fakes import Hub, MemoryNet
 from swarmtest.replicas import ReplicaGroup
@@ -352,10 +352,10 @@ def test_board_serves_payloads_and_waits_for_the_commit() -> None:
 
 
 def test_board_forgets_rounds_after_the_retention() -> None:
-    now = [0.0]
-    board = Board(retention_s=10.0, clock=lambda: now[0])
+    clock = FakeClock(0.0)
+    board = Board(retention_s=10.0, clock=clock)
     board.offer(KEY, "a", b"pa")
-    now[0] = 11.0
+    clock.now = 11.0
     board.offer(RoundKey(stage=1, round=4), "a", b"pb")
     with pytest.raises(LookupError):
         asyncio.run(board.get(KEY.blob("payload/a")))

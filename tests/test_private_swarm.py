@@ -27,7 +27,6 @@ from peer.credentials import (
     peer_id_of_identity,
     revoke,
 )
-from swarm.config import TimeoutConfig
 from swarm.dht.start import JoinError, explain_daemon_error, start_dht
 from swarm.events import Revocations
 from swarm.node.config import PeerConfig
@@ -35,7 +34,7 @@ from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, ask_gates, explain_refusal
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
-from swarmtest.configs import tiny_config
+from swarmtest.configs import FAST_TIMEOUTS, tiny_config
 from swarmtest.node import BackgroundNode
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -282,9 +281,6 @@ def test_refused_joins_say_why(swarm_dir: tuple[Path, str], server: tuple[DHT, P
     asyncio.run(scenario())
 
 
-TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
-
-
 def revocation_events(node: BackgroundNode, sequence: int) -> list[Revocations]:
     return [event for event in node.events(Revocations) if event.sequence == sequence]
 
@@ -295,7 +291,7 @@ def test_running_peers_follow_a_revocation_published_in_the_dht(tmp_path: Path) 
     """Peer a was started with a revocation list file, b with none; the authority then revokes c and the new list
     replaces a's file: a reads it, republishes it in the DHT, and b (never given it) refuses c at its gate and DHT."""
     authority = create_swarm("live", tmp_path / "swarm", private=True).authority
-    cfg = dataclasses.replace(tiny_config(stages=1, timeouts=TIMEOUTS), name="live", authority=authority)
+    cfg = dataclasses.replace(tiny_config(stages=1, timeouts=FAST_TIMEOUTS), name="live", authority=authority)
     key, listing = tmp_path / "swarm" / "authority.key", tmp_path / "revocations.json"
     ids = {name: new_identity(tmp_path / f"{name}.id") for name in ("a", "b", "c", "gone")}
     for name in ("a", "b", "c"):

@@ -1,13 +1,12 @@
 """The trainer's microbatch window (swarm/pipeline/trainer.py): a stream of microbatches in flight across inner steps,
 sized like a transport window, with bounded and reported staleness, and outer installs on an inner-step boundary.
 
-The stage servers are real ``StageServer``s called directly (no network); latency is an ``asyncio.sleep`` per call
+The stage servers are real ``StageServer``s called directly (no network: ``swarmtest.fakes.DirectStages``); latency is an ``asyncio.sleep`` per call
 and a held backward is a condition the test sets, so nothing waits on wall-clock luck."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -19,14 +18,14 @@ from swarm.model.stages import EDGE_STAGE
 from swarm.outer.replica import ReplicaSync, snapshot_weights
 from swarm.outer.state import StageState
 from swarm.pipeline.protocol import Backward, Forward
-from swarm.pipeline.routing import Router
+from swarm.pipeline.routing import Peer
 from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer
 from swarm.pipeline.window import Window
 from swarmtest.configs import BATCH, SEQ, tiny_config
+from swarmtest.fakes import DirectStages
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Hold = Callable[[Backward], Awaitable[None]]
 
 
 def config(*, steps: int = 40, microbatches_per_step: int = 1) -> SwarmConfig:
@@ -40,40 +39,12 @@ def batches(seed: int = 0) -> Iterator[Batch]:
         yield x[:, :-1], x[:, 1:]
 
 
-class Stage1:
-    """``StageCalls`` into one ``StageServer`` of stage 1: each call after ``latency_s`` (concurrent calls overlap, as
-    on a wire), a backward after ``hold`` returns; counts the most microbatches between forward and backward."""
-
-    def __init__(self, cfg: SwarmConfig, *, latency_s: float = 0.0, hold: Hold | None = None) -> None:
-        self.server = StageServer(cfg, 1)
-        self.router = Router(1, random.Random(0))
-        self.router.update(1, ["s1"])
-        self.latency_s, self.hold = latency_s, hold
-        self.open: set[str] = set()  # microbatches forwarded, backward not yet answered
-        self.most_open = 0
-
-    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
-        await asyncio.sleep(self.latency_s)
-        if request.train:
-            self.open.add(request.mb)
-            self.most_open = max(self.most_open, len(self.open))
-        return await self.server.forward("trainer", request)
-
-    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
-        await asyncio.sleep(self.latency_s)
-        if self.hold is not None:
-            await self.hold(request)
-        reply = await self.server.backward("trainer", request)
-        self.open.discard(request.mb)
-        return reply
-
-
-def run(trainer: Trainer, stage: Stage1, scenario: Awaitable[Any]) -> Any:
+def run(trainer: Trainer, stage: DirectStages, scenario: Awaitable[Any]) -> Any:
     try:
         return asyncio.run(scenario)
     finally:
         trainer.shutdown()
-        stage.server.shutdown()
+        stage.shutdown()
 
 
 def assert_accounted(trainer: Trainer) -> None:
@@ -139,7 +110,7 @@ def test_the_window_starts_at_one_and_an_unmeasured_cap_of_one_stays_one() -> No
 
 def test_slow_hops_keep_more_than_an_inner_step_in_flight_with_bounded_staleness() -> None:
     cfg = config(steps=24)  # one microbatch per inner step
-    stage = Stage1(cfg, latency_s=0.05)  # the wire, not compute, sets the round trip
+    stage = DirectStages.of(cfg, {"s1": 1}, latency_s=0.05)  # the wire, not compute, sets the round trip
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3, log_every=4))
     logged: list[dict] = []
     record = run(trainer, stage, trainer.train(batches(), steps=24, on_log=logged.append))
@@ -155,7 +126,7 @@ def test_slow_hops_keep_more_than_an_inner_step_in_flight_with_bounded_staleness
 
 def test_max_staleness_bounds_the_window_in_inner_steps() -> None:
     cfg = config(steps=12, microbatches_per_step=2)
-    stage = Stage1(cfg, latency_s=0.02)
+    stage = DirectStages.of(cfg, {"s1": 1}, latency_s=0.02)
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=8, max_staleness=1))
     record = run(trainer, stage, trainer.train(batches(), steps=12))
     # the current step's two microbatches and the next step's two: no more, whatever the window would take
@@ -163,23 +134,23 @@ def test_max_staleness_bounds_the_window_in_inner_steps() -> None:
     assert_accounted(trainer)
 
 
-class StepWatch(Stage1):
-    """``Stage1`` noting, at each training forward, the trainer's inner step for every microbatch then between its
+class StepWatch(DirectStages):
+    """``DirectStages`` into one ``StageServer`` of stage 1, noting, at each training forward, the trainer's inner step for every microbatch then between its
     forward and its backward: the steps whose microbatches share the pipeline."""
 
-    def __init__(self, cfg: SwarmConfig, trainer_steps: Callable[[], int], **kwargs: Any) -> None:
-        super().__init__(cfg, **kwargs)
+    def __init__(self, cfg: SwarmConfig, trainer_steps: Callable[[], int], *, latency_s: float) -> None:
+        super().__init__({"s1": StageServer(cfg, 1)}, latency_s=latency_s)
         self.trainer_steps = trainer_steps
         self.started_in: dict[str, int] = {}  # open microbatch -> the trainer's inner step when its forward came
         self.steps_together: list[set[int]] = []  # at each forward: the steps the open microbatches started in
 
-    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
+    async def forward(self, peer: Peer, request: Forward, *, timeout: float) -> bytes:
         if request.train:
             self.started_in[request.mb] = self.trainer_steps()
             self.steps_together.append(set(self.started_in.values()))
         return await super().forward(peer, request, timeout=timeout)
 
-    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
+    async def backward(self, peer: Peer, request: Backward, *, timeout: float) -> bytes:
         reply = await super().backward(peer, request, timeout=timeout)
         del self.started_in[request.mb]
         return reply
@@ -208,7 +179,7 @@ def test_a_window_of_one_is_the_synchronous_loop() -> None:
     cfg = config(steps=6, microbatches_per_step=2)
 
     def trained(windowed: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-        stage = Stage1(cfg)
+        stage = DirectStages.of(cfg, {"s1": 1})
         trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=1, log_every=1))
         losses: list[float] = []
 
@@ -243,7 +214,7 @@ def test_a_microbatch_overtaken_past_max_staleness_is_dropped_and_counted() -> N
         if backwards.index(request.mb) == 1:
             await until("inner step 3", lambda: trainer.inner_steps >= 3)
 
-    stage = Stage1(cfg, hold=hold_second)
+    stage = DirectStages.of(cfg, {"s1": 1}, hold=hold_second)
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=1, log_every=1))
     logged: list[dict] = []
     record = run(trainer, stage, trainer.train(batches(), steps=6, on_log=logged.append))
@@ -269,7 +240,7 @@ def test_a_download_drops_the_gradients_of_microbatches_begun_on_the_old_weights
             blocked.add(request.mb)
             await frozen.wait()
 
-    stage = Stage1(cfg, hold=hold_from_mb3)
+    stage = DirectStages.of(cfg, {"s1": 1}, hold=hold_from_mb3)
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=4, max_staleness=3))
     sync = ReplicaSync(cfg, EDGE_STAGE, trainer, net=None, board=None, replicas=None, fetch=None)  # type: ignore[arg-type]  # no network: what the test calls needs none
 
@@ -322,7 +293,7 @@ def test_a_server_refusing_this_trainers_gradient_is_not_banned_for_it() -> None
             refusals[0] -= 1
             raise RemoteError(RequestError.INVALID, "microbatch gradient refused: gradient norm 1e9 is over 1000×")
 
-    stage = Stage1(cfg, hold=refuse)
+    stage = DirectStages.of(cfg, {"s1": 1}, hold=refuse)
     trainer = Trainer(cfg, stage, stage.router, options=TrainerOptions(in_flight=1, max_attempts=3))
     record = run(trainer, stage, trainer.train(batches(), steps=6))
     assert record["hop_refused_invalid"] == 3 and record["step"] == 6

@@ -5,7 +5,6 @@ they must give the same gradients and, after an inner step, the same weights."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import torch
@@ -14,15 +13,13 @@ from swarm.config import SwarmConfig, TrainerOptions
 from swarm.model.stages import EDGE_STAGE, to_model_state
 from swarm.model.transformer import Transformer
 from swarm.pipeline.boundary import Link, boundary_codecs
-from swarm.pipeline.protocol import Backward, Forward
-from swarm.pipeline.routing import Router
-from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer
 from swarm.sim.centralized import train_centralized
 from swarm.sim.centralized import train_microbatch as centralized_microbatch
 from swarm.sim.simulate import Replica, make_replica
 from swarm.sim.simulate import train_microbatch as simulated_microbatch
 from swarmtest.configs import BATCH, SEQ, tiny_config
+from swarmtest.fakes import DirectStages
 
 STAGES = 2
 FP32 = {"activations": "fp32", "gradients": "fp32"}
@@ -63,23 +60,9 @@ def assert_same(a: Tensors, b: Tensors) -> None:
         assert torch.equal(a[name], b[name]), f"{name}: max difference {(a[name] - b[name]).abs().max().item():.3g}"
 
 
-class LocalStages:
-    """``StageCalls`` straight into one ``StageServer`` per middle stage (no envelope, no network)."""
-
-    def __init__(self, cfg: SwarmConfig) -> None:
-        self.servers = {f"stage{s}": StageServer(cfg, s) for s in range(1, STAGES + 1)}
-        self.router = Router(STAGES, random.Random(0))
-        for peer, server in self.servers.items():
-            self.router.update(server.stage, [peer])
-
-    async def forward(self, peer: str, request: Forward, *, timeout: float) -> bytes:
-        return await self.servers[peer].forward("trainer", request)
-
-    async def backward(self, peer: str, request: Backward, *, timeout: float) -> bytes:
-        return await self.servers[peer].backward("trainer", request)
-
-    def modules(self, trainer: Trainer) -> dict[int, torch.nn.Module]:
-        return {EDGE_STAGE: trainer.module, **{s.stage: s.module for s in self.servers.values()}}
+def modules(trainer: Trainer, net: DirectStages) -> dict[int, torch.nn.Module]:
+    """Stages 0..S of a trainer and its stage servers."""
+    return {EDGE_STAGE: trainer.module, **{s.stage: s.module for s in net.servers.values()}}
 
 
 def runtime(
@@ -87,7 +70,7 @@ def runtime(
 ) -> tuple[Tensors | None, Tensors]:
     """(gradients after the first microbatch, weights after all of them) of a trainer driving local stage servers;
     ``in_loop``: through ``Trainer.train`` (both microbatches in flight at once), gradients not looked at."""
-    net = LocalStages(cfg)
+    net = DirectStages.of(cfg, {f"stage{s}": s for s in range(1, STAGES + 1)})  # no envelope, no network
     trainer = Trainer(cfg, net, net.router, options=TrainerOptions(in_flight=2))
     net.router.draw_path = lambda paths: list(path)  # type: ignore[method-assign]  # every microbatch takes this path
 
@@ -96,7 +79,7 @@ def runtime(
             await trainer.train(iter(batches), steps=1)
             return None
         assert await trainer.train_microbatch(*batches[0]) is not None
-        grads = by_model_name(cfg, net.modules(trainer), "grad")
+        grads = by_model_name(cfg, modules(trainer, net), "grad")
         for batch in batches[1:]:
             assert await trainer.train_microbatch(*batch) is not None
         return grads
@@ -105,10 +88,9 @@ def runtime(
         grads = asyncio.run(scenario())
     finally:
         trainer.shutdown()
-        for server in net.servers.values():
-            server.shutdown()
+        net.shutdown()
     assert trainer.inner_steps == 1 and all(s.inner_steps == (s.stage in path) for s in net.servers.values())
-    return grads, by_model_name(cfg, net.modules(trainer), "data")
+    return grads, by_model_name(cfg, modules(trainer, net), "data")
 
 
 def simulated(cfg: SwarmConfig, batches: list[Batch], path: list[int]) -> tuple[Tensors, Tensors]:
