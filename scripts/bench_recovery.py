@@ -5,7 +5,7 @@ second server of stage 1 — every peer a separate ``swarmloco run`` process on 
 Stage 1's two servers rebalance (in the CheckFree run), so the least loaded of them can move.
 
 - ``none``: no failure.
-- ``checkfree``: the stage-2 server is SIGKILLed (``swarm/faults.py``, keyed by its own inner step)
+- ``checkfree``: the stage-2 server is SIGKILLed (``swarmtest/faults.py``, keyed by its own inner step)
   at step ``--kill-at``; the least-loaded stage-1 server moves, rebuilds stage 2 from stages 1 and
   3 (``swarm/recovery/rebuild.py``) and serves it.
 - ``checkpoint``: the stage-2 server writes its stage state every ``--checkpoint-every`` inner steps;
@@ -42,10 +42,11 @@ from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, TrainerOptions, save_config
 from swarm.events import Event, Progress, Recovered, Rollback, of_kind, read_events
-from swarm.faults import FaultInjector, FaultSchedule
+from swarm.faults import FaultSchedule
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import ModelConfig
 from swarm.node.config import PeerConfig
+from swarmtest.faults import FaultInjector
 
 SCENARIOS = ("none", "checkfree", "checkpoint")
 TARGET_RECOVERY_S = 30.0

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.faults import FaultEvent, FaultInjector, FaultSchedule, random_failures
+from swarm.faults import FaultEvent, FaultSchedule
 from swarmtest.clock import FakeClock
+from swarmtest.faults import FaultInjector, random_failures
 
 
 class FakeKill:
