@@ -14,7 +14,9 @@ from typer.testing import CliRunner, Result
 
 from peer.cli import app
 from peer.cli_common import progress_line
+from peer.config_options import field_options
 from peer.launch import progress_line as peer_progress_line
+from peer.local_swarm import LocalSwarm
 from peer.progress import elapsed_and_eta, format_duration
 from swarm.config import (
     OUTER_CHOICES,
@@ -30,7 +32,9 @@ from swarm.events import Stamp, TrainerProgress
 from swarm.faults import FaultSchedule
 from swarm.model.compiling import COMPILE_MODES
 from swarm.node.config import ROLES, PeerConfig
-from swarm.sim.simulate import ROUTINGS
+from swarm.sim.centralized import CentralizedRun
+from swarm.sim.simulate import ROUTINGS, SimulationConfig
+from swarmtest.configs import DATA
 
 
 def swarmloco(*args: str) -> Result:
@@ -210,3 +214,83 @@ def test_the_argv_holds_only_what_differs_from_the_defaults() -> None:
 def test_a_config_no_argv_recreates_is_refused_by_name(config: PeerConfig, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         config.to_argv()
+
+
+class Stop(Exception):
+    """Raised where a test has seen what a command would run, before it runs it."""
+
+
+COMMAND_CONFIGS = [("local", LocalSwarm), ("simulate", SimulationConfig), ("train-local", CentralizedRun)]
+
+
+@pytest.mark.parametrize("command,section", COMMAND_CONFIGS)
+def test_a_commands_options_and_their_defaults_come_from_its_config_dataclass(command: str, section: type) -> None:
+    """Every field with ``cli`` metadata is an option, its help and default the field's, written there only."""
+    options = field_options(section)
+    assert options, f"{section.__name__} declares no options"
+    text = " ".join(swarmloco(command, "--help").output.split())  # rich wraps the help: compare words
+    for option in options:
+        flag = option.flags[0].split("/")[0]
+        assert flag in text and " ".join(option.help.split()[:4]) in text, flag
+        assert f"[default: {option.default}]" in text or isinstance(option.default, bool) or option.default is None
+
+
+def test_simulate_builds_its_simulation_config_from_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    import swarm.sim.simulate
+
+    seen: list[SimulationConfig] = []
+
+    def simulate(cfg: SwarmConfig, sim: SimulationConfig, *args: object, **kwargs: object) -> None:
+        seen.append(sim)
+        raise Stop
+
+    monkeypatch.setattr(swarm.sim.simulate, "simulate", simulate)
+    for args in (["--data", DATA], ["--data", DATA, "-k", "3", "--full", "1", "--tokens", "1000", "--no-wire-zstd"]):
+        result = CliRunner().invoke(app, ["simulate", *args, "--routing", "sticky", "--outer", "ddp"])
+        assert isinstance(result.exception, Stop), result.output
+    assert seen == [
+        SimulationConfig(routing="sticky", mode="ddp"),  # the dataclass's defaults: 500,000 tokens
+        SimulationConfig(replicas=3, full=1, tokens=1000, wire_zstd=False, routing="sticky", mode="ddp"),
+    ]
+
+
+def test_local_builds_its_layout_and_every_peers_config_from_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    import peer.launch
+
+    seen: list[tuple[LocalSwarm, PeerConfig]] = []
+
+    def launch(layout: LocalSwarm, *, peer: PeerConfig, **kwargs: object) -> int:
+        seen.append((layout, peer))
+        return 0
+
+    monkeypatch.setattr(peer.launch, "launch_local", launch)
+    swarmloco("local")
+    args = ["--peers", "4", "--trainers", "2", "--join-after", "5", "--full", "1", "--joiners", "1"]
+    swarmloco("local", *args, "--data", "a.txt", "--data", "b", "--device", "cpu", "--compile", "off")
+    assert seen == [
+        (LocalSwarm(), PeerConfig()),
+        (
+            LocalSwarm(peers=4, trainers=2, join_after_s=5.0, full=1, joiners=1),
+            PeerConfig(data=["a.txt", "b"], device="cpu", compile="off"),
+        ),
+    ]
+    result = CliRunner().invoke(app, ["local", "--peers", "2", "--stages", "2"])
+    assert result.exit_code == 2 and "use --peers 3 or more" in result.output
+
+
+def test_train_local_builds_its_run_from_its_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import swarm.sim.centralized
+
+    seen: list[dict[str, object]] = []
+
+    def train(*args: object, **kwargs: object) -> None:
+        seen.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(swarm.sim.centralized, "train_centralized", train)
+    for args in ([], ["--steps", "7", "--log-every", "3", "--compile", "off"]):
+        result = CliRunner().invoke(
+            app, ["train-local", "--data", DATA, "--out", str(tmp_path), "--device", "cpu", *args]
+        )
+        assert isinstance(result.exception, Stop), result.output
+    assert [(kw["steps"], kw["log_every"], kw["compile"]) for kw in seen] == [(300, 25, "auto"), (7, 3, "off")]

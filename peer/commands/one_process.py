@@ -25,16 +25,16 @@ from peer.cli_common import (
     progress_line,
     user_errors,
 )
-from peer.config_options import ConfigOption, ConfigOverrides, config_options
+from peer.config_options import ConfigOption, ConfigOverrides, config_options, field_options, from_options
 from peer.data import decode, encode, load_corpus
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import tokenizer_for
 from swarm.config import OuterChoice, derive_config, follow_run, sets_field
 from swarm.hardware import available_memory, describe, resolve_device
-from swarm.model.compiling import COMPILE_HELP, CompileMode
 from swarm.model.sizing import StageFootprint, check_fits
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint
-from swarm.sim.simulate import Routing
+from swarm.sim.centralized import CentralizedRun
+from swarm.sim.simulate import SimulationConfig
 
 CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="A model.pt written by train-local or export.")]
 
@@ -49,21 +49,22 @@ def fitting_device(spec: str, footprint: StageFootprint) -> torch.device:
 
 @app.command("train-local")
 @user_errors
+@config_options(*field_options(CentralizedRun), into="run_options")
 def train_local(
     config: ConfigOpt = None,
     data: DataOpt = None,
     tokenizer: TokenizerOpt = None,
-    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (each inner_batch samples).")] = 300,
+    run_options: ConfigOverrides = None,
     out: Annotated[Path, typer.Option(help="Output directory for metrics.jsonl and model.pt.")] = Path(
         "runs/train-local"
     ),
-    log_every: Annotated[int, typer.Option(min=1, help="Evaluate and log every N steps.")] = 25,
     device: DeviceOpt = "auto",
-    compile: Annotated[CompileMode, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """Train the swarm's model in one process: the centralized baseline every swarm run is compared to."""
     from swarm.sim.centralized import train_centralized
 
+    run = from_options(CentralizedRun, run_options)  # its fields are the run's options (swarm/sim/centralized.py)
+    steps, log_every = run.steps, run.log_every
     base, tok = config_with_tokenizer(config, tokenizer)
     cfg = follow_run(base, steps, schedule_set=sets_field(config, "inner.total_steps"))
     compute = fitting_device(device, StageFootprint.whole_model(cfg))
@@ -88,7 +89,7 @@ def train_local(
             typer.echo(progress_line(int(record["step"]), steps, record))
 
         model = train_centralized(
-            cfg, batches, val, steps=steps, log_every=log_every, on_log=on_log, device=compute, compile=compile
+            cfg, batches, val, steps=steps, log_every=log_every, on_log=on_log, device=compute, compile=run.compile
         )
     save_checkpoint(out / "model.pt", cfg, model, steps=steps)
     typer.echo(f"wrote {out / 'metrics.jsonl'} and {out / 'model.pt'}")
@@ -185,12 +186,12 @@ SIMULATE_CONFIG_OPTIONS = (
 
 @app.command("simulate")
 @user_errors
+@config_options(*field_options(SimulationConfig), into="sim_options")
 @config_options(*SIMULATE_CONFIG_OPTIONS)
 def simulate_cmd(
     config: ConfigOpt = None,
     data: DataOpt = None,
     tokenizer: TokenizerOpt = None,
-    replicas: Annotated[int, typer.Option("--replicas", "-k", min=1, help="Replicas per stage (and trainers).")] = 2,
     outer: Annotated[
         OuterChoice,
         typer.Option(
@@ -198,41 +199,21 @@ def simulate_cmd(
         ),
     ] = "sparseloco",
     overrides: ConfigOverrides = None,
-    tokens: Annotated[int, typer.Option(min=1, help="Training tokens over all trainers.")] = 400_000,
-    routing: Annotated[
-        Routing, typer.Option(help="random: any replica per hop (SWARM); sticky: trainer k always uses replica k.")
-    ] = "random",
-    seed: int = 0,
-    log_every: Annotated[int, typer.Option(min=1, help="Log every N ticks (one microbatch per trainer).")] = 25,
+    sim_options: ConfigOverrides = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     device: DeviceOpt = "auto",
-    compile: Annotated[CompileMode, typer.Option(help=COMPILE_HELP)] = "auto",
-    wire_zstd: Annotated[
-        bool,
-        typer.Option(
-            help="Count boundary bytes after zstd, as the wire sends them (zstd runs on the host); --no-wire-zstd keeps "
-            "every frame on the device and counts its bytes before zstd: training is the same, and a GPU runs faster."
-        ),
-    ] = True,
 ) -> None:
     """An in-process swarm (no network): K replicas per stage, random routing, codecs at every hop, inner and outer steps; counts the bytes that would cross the wire."""
-    from swarm.sim.simulate import SimulationConfig, simulate
+    from swarm.sim.simulate import simulate
 
     base, tok = config_with_tokenizer(config, tokenizer)
     cfg = derive_config(base, overrides, outer=outer)
     if cfg.model.subspace_rank != base.model.subspace_rank or "model.subspace_rank" in (overrides or {}):
         rank = cfg.model.subspace_rank
         typer.echo(f"model: subspace-constrained residual stream, k={rank} (d/k={cfg.model.d_model / max(rank, 1):g})")
-    sim = SimulationConfig(
-        replicas=replicas,
-        mode="ddp" if outer == "ddp" else "outer",
-        tokens=tokens,
-        seed=seed,
-        log_every=log_every,
-        routing=routing,
-        wire_zstd=wire_zstd,
-        compile=compile,
-    )
+    # its fields are the simulation's options (swarm/sim/simulate.py); the mode follows --outer
+    sim = from_options(SimulationConfig, sim_options, mode="ddp" if outer == "ddp" else "outer")
+    replicas, tokens = sim.replicas, sim.tokens
     corpus = load_corpus(data, tokenizer=tok)
     streams = [
         corpus.sample_batches(

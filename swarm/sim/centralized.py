@@ -12,18 +12,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from compress.transfer import host_copy
+from swarm.cli_fields import cli
 from swarm.config import SwarmConfig
+from swarm.errors import ConfigError
 from swarm.hardware import CPU, Precision, compute_precision, peak_gpu_memory
-from swarm.model.compiling import CompileMode, compile_stage
+from swarm.model.compiling import COMPILE_HELP, COMPILE_MODES, CompileMode, compile_stage
 from swarm.model.stages import EdgeStage, middle_stages
 from swarm.model.step import InnerStep, microbatch_loss, run_microbatch
 from swarm.model.transformer import Transformer, loss_fn
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) int64 each
+
+
+@dataclass(kw_only=True)
+class CentralizedRun:
+    """How long the baseline trains, how often it logs, whether it compiles: ``swarmloco train-local``'s options (each
+    field's ``cli`` metadata) and ``train_centralized``'s defaults."""
+
+    steps: int = field(default=300, metadata=cli("Optimizer steps (each train.inner_batch samples).", min=1))
+    log_every: int = field(default=25, metadata=cli("Evaluate and log every N steps.", min=1))
+    compile: CompileMode = field(default="auto", metadata=cli(COMPILE_HELP))
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.log_every < 1:
+            raise ConfigError("steps", f"steps and log_every must be positive, got {self.steps}, {self.log_every}")
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError("compile", f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+
+
+DEFAULT_RUN = CentralizedRun()
 
 
 @torch.no_grad()
@@ -64,10 +86,10 @@ def train_centralized(
     val_batches: list[Batch],
     *,
     steps: int,
-    log_every: int = 25,
+    log_every: int = DEFAULT_RUN.log_every,
     on_log: Callable[[dict[str, float]], None] = lambda record: None,
     device: torch.device = CPU,
-    compile: CompileMode = "auto",
+    compile: CompileMode = DEFAULT_RUN.compile,
 ) -> Transformer:
     """``steps`` inner steps of AdamW (``cfg.inner``'s warmup + cosine schedule) on ``train.inner_batch`` samples each,
     on ``device`` in ``train.precision``, its blocks compiled as ``compile`` says (``swarm/model/compiling.py``).

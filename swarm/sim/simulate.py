@@ -21,10 +21,11 @@ from torch import nn
 from optim.factory import build_outer_optimizer
 from optim.noloco import NoLoCo, partners
 from optim.outer import OuterOptimizer
+from swarm.cli_fields import cli
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError
 from swarm.hardware import CPU, Precision, compute_precision
-from swarm.model.compiling import COMPILE_MODES, CompileMode, compile_stage
+from swarm.model.compiling import COMPILE_HELP, COMPILE_MODES, CompileMode, compile_stage
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage, run_path
 from swarm.model.step import InnerStep, run_microbatch
 from swarm.pipeline.boundary import Link, boundary_codecs, fp32_boundaries, full_replica_link
@@ -39,19 +40,41 @@ BYTE_KINDS = ("activations", "activation_gradients", "pseudo_gradients", "gradie
 
 @dataclass(kw_only=True)
 class SimulationConfig:
-    replicas: int = 2  # K, per stage (and K trainers)
+    """One simulation's own settings (the swarm's are its ``SwarmConfig``); each field with ``cli`` metadata is a
+    ``swarmloco simulate`` option."""
+
+    replicas: int = field(default=2, metadata=cli("Replicas per stage (and trainers): K.", aliases=("-k",), min=1))
     mode: str = "outer"  # outer: DiLoCo/SparseLoCo per the swarm config; ddp: fp32 gradient all-reduce every tick
-    routing: Routing = "random"  # sticky: each trainer its own pipeline, as DiLoCo's
-    tokens: int = 500_000  # training tokens over all trainers
-    seed: int = 0
-    log_every: int = 25  # ticks
+    routing: Routing = field(
+        default="random",
+        metadata=cli(
+            "random: any replica per hop (SWARM); sticky: trainer k always uses replica k (DiLoCo's pipelines)."
+        ),
+    )
+    tokens: int = field(default=500_000, metadata=cli("Training tokens over all trainers.", min=1))
+    seed: int = field(default=0, metadata=cli("Seed of the initial weights and of the routing."))
+    log_every: int = field(default=25, metadata=cli("Log every N ticks (one microbatch per trainer).", min=1))
     # replicas 0..full-1 are full peers (``swarm/node/roles/full.py``): trainer k runs the whole model on its own
     # copies k of every stage, every stage in order, with no wire between them; the others are pipelined among themselves
-    full: int = 0  # (their own boundaries are coded as the swarm config's ``codecs.full_boundaries`` says)
+    # (their own boundaries are coded as the swarm config's ``codecs.full_boundaries`` says)
+    full: int = field(
+        default=0,
+        metadata=cli(
+            "Replicas 0..N-1 are full peers: each trains the whole model on its own copies, no wire between its "
+            "stages; the other replicas are pipelined among themselves.",
+            min=0,
+        ),
+    )
     # count boundary bytes after zstd, which runs on the host; off, frames stay on the device and are counted before
     # zstd (training is the same): what lets ``--device cuda`` run near train-local's speed at 125m
-    wire_zstd: bool = True
-    compile: CompileMode = "auto"  # every replica's blocks (``swarm/model/compiling.py``: auto is CUDA only)
+    wire_zstd: bool = field(
+        default=True,
+        metadata=cli(
+            "Count boundary bytes after zstd, as the wire sends them (zstd runs on the host); --no-wire-zstd keeps "
+            "every frame on the device and counts its bytes before zstd: training is the same, and a GPU runs faster."
+        ),
+    )
+    compile: CompileMode = field(default="auto", metadata=cli(COMPILE_HELP))  # every replica's blocks
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
