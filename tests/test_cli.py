@@ -18,6 +18,7 @@ from peer.config_options import field_options
 from peer.launch import progress_line as peer_progress_line
 from peer.local_swarm import LocalSwarm
 from peer.progress import elapsed_and_eta, format_duration
+from swarm.cli_fields import config_argv
 from swarm.config import (
     OUTER_CHOICES,
     SwarmConfig,
@@ -294,3 +295,16 @@ def test_train_local_builds_its_run_from_its_options(monkeypatch: pytest.MonkeyP
         )
         assert isinstance(result.exception, Stop), result.output
     assert [(kw["steps"], kw["log_every"], kw["compile"]) for kw in seen] == [(300, 25, "auto"), (7, 3, "off")]
+
+
+def test_config_argv_recreates_any_commands_dataclass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``config_argv`` is not ``run``'s alone: a LocalSwarm comes back from ``swarmloco local`` given its argv."""
+    import peer.launch
+
+    seen: list[LocalSwarm] = []
+    monkeypatch.setattr(peer.launch, "launch_local", lambda layout, **kwargs: seen.append(layout) or 0)
+    layouts = [LocalSwarm(), LocalSwarm(peers=0, trainers=0, full=2, stages=3), LocalSwarm(joiners=2, join_after_s=0.5)]
+    for layout in layouts:
+        swarmloco("local", *config_argv(layout))
+    assert seen == layouts
+    assert config_argv(SimulationConfig(wire_zstd=False, replicas=3)) == ["--replicas", "3", "--no-wire-zstd"]
