@@ -21,8 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from compress.codecs import BOUNDARY_MAX_ABS, Codec, all_finite
-from compress.wire import WireLimits
+from compress.codecs import Codec, all_finite
 from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
@@ -38,19 +37,15 @@ from swarm.model.step import (
     stage_forward_graph,
     stage_gradients,
 )
-from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.cache import STASHED_STEPS, ActivationCache, CacheEntry, WeightCopy, WeightsAt, WeightStash
 from swarm.pipeline.graphs import GraphSizer, KeptGraph, build_graph, graph_budget_bytes
+from swarm.pipeline.inbound import InboundFrames
 from swarm.pipeline.metering import BusyTime
 from swarm.pipeline.protocol import Backward, Forward, Reply
 from swarm.pipeline.timing import RequestTimes, TimeSplit, synchronize, timed_copy
 from swarm.rpc.servicer import RequestError
 
 T = TypeVar("T")
-FRAME_SLACK_BYTES = 64 << 10  # frame header, codec metadata and token ids on top of fp32 values
-
-
-Decoded = tuple[Codec, torch.Tensor, torch.Tensor | None]  # a frame's codec, its tensor (on the device), token ids
 
 
 @dataclass(frozen=True)
@@ -73,19 +68,6 @@ class StageCompute:
             module.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step, lr_scale=lr_scale
         )
         return cls(module, inner, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}"))
-
-
-def boundary_limits(cfg: SwarmConfig) -> WireLimits:
-    """What a stage server decodes at most: one microbatch of fp32 activations of the model's width and length."""
-    max_values = cfg.train.microbatch_size * cfg.model.max_seq_len * cfg.model.d_model
-    max_frame = 4 * max_values + FRAME_SLACK_BYTES
-    return WireLimits(
-        max_frame_bytes=max_frame,
-        max_body_bytes=max_frame,
-        max_elements=max_values,
-        max_ndim=3,
-        max_abs=BOUNDARY_MAX_ABS,  # an int8 scale of 3.4e38 is refused here, before any compute
-    )
 
 
 class StageServer:
@@ -119,17 +101,11 @@ class StageServer:
         if compute is None:
             compute = StageCompute.build(cfg, stage, device=device, start_step=start_step, lr_scale=lr_scale)
         self.module, self.inner, self._executor = compute.module, compute.inner, compute.executor
-        # frames are decoded onto the device on a thread of their own: beside the compute (as on the event loop
-        # before), and a decode's wait for the device (its finiteness check) blocks neither the loop nor the compute
-        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-decode")
         self.start_step = start_step  # a server that joins mid-run starts at the swarm's point of the lr schedule
         self.first_served_at: float | None = None  # unix time of the first forward served: how long joining took
-        # the codecs it accepts; it replies in the request's own (the trainer chose it for their link)
-        self.act_codecs, self.grad_codecs = boundary_ladders(cfg)
-        self.max_batch = cfg.train.microbatch_size
-        self.limits = boundary_limits(cfg)
-        max_values = self.limits.max_elements
-        self.max_request_bytes = 2 * self.limits.max_frame_bytes + 1024  # input + gradient frames and the envelope
+        self.inbound = InboundFrames(cfg, device=device, clock=clock, name=f"stage{stage}-decode")
+        max_values = self.inbound.limits.max_elements
+        self.max_request_bytes = self.inbound.max_request_bytes
         budget = graph_budget_bytes(keep_graph_mb, available_memory(device) if keep_graph_mb is None else 0)
         self.cache = ActivationCache(
             max_items=max_cached, max_bytes=max_cached * 4 * max_values, max_graph_bytes=budget
@@ -152,7 +128,7 @@ class StageServer:
                 f"prev_stage {request.prev_stage} is not another stage of 0..{self.cfg.stages.num_stages}",
             )
         times = RequestTimes()
-        codec, x, tokens = await self._decoded(self._decode_input, request.x, times)
+        codec, x, tokens = await self.inbound.input(request.x, times)
         why_not = self._why_no_graph(peer, x) if request.train else "eval"
         keep = why_not is None
         on = None if request.on_epoch is None or request.on_step is None else (request.on_epoch, request.on_step)
@@ -176,11 +152,11 @@ class StageServer:
             if request.x is None:
                 self.counters["cache_miss"] += 1
                 raise RequestError(RequestError.CACHE_MISS, f"no forward input for microbatch {request.mb}; resend it")
-            _, x, tokens = await self._decoded(self._decode_input, request.x, RequestTimes())
+            _, x, tokens = await self.inbound.input(request.x, RequestTimes())
             entry = CacheEntry(x=x, tokens=tokens, forward_s=0.0, weights=self.weights_epoch)
             self.counters["recompute_from_resent"] += 1
         times = RequestTimes()
-        codec, grad, _ = await self._decoded(self._decode_gradient, request.grad, times)
+        codec, grad, _ = await self.inbound.gradient(request.grad, times)
         if grad.shape != entry.x.shape:
             raise RequestError(
                 RequestError.INVALID,
@@ -272,32 +248,9 @@ class StageServer:
         self.stash.take((self.weights_epoch, step), self.module)
 
     def shutdown(self) -> None:
-        self._decoder.shutdown(wait=True, cancel_futures=True)
+        self.inbound.shutdown()
         if self._owns_compute:
             self._executor.shutdown(wait=True, cancel_futures=True)
-
-    async def _decoded(self, decode: Callable[[bytes], Decoded], frame: bytes, times: RequestTimes) -> Decoded:
-        """``decode(frame)`` onto the device (only its coded bytes cross: int8 is a quarter of fp32) on the decoding
-        thread, its time into ``times.decode_s``. On the event loop, the decode's finiteness check would wait for the
-        device behind every forward and backward queued before it."""
-        started = self.clock()
-        decoded = await asyncio.get_running_loop().run_in_executor(self._decoder, decode, frame)
-        times.decode_s = self.clock() - started
-        return decoded
-
-    def _decode_gradient(self, frame: bytes) -> Decoded:
-        return self.grad_codecs.decode(frame, limits=self.limits, device=self.device)
-
-    def _decode_input(self, frame: bytes) -> Decoded:
-        codec, x, tokens = self.act_codecs.decode(frame, limits=self.limits, device=self.device)
-        b, t, d = x.shape if x.ndim == 3 else (0, 0, 0)
-        if not (1 <= b <= self.max_batch and 1 <= t <= self.cfg.model.max_seq_len and d == self.cfg.model.d_model):
-            raise RequestError(
-                RequestError.INVALID,
-                f"activation of shape {tuple(x.shape)}; expected (B ≤ {self.max_batch}, "
-                f"T ≤ {self.cfg.model.max_seq_len}, d = {self.cfg.model.d_model})",
-            )
-        return codec, x, tokens
 
     async def _run(
         self, fn: Callable[..., T], *args: Any, busy: bool = False, times: RequestTimes | None = None
