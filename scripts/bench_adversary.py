@@ -656,7 +656,7 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         # backward probes on at the check rate, unless undefended
         probe_rate = 0.0 if args.undefended else args.check_rate
         stages = 2 if attack in STAGES2 else 1
-        outer_h = LATE_JOIN_H if attack in STAGES_OUTER else 0
+        outer_h = LATE_JOIN_H if attack in STAGES_OUTER else args.stage_outer_h
         result = stages_run(
             name, args.steps, args.check_rate, args.seed, stages=stages, probe_rate=probe_rate, outer_h=outer_h
         )
@@ -696,6 +696,7 @@ def undefend() -> None:
 def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", attack, variant, "--steps", str(args.steps), "--seed", str(seed)]
     command += ["--timeout", str(args.timeout), "--check-rate", str(args.check_rate), "--outer", args.outer]
+    command += ["--stage-outer-h", str(args.stage_outer_h)]
     command += ["--undefended"] if args.undefended else []
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
@@ -825,6 +826,12 @@ def main() -> None:
     parser.add_argument("--clean-seeds", type=int, default=0, help="extra seeds of the clean runs only (their spread)")
     parser.add_argument(
         "--outer", choices=("diloco", "sparseloco"), default="diloco", help="the outer method of the outer scenarios"
+    )
+    parser.add_argument(
+        "--stage-outer-h",
+        type=int,
+        default=0,
+        help="the stage scenarios' servers in DiLoCo rounds every H inner steps (0: outer off, their replicas never sync)",
     )
     parser.add_argument(
         "--undefended", action="store_true", help="issue 42's defences off (centred clip, pair guard, backward probes)"
