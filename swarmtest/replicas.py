@@ -18,6 +18,7 @@ from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus
 from swarm.events import Event, OuterRound, Stamp, of_kind
 from swarm.outer.replica import ReplicaSync
+from swarm.outer.service import ServedState
 from swarm.rpc.blobs import Sink, TransferError, feed
 from swarmtest.fakes import Hub, MemoryNet, RandomStepHolder
 
@@ -31,6 +32,7 @@ class ReplicaGroup:
     def __init__(self, cfg: SwarmConfig, names: list[str], hub: Hub | None = None) -> None:
         self.hub, self.events = hub or Hub(), list[Event]()
         self.syncs: dict[str, ReplicaSync] = {}
+        self._served: dict[str, ServedState] = {}
         for name in names:
             self.hub.join(name)
             self.syncs[name] = ReplicaSync(
@@ -55,7 +57,15 @@ class ReplicaGroup:
     async def fetch_state(self, peer: str, name: str, sink: Sink) -> str:
         if peer in self.hub.dead:
             raise TransferError(f"{peer} is gone")
-        return await feed(await self.syncs[peer].export_state(name), sink)
+        return await feed(await self.serving(peer).export_state(name), sink)
+
+    def serving(self, name: str) -> ServedState:
+        """The state replica ``name`` serves: one ``ServedState`` per sync (``syncs`` may be replaced), made when first
+        asked for."""
+        sync = self.syncs[name]
+        if name not in self._served or self._served[name].sync is not sync:
+            self._served[name] = ServedState(sync)
+        return self._served[name]
 
     def rounds(self, name: str | None = None) -> list[OuterRound]:
         """The rounds done: of replica ``name``, or of every replica."""

@@ -27,8 +27,10 @@ from swarm.outer.claims import round_to_meet
 from swarm.outer.group import P2PGroupNetwork, RoundKey, RoundResult, RoundTiming
 from swarm.outer.matchmaking import RoundContext, window_opening
 from swarm.outer.pairs import pair_round
-from swarm.outer.replica import ReplicaSync, StateChanged, await_progress, snapshot_weights
+from swarm.outer.replica import ReplicaSync
+from swarm.outer.service import ServedState, StateChanged
 from swarm.outer.state import StageState, StateDecoder, stream_state, weights_hash
+from swarm.outer.threads import snapshot_weights
 from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
 from swarmtest.clock import FakeClock, in_virtual_time
 from swarmtest.configs import outer_config
@@ -559,14 +561,14 @@ def test_a_round_waits_for_every_replica_at_its_round_or_one_behind_not_only_its
     # behind (it catches up by download), nor f, ahead (a catches up to it), nor the banned g.
     swarm = ReplicaGroup(sync_config(), ["a"])
     a = swarm.syncs["a"]
-    a.outer.round, a._last_group = 5, ("a", "b")
+    a.outer.round, a.state.last_group = 5, ("a", "b")
     rounds = {"b": 5, "c": 5, "d": 4, "e": 3, "f": 6, "g": 5}
-    a._others = {peer: StageStatus(outer_round=r, global_hash="0" * 16) for peer, r in rounds.items()}
+    a.state.others = {peer: StageStatus(outer_round=r, global_hash="0" * 16) for peer, r in rounds.items()}
     for _ in range(OUTER_PEER_LIMITS.strikes):
         a.accountability.strike("g", "test")
-    assert a._expected() == {"b", "c", "d"}
-    a._others, a._last_group = {}, ()
-    assert a._expected() == set()  # alone in its stage: nobody to wait for
+    assert a.expected() == {"b", "c", "d"}
+    a.state.others, a.state.last_group = {}, ()
+    assert a.expected() == set()  # alone in its stage: nobody to wait for
     a.close()
 
 
@@ -577,16 +579,16 @@ def test_after_a_round_alone_with_others_listed_the_next_due_round_waits_until_o
     async def scenario() -> None:
         for _ in range(a.horizon):
             a.holder.train()
-        a._others = await a._live_others()  # b listed at round 0, and never comes: a's round 0 is done alone
+        a.state.others = await a.live_others()  # b listed at round 0, and never comes: a's round 0 is done alone
         assert (await a.step(refresh=False)).contributors == ("a",) and a.round == 1
-        assert a._waits_for_others()  # b is a round behind: a holds its due round 1 back for it
+        assert a.waits_for_others()  # b is a round behind: a holds its due round 1 back for it
         b.outer.round = 1
-        a._others = await a._live_others()
-        assert not a._waits_for_others() and a._alone_until is None  # b reached round 1: the wait is over
+        a.state.others = await a.live_others()
+        assert not a.waits_for_others() and a.state.alone_until is None  # b reached round 1: the wait is over
         swarm.hub.dead.add("b")
-        a._others = await a._live_others()
+        a.state.others = await a.live_others()
         await a.step(refresh=False)
-        assert a._alone_until is None  # alone with nobody listed: nobody to wait for
+        assert a.state.alone_until is None  # alone with nobody listed: nobody to wait for
 
     asyncio.run(scenario())
     a.close()
@@ -604,11 +606,11 @@ def test_members_that_entered_a_round_from_other_weights_converge_after_it_by_do
         with torch.no_grad():  # b holds other global weights for round 0 (a state of its own, say)
             for t in b.outer.global_params.values():
                 t.add_(0.01)
-        b.global_hash = weights_hash(b.outer.global_params)
+        b.state.global_hash = weights_hash(b.outer.global_params)
         for sync in (a, b):
             for _ in range(sync.horizon):
                 sync.holder.train()
-        a._others, b._others = await a._live_others(), await b._live_others()
+        a.state.others, b.state.others = await a.live_others(), await b.live_others()
         results = await asyncio.gather(a.step(refresh=False), b.step(refresh=False))
         assert all(r.contributors == ("a", "b") for r in results) and a.round == b.round == 1
         assert a.global_hash != b.global_hash
@@ -658,10 +660,10 @@ def test_after_a_failed_round_a_replica_waits_for_progress_only_while_a_replica_
     looks = count_catch_ups(a)
     a.outer.round = swarm.syncs["b"].outer.round = 1  # a's round 1 failed; c, listed at 0, cannot get past it first
     # b is at round 1 and alive, so it may yet get past it: a waits out the bound, looking again and again
-    assert asyncio.run(await_progress(a, 1)) is False and len(looks) > 3
+    assert asyncio.run(a.await_progress(1)) is False and len(looks) > 3
     looks.clear()
     swarm.hub.dead.add("b")  # b left: nobody listed at round 1 or later, so a keeps its round after one look
-    assert asyncio.run(await_progress(a, 1)) is False and len(looks) == 1
+    assert asyncio.run(a.await_progress(1)) is False and len(looks) == 1
     for sync in swarm.syncs.values():
         sync.close()
 
@@ -671,9 +673,9 @@ def test_after_a_failed_round_a_replica_waits_for_its_leader_whose_record_lags()
     a = swarm.syncs["a"]
     looks = count_catch_ups(a)
     a.outer.round = 1  # a's round 1 failed; b, listed at round 0, cannot get past it first: one look
-    assert asyncio.run(await_progress(a, 1)) is False and len(looks) == 1
+    assert asyncio.run(a.await_progress(1)) is False and len(looks) == 1
     looks.clear()  # but if b led that round, it has likely finished it, and its record is older than that
-    assert asyncio.run(await_progress(a, 1, leader="b")) is False and len(looks) > 3
+    assert asyncio.run(a.await_progress(1, leader="b")) is False and len(looks) > 3
     for sync in swarm.syncs.values():
         sync.close()
 
@@ -852,7 +854,8 @@ def test_progress_made_during_the_exchange_survives_the_install() -> None:
     params = dict(sync.holder.module.named_parameters())
 
     async def scenario() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        sync.net = net = PausedNet(swarm.hub, "solo")
+        net = PausedNet(swarm.hub, "solo")
+        sync.rounds = dataclasses.replace(sync.rounds, net=net)
         sync.holder.train()
         snapshot = {n: p.detach().clone() for n, p in params.items()}
         round_ = asyncio.create_task(sync.step())
@@ -906,7 +909,7 @@ def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -
         c.holder.train()
         await asyncio.gather(a.step(), c.step())  # a round of two: round 1, with a momentum buffer
         decoder = StateDecoder(stage=1, template=a.params)
-        await feed(await a.export_state("state/1"), decoder)
+        await feed(await swarm.serving("a").export_state("state/1"), decoder)
         state = decoder.result()
         state.optimizer["param_groups"].append({"lr": 1e9})  # a hostile sender's (the stream carries none)
         await b.adopt(state)
@@ -921,17 +924,17 @@ def test_adopted_state_matches_its_source_but_keeps_its_own_hyper_parameters() -
         torch.equal(m, n) for m, n in zip(momentum, [s["momentum_buffer"] for s in a.outer.optimizer.state.values()])
     )
     with pytest.raises(LookupError):
-        asyncio.run(a.export_state("state/2"))
+        asyncio.run(swarm.serving("a").export_state("state/2"))
 
 
 def test_a_state_served_while_a_round_changes_it_is_cut_short() -> None:
     a = ReplicaGroup(sync_config(), ["a"]).syncs["a"]
 
     async def scenario() -> None:
-        chunks = (await a.export_state("state/1")).chunks
+        chunks = (await ServedState(a).export_state("state/1")).chunks
         await anext(chunks)  # the header
         await anext(chunks)  # a first chunk of values
-        await a._changing(lambda: None)  # a round applied (or a state adopted) meanwhile
+        await a.thread.change(lambda: None)  # a round applied (or a state adopted) meanwhile
         with pytest.raises(StateChanged, match="changed while it was sent"):
             await anext(chunks)
 

@@ -156,7 +156,7 @@ def test_a_replica_its_trainer_condemned_leaves_the_rounds_and_the_honest_replic
         assert (
             sync.excluded("c") and not sync.excluded("a" if name == "b" else "b") and sync.counters["outer_condemned"]
         )
-        assert "c" not in sync._expected()  # not waited for
+        assert "c" not in sync.expected()  # not waited for
         assert not of_kind(swarm.of(name), StateDownload)  # nothing of c's reaches them
     late = [e for e in swarm.rounds("a") if e.contributor_ids == ("a", "b")][-3:]
     assert all(e.outcome == "done" for e in late)

@@ -16,9 +16,9 @@ from hivemind.proto import runtime_pb2
 
 from compress.codecs import get_codec
 from swarm.outer.claims import RecordBehind, StateClaim
-from swarm.outer.replica import snapshot_weights
 from swarm.outer.snapshots import SharedSnapshot
 from swarm.outer.state import unpack_state
+from swarm.outer.threads import snapshot_weights
 from swarm.pipeline.protocol import Backward, Forward, StageServicer, pack
 from swarm.rpc.blobs import CHUNK_BYTES, BlobClient, BlobRequest, BlobServicer, BlobStream, ServingLimits, TransferError
 from swarm.rpc.servicer import RequestError, pack_envelope
@@ -323,7 +323,7 @@ def test_a_state_served_ahead_of_the_holders_record_costs_the_downloader_no_budg
     sync = group.syncs["a"]
     clock = FakeClock(1000.0)
     holder = BlobServicer(serving=ServingLimits(budgets=(("state", 1.0, 60.0),)), clock=clock)
-    holder.provide("state", sync.export_state)
+    holder.provide("state", group.serving("a").export_state)
     record = StateClaim(round=sync.round, weights_hash=sync.global_hash, holders=("a",))
 
     async def served(peer: str) -> bytes | str:

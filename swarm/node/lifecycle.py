@@ -23,9 +23,10 @@ from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.events import Metrics, StageCheckpoint, StateDownload, StateServed
 from swarm.model.stages import EDGE_STAGE
 from swarm.node.context import NodeContext, every
-from swarm.outer.replica import Holder, ReplicaSync
+from swarm.outer.replica import ReplicaSync
 from swarm.outer.service import held_stage
 from swarm.outer.state import StageState, stream_state
+from swarm.outer.threads import Holder
 from swarm.recovery.rebuild import save_stage_checkpoint
 from swarm.rpc.blobs import BlobStream, TransferError
 
@@ -51,13 +52,13 @@ async def download_state(ctx: NodeContext, stage: int) -> StageState | None:
 def provide_local_state(ctx: NodeContext, syncs: Sequence[ReplicaSync]) -> None:
     """Serve ``local/<stage>`` of each replica held (a snapshot of its weights, streamed), instead of those served before;
     each blob served whole is logged with its hash, so a rebuild's inputs can be traced to their replica."""
-    held = {sync.stage: sync for sync in syncs}
+    held = {sync.stage for sync in syncs}
 
     async def provide(name: str) -> BlobStream:
-        if (stage := held_stage(name)) is None or (sync := held.get(stage)) is None:
+        if (stage := held_stage(name)) is None or stage not in held:
             raise LookupError(f"this peer holds stages {sorted(held)}, not {name!r}")
         return stream_state(
-            await sync.local_state(),
+            await ctx.outer_service.local_state(stage),
             on_sent=lambda sha256: ctx.on_log(StateServed(stage=stage, sha256=sha256[:16])),
         )
 
@@ -142,7 +143,7 @@ class ReplicaLifecycle:
         sync = next((s for s in self.syncs if s.stage == self.checkpoint_stage), None)
         if path is None or sync is None:
             return
-        await save_stage_checkpoint(path, await sync.local_state())
+        await save_stage_checkpoint(path, await self.ctx.outer_service.local_state(sync.stage))
         self.ctx.on_log(StageCheckpoint(stage=sync.stage, inner_steps=sync.holder.inner_steps, path=str(path)))
 
     async def _checkpoints(self) -> None:

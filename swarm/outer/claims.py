@@ -125,7 +125,7 @@ def catch_up_claims(
     by a DHT race) that has more holders than its own, or as many and the smallest peer id. With a
     vouched claim anywhere in the stage (its own included), it follows only vouched claims, and a
     later round of ``leader``'s: the leader of its round, which closed that round alone before this
-    replica arrived (``_lone_leader_is_late``), so only its state takes it past the round.
+    replica arrived (``install.lone_leader_is_late``), so only its state takes it past the round.
     """
     own = StateClaim(round=round_, weights_hash=weights_hash, holders=(me,))
     own = next((c for c in claims if c.round == round_ and c.weights_hash == weights_hash and me in c.holders), own)

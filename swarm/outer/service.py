@@ -1,4 +1,5 @@
-"""This peer's outer-step service (``OuterService``): its other replicas, a ``ReplicaSync`` per replica held, state downloads.
+"""This peer's outer-step service (``OuterService``): its other replicas, a ``ReplicaSync`` per replica held, the state
+each serves (``ServedState``), state downloads.
 
 It wires ``ReplicaSync`` to the swarm: one blob service (outer-round payloads and commits, and the state
 of each stage the peer holds), the DHT records, and state downloads for a newcomer.
@@ -12,14 +13,17 @@ of each stage the peer holds), the DHT records, and state downloads for a newcom
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from optim.outer import OuterOptimizer
 from optim.payload import max_payload_bytes
 from swarm.config import SwarmConfig
 from swarm.dht.membership import Membership
@@ -31,8 +35,10 @@ from swarm.outer.board import Board
 from swarm.outer.claims import newcomer_claims, stage_claims
 from swarm.outer.download import NoStateDelivered, Served, download_for_newcomer, later
 from swarm.outer.group import P2PGroupNetwork, RoundTiming
-from swarm.outer.replica import Holder, ReplicaSync
-from swarm.outer.state import StageState, state_bytes_bound
+from swarm.outer.replica import ReplicaSync
+from swarm.outer.snapshots import SharedSnapshot
+from swarm.outer.state import StageState, state_bytes_bound, stream_state
+from swarm.outer.threads import Holder, snapshot_weights
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, BlobStream, Sink
 from swarm.rpc.defences import PeerGuard
@@ -63,7 +69,7 @@ class OuterService:
         self.servicer.provide("outer", self.board.get)
         self.servicer.provide("state", self._export_state)
         self.client = BlobClient(p2p, namespace=cfg.swarm_id, certificate=certificate)
-        self.held: dict[int, ReplicaSync] = {}  # stage → the replica sync whose state this peer serves
+        self.held: dict[int, ServedState] = {}  # stage → the state this peer serves, of the replica sync holding it
 
     async def replicas(self, stage: int) -> dict[str, StageStatus]:
         """The other live replicas of ``stage``."""
@@ -95,8 +101,12 @@ class OuterService:
         )
         if not alongside:
             self.held.clear()
-        self.held[stage] = sync
+        self.held[stage] = ServedState(sync)
         return sync
+
+    async def local_state(self, stage: int) -> StageState:
+        """The current (local) weights of the replica of ``stage`` this peer holds (``ServedState.local_state``)."""
+        return await self.held[stage].local_state()
 
     async def download(self, stage: int) -> StageState | None:
         """The current state of ``stage`` from its replicas; None if it has no replica.
@@ -138,10 +148,10 @@ class OuterService:
     async def _export_state(self, name: str) -> BlobStream:
         """``state/<stage>`` from the replica sync of that stage, if this peer holds it."""
         stage = held_stage(name)
-        sync = None if stage is None else self.held.get(stage)
-        if sync is None:
+        served = None if stage is None else self.held.get(stage)
+        if served is None:
             raise LookupError(f"this peer holds stages {sorted(self.held)}, not {name!r}")
-        return await sync.export_state(name)
+        return await served.export_state(name)
 
     def _blame(self, peer: str, why: str) -> None:
         """A strike against ``peer``, which served a state it does not hold (or no stage's state at all)."""
@@ -150,6 +160,73 @@ class OuterService:
 
     async def _stream(self, peer: str, name: str, sink: Sink, max_bytes: int) -> str:
         return await self.client.stream(peer, name, sink, timeout=self.cfg.timeouts.rpc_s, max_bytes=max_bytes)
+
+
+class StateChanged(Exception):
+    """The outer state changed (a round applied, a state adopted) while a stream of it was being sent."""
+
+
+class ServedState:
+    """The stage state one replica serves: ``state/<stage>`` (its last round's global weights and outer optimizer,
+    streamed from the live tensors) and its local weights (``local/<stage>``, a rebuild's, an export's, a checkpoint's),
+    copied once per version for the downloads that ask at once.
+
+    >>> served = ServedState(sync); blob = await served.export_state("state/1"); state = await served.local_state()
+    """
+
+    def __init__(self, sync: ReplicaSync) -> None:
+        self.sync = sync
+        holder = sync.holder
+        # a version of the local weights: inner steps, and the outer step's changes of them
+        self._snapshot = SharedSnapshot(
+            functools.partial(snapshot_weights, holder),
+            lambda: (holder.inner_steps, sync.round, sync.thread.changes, sync.installs),
+        )
+
+    async def export_state(self, name: str) -> BlobStream:
+        """The ``state/<stage>`` blob (global weights, outer optimizer state, round, schedule step), streamed: each chunk
+        copied on the outer thread from the live tensors; a round applied or a state adopted meanwhile cuts the stream
+        short (``StateChanged``), so a receiver never gets a mix of two rounds."""
+        if name != f"state/{self.sync.stage}":
+            raise LookupError(f"this peer holds stage {self.sync.stage}")
+        if self.sync.outer is None:  # no outer step: the local weights are the stage's weights
+            return stream_state(await self.local_state())
+        return await self._stream_outer(self.sync.outer)
+
+    async def local_state(self) -> StageState:
+        """The replica's current (local) weights as a stage state, no optimizer: what a rebuild merges, an export saves,
+        a checkpoint keeps (``state/<stage>`` serves the global weights of the last round instead)."""
+        params = await self._snapshot.get()  # one copy on the compute thread, shared by the downloads of its version
+        sync = self.sync
+        return StageState(
+            stage=sync.stage, round=sync.round, schedule_step=sync.schedule_step, params=params, optimizer=None
+        )
+
+    async def _stream_outer(self, outer: OuterOptimizer[Any]) -> BlobStream:
+        """The outer state, cut short by a change of it (``StateChanged``)."""
+        sync, thread = self.sync, self.sync.thread
+
+        def take() -> tuple[int, StageState]:  # on the outer thread: the references, and the version they are of
+            state = StageState(
+                stage=sync.stage,
+                round=outer.round,
+                schedule_step=sync.schedule_step,
+                params=dict(outer.global_params),
+                optimizer=outer.optimizer.state_dict(),  # its tensors are the live buffers, not copies
+            )
+            return thread.changes, state
+
+        version, state = await thread.run(take)
+
+        def unchanged(copy: Callable[[], bytes]) -> bytes:
+            if thread.changes != version:
+                raise StateChanged(f"stage {sync.stage}'s outer state changed while it was sent")
+            return copy()
+
+        blob = stream_state(state, read=lambda copy: thread.run(unchanged, copy))
+        # a round past the replica's record: its receiver refuses it (``RecordBehind``), so it costs the receiver nothing
+        announced = sync.state.announced_round
+        return dataclasses.replace(blob, charged=not (announced is not None and state.round > announced))
 
 
 def held_stage(name: str) -> int | None:

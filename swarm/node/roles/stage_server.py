@@ -22,8 +22,8 @@ from swarm.node.context import NodeContext, until_stopped
 from swarm.node.lifecycle import download_state
 from swarm.node.placement import stage_loads
 from swarm.node.roles.served import ServedStage
-from swarm.outer.replica import Holder
 from swarm.outer.state import StageState
+from swarm.outer.threads import Holder
 from swarm.recovery.checkfree import NoRecoverySource
 from swarm.recovery.rebalance import next_check_delay, plan_move
 from swarm.recovery.rebuild import (
