@@ -269,6 +269,8 @@ def test_two_colluding_garblers_and_a_server_passing_its_input_through_are_route
     lazy, trainer, calls = train(check_rate=CheckRule().rate, lazy=True)
     # passing its input through is no worse than skipping the stage: it fails (out of the routing 2 s, every forward
     # checked, its failing outputs redone elsewhere) but is never condemned; the honest replicas do the training
-    # (unchecked, the fastest replica there is: 45-55 of ~70 forwards)
-    assert lazy["check_strikes"] == 0 and lazy["check_failures"] >= 1 and lazy["failed"] == 0
+    # (unchecked, the fastest replica there is: 45-55 of ~70 forwards). While the stage barely beats skipping it (the
+    # tiny model, early), the loss cannot tell the skip from the work: its outputs are then unresolved, never cleared
+    assert lazy["check_strikes"] == 0 and lazy["check_failures"] + lazy["checks_unresolved"] >= 1
+    assert lazy["failed"] == 0
     assert calls.forwards["evil"] < 15
