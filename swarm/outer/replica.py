@@ -107,7 +107,7 @@ class ReplicaSync:
             clock=clock,
             excluded=self.excluded,
             blame=self.accountability.strike,
-            on_declared=self._declared,
+            on_declared=lambda key, at: self.on_log(OuterDeclared(stage=key.stage, round=key.round, opened_at=at)),
         )
         self._fp32_bytes = 4 * sum(p.numel() for p in self.params.values())  # a dense fp32 Δ: what a payload saves
         self.installs = 0  # rounds installed and states adopted: changes of the local weights besides inner steps
@@ -299,9 +299,6 @@ class ReplicaSync:
         others = await self.replicas()
         self.counters["outer_condemned"] += await self.verdicts.refresh(others, me=self.me, now=self.clock())
         return {peer: status for peer, status in others.items() if not self.excluded(peer)}
-
-    def _declared(self, key: RoundKey, opened_at: float) -> None:
-        self.on_log(OuterDeclared(stage=key.stage, round=key.round, opened_at=opened_at))
 
     async def _apply(self, result: RoundResult, snapshot: dict[str, torch.Tensor], round_: int) -> Screening | None:
         """Install a round done (alone: the snapshot becomes global) and hold its members to account."""
