@@ -171,11 +171,16 @@ def test_a_replica_behind_the_other_but_better_than_skipping_its_stage_is_not_fa
     assert not audit.checker.is_condemned("behind") and "behind" in audit.checker.suspects  # checked more
 
 
-def test_outputs_within_the_margin_pass_however_far_apart_they_are() -> None:
+def test_outputs_within_the_margin_land_and_each_is_cleared_only_if_it_beats_the_stage_skipped() -> None:
     replicas = FakeReplicas({"a": 1.0, "b": 2.0})
-    audit, counters = audit_of(replicas, {1.0: 3.0, 2.0: 3.1, INPUT: 3.0})  # 3% apart: both pass, skip unasked
+    audit, counters = audit_of(replicas, {1.0: 3.0, 2.0: 3.1, INPUT: 3.6})  # 3% apart: both pass, both beat the skip
     assert check(audit, replicas, "b") and counters["check_disagreements"] == 1 and counters["check_failures"] == 0
-    assert audit.checker.passed == Counter({"a": 1, "b": 1})
+    assert audit.checker.passed == Counter({"a": 1, "b": 1}) and not audit.checker.suspects
+    # a server passing its input through gives the skip's loss: early on within the margin of an honest output
+    lazy = FakeReplicas({"lazy": INPUT, "honest": 1.0})
+    audit, counters = audit_of(lazy, {1.0: 5.40, INPUT: 5.45})
+    assert check(audit, lazy, "lazy") and counters["check_failures"] == 0  # it lands: within 5% of the other's
+    assert audit.checker.passed == Counter({"honest": 1}) and audit.checker.suspects == {"lazy"}
 
 
 def test_a_server_passing_its_input_through_fails_once_its_stage_does_work_but_is_never_condemned() -> None:

@@ -37,7 +37,7 @@ Reply = tuple[torch.Tensor, torch.Tensor | None, bytes, Codec]  # decoded value,
 # what a backward's probe found: its gradient confirmed, contradicted, or not judged (no answer, the weights it was
 # taken on gone, the replies' rounding); a backward that needs no probe is "passed"
 ProbeOutcome = Literal["passed", "failed", "unjudged"]
-# the trainer's loss for a training microbatch's last boundary output h (B, T, d): its head, against ``mb.targets``
+# the trainer's loss for a microbatch's last boundary output h (B, T, d): its head, against ``mb.targets``
 LossOf = Callable[[Microbatch, torch.Tensor], Awaitable[float]]
 
 
@@ -80,10 +80,11 @@ class HopAudit:
         self._jobs: set[asyncio.Task[Any]] = set()  # audits under way, off the microbatches' paths
 
     async def forward(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
-        """A training forward ``peer`` answered with ``y``: whether it may land (False: it failed its check, so the hop
-        goes to another replica). Sampled ones are checked; a new or suspect server's only lands once its check
-        passed."""
-        if not mb.train or not self.checker.should_check(peer):
+        """A forward ``peer`` answered with ``y``: whether it may land (False: it failed its check, so the hop goes to
+        another replica). Sampled ones are checked, training and validation forwards alike (a server cannot tell
+        them apart); a new or suspect server's only lands once its check passed. A microbatch with no targets
+        (nothing to judge a loss by) is not checked."""
+        if mb.targets is None or not self.checker.should_check(peer):
             return True
         check = self._check(mb, request, codec, peer, y)
         if not self.checker.unproven(peer):
@@ -155,15 +156,33 @@ class HopAudit:
                     # is cleared, both checked on every forward until it can. Cleared here, a garbler passed its
                     # first check at the start and then landed 98% of its forwards unchecked (+46% val)
                     return self._unresolved(peer, checker_peer)
-                self.checker.clear(peer, by_loss=True)
-                self.checker.clear(checker_peer, by_loss=True)
-                return True
+                return await self._both_within_the_margin(mb, request, {peer: losses[0], checker_peer: losses[1]})
             wrong, right = (peer, checker_peer) if worse == 0 else (checker_peer, peer)
             loss_wrong, loss_right = (losses[0], losses[1]) if worse == 0 else (losses[1], losses[0])
             return await self._against_the_skip(mb, request, peer, (wrong, loss_wrong), (right, loss_right))
         except Exception as e:  # a check is a side job: it must never take the trainer down
             logger.warning(f"check of {mb.id} at stage {stage} failed: {type(e).__name__}: {e}")
             return True
+
+    async def _skip_loss(self, mb: Microbatch, request: Forward) -> float | None:
+        """The loss with the hop's stage skipped: its input sent on down the rest of the path (None: a call failed)."""
+        _, x, tokens = await self.calls.decode("activations", request.x, mb.shape)
+        skip = await self._losses(mb, request.stage, [Outgoing(x, tokens)], prev=request.prev_stage)
+        return None if skip is None else skip[0]
+
+    async def _both_within_the_margin(self, mb: Microbatch, request: Forward, losses: dict[Peer, float]) -> bool:
+        """Outputs apart whose losses the margin cannot tell apart: both land, and each server is cleared only if its
+        output beats the stage skipped (a server passing its input through gives the skip's loss, within the margin
+        of an honest output while the stage barely beats skipping it, and cleared then it landed its forwards
+        unchecked); one that does not is checked more."""
+        if (skip := await self._skip_loss(mb, request)) is None:
+            return self._unresolved(*losses)
+        behind = [peer for peer, loss in losses.items() if self.checker.no_better_than_skipping(loss, skip)]
+        for peer in losses.keys() - set(behind):
+            self.checker.clear(peer, by_loss=True)
+        if behind:
+            return self._unresolved(*behind)
+        return True
 
     async def _against_the_skip(
         self, mb: Microbatch, request: Forward, peer: Peer, worse: tuple[Peer, float], better: tuple[Peer, float]
@@ -172,10 +191,9 @@ class HopAudit:
         skipped: the worse fails only if it does no better than no work, and is harmful over ``harm_margin`` above it.
         False if ``peer``'s output failed."""
         stage, (wrong, loss_wrong), (right, loss_right) = request.stage, worse, better
-        _, x, tokens = await self.calls.decode("activations", request.x, mb.shape)
-        skip = await self._losses(mb, stage, [Outgoing(x, tokens)], prev=request.prev_stage)
-        if skip is None:
+        if (skip_loss := await self._skip_loss(mb, request)) is None:
             return self._unresolved(wrong, right)
+        skip = [skip_loss]
         # the better one proves itself only by beating its stage skipped: at the start, near chance, a garbler
         # "won" judgements by chance and, cleared, landed its forwards unchecked
         if self.checker.no_better_than_skipping(loss_right, skip[0]):

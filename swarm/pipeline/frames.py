@@ -23,7 +23,8 @@ class Microbatch:
     shape: tuple[int, ...]  # (B, T, d): every activation and gradient frame it sends has this shape
     train: bool
     path: tuple[int, ...] = ()  # the stages it goes through, in order: a check takes a hop's output down the rest
-    # (B, T), a training microbatch's: the loss a checked output gives is taken against them (labels stay here)
+    # (B, T), a training or validation microbatch's: the loss a checked output gives is taken against them (labels
+    # stay here); None: its forwards are not checked
     targets: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 

@@ -256,15 +256,19 @@ class Trainer:
         total, count = 0.0, 0
         size = self.cfg.train.microbatch_size  # the most a server accepts
         for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(torch.split(t, size) for t in batch))):
-            mb = Microbatch(self.remote.new_id(), (*inputs.shape, self.cfg.model.d_model), train=False)
+            # its path and targets: its forwards are checked as training ones are (a server cannot tell them apart,
+            # and one lying on every forward not kept would otherwise read out a false val loss)
+            path = sorted(self.router.live_stages())
+            shape = (*inputs.shape, self.cfg.model.d_model)
+            mb = Microbatch(self.remote.new_id(), shape, train=False, path=tuple(path), targets=targets)
             h0 = await self._run(self._embed_eval, inputs)
-            _, h = await self.remote.forward_path(mb, sorted(self.router.live_stages()), h0, inputs)
+            _, h = await self.remote.forward_path(mb, path, h0, inputs)
             total += await self._run(self._head_eval, h, targets) * inputs.shape[0]
             count += inputs.shape[0]
         return total / count
 
     async def _loss_of(self, mb: Microbatch, h: torch.Tensor) -> float:
-        """The loss of a training microbatch's last boundary output ``h`` (a check's judge: ``HopAudit``)."""
+        """The loss of a microbatch's last boundary output ``h`` (a check's judge: ``HopAudit``)."""
         assert mb.targets is not None
         return await self._run(self._head_eval, h, mb.targets)
 
