@@ -142,7 +142,7 @@ class HopAudit:
                 self.checker.clear(checker_peer)
                 return True
             self.counters["check_disagreements"] += 1
-            losses = await self._losses(mb, stage, [y, other], prev=stage)
+            losses = await losses_down_the_path(self.calls, self.loss_of, mb, stage, [y, other], prev=stage)
             if losses is None:  # the rest of the path failed, or no loss to judge by: both checked more
                 logger.warning(f"stage {stage}: {peer} and {checker_peer} disagree on {mb.id}; no loss settled it")
                 return self._unresolved(peer, checker_peer)
@@ -167,7 +167,9 @@ class HopAudit:
     async def _skip_loss(self, mb: Microbatch, request: Forward) -> float | None:
         """The loss with the hop's stage skipped: its input sent on down the rest of the path (None: a call failed)."""
         _, x, tokens = await self.calls.decode("activations", request.x, mb.shape)
-        skip = await self._losses(mb, request.stage, [Outgoing(x, tokens)], prev=request.prev_stage)
+        skip = await losses_down_the_path(
+            self.calls, self.loss_of, mb, request.stage, [Outgoing(x, tokens)], prev=request.prev_stage
+        )
         return None if skip is None else skip[0]
 
     async def _both_within_the_margin(self, mb: Microbatch, request: Forward, losses: dict[Peer, float]) -> bool:
@@ -265,35 +267,6 @@ class HopAudit:
         reply = await self.calls.call(mb, peer, again, codec)
         return peer, None if reply is None else Outgoing(*reply)
 
-    async def _losses(self, mb: Microbatch, stage: int, outputs: list[Outgoing], *, prev: int) -> list[float] | None:
-        """The trainer's loss for each of ``outputs`` (coming from stage ``prev``), each taken down the rest of
-        ``mb``'s path after ``stage`` through the same replicas (not kept: ``train=False``); None if a call failed or
-        there is no loss to take."""
-        if self.loss_of is None or mb.targets is None:
-            return None
-        rest = mb.path[mb.path.index(stage) + 1 :] if stage in mb.path else ()
-        peers = [self.calls.other_replica(s, []) for s in rest]  # one replica per later stage, for every output
-        if any(p is None for p in peers):
-            return None
-        losses = []
-        for out in outputs:
-            came_from = prev
-            for s, peer in zip(rest, peers, strict=True):
-                assert peer is not None
-                codec = self.calls.codecs.choose("activations", peer, mb.shape)
-                request = Forward(
-                    mb=self.calls.new_id(),
-                    stage=s,
-                    prev_stage=came_from,
-                    x=out.frame(codec),
-                    train=False,
-                )
-                if (reply := await self.calls.call(mb, peer, request, codec.name)) is None:
-                    return None
-                out, came_from = Outgoing(*reply), s
-            losses.append(await self.loss_of(mb, out.value))
-        return losses
-
     def _probeable(self, peer: Peer, shape: tuple[int, ...]) -> bool:
         """The link's codecs round finely enough for a probe to judge (``PROBED_CODECS``)."""
         codecs = self.calls.codecs
@@ -369,3 +342,29 @@ class HopAudit:
         reason = why or f"its work on {mb.id} was wrong"
         self.router.ban(stage, peer, seconds, reason=reason)
         logger.warning(f"stage {stage}: {peer} condemned ({reason}); banned for {seconds:.0f} s")
+
+
+async def losses_down_the_path(
+    calls: HopCalls, loss_of: LossOf | None, mb: Microbatch, stage: int, outputs: list[Outgoing], *, prev: int
+) -> list[float] | None:
+    """The trainer's loss for each of ``outputs`` (coming from stage ``prev``), each taken down the rest of ``mb``'s
+    path after ``stage`` through the same replicas (not kept: ``train=False``); None if a call failed or there is no
+    loss to take."""
+    if loss_of is None or mb.targets is None:
+        return None
+    rest = mb.path[mb.path.index(stage) + 1 :] if stage in mb.path else ()
+    peers = [calls.other_replica(s, []) for s in rest]  # one replica per later stage, for every output
+    if any(p is None for p in peers):
+        return None
+    losses = []
+    for out in outputs:
+        came_from = prev
+        for s, peer in zip(rest, peers, strict=True):
+            assert peer is not None
+            codec = calls.codecs.choose("activations", peer, mb.shape)
+            request = Forward(mb=calls.new_id(), stage=s, prev_stage=came_from, x=out.frame(codec), train=False)
+            if (reply := await calls.call(mb, peer, request, codec.name)) is None:
+                return None
+            out, came_from = Outgoing(*reply), s
+        losses.append(await loss_of(mb, out.value))
+    return losses
