@@ -1,5 +1,6 @@
 """Codecs and the wire format for everything a peer sends: activations, their gradients, pseudo-gradients."""
 
+from compress import lowrank, rotated  # noqa: F401  (they add rot4/2/1, lowrank16/32 to get_codec's registry)
 from compress.codecs import Codec, get_codec
 from compress.errors import WireError
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState, SparseTensor, aggregate_mean

@@ -499,6 +499,9 @@ _FLAT: dict[str, Codec] = {
         IntCodec(4),
     )
 }
+# compress/rotated.py and compress/lowrank.py build on this module and add theirs here when imported, which the
+# package does first (compress/__init__.py)
+_LOW_BIT: dict[str, Codec] = {}
 CODEC_NAMES: tuple[CodecName, ...] = get_args(CodecName)
 if CODEC_NAMES != (
     *_FLAT,
@@ -521,11 +524,8 @@ def get_codec(
         raise ValueError(f"kind must be 'activation' or 'gradient', got {kind!r}")
     if name in _FLAT:
         return _FLAT[name]
-    if name in get_args(LowBitCodecName):  # (they build on this module)
-        from compress.lowrank import LOWRANK_CODECS
-        from compress.rotated import ROTATED_CODECS
-
-        return (ROTATED_CODECS | LOWRANK_CODECS)[name]
+    if name in _LOW_BIT:
+        return _LOW_BIT[name]
     head, _, inner = name.partition("+")
     if head != "subspace" or name not in CODEC_NAMES:
         raise ValueError(f"unknown codec {name!r}; choose from {', '.join(CODEC_NAMES)}")

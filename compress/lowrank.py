@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from compress.codecs import Codec, IntCodec, Packed, from_bytes
+from compress.codecs import _LOW_BIT, Codec, IntCodec, Packed, from_bytes
 from compress.errors import MalformedFrame, ShapeMismatch
 from compress.wire import CodecId, Frame
 
@@ -83,3 +83,4 @@ class LowRankCodec(Codec):
 
 
 LOWRANK_CODECS: dict[str, Codec] = {c.name: c for c in (LowRankCodec(16), LowRankCodec(32))}
+_LOW_BIT.update(LOWRANK_CODECS)  # ``get_codec``'s

@@ -19,7 +19,7 @@ import struct
 
 import torch
 
-from compress.codecs import Codec, Packed, _as_checks, from_bytes, largest_value
+from compress.codecs import _LOW_BIT, Codec, Packed, _as_checks, from_bytes, largest_value
 from compress.errors import MalformedFrame, ShapeMismatch
 from compress.wire import CodecId, Frame
 
@@ -157,3 +157,4 @@ class RotatedCodec(Codec):
 
 
 ROTATED_CODECS: dict[str, Codec] = {c.name: c for c in (RotatedCodec(4), RotatedCodec(2), RotatedCodec(1))}
+_LOW_BIT.update(ROTATED_CODECS)  # ``get_codec``'s

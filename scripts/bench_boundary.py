@@ -169,14 +169,14 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| act:grad | B/token (act + grad) | × below fp32 | zstd × | val loss (mean ± sd) | ratio | val, no codec |",
+        "| act:grad | B/token (act + grad) | × below fp32 | zstd × | val loss (mean ± sd, seeds) | ratio | val, no codec |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: -r["bytes_per_token"]["total"]):
         b = r["bytes_per_token"]
         lines.append(
             f"| {r['pair']} | {b['total']:,.0f} ({b['activations']:,.0f} + {b['gradients']:,.0f}) "
-            f"| {r['ratio_vs_fp32']:.1f} | {r['zstd_ratio_vs_fp32']:.1f} | {r['val_loss']:.4f} ± {r['val_sd']:.4f} "
+            f"| {r['ratio_vs_fp32']:.1f} | {r['zstd_ratio_vs_fp32']:.1f} | {r['val_loss']:.4f} ± {r['val_sd']:.4f} ({r['seeds']}) "
             f"| {r['loss_ratio']:.4f} | {r['val_loss_clean']:.4f} |"
         )
     return "\n".join(lines)
@@ -228,6 +228,7 @@ def main() -> None:
     parser.add_argument(
         "--merge", help="a previous --json of the same settings: its runs are kept, not rerun (1 thread: deterministic)"
     )
+    parser.add_argument("--summarize", action="store_true", help="run nothing: the table of --merge's runs")
     args = parser.parse_args()
     if "fp32" not in args.pairs:
         args.pairs.insert(0, "fp32")
@@ -235,6 +236,8 @@ def main() -> None:
     records = previous_runs(args)
     done = {(r["pair"], r["seed"]) for r in records}
     jobs = [(pair, seed) for seed in range(args.seeds) for pair in args.pairs if (pair, seed) not in done]
+    if args.summarize:
+        jobs = []
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(run, args, pair, seed, corpus) for pair, seed in jobs]
@@ -249,10 +252,12 @@ def main() -> None:
 
 
 def save(args: argparse.Namespace, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The summary of the runs so far (once fp32 has one), written with them to ``--json``."""
-    records = [r for r in records if r["pair"] in args.pairs and r["seed"] < args.seeds]
-    records.sort(key=lambda r: (args.pairs.index(r["pair"]), r["seed"]))
-    rows = summarize(records) if any(r["pair"] == "fp32" for r in records) else []
+    """The summary of the runs so far of ``--pairs`` (once fp32 has one), written with every run (merged ones of other
+    pairs too) to ``--json``."""
+    order = {pair: i for i, pair in enumerate(dict.fromkeys([*args.pairs, *(r["pair"] for r in records)]))}
+    records.sort(key=lambda r: (order[r["pair"]], r["seed"]))
+    shown = [r for r in records if r["pair"] in args.pairs and r["seed"] < args.seeds]
+    rows = summarize(shown) if any(r["pair"] == "fp32" for r in shown) else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summary": rows, "runs": records}, f, indent=1)
