@@ -9,7 +9,7 @@ them); the ``zstd`` column codes one sampled microbatch per ``--zstd-every`` ste
 A subspace pair trains the subspace-constrained model (``model.subspace_rank``): it is judged by its own loss.
 
     python scripts/bench_boundary.py --preset tiny --steps 250 --seeds 3 --pairs fp32 int8 rot4 rot2 rot1 rot2:rot1 \\
-        --jobs 2 --json docs/data/bench-boundary-tiny.json
+        --jobs 2 --json docs/data/boundary-codecs-tiny.json
     python scripts/bench_boundary.py --preset 20m --seq-len 256 --batch 4 --steps 120 --pairs fp32 rot2 rot2:rot1
 """
 
