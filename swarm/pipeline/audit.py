@@ -81,10 +81,17 @@ class HopAudit:
 
     async def forward(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
         """A forward ``peer`` answered with ``y``: whether it may land (False: it failed its check, so the hop goes to
-        another replica). Sampled ones are checked, training and validation forwards alike (a server cannot tell
-        them apart); a new or suspect server's only lands once its check passed. A microbatch with no targets
-        (nothing to judge a loss by) is not checked."""
-        if mb.targets is None or not self.checker.should_check(peer):
+        another replica). Sampled training forwards are checked; a new or suspect server's only lands once its check
+        passed. Every validation forward is checked before it counts: a server tells a training forward from one not
+        kept, and one lying on every forward not kept (as ``swarmtest.attacks.garble`` does) read out a val loss 1.3×
+        the true one through forwards checked at the sampled rate. It cannot tell a validation forward from a check's
+        recompute (one id sequence), so such a server also fails as a checker. A microbatch with no targets (nothing
+        to judge a loss by) is not checked."""
+        if mb.targets is None:
+            return True
+        if not mb.train:
+            return await self._check(mb, request, codec, peer, y)
+        if not self.checker.should_check(peer):
             return True
         check = self._check(mb, request, codec, peer, y)
         if not self.checker.unproven(peer):
