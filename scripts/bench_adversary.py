@@ -411,8 +411,10 @@ def stages_run(
     honest_outcome = {  # what befell the honest servers: issue 42 wants none of it in a clean run
         "honest_condemned": sum(peer in honest for peer in last["condemned"]),
         "honest_rests": sum(n for peer, n in checker.rests.items() if str(peer) in honest),
-        "honest_outer_strikes": sum(c.get("outer_strikes", 0) for c in outer_counts),
-        "honest_outer_condemned": sum(c.get("outer_condemned", 0) for c in outer_counts),
+        # strikes given and verdicts counted by every server of the stage, against anyone: all against honest peers
+        # in a clean run (where they must be 0), against the attacker too in an attacked one
+        "outer_strikes_given": sum(c.get("outer_strikes", 0) for c in outer_counts),
+        "outer_verdicts_counted": sum(c.get("outer_condemned", 0) for c in outer_counts),
         "deadline_bans": last["deadline_bans"],
     }
     keys = ("tokens_per_s", "step", "failed", "checks", "check_disagreements", "check_strikes", "checks_unresolved")
@@ -787,7 +789,7 @@ def summaries(rows: list[dict[str, Any]], cleans: dict[tuple[str, int], dict[str
     return {"clean": clean, "ratio": attacks, "honest": {k: v for k, v in honest.items() if v}}
 
 
-HONEST_KEYS = ("honest_condemned", "honest_rests", "honest_outer_strikes", "honest_outer_condemned", "deadline_bans")
+HONEST_KEYS = ("honest_condemned", "honest_rests", "outer_strikes_given", "outer_verdicts_counted", "deadline_bans")
 
 
 def honest_totals(runs: list[dict[str, Any]]) -> dict[str, int]:
