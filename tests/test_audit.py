@@ -229,3 +229,18 @@ def test_outputs_too_far_apart_for_honest_drift_pass_neither_while_the_loss_cann
     assert check(audit, replicas, "garbler")  # lands (the loss says it does no harm yet), but proves nothing
     assert counters["checks_unresolved"] == 1 and audit.checker.passed == Counter()
     assert audit.checker.suspects == {"garbler", "honest"} and audit.checker.unproven("garbler")
+
+
+def test_with_checking_off_no_forward_is_checked_validation_included() -> None:
+    replicas = FakeReplicas({"evil": 3.0, "honest": 1.0})
+    router = Router(1, random.Random(0))
+    router.update(1, list(replicas.levels))
+    counters: Counter[str] = Counter()
+    audit = HopAudit(replicas, router, TrainerOptions(check_rate=0.0), counters=counters)
+    for train in (True, False):
+        mb = Microbatch(
+            replicas.new_id(), SHAPE, train=train, path=(1,), targets=torch.zeros(SHAPE[:2], dtype=torch.long)
+        )
+        request = Forward(mb=mb.id, stage=1, prev_stage=0, x=b"", train=train)
+        assert asyncio.run(audit.forward(mb, request, "int8", "evil", Outgoing(torch.full(SHAPE, 3.0), None)))
+    assert counters["checks"] == 0 and not replicas.checkers

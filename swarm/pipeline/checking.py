@@ -130,11 +130,17 @@ class HopChecker:
         self._spikes: Counter[Hashable] = Counter()
         self._judged: dict[Hashable, deque[bool]] = {}  # per server, its last judgements: passed or not
 
+    @property
+    def off(self) -> bool:
+        """Checking is off: no forward is checked, a validation forward neither."""
+        rule = self.rule
+        return rule.rate == rule.probation_rate == rule.suspect_rate == 0.0 and rule.first_checks == 0
+
     def should_check(self, peer: Hashable) -> bool:
         """One more forward served by ``peer``: whether to check it."""
         rule = self.rule
-        if rule.rate == rule.probation_rate == rule.suspect_rate == 0.0 and rule.first_checks == 0:
-            return False  # checking off
+        if self.off:
+            return False
         self.served[peer] += 1
         if self.passed[peer] < rule.first_checks:
             rate = 1.0
