@@ -863,6 +863,7 @@ def main() -> None:
     for seed in range(args.seeds, args.seeds + args.clean_seeds):  # the clean runs' spread over more seeds
         for group, attack in groups.items():
             cleans[group, seed] = spawn(attack, "clean", args, seed)
+            loads.append(os.getloadavg()[0])
             print(f"clean {group} seed {seed}: value {cleans[group, seed].get('value')}", flush=True)
     print()
     print_table(rows)
