@@ -811,7 +811,7 @@ def print_summaries(summary: dict[str, Any]) -> None:
                 )
     if summary.get("honest"):
         print(
-            "\nhonest servers, summed over runs (condemned, found unfit, outer strikes, outer verdicts, deadline bans):"
+            "\nhonest servers condemned and found unfit, the stage's outer strikes and verdicts, deadline bans, summed:"
         )
         for name, totals in summary["honest"].items():
             print(f"  {name:<22} " + ", ".join(f"{key} {n}" for key, n in totals.items()))
