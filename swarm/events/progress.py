@@ -176,7 +176,7 @@ class TrainerProgress(Training):
     fp32_bytes: Mapping[str, int] = field(default_factory=dict)  # what the same tensors cost as raw fp32, by kind
     frames_sent: Mapping[str, int] = field(default_factory=dict)  # frames sent, by codec
     links: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per peer: codecs chosen, bytes/s measured
-    condemned: tuple[str, ...] = ()  # servers whose checked work failed, banned now
+    condemned: tuple[str, ...] = ()  # servers whose work contradicted itself (a failed probe), banned now
 
     def refused_hops(self) -> int:
         """Hops the servers refused (``hop_refused_<code>``, all codes)."""

@@ -200,25 +200,24 @@ class HopAudit:
         skipped: the worse fails only if it does no better than no work, and is harmful over ``harm_margin`` above it.
         False if ``peer``'s output failed."""
         stage, (wrong, loss_wrong), (right, loss_right) = request.stage, worse, better
-        if (skip_loss := await self._skip_loss(mb, request)) is None:
+        if (skip := await self._skip_loss(mb, request)) is None:
             return self._unresolved(wrong, right)
-        skip = [skip_loss]
         # the better one proves itself only by beating its stage skipped: at the start, near chance, a garbler
         # "won" judgements by chance and, cleared, landed its forwards unchecked
-        if self.checker.no_better_than_skipping(loss_right, skip[0]):
+        if self.checker.no_better_than_skipping(loss_right, skip):
             return self._unresolved(wrong, right)
-        if not self.checker.no_better_than_skipping(loss_wrong, skip[0]):  # it did the stage's work, less of it
+        if not self.checker.no_better_than_skipping(loss_wrong, skip):  # it did the stage's work, less of it
             self.counters["checks_behind"] += 1
             self.checker.clear(right, by_loss=True)
             self.checker.suspect(wrong)  # checked more: it may be an attacker doing just enough
             logger.info(
                 f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f}"
-                f" of {right}'s, yet better than skipping the stage ({skip[0]:.4f}): behind, not wrong"
+                f" of {right}'s, yet better than skipping the stage ({skip:.4f}): behind, not wrong"
             )
             return True
         self.checker.clear(right, by_loss=True)
         self.counters["check_failures"] += 1
-        harmful = self.checker.harmful(loss_wrong, skip[0])
+        harmful = self.checker.harmful(loss_wrong, skip)
         if not harmful:
             # out of the routing a while: a server passing its input through is the fastest there is, and charged
             # only the time its checks took it kept two thirds of the forwards (to have them redone elsewhere) and
@@ -227,7 +226,7 @@ class HopAudit:
             self.router.ban(stage, wrong, FAILED_OUTPUT_BAN_S, reason=f"its output of {mb.id} failed its check")
         logger.warning(
             f"stage {stage}: {wrong}'s output of {mb.id} gave loss {loss_wrong:.4f} against {loss_right:.4f} of"
-            f" {right}'s, no better than skipping the stage ({skip[0]:.4f})"
+            f" {right}'s, no better than skipping the stage ({skip:.4f})"
         )
         if self.checker.failed(wrong, harmful=harmful):
             self.rest(stage, wrong)

@@ -54,8 +54,9 @@ T = TypeVar("T")
 # backward; bans for deadlines missed in a row; checked forwards (checking.py, audit.py): checks done, disagreements
 # (outputs apart, judged by their loss), servers condemned (their backwards failed probes), disagreements no loss
 # could settle, outputs that failed their loss judgement, outputs worse than the other's yet better than skipping the
-# stage, servers found unfit (outputs worse than no work: routed around until they sync); probed backwards (probing.py): probes judged, probes failed, probes whose step the
-# replies' rounding swallowed, probes not answered (refused: the weights gone; or no reply)
+# stage, servers found unfit (outputs worse than no work: routed around until they sync); probed backwards
+# (probing.py): probes judged, probes failed, probes whose step the replies' rounding swallowed, probes not answered
+# (refused: the weights gone; or no reply)
 COUNTERS = (
     "started",
     "completed",
@@ -211,7 +212,7 @@ class Trainer:
             fp32_bytes=dict(self.fp32_bytes),
             frames_sent=dict(self.traffic.frames),  # by codec
             links=self.codecs.report(),  # per peer: codecs chosen, bytes/s and compute per call measured
-            condemned=tuple(sorted(map(str, self.condemned))),  # servers whose checked work failed, banned now
+            condemned=tuple(sorted(map(str, self.condemned))),  # servers whose work contradicted itself, banned now
         ).to_record()
 
     def status(self) -> StageStatus:
@@ -256,8 +257,7 @@ class Trainer:
         total, count = 0.0, 0
         size = self.cfg.train.microbatch_size  # the most a server accepts
         for inputs, targets in ((x, y) for batch in batches for x, y in zip(*(torch.split(t, size) for t in batch))):
-            # its path and targets: its forwards are checked as training ones are (a server cannot tell them apart,
-            # and one lying on every forward not kept would otherwise read out a false val loss)
+            # its path and targets: every one of its forwards is checked before it counts (``HopAudit.forward``)
             path = sorted(self.router.live_stages())
             shape = (*inputs.shape, self.cfg.model.d_model)
             mb = Microbatch(self.remote.new_id(), shape, train=False, path=tuple(path), targets=targets)
