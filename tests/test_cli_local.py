@@ -43,6 +43,7 @@ def trained(
     return out
 
 
+@pytest.mark.timeout(240)  # the first test to use `trained` also waits for its train-local run (~120 s under load)
 def test_train_local_writes_metrics_with_falling_validation_loss(trained: Path) -> None:
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [20, 40, 60]
@@ -90,6 +91,7 @@ def test_local_s_schedule_follows_steps_unless_the_config_sets_it(
     assert [cfg.inner.total_steps for cfg in launched] == [40, 5]
 
 
+@pytest.mark.timeout(240)  # the first test to use `trained` also waits for its train-local run (~120 s under load)
 def test_eval_and_sample_load_the_checkpoint(trained: Path, child_processes: list) -> None:
     (result,) = swarmloco(["eval", "--checkpoint", str(trained / "model.pt"), "--json"], children=child_processes)
     assert result.returncode == 0, result.stderr
