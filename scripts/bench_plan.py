@@ -209,7 +209,7 @@ def run_lab(cfg: SwarmConfig, steps: int, cap_mbit: float, out: Path, rtt_ms: fl
 
 def projection() -> list[dict[str, Any]]:
     """The model at the H200's rates, int8 both ways, the plan's default shapes (``swarmloco plan``'s)."""
-    from peer.commands.plan import plan_config
+    from peer.commands.plan import plan_config, relay_what_if
 
     rows = []
     for preset, rate in REFERENCE_RATES["h200"].items():
@@ -230,6 +230,7 @@ def projection() -> list[dict[str, Any]]:
             p = predict(swarm)
             spanning = predict(replace(swarm, max_staleness=1, window=16))  # no bubble, a window that fills the pipe
             zstd = predict(replace(swarm, frames=zstd_frames(swarm.frames)))
+            relay = relay_what_if(swarm)  # frames server to server (issue 43 §3, not built)
             rows.append(
                 {
                     "preset": preset,
@@ -248,6 +249,9 @@ def projection() -> list[dict[str, Any]]:
                     "zstd_bottleneck": zstd.bottleneck,
                     "one_process_tokens_per_s": rate,
                     "trainer_bytes_per_token_each_way": swarm.frames.trainer_sent / swarm.tokens,
+                    **{f"relay_{key}": value for key, value in relay.items()},
+                    "relay_fraction": relay["tokens_per_s"] / rate,
+                    "relay_spanning_fraction": relay["spanning_tokens_per_s"] / rate,
                 }
             )
     return rows
@@ -270,13 +274,14 @@ def zstd_frames(raw: Frames) -> Frames:
 def print_projection(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'preset':<6} {'link':<24} {'tok/s':>8} {'of 1 GPU':>8} {'spanning':>9} {'of 1 GPU':>8} {'zstd':>7} "
-        f"{'of 1 GPU':>8}  bottleneck"
+        f"{'of 1 GPU':>8} {'relay':>7} {'of 1 GPU':>8} {'relay spanning':>14} {'of 1 GPU':>8}  bottleneck"
     )
     for r in rows:
         print(
             f"{r['preset']:<6} {r['link']:<24} {r['tokens_per_s']:8.0f} {r['fraction']:8.3f} "
             f"{r['spanning_tokens_per_s']:9.0f} {r['spanning_fraction']:8.3f} {r['zstd_tokens_per_s']:7.0f} "
-            f"{r['zstd_fraction']:8.3f}  {r['bottleneck']}"
+            f"{r['zstd_fraction']:8.3f} {r['relay_tokens_per_s']:7.0f} {r['relay_fraction']:8.3f} "
+            f"{r['relay_spanning_tokens_per_s']:14.0f} {r['relay_spanning_fraction']:8.3f}  {r['bottleneck']}"
         )
 
 

@@ -11,6 +11,7 @@ model".
 
 import dataclasses
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -208,6 +209,22 @@ def plan_record(
         "fraction_of_one_process": p.tokens_per_s / alone,
         "bottleneck": p.bottleneck,
         "fix": {"what": what, "tokens_per_s": better.tokens_per_s, "bottleneck": better.bottleneck},
+        "relay": relay_what_if(swarm),
+    }
+
+
+def relay_what_if(swarm: Swarm) -> dict[str, Any]:
+    """The same swarm with frames sent server to server (issue 43 §3, not built): tokens/s with the window as set and
+    with one spanning inner steps (enough in flight to fill the pipe), and what limits each."""
+    relayed = replace(swarm, route="relay")
+    p = predict(relayed)
+    spanning = predict(replace(relayed, max_staleness=max(1, swarm.max_staleness), window=max(16, swarm.window)))
+    return {
+        "tokens_per_s": p.tokens_per_s,
+        "bottleneck": p.bottleneck,
+        "spanning_tokens_per_s": spanning.tokens_per_s,
+        "spanning_bottleneck": spanning.bottleneck,
+        "trainer_bytes_per_token_each_way": max(relayed.frames.trainer_link("relay")) / swarm.tokens,
     }
 
 
@@ -252,6 +269,11 @@ def print_plan(
     console.print(f"bottleneck: {bottleneck_line(swarm, p)}")
     console.print(
         f"fix: {what} → {better.tokens_per_s:,.0f} tokens/s ({better.tokens_per_s / alone:.3f}); then {better.bottleneck}"
+    )
+    relay = relay_what_if(swarm)
+    console.print(
+        f"frames server to server (not built yet): {relay['tokens_per_s']:,.0f} tokens/s ({relay['bottleneck']}); "
+        f"with a window spanning inner steps {relay['spanning_tokens_per_s']:,.0f} ({relay['spanning_bottleneck']})"
     )
 
 

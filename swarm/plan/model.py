@@ -8,6 +8,10 @@ stage's compute and the trainer's own compute is a resource with a time per micr
 flight the slowest one sets the rate. The trainer keeps at most ``window`` in flight, and with ``max_staleness`` 0 it
 drains its window at every inner step, so each step also pays one microbatch's whole round trip (the bubble).
 
+``Swarm.route`` "relay" is a what-if (issue 43 §3, not built): a path's frames go server to server, so the trainer's
+link carries only the first stage's input and the last one's output (and their gradients), the servers' links carry
+what they carry today, and a microbatch crosses S + 1 links each way, one after another, instead of 2·S round trips.
+
     >>> frames = Frames.uniform(stages=2, activation=6_299_689, gradient=6_299_689)  # int8 frames of 8 × 1024 × 768
     >>> link = Link.symmetric(parse_rate("100mbit"))
     >>> swarm = Swarm(tokens=8192, frames=frames, compute=Compute(stages=(0.021, 0.021), trainer=0.0),
@@ -23,6 +27,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import Literal
+
+Route = Literal["trainer", "relay"]  # the trainer calls each stage in turn (today); frames go server to server
 
 # What a link carries beyond the frames: TCP/IP headers (52 of every 1500 bytes with timestamps), Ethernet's 14 that
 # the lab's tbf counts, libp2p's yamux and noise framing (12 + 16 bytes a frame of up to 64 KiB): ~4.5%.
@@ -109,6 +116,13 @@ class Frames:
         """The trainer's downlink per microbatch: every stage's output and its input's gradient."""
         return sum(self.out) + sum(self.grad_out)
 
+    def trainer_link(self, route: Route) -> tuple[int, int]:
+        """The trainer's (sent, received) bytes per microbatch: every stage's frames when it calls each in turn, the
+        path's ends only when frames go server to server."""
+        if route == "trainer":
+            return self.trainer_sent, self.trainer_received
+        return self.into[0] + self.grad_into[-1], self.out[-1] + self.grad_out[0]
+
     def server_received(self, stage: int) -> int:
         return self.into[stage - 1] + self.grad_into[stage - 1]
 
@@ -157,8 +171,11 @@ class Swarm:
     max_staleness: int = 0
     trainers: int = 1
     host_cores: float | None = None
+    route: Route = "trainer"
 
     def __post_init__(self) -> None:
+        if self.route not in ("trainer", "relay"):
+            raise ValueError(f"route must be 'trainer' or 'relay', got {self.route!r}")
         if len(self.compute.stages) != self.frames.stages:
             raise ValueError(f"{len(self.compute.stages)} stage compute times for {self.frames.stages} stages")
         if min(self.tokens, self.window, self.microbatches_per_step, self.trainers) < 1 or self.max_staleness < 0:
@@ -203,9 +220,10 @@ class Prediction:
 def resources(swarm: Swarm) -> tuple[Resource, ...]:
     """Every resource's time per microbatch of one trainer (a server's shared by ``trainers`` trainers counts theirs)."""
     f, c, net, k = swarm.frames, swarm.compute, swarm.network, swarm.trainers
+    sent, received = f.trainer_link(swarm.route)
     out = [
-        link_resource("the trainer's uplink", f.trainer_sent, net.trainer.up, net.overhead),
-        link_resource("the trainer's downlink", f.trainer_received, net.trainer.down, net.overhead),
+        link_resource("the trainer's uplink", sent, net.trainer.up, net.overhead),
+        link_resource("the trainer's downlink", received, net.trainer.down, net.overhead),
         Resource(name="the trainer's compute", seconds=c.trainer + c.inner_step / swarm.microbatches_per_step),
     ]
     for s in range(1, f.stages + 1):
@@ -226,8 +244,11 @@ def link_resource(name: str, nbytes: int, rate: float, overhead: float) -> Resou
 
 def round_trip_s(swarm: Swarm) -> float:
     """One microbatch alone: the trainer's compute, and per hop (S forward, S backward) a round trip, the call's fixed
-    cost, the request's and the reply's transfer at the slower end of the link, and the server's compute."""
+    cost, the request's and the reply's transfer at the slower end of the link, and the server's compute; relayed, the
+    S + 1 transfers of each direction, each half a round trip and half a call's cost, and every stage's compute."""
     f, c, net = swarm.frames, swarm.compute, swarm.network
+    if swarm.route == "relay":
+        return relayed_round_trip_s(swarm)
     to_server = min(net.trainer.up, net.server.down)  # the bytes cross both ends: the slower one paces them
     to_trainer = min(net.server.up, net.trainer.down)
     total = c.trainer
@@ -235,6 +256,19 @@ def round_trip_s(swarm: Swarm) -> float:
         wire = net.overhead * ((f.into[s - 1] + f.grad_into[s - 1]) / to_server + f.server_sent(s) / to_trainer)
         total += 2 * (net.rtt_s + net.call_overhead_s) + wire + c.stages[s - 1]
     return total
+
+
+def relayed_round_trip_s(swarm: Swarm) -> float:
+    """``round_trip_s`` when frames go server to server: forward trainer → stage 1 → … → stage S → trainer, backward
+    the other way, each transfer at the slower of its sender's uplink and its receiver's downlink."""
+    f, c, net = swarm.frames, swarm.compute, swarm.network
+    first = min(net.trainer.up, net.server.down)  # the trainer's frame to the path's first (or last) server
+    between = min(net.server.up, net.server.down)
+    last = min(net.server.up, net.trainer.down)
+    forward = (f.into[0] / first, *(f.out[s] / between for s in range(f.stages - 1)), f.out[-1] / last)
+    backward = (f.grad_into[-1] / first, *(f.grad_out[s] / between for s in range(1, f.stages)), f.grad_out[0] / last)
+    hop_s = (net.rtt_s + net.call_overhead_s) / 2
+    return c.trainer + sum(c.stages) + 2 * (f.stages + 1) * hop_s + net.overhead * (sum(forward) + sum(backward))
 
 
 def predict(swarm: Swarm, *, steps: int | None = None) -> Prediction:
