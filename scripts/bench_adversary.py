@@ -818,12 +818,16 @@ def print_summaries(summary: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    from peer.local_swarm import LocalSwarm
+    from swarm.cli_fields import add_field_arguments
+    from swarm.config import TrainerOptions
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=ATTACKS, default=list(ATTACKS))
-    parser.add_argument("--steps", type=int, default=60, help="inner steps of every honest trainer and replica")
+    add_field_arguments(parser, LocalSwarm, "steps", defaults={"steps": 60})  # every honest trainer and replica's
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--check-rate", type=float, default=0.02, help="trainers' check_rate in stage-garbler/-silent")
+    add_field_arguments(parser, TrainerOptions, "check_rate")  # the trainers' in stage-garbler/-silent
     parser.add_argument("--seeds", type=int, default=1, help="data seeds: each attack and its clean run once per seed")
     parser.add_argument("--clean-seeds", type=int, default=0, help="extra seeds of the clean runs only (their spread)")
     parser.add_argument(

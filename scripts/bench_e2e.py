@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from peer.launch import LocalSwarm, Placement, local_config
+from swarm.cli_fields import add_field_arguments
 from swarm.config import OuterChoice, SwarmConfig, TrainerOptions, derive_config
+from swarm.node.config import PeerConfig
 from swarmtest.bench import run_swarm, window_options
 from swarmtest.wanlab import WanLab, parse_rtts, unsupported_reason
 
@@ -270,7 +272,7 @@ def parse_bandwidths(text: str) -> list[float | None]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=50, help="inner steps per trainer in every run")
+    add_field_arguments(parser, LocalSwarm, "steps", defaults={"steps": 50})  # in every run
     parser.add_argument(
         "--microbatch",
         type=int,
@@ -302,15 +304,12 @@ def main() -> int:
         help="the window study: int8 SparseLoCo at every bandwidth once per trainer window cap, e.g. 1,4 "
         "(1 is the synchronous pipeline)",
     )
-    parser.add_argument(
-        "--max-staleness",
-        type=int,
-        help="inner steps the trainers' window may span (default: the trainers', 0: within an inner step, which at a "
-        "microbatch below the inner batch still overlaps the step's microbatches; 6 lets a window of 4 span steps)",
-    )
+    # None: the trainers' own (0: within an inner step, which at a microbatch below the inner batch still overlaps
+    # the step's microbatches; 6 lets a window of 4 span steps)
+    add_field_arguments(parser, TrainerOptions, "max_staleness", defaults={"max_staleness": None})
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole plan (interleaved); medians reported")
     parser.add_argument("--only", nargs="*", help="run only plan entries whose name contains one of these")
-    parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
+    add_field_arguments(parser, PeerConfig, "data")
     parser.add_argument("--out", type=Path, help="keep every run's logs and metrics under this directory")
     parser.add_argument("--json", type=Path, help="write the records here")
     parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s against bandwidth here")

@@ -35,8 +35,10 @@ from typing import Any
 
 from peer.data import load_corpus
 from peer.launch import READY_PREFIX, LocalSwarm, local_config
+from swarm.cli_fields import add_field_arguments
 from swarm.config import SwarmConfig, derive_config, load_config
 from swarm.events import Event, OuterRound, Serving, StateDownload
+from swarm.node.config import PeerConfig
 from swarm.sim.simulate import SimulationConfig, simulate
 from swarmtest.bench import bench_config, read_peers, run_swarm
 from swarmtest.configs import STUDY_PRESETS
@@ -213,21 +215,16 @@ def main_real(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=300_000, help="training tokens over both replicas")
+    add_field_arguments(parser, SimulationConfig, "tokens", defaults={"tokens": 300_000})  # over both replicas
     parser.add_argument("--h", type=int, default=10, help="inner steps between outer rounds")
     parser.add_argument("--codecs", nargs="+", default=["int8", "subspace"])
     parser.add_argument("--json", type=Path)
     real = parser.add_argument_group("--real: rows a, b, c as local swarms (one seed)")
     real.add_argument("--real", action="store_true", help="run real local swarms instead of the simulator")
-    real.add_argument(
-        "--steps",
-        type=int,
-        default=205,
-        help="inner steps per replica (a few past a round, so that none stops in the middle of its last round)",
-    )
-    real.add_argument("--stages", type=int, default=2, help="middle stages")
+    # per replica: a few past a round, so that none stops in the middle of its last round
+    add_field_arguments(real, LocalSwarm, "steps", "stages", defaults={"steps": 205})
     real.add_argument("--config", type=Path, default=SMALL_MODEL, help="swarm config TOML (default: the small model)")
-    real.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
+    add_field_arguments(real, PeerConfig, "data")
     real.add_argument("--out", type=Path, help="keep the swarms' logs and metrics here")
     args = parser.parse_args()
     if args.real:

@@ -40,6 +40,7 @@ from typing import Any
 from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
+from swarm.cli_fields import add_field_arguments
 from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, TrainerOptions, save_config
 from swarm.events import Event, Progress, Recovered, Rollback, of_kind, read_events
 from swarm.faults import FaultSchedule
@@ -188,14 +189,18 @@ def to_target(result: dict[str, Any], target: float, key: str) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="trainer inner steps per run")
+    add_field_arguments(parser, PeerConfig, "steps", defaults={"steps": 300})  # the trainer's, per run
     parser.add_argument(
         "--kill-at", type=int, default=130, help="the stage-2 server's inner step at which it is killed"
     )
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=50, help="checkpoint scenario: stage-2 checkpoint period in inner steps"
+    # the checkpoint scenario's stage-2 server's; the trainer's validation every N steps (a multiple of 10)
+    add_field_arguments(
+        parser,
+        PeerConfig,
+        "checkpoint_every",
+        "trainer.eval_every",
+        defaults={"checkpoint_every": 50, "trainer.eval_every": 20},
     )
-    parser.add_argument("--eval-every", type=int, default=20, help="validation pass every N steps (a multiple of 10)")
     parser.add_argument(
         "--outer-every",
         type=int,
@@ -203,7 +208,7 @@ def main() -> None:
         help="H: replicas of a stage average their weights every H steps (0: never)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per scenario; the table shows medians")
-    parser.add_argument("--data", action="append", help="corpus (default: this Python's standard library)")
+    add_field_arguments(parser, PeerConfig, "data")
     parser.add_argument(
         "--out", type=Path, default=None, help="keep the peers' logs here (default: a temporary directory)"
     )

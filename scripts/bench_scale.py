@@ -84,6 +84,7 @@ import torch
 
 from peer import launch, logs
 from peer.launch import LocalSwarm, launch_local, stop_processes
+from swarm.cli_fields import add_field_arguments, from_arguments
 from swarm.config import SwarmConfig, follow_run, parse_overrides
 from swarm.events import (
     Event,
@@ -113,6 +114,7 @@ RPC_S = 120.0  # a hop's timeout: a 125m stage's backward on one thread takes te
 # (forward and backward, 2 x 1024 and 1 x 1024) and 40 for the tiny model's inner step on 2 cores shared at load 2.7;
 # a quiet core is faster
 GFLOPS = 60.0
+PEER_FIELDS = ("device", "threads", "keep_graph_mb")  # PeerConfig's, as options: every peer's (swarm/node/config.py)
 SETTLE_S = 60.0  # after the trainer's last step: the longest wait for the servers' open rounds to end
 
 
@@ -318,8 +320,7 @@ class Conductor:
 
 def measure_swarm(cfg: SwarmConfig, steps: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     layout = LocalSwarm(peers=3, stages=2, trainers=1, steps=steps)
-    # keep_graph_mb None: each server's default (a quarter of the memory free at its start)
-    peer = PeerConfig(device=args.device, threads=args.threads, keep_graph_mb=args.keep_graph_mb)
+    peer = from_arguments(PeerConfig, args, *PEER_FIELDS)
     joiner = dataclasses.replace(peer, role="stage", stage=1, host_maddrs=["/ip4/127.0.0.1/tcp/0"], out=out)
     joiner_args = [*joiner.to_argv(), "--log-level", logs.current_level()]
     conductor = Conductor(cfg, out, steps, args.join_at_step, joiner_args)
@@ -626,22 +627,15 @@ def main() -> None:
     parser.add_argument("--warm-start", type=int, default=0, help="outer.warm_start_steps (rounds every step first)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--microbatch", type=int, default=8, help="samples per microbatch (= per inner step)")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads of every process (each peer, one process)"
-    )
     parser.add_argument(
         "--join-at-step",
         type=int,
         default=0,
         help="the joiner starts once the trainer trains and has taken this many inner steps (module docstring)",
     )
-    parser.add_argument(
-        "--keep-graph-mb",
-        type=int,
-        help="the stage servers' budget for kept forward graphs (0: recompute every forward, as before issue 34)",
-    )
+    # every process's (each peer, one process; the one-process baseline too); keep_graph_mb None: each server's own
+    add_field_arguments(parser, PeerConfig, *PEER_FIELDS, defaults={"device": "cpu", "threads": 1})
     parser.add_argument("--set", nargs="*", default=[], metavar="PATH=VALUE", help="more config overrides")
     parser.add_argument("--keep", type=Path, help="keep the swarms' logs and metrics in KEEP/<preset>/")
     parser.add_argument("--json", type=Path, help="write the results here")

@@ -21,11 +21,13 @@ from typing import Any
 import torch
 
 from peer.data import load_corpus
+from swarm.cli_fields import add_field_arguments, from_arguments
 from swarm.hardware import resolve_device
-from swarm.model.compiling import COMPILE_MODES
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import SimulationConfig, simulate
 from swarmtest.bench import preset_config
+
+SIM_FIELDS = ("replicas", "compile", "wire_zstd")  # SimulationConfig's, as options (swarm/sim/simulate.py)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,9 +49,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         compile=args.compile,
     )
     local_s = time.perf_counter() - started
-    sim = SimulationConfig(
-        replicas=args.replicas, tokens=tokens, log_every=10**9, wire_zstd=args.wire_zstd, compile=args.compile
-    )
+    sim = from_arguments(SimulationConfig, args, *SIM_FIELDS, tokens=tokens, log_every=10**9)
     streams = [corpus.sample_batches("train", seed=k, **shape) for k in range(args.replicas)]
     result = simulate(cfg, sim, streams, val, device=device)
     return {
@@ -71,11 +71,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="simulator ticks (train-local: K times as many steps)")
-    parser.add_argument("--replicas", "-k", type=int, default=2)
+    add_field_arguments(parser, SimulationConfig, "replicas")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--compile", choices=COMPILE_MODES, default="auto")
-    parser.add_argument("--wire-zstd", action=argparse.BooleanOptionalAction, default=False)
+    add_field_arguments(parser, SimulationConfig, "compile", "wire_zstd", defaults={"wire_zstd": False})
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     row = measure(args)

@@ -37,14 +37,18 @@ from compress.codecs import CODEC_NAMES
 from optim.config import OUTER_METHODS
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config
-from swarm.config import SwarmConfig, load_config, parse_overrides
+from swarm.cli_fields import add_field_arguments, from_arguments
+from swarm.config import SwarmConfig, TrainerOptions, load_config, parse_overrides
+from swarm.node.config import PeerConfig
 from swarm.sim.centralized import train_centralized
-from swarmtest.bench import bench_config, run_swarm, window_options
+from swarmtest.bench import bench_config, run_swarm
 
 TARGET_LOSS_GAP = 0.05  # swarm val loss within 5% of the baseline's
 TARGET_COMPRESSION = 4.0  # activation bytes per token at least 4× below fp32
 TARGET_PSEUDO_GRAD_COMPRESSION = 100.0  # pseudo-gradient bytes at least 100× below dense fp32 (SparseLoCo)
 TARGET_JOIN_S = 30.0  # a late peer serves its first request within 30 s of its start
+LAYOUT_FIELDS = ("steps", "stages", "trainers", "join_after_s")  # LocalSwarm's, as options (peer/local_swarm.py)
+WINDOW_FIELDS = ("in_flight", "max_staleness")  # TrainerOptions', as options (swarm/config.py)
 
 
 def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[str, Any]:
@@ -65,11 +69,7 @@ def run_baseline(cfg: SwarmConfig, steps: int, data: list[str] | None) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--steps", type=int, default=100, help="inner steps per trainer (each train.inner_batch samples)"
-    )
-    parser.add_argument("--stages", type=int, default=2, help="middle stages")
-    parser.add_argument("--trainers", type=int, default=1, help="trainers (stage 0 replicas)")
+    add_field_arguments(parser, LocalSwarm, *LAYOUT_FIELDS[:3])
     parser.add_argument("--replicas", type=int, default=1, help="stage servers per middle stage")
     parser.add_argument(
         "--outer", choices=OUTER_METHODS, help="outer step (default: the config's); diloco exchanges fp32"
@@ -78,10 +78,10 @@ def main() -> None:
         "-H", "--inner-steps", type=int, help="H: inner steps between outer steps (default: the config's)"
     )
     parser.add_argument("--join", action="store_true", help="start one more peer mid-run with --role auto")
-    parser.add_argument("--join-after", type=float, default=30.0, help="seconds after the trainers start that it joins")
+    add_field_arguments(parser, LocalSwarm, LAYOUT_FIELDS[3])
     parser.add_argument("--codec", choices=CODEC_NAMES, help="activation and gradient codec (default: the config's)")
     parser.add_argument("--config", type=Path, help="swarm config TOML (default: the built-in model)")
-    parser.add_argument("--data", action="append", help="corpus files/dirs/globs (default: the stdlib sources)")
+    add_field_arguments(parser, PeerConfig, "data")
     parser.add_argument("--out", type=Path, help="keep the swarm's logs and metrics here")
     parser.add_argument(
         "--seeds",
@@ -92,17 +92,8 @@ def main() -> None:
     parser.add_argument(
         "--first-seed", type=int, default=0, help="the first train.seed of --seeds (more seeds of an earlier run)"
     )
-    parser.add_argument(
-        "--in-flight",
-        type=int,
-        help="the trainers' microbatch window cap (default: the trainers'); 1 is the synchronous pipeline",
-    )
-    parser.add_argument(
-        "--max-staleness",
-        type=int,
-        help="inner steps the trainers' window may span (default: the trainers', 0: the window stays within an inner "
-        "step; 6 lets a window of 4 span steps, at a cost in quality measured in docs/benchmarks.md)",
-    )
+    # None: the trainers' own (the record says so)
+    add_field_arguments(parser, TrainerOptions, *WINDOW_FIELDS, defaults=dict.fromkeys(WINDOW_FIELDS))
     parser.add_argument(
         "--set",
         nargs="+",
@@ -114,16 +105,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
 
-    layout = LocalSwarm(
+    layout = from_arguments(
+        LocalSwarm,
+        args,
+        *LAYOUT_FIELDS,
         peers=args.trainers + args.replicas * args.stages,
-        stages=args.stages,
-        trainers=args.trainers,
-        steps=args.steps,
         joiners=int(args.join),
-        join_after_s=args.join_after,
     )
-    if args.max_staleness is not None and args.max_staleness < 0:
-        parser.error(f"--max-staleness must not be negative, got {args.max_staleness}")
     try:
         cfg = bench_config(
             local_config(load_config(args.config) if args.config else SwarmConfig(), layout),
@@ -153,7 +141,7 @@ def measure(cfg: SwarmConfig, layout: LocalSwarm, args: argparse.Namespace) -> d
     """One seed: the swarm, then the baseline on as many tokens; the comparison and the targets."""
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
         out = args.out / f"seed{cfg.train.seed}" if args.out else Path(tmp)
-        swarm = run_swarm(cfg, layout, args.data, out, trainer=window_options(args.in_flight, args.max_staleness))
+        swarm = run_swarm(cfg, layout, args.data, out, trainer=from_arguments(TrainerOptions, args, *WINDOW_FIELDS))
     tokens_per_step = cfg.train.inner_batch * cfg.train.seq_len
     baseline = run_baseline(
         cfg, swarm["tokens"] // tokens_per_step, args.data

@@ -49,9 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from peer.launch import LocalSwarm
+from swarm.cli_fields import add_field_arguments
 from swarm.config import ConfigValue, SwarmConfig, load_config, parse_overrides
 from swarm.events import Progress, of_kind
 from swarm.model.sizing import StageFootprint, model_parameters
+from swarm.node.config import PeerConfig
 from swarmtest.bench import read_peers, swarm_summary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -521,9 +523,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check", help="configs, logs and metrics")
     parser.add_argument("--json", type=Path, help="write the rows and the table here (default: OUT/gpu_check.json)")
     parser.add_argument("--only", nargs="+", choices=("125m", "1b", "swarm", "swarm1x2"), help="run these steps only")
-    parser.add_argument(
-        "--compile", choices=("auto", "on", "off"), default="auto", help="every process's --compile (default: auto)"
-    )
+    add_field_arguments(parser, PeerConfig, "compile")  # every process's
     parser.add_argument("--device", help="where the steps compute (default: cuda; with --cpu, cpu)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's bf16 dense peak for MFU (default: by its name)")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every step's timeout")
@@ -533,7 +533,7 @@ def main() -> int:
         default=BUDGET_S,
         help="seconds for the whole check: a step's timeout is cut to what is left of it (default: %(default)s)",
     )
-    parser.add_argument("--data", action="append", default=None, help="corpus for every step (default: the stdlib)")
+    add_field_arguments(parser, PeerConfig, "data")  # every step's
     parser.add_argument(
         "--set", nargs="+", default=[], metavar="PATH=VALUE", help="config overrides for every step (inner.lr=3e-4)"
     )

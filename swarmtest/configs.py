@@ -9,6 +9,7 @@ and the convergence study's presets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sysconfig
 from pathlib import Path
 
@@ -33,6 +34,9 @@ QUICK_OUTER = OuterOptimConfig(warm_start_steps=0)
 
 # Swarms of nodes or processes that must see a dead peer's records go within seconds (announced every second, 4 s TTL)
 FAST_TIMEOUTS = TimeoutConfig(rpc_s=5.0, matchmaking_s=2.0, announce_period_s=1.0, record_ttl_s=4.0)
+
+# Outer rounds on the in-memory network (swarmtest.fakes.Hub): records read every 0.1 s, rounds in tenths of a second
+MEMORY_ROUND_TIMEOUTS = TimeoutConfig(rpc_s=0.5, matchmaking_s=0.5, announce_period_s=0.1, record_ttl_s=1.0)
 
 # Outer rounds between replicas on loopback (swarmtest.loopback): a round every 0.3 s or so at an inner step every 0.1 s
 LOOPBACK_ROUND_TIMEOUTS = TimeoutConfig(rpc_s=2.0, matchmaking_s=1.0, announce_period_s=0.5, record_ttl_s=3.0)
@@ -122,3 +126,8 @@ def rpc_config(
         codecs=codecs,
         paths=paths,
     )
+
+
+# ``outer_config`` of replicas that sync on the in-memory network (ReplicaSync tests): they meet every 3 inner steps,
+# their records read every 0.1 s, so rounds take tenths of a second
+sync_config = functools.partial(outer_config, timeouts=MEMORY_ROUND_TIMEOUTS)

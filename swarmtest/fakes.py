@@ -1,11 +1,12 @@
 """In-process fakes: the outer step's network in memory (``Hub``, ``MemoryNet``), stage RPC without sockets
 (``InProcessNetwork`` through the servicers' envelope, ``DirectStages`` straight into the servers over a simulated
-wire, ``EchoStages`` with no model at all), and a ``Holder`` whose inner step is a seeded random move
-(``RandomStepHolder``).
+wire, ``EchoStages`` with no model at all), a servicer's backend with no model (``EchoBackend``), and a ``Holder``
+whose inner step is a seeded random move (``RandomStepHolder``).
 
     hub = Hub(); hub.join("a"); net = MemoryNet(hub, "a")       # hub.dead / cut / slow: faults by peer
     net = InProcessNetwork(cfg, {"1a": 1, "2a": 2}); Trainer(cfg, net, net.router)
     net = DirectStages.of(cfg, {"s1": 1}, latency_s=0.05); Trainer(cfg, net, net.router)   # net.most_open, forwards
+    StageServicer(EchoBackend(held=True), stage=1, max_request_bytes=4096)   # backend.gate.set() lets the calls go
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from swarm.model.stages import build_stage
 from swarm.outer.board import Board
 from swarm.outer.group import RoundKey
 from swarm.pipeline.metering import MeteredBackend
-from swarm.pipeline.protocol import Backward, Forward, RemoteError, RequestError, StageServicer, pack, parse_reply
+from swarm.pipeline.protocol import (
+    Backward,
+    Forward,
+    RemoteError,
+    Reply,
+    RequestError,
+    StageServicer,
+    pack,
+    parse_reply,
+)
 from swarm.pipeline.routing import Peer, Router
 from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import TransferError
@@ -252,3 +262,51 @@ class EchoStages:
         if peer in self.silent:
             await asyncio.wait_for(asyncio.Event().wait(), timeout)
         await asyncio.sleep(self.delay_s)
+
+
+class EchoBackend:
+    """A stage server's compute with no model, the backend a ``StageServicer`` calls: answers a forward with its input
+    frame and a backward with its gradient (with ``reply_bytes``, that many bytes of ``fill`` either way), after
+    ``delay_s`` (None: never, as a server that computes forever) and once ``gate`` is set (``held``: clear at the start).
+    ``raise_next`` is raised by the next call instead of answering, ``fail`` by every call; ``calls`` counts the calls
+    made (held ones included), and ``info()`` is ``info``."""
+
+    def __init__(
+        self,
+        *,
+        reply_bytes: int | None = None,
+        fill: bytes = b"\x00",
+        delay_s: float | None = 0.0,
+        held: bool = False,
+        info: Mapping[str, object] | None = None,
+    ) -> None:
+        self.reply_bytes, self.fill, self.delay_s, self._info = reply_bytes, fill, delay_s, dict(info or {})
+        self.gate = asyncio.Event()
+        if not held:
+            self.gate.set()
+        self.raise_next: Exception | None = None
+        self.fail: Exception | None = None
+        self.calls = 0
+
+    async def forward(self, peer: object, request: Forward) -> bytes:
+        return await self._answer(request.x)
+
+    async def backward(self, peer: object, request: Backward) -> bytes:
+        return await self._answer(request.grad)
+
+    def info(self) -> dict[str, object]:
+        return dict(self._info)
+
+    async def _answer(self, frame: bytes) -> bytes:
+        self.calls += 1
+        await self.gate.wait()
+        if self.delay_s is None:
+            await asyncio.Event().wait()
+        elif self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.raise_next is not None:
+            error, self.raise_next = self.raise_next, None
+            raise error
+        if self.fail is not None:
+            raise self.fail
+        return Reply(frame if self.reply_bytes is None else self.fill * self.reply_bytes)

@@ -1,6 +1,7 @@
 """What ``swarmloco`` tells a user about itself: --version, ``config show`` (commented TOML that loads back as the same
 config, the form ``swarm create`` writes), the choices of Literal options in --help, and the ETA of progress lines."""
 
+import argparse
 import dataclasses
 import importlib.metadata
 import subprocess
@@ -18,7 +19,7 @@ from peer.config_options import field_options
 from peer.launch import progress_line as peer_progress_line
 from peer.local_swarm import LocalSwarm
 from peer.progress import elapsed_and_eta, format_duration
-from swarm.cli_fields import config_argv
+from swarm.cli_fields import add_field_arguments, argument_values, cli_paths, config_argv, from_arguments
 from swarm.config import (
     OUTER_CHOICES,
     SwarmConfig,
@@ -308,3 +309,46 @@ def test_config_argv_recreates_any_commands_dataclass(monkeypatch: pytest.Monkey
         swarmloco("local", *config_argv(layout))
     assert seen == layouts
     assert config_argv(SimulationConfig(wire_zstd=False, replicas=3)) == ["--replicas", "3", "--no-wire-zstd"]
+
+
+def field_parser(root: type, **defaults: object) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_field_arguments(parser, root, *cli_paths(root), defaults=defaults)
+    return parser
+
+
+@pytest.mark.parametrize("config", ROUND_TRIPS, ids=lambda c: " ".join(c.to_argv()) or "defaults")
+def test_a_scripts_argparse_options_read_back_the_argv_a_config_turns_into(config: PeerConfig) -> None:
+    """The benchmark scripts declare config fields with ``add_field_arguments``: the same flags as ``swarmloco run``."""
+    argv = config_argv(dataclasses.replace(config, swarm_name=PeerConfig().swarm_name))
+    args = field_parser(PeerConfig).parse_args(argv)
+    given = argument_values(PeerConfig, args, *cli_paths(PeerConfig))
+    assert PeerConfig.from_flat(given) == dataclasses.replace(config, swarm_name=PeerConfig().swarm_name)
+
+
+@pytest.mark.parametrize("section", [LocalSwarm, SimulationConfig, CentralizedRun, TrainerOptions])
+def test_a_scripts_argparse_options_default_to_the_dataclass_and_build_it_back(section: type) -> None:
+    """No option given: the dataclass's defaults, as its command's; its flag, help and default are the field's."""
+    parser = field_parser(section)
+    assert from_arguments(section, parser.parse_args([]), *cli_paths(section)) == section()
+    help_text = " ".join(parser.format_help().split())
+    for option in field_options(section):
+        assert option.flags[0].split("/")[0] in help_text and " ".join(option.help.split()[:4]) in help_text
+
+
+def test_a_scripts_own_defaults_and_least_values() -> None:
+    parser = field_parser(LocalSwarm, steps=60, join_after_s=None)
+    args = parser.parse_args(["--trainers", "2", "--peers", "5", "--full", "1"])
+    assert (args.steps, args.join_after) == (60, None)
+    assert from_arguments(LocalSwarm, args, *cli_paths(LocalSwarm)) == LocalSwarm(peers=5, trainers=2, full=1, steps=60)
+    assert from_arguments(LocalSwarm, args, "stages", peers=4) == LocalSwarm(peers=4)  # only the fields named
+    with pytest.raises(argparse.ArgumentError, match="at least 1"):
+        parser.parse_args(["--steps", "0"])
+    sim = field_parser(SimulationConfig).parse_args(["-k", "3", "--no-wire-zstd", "--routing", "sticky"])
+    assert from_arguments(SimulationConfig, sim, *cli_paths(SimulationConfig)) == SimulationConfig(
+        replicas=3, wire_zstd=False, routing="sticky"
+    )
+    with pytest.raises(argparse.ArgumentError, match="invalid choice"):
+        field_parser(SimulationConfig).parse_args(["--routing", "nowhere"])
+    with pytest.raises(ValueError, match="no command-line option"):
+        add_field_arguments(argparse.ArgumentParser(), TrainerOptions, "max_attempts")

@@ -28,6 +28,7 @@ from swarm.node.lifecycle import publish_metrics
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import Backward, Forward
 from swarmtest.clock import FakeClock
+from swarmtest.fakes import EchoBackend
 
 CFG = SwarmConfig()
 SUBKEY = b"12D3KooWPcjMuJ8nWHAyKLEq62rjpDURMtaXdxPyBdXn9iJs2QaG[owner:ssh-rsa AAAAB3NzaC1yc2E]"
@@ -191,25 +192,8 @@ def test_meter_publishes_a_trainers_window_and_staleness_from_its_progress_recor
     assert (meter.sample(status, tokens=0).window, meter.last.staleness_mean) == (4, None)
 
 
-class Echo:
-    """A stage server's compute: replies with a frame of ``reply_bytes``; fails when told to."""
-
-    def __init__(self, reply_bytes: int) -> None:
-        self.reply_bytes, self.fail = reply_bytes, False
-
-    async def forward(self, peer: PeerID, request: Forward) -> bytes:
-        if self.fail:
-            raise ConnectionError("gone")
-        return bytes(self.reply_bytes)
-
-    backward = forward  # type: ignore[assignment]  # the same reply either way
-
-    def info(self) -> dict[str, int]:
-        return {"forward": 1}
-
-
 def test_a_server_counts_requests_as_received_and_replies_as_sent_by_kind() -> None:
-    server, compute = Traffic(), Echo(reply_bytes=300)
+    server, compute = Traffic(), EchoBackend(reply_bytes=300, info={"forward": 1})
     backend = MeteredBackend(compute, server)
     peer = PeerID(b"trainer")
 
@@ -218,7 +202,7 @@ def test_a_server_counts_requests_as_received_and_replies_as_sent_by_kind() -> N
         await backend.forward(peer, Forward(mb="e", stage=1, prev_stage=0, x=bytes(50), train=False))
         await backend.backward(peer, Backward(mb="a", stage=1, grad=bytes(70)))
         await backend.backward(peer, Backward(mb="a", stage=1, grad=bytes(70), x=bytes(100)))  # input resent
-        compute.fail = True
+        compute.fail = ConnectionError("gone")
         with pytest.raises(ConnectionError):
             await backend.forward(peer, Forward(mb="b", stage=1, prev_stage=0, x=bytes(100)))
 

@@ -33,7 +33,7 @@ from swarm.outer.state import StageState, StateDecoder, stream_state, weights_ha
 from swarm.outer.threads import snapshot_weights
 from swarm.rpc.blobs import BlobClient, BlobServicer, Sink, TransferError, feed
 from swarmtest.clock import FakeClock, in_virtual_time
-from swarmtest.configs import outer_config
+from swarmtest.configs import sync_config
 from swarmtest.fakes import Hub, MemoryNet
 from swarmtest.replicas import ReplicaGroup
 
@@ -495,12 +495,6 @@ def test_round_timing_is_validated() -> None:
 
 
 # --- ReplicaSync: rounds, install and catch-up of whole replicas, on the same in-memory network -----------------------
-
-
-# replicas meet every 3 inner steps, their records read every 0.1 s: rounds in tenths of a second
-sync_config = functools.partial(
-    outer_config, timeouts=TimeoutConfig(rpc_s=0.5, matchmaking_s=0.5, announce_period_s=0.1, record_ttl_s=1.0)
-)
 
 
 def count_catch_ups(sync: ReplicaSync) -> list[float]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import time
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from peer.data import load_corpus
-from swarm.config import TimeoutConfig, TrainerOptions
+from swarm.config import TrainerOptions
 from swarm.dht.records import StageStatus
 from swarm.events import OuterRound, Progress, StateDownload, of_kind
 from swarm.node.config import PeerConfig
@@ -25,7 +24,7 @@ from swarm.pipeline.routing import Router
 from swarm.pipeline.trainer import Trainer
 from swarmtest.attacks import flip_backward
 from swarmtest.clock import in_virtual_time
-from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, outer_config, tiny_config
+from swarmtest.configs import DATA, FAST_TIMEOUTS, LOOPBACK_MADDRS, outer_config, sync_config, tiny_config
 from swarmtest.fakes import Hub, MemoryNet
 from swarmtest.node import BackgroundNode
 from swarmtest.replicas import ReplicaGroup
@@ -121,11 +120,6 @@ def test_a_member_leaves_out_of_its_round_a_payload_its_leader_took_from_a_peer_
     assert a.contributors == c.contributors == ("a", "b", "c") and a.leader == b.leader == "a"
     assert b.outcome == "done" and b.contributors == ("a", "b") and b.payloads == (b"payload of a", b"payload of b")
     assert not any(who == "b" and name.endswith("/c") for who, _, name in hub.fetches)  # never fetched
-
-
-sync_config = functools.partial(
-    outer_config, timeouts=TimeoutConfig(rpc_s=0.5, matchmaking_s=0.5, announce_period_s=0.1, record_ttl_s=1.0)
-)
 
 
 def test_a_replica_its_trainer_condemned_leaves_the_rounds_and_the_honest_replicas_complete_them() -> None:

@@ -35,6 +35,7 @@ from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate, ask_gates, explai
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.blobs import BlobClient, BlobServicer, TransferError
 from swarmtest.configs import FAST_TIMEOUTS, tiny_config
+from swarmtest.fakes import EchoBackend
 from swarmtest.node import BackgroundNode
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -51,19 +52,6 @@ class Shown:
 
     def certificate_bytes(self) -> bytes:
         return self.certificate
-
-
-class Echo:
-    """A stage backend that returns its input: these tests are about who gets served."""
-
-    async def forward(self, peer: object, request: Forward) -> bytes:
-        return request.x
-
-    async def backward(self, peer: object, request: Backward) -> bytes:
-        return request.grad
-
-    def info(self) -> dict:
-        return {}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +124,7 @@ def test_stage_rpcs_serve_certified_peers_only(
 
     async def scenario() -> None:
         host = await dht.replicate_p2p()
-        servicer = StageServicer(Echo(), stage=1, max_request_bytes=1 << 20, verifier=verifier)
+        servicer = StageServicer(EchoBackend(), stage=1, max_request_bytes=1 << 20, verifier=verifier)
         await servicer.add_p2p_handlers(host, namespace=swarm_id)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         clients = {

@@ -36,7 +36,7 @@ from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer
 from swarm.sim.centralized import evaluate, train_centralized
 from swarmtest.configs import RPC_BATCH, RPC_SEQ, RPC_WIDTH, rpc_config
-from swarmtest.fakes import CONTEXT, InProcessNetwork, request
+from swarmtest.fakes import CONTEXT, EchoBackend, InProcessNetwork, request
 
 B, T, D = RPC_BATCH, RPC_SEQ, RPC_WIDTH
 
@@ -100,31 +100,9 @@ def test_arbitrary_bytes_never_raise_anything_but_request_error(data: bytes) -> 
 # servicer
 
 
-class EchoBackend:
-    """Replies with the request's frame; raises what it is told to; can hold requests open."""
-
-    def __init__(self) -> None:
-        self.raise_next: Exception | None = None
-        self.gate = asyncio.Event()
-        self.gate.set()
-
-    async def forward(self, peer: object, req: Forward) -> bytes:
-        await self.gate.wait()
-        if self.raise_next is not None:
-            error, self.raise_next = self.raise_next, None
-            raise error
-        return req.x
-
-    async def backward(self, peer: object, req: Backward) -> bytes:
-        return req.grad
-
-    def info(self) -> dict:
-        return {"calls": 1}
-
-
 def test_servicer_replies_with_errors_and_keeps_serving() -> None:
     async def scenario() -> None:
-        backend = EchoBackend()
+        backend = EchoBackend(info={"calls": 1})
         servicer = StageServicer(backend, stage=1, max_request_bytes=4096)
         good = pack(Forward(mb="m", stage=1, prev_stage=0, x=b"frame"))
         for error, code in [

@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from compress.codecs import get_codec
@@ -19,12 +19,12 @@ from swarm.outer.claims import RecordBehind, StateClaim
 from swarm.outer.snapshots import SharedSnapshot
 from swarm.outer.state import unpack_state
 from swarm.outer.threads import snapshot_weights
-from swarm.pipeline.protocol import Backward, Forward, StageServicer, pack
+from swarm.pipeline.protocol import Forward, StageServicer, pack
 from swarm.rpc.blobs import CHUNK_BYTES, BlobClient, BlobRequest, BlobServicer, BlobStream, ServingLimits, TransferError
 from swarm.rpc.servicer import RequestError, pack_envelope
 from swarmtest.clock import FakeClock
 from swarmtest.configs import FAST_TIMEOUTS, outer_config
-from swarmtest.fakes import RandomStepHolder
+from swarmtest.fakes import EchoBackend, RandomStepHolder
 from swarmtest.replicas import ReplicaGroup
 
 STATE = b"s" * 1000  # a stage's state, as far as the service is concerned
@@ -408,33 +408,15 @@ def test_a_copy_no_download_holds_is_freed_and_taken_again() -> None:
 # ---- forwards: one identity holds at most its share of a stage server's requests ----
 
 
-class BlockingBackend:
-    """A stage backend whose every call waits for the test."""
-
-    def __init__(self) -> None:
-        self.release, self.calls = asyncio.Event(), 0
-
-    async def forward(self, peer: PeerID, request: Forward) -> bytes:
-        self.calls += 1
-        await self.release.wait()
-        return b"y"
-
-    async def backward(self, peer: PeerID, request: Backward) -> bytes:
-        return await self.forward(peer, Forward(mb="m", stage=1, prev_stage=0, x=b""))
-
-    def info(self) -> dict[str, Any]:
-        return {}
-
-
 def forward_request(mb: str) -> runtime_pb2.ExpertRequest:
     x = get_codec("fp32").encode(torch.randn(2, 8, 16))
     return runtime_pb2.ExpertRequest(metadata=pack(Forward(mb=mb, stage=1, prev_stage=0, x=x)))
 
 
 def test_one_identity_holds_at_most_its_share_of_a_stage_servers_requests() -> None:
-    backend = BlockingBackend()
+    backend = EchoBackend(held=True)  # every call waits for the test
     server = StageServicer(
-        backend,  # type: ignore[arg-type]
+        backend,
         stage=1,
         max_request_bytes=1 << 20,
         max_pending=8,
@@ -453,7 +435,7 @@ def test_one_identity_holds_at_most_its_share_of_a_stage_servers_requests() -> N
         ]
         await asyncio.sleep(0)
         assert server.pending == 8 and backend.calls == 8  # the others' places were kept
-        backend.release.set()
+        backend.gate.set()
         await asyncio.gather(*held, *others)
         assert server.pending == 0 and not server._held
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import pytest
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 import swarm.pipeline.protocol as protocol
 from compress.codecs import get_codec
@@ -32,6 +31,7 @@ from swarm.pipeline.protocol import (
 )
 from swarm.pipeline.server import StageServer
 from swarmtest.configs import LOOPBACK_MADDRS, tiny_config
+from swarmtest.fakes import EchoBackend
 
 REAL_BATCH, REAL_SEQ, REAL_D = 8, 1024, 768  # the 125m preset's width at microbatch 8 × 1024 tokens
 
@@ -97,22 +97,6 @@ def test_125m_shaped_boundary_tensors_cross_a_real_stage_server_both_ways(codec:
     assert server.counters["forward"] == 1 and server.counters["backward"] == 1
 
 
-class SlowBackend:
-    """Takes ``compute_s`` for a request (forever if None), then echoes its frame: a big microbatch on a slow CPU."""
-
-    def __init__(self, compute_s: float | None) -> None:
-        self.compute_s = compute_s
-
-    async def forward(self, peer: PeerID, request: Forward) -> bytes:
-        await asyncio.sleep(self.compute_s if self.compute_s is not None else 3600)
-        return Reply(request.x)
-
-    backward = forward
-
-    def info(self) -> dict[str, Any]:
-        return {}
-
-
 @pytest.mark.timeout(60)
 def test_a_streamed_call_outlives_its_timeout_while_the_server_computes_and_not_while_it_only_keeps_it_alive(
     monkeypatch: pytest.MonkeyPatch,
@@ -126,7 +110,7 @@ def test_a_streamed_call_outlives_its_timeout_while_the_server_computes_and_not_
     async def call(compute_s: float | None, request: Forward) -> tuple[Reply | Exception, float]:
         host, caller = await _loopback_pair()
         try:
-            servicer = StageServicer(SlowBackend(compute_s), stage=1, max_request_bytes=16 << 20)
+            servicer = StageServicer(EchoBackend(delay_s=compute_s), stage=1, max_request_bytes=16 << 20)
             await servicer.add_p2p_handlers(host, namespace="ns")
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -149,27 +133,11 @@ def test_a_streamed_call_outlives_its_timeout_while_the_server_computes_and_not_
     assert isinstance(hung, TimeoutError) and 3.5 < took < 10
 
 
-class BlowUpBackend:
-    """Answers every request with a frame far larger than the request's: a reply no size estimate foretold."""
-
-    def __init__(self, reply_bytes: int) -> None:
-        self.reply_bytes, self.calls = reply_bytes, 0
-
-    async def forward(self, peer: PeerID, request: Forward) -> bytes:
-        self.calls += 1
-        return Reply(b"\x01" * self.reply_bytes)
-
-    backward = forward
-
-    def info(self) -> dict[str, Any]:
-        return {}
-
-
 @pytest.mark.timeout(60)
 def test_a_unary_reply_over_the_limit_is_refused_at_once_said_at_warning_and_asked_again_by_stream(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    backend = BlowUpBackend(reply_bytes=6 << 20)
+    backend = EchoBackend(reply_bytes=6 << 20, fill=b"\x01")  # a reply no size estimate foretold
     small = Forward(mb="m", stage=1, prev_stage=0, x=get_codec("int8").encode(torch.randn(2, 8, 16)))
     assert not needs_stream(pack(small), small)  # the client goes unary: its estimate says the reply is small
 
