@@ -303,6 +303,7 @@ def stages_run(
     stages: int = 1,
     probe_rate: float = 0.0,
     outer_h: int = 0,
+    relay: bool = False,
 ) -> dict[str, Any]:
     """The trainer's val loss and tokens/s through three replicas of the last middle stage (``outer`` off: no round to
     wait for; with ``stages`` 2, one server of stage 1 before them); the third garbles every forward (random
@@ -380,7 +381,7 @@ def stages_run(
             noisy_backward(attacker)
         elif attack == "stage-collude":
             collude(attacker, servers[-2].call(lambda node: asyncio.sleep(0, node.role.holder)))
-        options = TrainerOptions(check_rate=check_rate, probe_rate=probe_rate)
+        options = TrainerOptions(check_rate=check_rate, probe_rate=probe_rate, relay=relay)
         trainer = PeerConfig(
             role="trainer",
             name="trainer",
@@ -657,10 +658,19 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     elif attack in STAGES | STAGES2 | STAGES_OUTER:
         # backward probes on at the check rate, unless undefended
         probe_rate = 0.0 if args.undefended else args.check_rate
-        stages = 2 if attack in STAGES2 else 1
+        stages = (
+            2 if attack in STAGES2 or args.relay else 1
+        )  # --relay: the attacked stage's input comes server to server
         outer_h = LATE_JOIN_H if attack in STAGES_OUTER else args.stage_outer_h
         result = stages_run(
-            name, args.steps, args.check_rate, args.seed, stages=stages, probe_rate=probe_rate, outer_h=outer_h
+            name,
+            args.steps,
+            args.check_rate,
+            args.seed,
+            stages=stages,
+            probe_rate=probe_rate,
+            outer_h=outer_h,
+            relay=args.relay,
         )
     elif attack in OUTER | OUTER3 | OUTER5:
         replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
@@ -700,6 +710,7 @@ def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dic
     command += ["--timeout", str(args.timeout), "--check-rate", str(args.check_rate), "--outer", args.outer]
     command += ["--stage-outer-h", str(args.stage_outer_h)]
     command += ["--undefended"] if args.undefended else []
+    command += ["--relay"] if args.relay else []
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -827,7 +838,8 @@ def main() -> None:
     add_field_arguments(parser, LocalSwarm, "steps", defaults={"steps": 60})  # every honest trainer and replica's
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
     parser.add_argument("--json", type=Path)
-    add_field_arguments(parser, TrainerOptions, "check_rate")  # the trainers' in stage-garbler/-silent
+    # the trainers' in stage-garbler/-silent; --relay: stage-* trainers send frames server to server (2 stages)
+    add_field_arguments(parser, TrainerOptions, "check_rate", "relay")
     parser.add_argument("--seeds", type=int, default=1, help="data seeds: each attack and its clean run once per seed")
     parser.add_argument("--clean-seeds", type=int, default=0, help="extra seeds of the clean runs only (their spread)")
     parser.add_argument(

@@ -196,6 +196,15 @@ class TrainerOptions:
             min=0.0,
         ),
     )
+    relay: bool = field(
+        default=False,
+        metadata=cli(
+            "Trainers: frames go server to server: each stage server sends its output on to the next hop and the "
+            "trainer only the path's ends (the trainer's link carries 2 frames a microbatch a way, not 2 per stage); "
+            "control, checks and probes stay with the trainer, and any relayed frame that goes wrong falls back to "
+            "the trainer's path for that hop.",
+        ),
+    )
     deadline_multiple: float = 4.0  # a hop's deadline: this × the server's recent p95 service time (deadlines.py)
     deadline_floor_s: float = 2.0  # the least time a hop gets
     deadline_misses: int = 2  # deadlines missed in a row (no success between) that ban a server, for a growing back-off

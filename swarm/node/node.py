@@ -41,7 +41,7 @@ from swarm.node.roles.full import FullRole
 from swarm.node.roles.stage_server import StageRole
 from swarm.node.roles.trainer import TrainerRole
 from swarm.outer.service import OuterService
-from swarm.pipeline.protocol import StageClient
+from swarm.pipeline.relay_rpc import RelayClient
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate
 from swarm.rpc.auth import encode_public_key
 
@@ -135,7 +135,7 @@ class Node:
         p2p = await dht.replicate_p2p()
         verifier = config.credentials.verifier if config.credentials else None
         await AdmissionGate(verifier).add_p2p_handlers(p2p, namespace=GATE_NAMESPACE)  # tells refused peers why
-        client = StageClient(p2p, namespace=cfg.swarm_id, credentials=config.credentials)
+        client = RelayClient(p2p, namespace=cfg.swarm_id, credentials=config.credentials)  # stage RPC and relay
         self.outer_service = OuterService(cfg, membership, p2p, verifier=verifier, certificate=client.certificate)
         await self.outer_service.servicer.add_p2p_handlers(p2p, namespace=cfg.swarm_id)
         if config.credentials is not None:

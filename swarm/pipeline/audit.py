@@ -37,6 +37,7 @@ Reply = tuple[torch.Tensor, torch.Tensor | None, bytes, Codec]  # decoded value,
 # what a backward's probe found: its gradient confirmed, contradicted, or not judged (no answer, the weights it was
 # taken on gone, the replies' rounding); a backward that needs no probe is "passed"
 ProbeOutcome = Literal["passed", "failed", "unjudged"]
+Plan = Literal["side", "wait"] | None  # an audit not taken, taken off the microbatch's path, or waited for
 # the trainer's loss for a microbatch's last boundary output h (B, T, d): its head, against ``mb.targets``
 LossOf = Callable[[Microbatch, torch.Tensor], Awaitable[float]]
 
@@ -87,17 +88,27 @@ class HopAudit:
         the true one through forwards checked at the sampled rate. It cannot tell a validation forward from a check's
         recompute (one id sequence), so such a server also fails as a checker. A microbatch with no targets (nothing
         to judge a loss by) is not checked."""
+        return await self.checked(self.check_plan(mb, peer), lambda: self._check(mb, request, codec, peer, y))
+
+    def check_plan(self, mb: Microbatch, peer: Peer) -> Plan:
+        """Whether a forward of ``peer`` is checked: not (None), off the path ("side") or before it lands ("wait").
+        Taken once the forward was answered: a relayed forward's frames are fetched by digest only for a check."""
         if mb.targets is None or self.checker.off:
-            return True
+            return None
         if not mb.train:
-            return await self._check(mb, request, codec, peer, y)
+            return "wait"
         if not self.checker.should_check(peer):
+            return None
+        return "wait" if self.checker.unproven(peer) else "side"
+
+    async def checked(self, plan: Plan, check: Callable[[], Awaitable[bool]]) -> bool:
+        """``check()`` as ``plan`` says (``check_plan``): whether the forward may land."""
+        if plan is None:
             return True
-        check = self._check(mb, request, codec, peer, y)
-        if not self.checker.unproven(peer):
-            self._side_job(check)
+        if plan == "side":
+            self._side_job(check())
             return True
-        return await check
+        return await check()
 
     async def backward(
         self, mb: Microbatch, hop: Hop, peer: Peer, grad: torch.Tensor, returned: torch.Tensor
@@ -106,13 +117,32 @@ class HopAudit:
         land ("passed"), or its probe failed or could not judge it (the backward goes to another replica if there is
         one: a server that dodges its probes never proves itself). Sampled ones are probed off the path once the
         server passed its first probes (then "passed" at once), else before they land."""
+        return await self.probed(self.probe_plan(mb, peer), lambda: self._probe(mb, hop, peer, grad, returned))
+
+    def probe_plan(self, mb: Microbatch, peer: Peer) -> Plan:
+        """Whether a backward of ``peer`` is probed: not (None), off the path ("side") or before it lands ("wait")."""
         if not mb.train or not self.probes.should_probe(peer) or not self._probeable(peer, mb.shape):
+            return None
+        return "side" if not self.probes.unproven(peer) else "wait"
+
+    async def probed(self, plan: Plan, probe: Callable[[], Awaitable[ProbeOutcome]]) -> ProbeOutcome:
+        """``probe()`` as ``plan`` says (``probe_plan``)."""
+        if plan is None:
             return "passed"
-        probe = self._probe(mb, hop, peer, grad, returned)
-        if not self.probes.unproven(peer):
-            self._side_job(probe)
+        if plan == "side":
+            self._side_job(probe())
             return "passed"
-        return await probe
+        return await probe()
+
+    async def probe(
+        self, mb: Microbatch, hop: Hop, peer: Peer, grad: torch.Tensor, returned: torch.Tensor
+    ) -> ProbeOutcome:
+        """The probe of ``peer``'s backward of ``hop`` (``_probe``), for a caller that took its plan itself."""
+        return await self._probe(mb, hop, peer, grad, returned)
+
+    async def check(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
+        """The check of ``peer``'s forward (``_check``), for a caller that took its plan itself."""
+        return await self._check(mb, request, codec, peer, y)
 
     def observe_loss(self, loss: float, path: list[Peer]) -> None:
         """A training microbatch's loss through ``path``'s servers: spikes make a path's servers suspect."""

@@ -30,6 +30,7 @@ from swarm.pipeline.audit import HopAudit, LossOf
 from swarm.pipeline.deadlines import DeadlineRule, Deadlines
 from swarm.pipeline.frames import Hop, LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.protocol import KEEPALIVE_S, Backward, Forward, needs_stream
+from swarm.pipeline.relay import MISSING_INPUT
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router
 from swarm.rpc.servicer import RemoteError, RequestError
 
@@ -51,6 +52,10 @@ class HopFailed(Exception):
 
 class CacheMiss(Exception):
     """The server no longer holds the microbatch's forward input."""
+
+
+class MissingInput(Exception):
+    """A call by reference found no delivered input (or not the frame committed): relaying.py falls back."""
 
 
 class RemoteStages:
@@ -134,11 +139,17 @@ class RemoteStages:
         """Cancel the audits under way."""
         await self.audit.close()
 
-    async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing) -> Outgoing:
+    async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing, *, elsewhere: bool = False) -> Outgoing:
         """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again. The one that
         answered may have it probed (``HopAudit.backward``): off the path once it passed its first probes, else before
-        it lands (a failed or unjudged one is redone on another replica; unjudged, it lands when none is left)."""
+        it lands (a failed or unjudged one is redone on another replica; unjudged, it lands when none is left).
+        ``elsewhere``: its server answered already (a relayed backward whose probe failed): another replica only."""
         peer, tried, resend = hop.peer, [hop.peer], False
+        if elsewhere:
+            if (other := self.other_replica(hop.stage, tried)) is None:
+                raise HopFailed(f"backward of stage {hop.stage}: no other replica")
+            peer, resend = other, True
+            tried.append(peer)
         unjudged: Outgoing | None = None  # the last reply whose probe could not judge it
         for _ in range(self.options.max_attempts):
             self.counters["resent_inputs"] += resend
@@ -187,6 +198,14 @@ class RemoteStages:
     ) -> tuple[torch.Tensor, torch.Tensor | None, bytes, Codec] | None:
         """One RPC, with the router and the link estimate told how it went: the reply (decoded, its token ids, the
         frame, its codec), or None to move on. ``codec``: the request's frame's; ``x_codec``: a resent input's."""
+        got = await self.exchange(mb, peer, request, codec, x_codec)
+        return None if got is None or got[1] is None else (got[1][1], got[1][2], got[0], got[1][0])
+
+    async def exchange(
+        self, mb: Microbatch, peer: Peer, request: Forward | Backward, codec: str, x_codec: str | None = None
+    ) -> tuple[bytes, tuple[Codec, torch.Tensor, torch.Tensor | None] | None] | None:
+        """``call``'s RPC: the reply and its decoding, None for a relayed reply (``Reply.sent``: its frame went on to
+        the next server); None to move on. ``MissingInput``: a call by reference whose input is not there."""
         stage, started = request.stage, time.perf_counter()
         if isinstance(request, Forward):
             kind, frame, resent = "activations", request.x, None
@@ -204,13 +223,17 @@ class RemoteStages:
             wire_and_server_s = time.perf_counter() - started  # the link's measure: our decode below is no part of it
             received = self._count(mb, counted, out, sent=False)
             # a bad reply is this server's fault, not the next hop's; one of another shape is refused from its header
-            reply_codec, value, tokens = await self.decode(kind, out, mb.shape)
+            relayed = getattr(out, "sent", None) is not None
+            decoded = None if relayed else await self.decode(kind, out, mb.shape)
         except TimeoutError:
             self._missed(stage, peer, timeout)
             return None
         except RemoteError as e:
             if e.code == RequestError.CACHE_MISS:
                 raise CacheMiss(str(e)) from None
+            if e.code == MISSING_INPUT:
+                self.counters["relay_missing_input"] += 1
+                raise MissingInput(str(e)) from None
             if e.code == RequestError.GONE:  # a probe's weights are gone: no one's fault, no failed hop (audit.py)
                 self.counters["probes_weights_gone"] += 1
                 return None
@@ -233,7 +256,7 @@ class RemoteStages:
         self.router.report_success(stage, peer, samples=mb.shape[0], seconds=elapsed)
         self.deadlines.observe(stage, peer, elapsed)
         self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
-        return value, tokens, out, reply_codec
+        return out, decoded
 
     async def decode(
         self, kind: str, frame: bytes, shape: tuple[int, ...]
@@ -278,7 +301,10 @@ class RemoteStages:
 
     def _count(self, mb: Microbatch, kind: str, frame: bytes, *, sent: bool, codec: str | None = None) -> int:
         """The one count of a trainer's wire traffic (and of the frames it sends by ``codec``); fp32_bytes: what the
-        same tensor would cost uncompressed. Returns the frame's bytes."""
+        same tensor would cost uncompressed. Returns the frame's bytes. A frame sent by reference or sent on by its
+        server (relaying.py: b"") crossed another link, not this one."""
+        if not frame:
+            return 0
         kind = kind if mb.train else "eval"  # validation traffic apart: per-token costs are of training
         (self.traffic.sent if sent else self.traffic.received)[kind] += len(frame)
         self.fp32_bytes[kind] += 4 * math.prod(mb.shape)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads stream handlers from typing's AsyncIterator only)
 
 import msgpack
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 
@@ -62,20 +62,30 @@ class Forward:
     mb: str  # microbatch id, unique per trainer
     stage: int  # the stage asked to compute
     prev_stage: int  # where the input comes from (0 = the embedding): tells servers the path order
-    x: bytes  # activation frame, (B, T, d)
+    x: bytes  # activation frame, (B, T, d); b"" when it comes by reference (``x_from``)
     train: bool = True  # False: evaluation, nothing is kept for backward
     # run on the weights a forward of this server reported (``Reply.weights``: outer installs, inner steps), not the
     # current ones: a backward probe's (probing.py), judging a gradient taken there. Refused once they are gone
     on_epoch: int | None = None
     on_step: int | None = None
+    # frames sent server to server (relay.py): the input was delivered by this peer, its frame hashing to ``x_digest``
+    # (of ``ref_bytes`` raw bytes, the reply's bound); the output goes to ``deliver_to``, the trainer told its digest
+    x_from: str | None = None
+    x_digest: bytes | None = None
+    ref_bytes: int = 0
+    deliver_to: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Backward:
     mb: str
     stage: int
-    grad: bytes  # frame of dLoss/d(output), (B, T, d)
+    grad: bytes  # frame of dLoss/d(output), (B, T, d); b"" when it comes by reference (``grad_from``)
     x: bytes | None = None  # the forward input again, when the server no longer holds it
+    grad_from: str | None = None  # as ``Forward.x_from``, ``x_digest``, ``ref_bytes``, ``deliver_to``
+    grad_digest: bytes | None = None
+    ref_bytes: int = 0
+    deliver_to: str | None = None
 
 
 def pack(message: Forward | Backward, certificate: bytes | None = None) -> bytes:
@@ -86,8 +96,10 @@ def max_reply_bytes(message: Forward | Backward) -> int:
     """The most a reply to ``message`` can take: a server replies in the codec and shape of the frame it was sent (the
     activations of a forward, the gradient of a backward), so its reply is at most that frame with its body stored
     raw (zstd may shrink the request far more than the reply: an embedding's int8 codes are few distinct rows)."""
+    if message.deliver_to is not None:  # its frame goes on to the next server: the reply holds its digest only
+        return REPLY_SLACK_BYTES
     frame = message.x if isinstance(message, Forward) else message.grad
-    return (raw_frame_bytes(frame) or len(frame)) + REPLY_SLACK_BYTES
+    return (raw_frame_bytes(frame) or len(frame) or message.ref_bytes) + REPLY_SLACK_BYTES
 
 
 def needs_stream(payload: bytes, message: Forward | Backward) -> bool:
@@ -114,12 +126,14 @@ class Reply(bytes):
     request (from taking it to the reply being ready, waiting for its compute thread included), how long it
     computed, and for a forward the weights it ran on ((outer installs, inner steps): a backward probe asks for them
     again, ``Forward.on_epoch``). Plain bytes to a caller that needs only the frame; a trainer times its links with
-    the rest (``compress/adaptive.py``). None where the server did not say (an older release)."""
+    the rest (``compress/adaptive.py``). None where the server did not say (an older release). A relayed reply
+    (``Forward.deliver_to``) is empty, and ``sent`` says what went on: ``Sent``."""
 
     codec: str | None
     server_s: float | None
     compute_s: float | None
     weights: tuple[int, int] | None
+    sent: Sent | None
 
     def __new__(
         cls,
@@ -129,10 +143,23 @@ class Reply(bytes):
         server_s: float | None = None,
         compute_s: float | None = None,
         weights: tuple[int, int] | None = None,
+        sent: Sent | None = None,
     ) -> Reply:
         reply = super().__new__(cls, frame)
         reply.codec, reply.server_s, reply.compute_s, reply.weights = codec, server_s, compute_s, weights
+        reply.sent = sent
         return reply
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a server sent on to the next server instead of replying with it: the frame's SHA-256 (its commitment:
+    the receiver computes on a frame of this digest or refuses, and the trainer fetches it by digest to check it),
+    its raw bytes (the next reply's bound) and whether the next server took it."""
+
+    digest: bytes
+    raw_bytes: int
+    delivered: bool
 
 
 _TIMINGS = ("server_s", "compute_s")
@@ -142,8 +169,18 @@ def _reply(frame: bytes) -> bytes:
     timings = {name: value for name in _TIMINGS if (value := getattr(frame, name, None)) is not None}
     weights = getattr(frame, "weights", None)
     at = {} if weights is None else {"epoch": weights[0], "step": weights[1]}
-    reply: bytes = msgpack.packb({"y": frame, **timings, **at}, use_bin_type=True)
+    sent: Sent | None = getattr(frame, "sent", None)
+    relayed = {} if sent is None else {"sent": [sent.digest, sent.raw_bytes, sent.delivered]}
+    reply: bytes = msgpack.packb({"y": frame, **timings, **at, **relayed}, use_bin_type=True)
     return reply
+
+
+def _sent(value: object) -> Sent | None:
+    if isinstance(value, list) and len(value) == 3:
+        digest, raw, delivered = value
+        if isinstance(digest, bytes) and len(digest) == 32 and type(raw) is int and raw >= 0:
+            return Sent(digest, raw, delivered is True)
+    return None
 
 
 def parse_reply(data: bytes) -> Reply:
@@ -159,6 +196,7 @@ def parse_reply(data: bytes) -> Reply:
             server_s=_seconds(body.get("server_s")),
             compute_s=_seconds(body.get("compute_s")),
             weights=weights,
+            sent=_sent(body.get("sent")),
         )
     if (error := remote_error(body)) is not None:
         raise error
@@ -221,6 +259,17 @@ class StageServicer(GuardedServicer):
         self.pending_per_peer = min(max_pending, (serving or ServingLimits()).pending_per_peer)
         self._held: Counter[PeerID] = Counter()  # of them, each peer's
         self.refused_held = 0  # requests refused busy: their peer held its most already
+        self.companions: list[ServicerBase] = []  # services opened and closed with it (relay_rpc.py's)
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, **kwargs: Any) -> None:
+        await super().add_p2p_handlers(p2p, wrapper, **kwargs)
+        for companion in self.companions:
+            await companion.add_p2p_handlers(p2p, **kwargs)
+
+    async def remove_p2p_handlers(self, p2p: P2P, **kwargs: Any) -> None:
+        await super().remove_p2p_handlers(p2p, **kwargs)
+        for companion in self.companions:
+            await companion.remove_p2p_handlers(p2p, **kwargs)
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         try:

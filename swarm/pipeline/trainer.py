@@ -41,6 +41,7 @@ from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.hops import HopFailed, RemoteStages, StageCalls
+from swarm.pipeline.relaying import RelayedHops
 from swarm.pipeline.routing import Peer, Router, path_length
 from swarm.pipeline.window import Departure, Window
 
@@ -123,6 +124,9 @@ class Trainer:
             device=device,
             loss_of=self._loss_of,
         )
+        self.relayed = RelayedHops(self.remote, calls) if self.options.relay else None  # type: ignore[arg-type]
+        if self.relayed is not None and not hasattr(calls, "fetch"):
+            raise ValueError("--relay needs stage calls that fetch relayed frames (a RelayClient)")
         # tokens of the training microbatches whose stage-0 gradients were taken on landing and not dropped since by
         # a download (``_drop_held_gradients``): counted on the edge thread, with the gradients
         self.tokens = 0
@@ -232,11 +236,17 @@ class Trainer:
             self.counters["skipped_hops"] += path_length(self.cfg.stages.num_stages, self.cfg.paths) - len(path)
             # the steps of swarm/model/step.py, with an RPC per middle-stage hop
             h0, departure = await self._run(self._embed, inputs)  # (B, T, d), holds the embedding's graph
-            hops, h = await self.remote.forward_path(mb, path, h0.detach(), inputs)
+            if self.relayed is not None:  # frames server to server (relaying.py)
+                relayed, h = await self.relayed.forward_path(mb, path, h0.detach(), inputs)
+                hops = [r.hop for r in relayed]
+            else:
+                hops, h = await self.remote.forward_path(mb, path, h0.detach(), inputs)
             loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
             self.remote.audit.observe_loss(loss, [hop.peer for hop in hops])  # spikes make a path's servers suspect
             outgoing = Outgoing(grad, None)
-            for hop in reversed(hops):
+            if self.relayed is not None:
+                outgoing = await self.relayed.backward_path(mb, relayed, outgoing)
+            for hop in reversed(hops if self.relayed is None else []):
                 outgoing = await self.remote.backward_hop(mb, hop, outgoing)
             grad = outgoing.value
             staleness = await self._run(self._land, departure, h0, grad, head_grads)

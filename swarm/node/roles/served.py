@@ -24,6 +24,7 @@ from swarm.node.lifecycle import ReplicaLifecycle
 from swarm.outer.state import StageState, weights_hash
 from swarm.pipeline.metering import MeteredBackend
 from swarm.pipeline.protocol import StageServicer
+from swarm.pipeline.relay_rpc import RelayBackend, RelayClient, RelayNode, RelayServicer, relay_limits
 from swarm.pipeline.server import StageServer, warm_up
 from swarm.recovery.checkfree import RECOVERY_LR_SCALE
 from swarm.recovery.rebuild import Rebuilt, save_rebuild
@@ -35,16 +36,22 @@ def stage_servicer(ctx: NodeContext, servers: Mapping[int, StageServer], traffic
     """The stage RPC handlers of the stages this peer serves (a stage server's one, a full peer's 1..S), their
     requests and replies counted into ``traffic``; one queue (``pending``) for them all, as they share a thread."""
     (stage, server), *others = servers.items()
-    credentials = ctx.peer_config.credentials
-    return StageServicer(
-        MeteredBackend(server, traffic),
+    credentials, rpc_s = ctx.peer_config.credentials, ctx.swarm_config.timeouts.rpc_s
+    verifier = credentials.verifier if credentials else None
+    # frames sent server to server (relay_rpc.py): a trainer's --relay asks for it, every server takes part
+    client = ctx.client if isinstance(ctx.client, RelayClient) else None
+    node = RelayNode(relay_limits(ctx.swarm_config), me=str(ctx.p2p.peer_id), client=client, push_timeout_s=rpc_s)
+    servicer = StageServicer(
+        RelayBackend(MeteredBackend(server, traffic), node),
         stage=stage,
         max_request_bytes=server.max_request_bytes,
         max_pending=ctx.peer_config.max_pending,
-        stream_timeout_s=ctx.swarm_config.timeouts.rpc_s,
-        verifier=credentials.verifier if credentials else None,
-        other_stages={other: MeteredBackend(backend, traffic) for other, backend in others},
+        stream_timeout_s=rpc_s,
+        verifier=verifier,
+        other_stages={other: RelayBackend(MeteredBackend(backend, traffic), node) for other, backend in others},
     )
+    servicer.companions.append(RelayServicer(node, traffic, verifier=verifier, stream_timeout_s=rpc_s))
+    return servicer
 
 
 class ServedStage:
