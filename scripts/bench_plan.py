@@ -230,7 +230,7 @@ def projection() -> list[dict[str, Any]]:
             p = predict(swarm)
             spanning = predict(replace(swarm, max_staleness=1, window=16))  # no bubble, a window that fills the pipe
             zstd = predict(replace(swarm, frames=zstd_frames(swarm.frames)))
-            relay = relay_what_if(swarm)  # frames server to server (issue 43 §3, not built)
+            relay = relay_what_if(swarm)  # frames server to server (--relay, issue 43 §3)
             rows.append(
                 {
                     "preset": preset,

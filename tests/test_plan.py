@@ -146,9 +146,9 @@ def test_a_window_within_the_inner_step_pays_a_round_trip_per_step() -> None:
     assert drained.step_s == pytest.approx(drained.round_trip_s + 3 * 0.5)
 
 
-def test_frames_relayed_server_to_server_leave_the_trainer_the_path_ends_and_cross_s_plus_1_links_a_way() -> None:
-    """Issue 43 §3's what-if: at S stages the trainer's link carries 2 frames a way instead of 2·S, the servers'
-    links what they carry today, and one microbatch crosses S + 1 links each way instead of making 2·S round trips."""
+def test_frames_relayed_server_to_server_leave_the_trainer_the_path_ends_and_cross_s_plus_1_links() -> None:
+    """Issue 43 §3 (--relay): at S stages the trainer's link carries 2 frames a way instead of 2·S, the servers' links
+    what they carry today, and a microbatch's frames cross S + 1 links each way instead of 4·S transfers."""
     for stages in (1, 2, 4):
         base = replace(
             swarm(up_mbit=10, stage_s=0.01),
@@ -164,7 +164,8 @@ def test_frames_relayed_server_to_server_leave_the_trainer_the_path_ends_and_cro
                 name = f"stage {s}'s {side}"
                 assert relay.resource(name).seconds == pytest.approx(called.resource(name).seconds)
         transfer_s = WIRE_OVERHEAD * 1_000_000 / (10 * MBIT)  # one frame over one 10 Mbit/s link
-        assert relay.round_trip_s == pytest.approx(0.01 + 0.01 * stages + 2 * (stages + 1) * (0.05 / 2 + transfer_s))
+        calls = 2 * (2 * stages - 1)  # per direction S calls of the trainer's and S − 1 pushes between servers
+        assert relay.round_trip_s == pytest.approx(0.01 + 0.01 * stages + calls * 0.05 + 2 * (stages + 1) * transfer_s)
         assert called.round_trip_s == pytest.approx(0.01 + 0.01 * stages + 2 * stages * (0.05 + 2 * transfer_s))
         # link-bound, the window spanning steps: S times the tokens, the servers' links as busy as the trainer's
         assert relay.tokens_per_s == pytest.approx(stages * called.tokens_per_s)

@@ -214,7 +214,7 @@ def plan_record(
 
 
 def relay_what_if(swarm: Swarm) -> dict[str, Any]:
-    """The same swarm with frames sent server to server (issue 43 §3, not built): tokens/s with the window as set and
+    """The same swarm with frames sent server to server (`--relay`, issue 43 §3): tokens/s with the window as set and
     with one spanning inner steps (enough in flight to fill the pipe), and what limits each."""
     relayed = replace(swarm, route="relay")
     p = predict(relayed)
@@ -272,7 +272,7 @@ def print_plan(
     )
     relay = relay_what_if(swarm)
     console.print(
-        f"frames server to server (not built yet): {relay['tokens_per_s']:,.0f} tokens/s ({relay['bottleneck']}); "
+        f"frames server to server (--relay): {relay['tokens_per_s']:,.0f} tokens/s ({relay['bottleneck']}); "
         f"with a window spanning inner steps {relay['spanning_tokens_per_s']:,.0f} ({relay['spanning_bottleneck']})"
     )
 

@@ -8,9 +8,11 @@ stage's compute and the trainer's own compute is a resource with a time per micr
 flight the slowest one sets the rate. The trainer keeps at most ``window`` in flight, and with ``max_staleness`` 0 it
 drains its window at every inner step, so each step also pays one microbatch's whole round trip (the bubble).
 
-``Swarm.route`` "relay" is a what-if (issue 43 §3, not built): a path's frames go server to server, so the trainer's
-link carries only the first stage's input and the last one's output (and their gradients), the servers' links carry
-what they carry today, and a microbatch crosses S + 1 links each way, one after another, instead of 2·S round trips.
+``Swarm.route`` "relay" is the trainer's ``--relay`` (issue 43 §3, ``swarm/pipeline/relaying.py``): a path's frames
+go server to server, so the trainer's link carries only the first stage's input and the last one's output (and their
+gradients), the servers' links carry what they carry today, and a microbatch's frames cross S + 1 links each way
+instead of 2·S; the trainer still calls every hop in turn (its control round trips), and each server's push to the
+next is a call of its own.
 
     >>> frames = Frames.uniform(stages=2, activation=6_299_689, gradient=6_299_689)  # int8 frames of 8 × 1024 × 768
     >>> link = Link.symmetric(parse_rate("100mbit"))
@@ -244,8 +246,8 @@ def link_resource(name: str, nbytes: int, rate: float, overhead: float) -> Resou
 
 def round_trip_s(swarm: Swarm) -> float:
     """One microbatch alone: the trainer's compute, and per hop (S forward, S backward) a round trip, the call's fixed
-    cost, the request's and the reply's transfer at the slower end of the link, and the server's compute; relayed, the
-    S + 1 transfers of each direction, each half a round trip and half a call's cost, and every stage's compute."""
+    cost, the request's and the reply's transfer at the slower end of the link, and the server's compute; relayed,
+    ``relayed_round_trip_s``."""
     f, c, net = swarm.frames, swarm.compute, swarm.network
     if swarm.route == "relay":
         return relayed_round_trip_s(swarm)
@@ -259,16 +261,19 @@ def round_trip_s(swarm: Swarm) -> float:
 
 
 def relayed_round_trip_s(swarm: Swarm) -> float:
-    """``round_trip_s`` when frames go server to server: forward trainer → stage 1 → … → stage S → trainer, backward
-    the other way, each transfer at the slower of its sender's uplink and its receiver's downlink."""
+    """``round_trip_s`` when frames go server to server, as ``--relay`` does it: the frames forward trainer → stage 1
+    → … → stage S → trainer and backward the other way, each at the slower of its sender's uplink and its receiver's
+    downlink; per direction S calls from the trainer (a round trip and a call's cost each: control, in sequence) and
+    S − 1 pushes from server to server (each a call of its own, which the sender's reply waits for)."""
     f, c, net = swarm.frames, swarm.compute, swarm.network
     first = min(net.trainer.up, net.server.down)  # the trainer's frame to the path's first (or last) server
     between = min(net.server.up, net.server.down)
     last = min(net.server.up, net.trainer.down)
     forward = (f.into[0] / first, *(f.out[s] / between for s in range(f.stages - 1)), f.out[-1] / last)
     backward = (f.grad_into[-1] / first, *(f.grad_out[s] / between for s in range(1, f.stages)), f.grad_out[0] / last)
-    hop_s = (net.rtt_s + net.call_overhead_s) / 2
-    return c.trainer + sum(c.stages) + 2 * (f.stages + 1) * hop_s + net.overhead * (sum(forward) + sum(backward))
+    calls = 2 * (f.stages + f.stages - 1)  # the trainer's calls and the servers' pushes, both directions
+    wire = net.overhead * (sum(forward) + sum(backward))
+    return c.trainer + sum(c.stages) + calls * (net.rtt_s + net.call_overhead_s) + wire
 
 
 def predict(swarm: Swarm, *, steps: int | None = None) -> Prediction:
