@@ -31,11 +31,11 @@ from typing import Any
 
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, Placement, local_config
-from swarm.config import SwarmConfig, derive_config
+from swarm.config import SwarmConfig, TrainerOptions, derive_config
 from swarm.events import Progress, of_kind, read_events
 from swarm.node.config import PeerConfig
 from swarm.plan.measure import Measured, measure
-from swarm.plan.model import Compute, Frames, Link, Network, Swarm, parse_rate, predict
+from swarm.plan.model import Compute, Frames, Link, Network, Route, Swarm, parse_rate, predict
 from swarm.plan.shapes import REFERENCE_RATES, codec_frames, reference_compute
 from swarmtest.bench import run_swarm
 from swarmtest.wanlab import WanLab, unsupported_reason
@@ -134,7 +134,13 @@ def parallel_capacity(cores: int, phase_s: float = 1.5, rounds: int = 3) -> floa
 
 
 def lab_swarm(
-    cfg: SwarmConfig, measured: Measured, cap_mbit: float, cores: int, effective: float, rtt_ms: float = 0.0
+    cfg: SwarmConfig,
+    measured: Measured,
+    cap_mbit: float,
+    cores: int,
+    effective: float,
+    rtt_ms: float = 0.0,
+    route: Route = "trainer",
 ) -> Swarm:
     """The model of the lab's swarm: its measured compute and frames, every link capped at ``cap_mbit``, all peers on
     ``cores`` cores worth ``effective`` cores alone (so each computation takes ``cores / effective`` times as long
@@ -150,6 +156,7 @@ def lab_swarm(
         window=PeerConfig().trainer.in_flight,
         microbatches_per_step=cfg.train.inner_batch // cfg.train.microbatch_size,
         host_cores=effective * slowdown,  # the contended computations on ``cores`` cores: solo work / effective
+        route=route,
     )
 
 
@@ -187,6 +194,7 @@ def in_run_prediction(record: dict[str, Any], run: Path, cores: int) -> dict[str
         window=PeerConfig().trainer.in_flight,
         microbatches_per_step=shape["inner_batch"] // shape["microbatch"],
         host_cores=cores,
+        route=record.get("route", "trainer"),
     )
     p = predict(swarm, steps=record["steps"])
     return {
@@ -197,14 +205,17 @@ def in_run_prediction(record: dict[str, Any], run: Path, cores: int) -> dict[str
     }
 
 
-def run_lab(cfg: SwarmConfig, steps: int, cap_mbit: float, out: Path, rtt_ms: float = 0.0) -> dict[str, Any]:
+def run_lab(
+    cfg: SwarmConfig, steps: int, cap_mbit: float, out: Path, rtt_ms: float = 0.0, route: Route = "trainer"
+) -> dict[str, Any]:
     layout = replace(LAYOUT, steps=steps)
     names = [name for name, _ in layout.servers()] + ["trainer-0"]
     with WanLab(caps_mbit=[cap_mbit] * len(names), rtts_ms=[rtt_ms] * len(names)) as lab:
         hosts = {
             name: Placement(prefix=tuple(lab.command(i, [])), host=lab.hosts[i].address) for i, name in enumerate(names)
         }
-        return run_swarm(local_config(cfg, layout), layout, None, out, place=hosts.__getitem__)
+        trainer = TrainerOptions(relay=route == "relay")
+        return run_swarm(local_config(cfg, layout), layout, None, out, place=hosts.__getitem__, trainer=trainer)
 
 
 def projection() -> list[dict[str, Any]]:
@@ -287,12 +298,12 @@ def print_projection(rows: list[dict[str, Any]]) -> None:
 
 def report(records: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'shape':<6} {'cap':>5} {'predicted':>9} {'measured':>9} {'ratio':>6} {'in-run':>7} {'ratio':>6} {'cores':>5}"
+        f"\n{'shape':<6} {'cap':>5} {'route':>7} {'predicted':>9} {'measured':>9} {'ratio':>6} {'in-run':>7} {'ratio':>6} {'cores':>5}"
         "  bottleneck"
     )
     for r in records:
         print(
-            f"{r['shape']:<6} {r['cap_mbit']:5g} {r['predicted_tokens_per_s']:9.0f} {r['measured_tokens_per_s']:9.0f} "
+            f"{r['shape']:<6} {r['cap_mbit']:5g} {r.get('route', 'trainer'):>7} {r['predicted_tokens_per_s']:9.0f} {r['measured_tokens_per_s']:9.0f} "
             f"{r['ratio']:6.2f} {r.get('in_run_predicted_tokens_per_s', float('nan')):7.0f} "
             f"{r.get('in_run_ratio', float('nan')):6.2f} {r['effective_cores']:5.2f}  {r['bottleneck']}"
         )
@@ -314,6 +325,13 @@ def main() -> int:
     parser.add_argument(
         "--rtt-ms", type=float, default=0.0, help="every peer's round-trip delay (two peers' round trip is this)"
     )
+    parser.add_argument(
+        "--routes",
+        nargs="+",
+        default=["trainer"],
+        choices=["trainer", "relay"],
+        help="each cap once per route: the trainer calls every stage (today), or --relay (frames server to server)",
+    )
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the lab's peers share")
     parser.add_argument("--projection-only", action="store_true", help="print the H200 projection, run no lab")
     parser.add_argument("--out", type=Path, help="keep every run's logs here")
@@ -325,7 +343,10 @@ def main() -> int:
     if args.reanalyse:
         data = json.loads(args.json.read_text())
         for r in data["records"]:
-            r |= in_run_prediction(r, args.out / f"{r['shape']}-{r['cap_mbit']:g}", data["cores"])
+            run = f"{r['shape']}-{r['cap_mbit']:g}" + (
+                "" if r.get("route", "trainer") == "trainer" else f"-{r['route']}"
+            )
+            r |= in_run_prediction(r, args.out / run, data["cores"])
         report(data["records"])
         args.json.write_text(json.dumps(data, indent=1))
         return 0
@@ -354,27 +375,31 @@ def main() -> int:
                 f"trainer {measured.compute.trainer:.3f} s per microbatch; frames {asdict(measured.frames)}",
                 flush=True,
             )
-            for cap in args.caps:
+            for cap, route in [(cap, route) for cap in args.caps for route in args.routes]:
                 effective = parallel_capacity(args.cores)
-                swarm = lab_swarm(cfg, measured, cap, args.cores, effective, args.rtt_ms)
+                swarm = lab_swarm(cfg, measured, cap, args.cores, effective, args.rtt_ms, route)
                 steps = max(4, min(args.max_steps, round(args.target_s / predict(swarm).step_s)))
                 p = predict(swarm, steps=steps)
                 load = os.getloadavg()[0]
-                print(f"  {shape} at {cap:g} Mbit/s: {steps} steps, predicted {p.tokens_per_s:.0f} tok/s", flush=True)
+                print(
+                    f"  {shape} at {cap:g} Mbit/s, {route}: {steps} steps, predicted {p.tokens_per_s:.0f} tok/s",
+                    flush=True,
+                )
                 started = time.perf_counter()
-                result = run_lab(cfg, steps, cap, root / f"{shape}-{cap:g}", args.rtt_ms)
+                run_dir = root / (f"{shape}-{cap:g}" + ("" if route == "trainer" else f"-{route}"))
+                result = run_lab(cfg, steps, cap, run_dir, args.rtt_ms, route)
                 measured_tps = result["tokens_per_s"]
                 record = {
                     "shape": shape,
                     "cap_mbit": cap,
+                    "route": route,
                     "rtt_ms": args.rtt_ms,
                     "steps": steps,
                     "predicted_tokens_per_s": p.tokens_per_s,
                     "measured_tokens_per_s": measured_tps,
                     "ratio": p.tokens_per_s / measured_tps,
                     "bottleneck": p.bottleneck,
-                    "predicted_bytes_per_token": (swarm.frames.trainer_sent + swarm.frames.trainer_received)
-                    / swarm.tokens,
+                    "predicted_bytes_per_token": sum(swarm.frames.trainer_link(route)) / swarm.tokens,
                     "measured_bytes_per_token": result["bytes_per_token"]["total"],
                     "codec_bytes_per_token": (lambda f: (f.trainer_sent + f.trainer_received) / swarm.tokens)(
                         codec_frames(cfg)
@@ -399,7 +424,7 @@ def main() -> int:
                         "stages": cfg.stages.num_stages,
                     },
                 }
-                record |= in_run_prediction(record, root / f"{shape}-{cap:g}", args.cores)
+                record |= in_run_prediction(record, run_dir, args.cores)
                 records.append(record)
                 print(
                     f"    measured {measured_tps:.0f} tok/s (ratio {record['ratio']:.2f}), "
