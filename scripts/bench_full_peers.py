@@ -35,7 +35,8 @@ from typing import Any
 
 from peer.data import load_corpus
 from peer.launch import READY_PREFIX, LocalSwarm, local_config
-from swarm.config import SwarmConfig, derive_config, load_config
+from swarm.config import SwarmConfig, derive_config
+from swarm.config_toml import load_config
 from swarm.events import Event, OuterRound, Serving, StateDownload
 from swarm.sim.simulate import SimulationConfig, simulate
 from swarmtest.bench import bench_config, read_peers, run_swarm

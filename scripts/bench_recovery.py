@@ -40,7 +40,8 @@ from typing import Any
 from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, TrainerOptions, save_config
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, TrainerOptions
+from swarm.config_toml import save_config
 from swarm.events import Event, Progress, Recovered, Rollback, of_kind, read_events
 from swarm.faults import FaultSchedule
 from swarm.model.stages import StagesConfig

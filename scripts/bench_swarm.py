@@ -37,7 +37,8 @@ from compress.codecs import CODEC_NAMES
 from optim.config import OUTER_METHODS
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config
-from swarm.config import SwarmConfig, load_config, parse_overrides
+from swarm.config import SwarmConfig, parse_overrides
+from swarm.config_toml import load_config
 from swarm.sim.centralized import train_centralized
 from swarmtest.bench import bench_config, run_swarm, window_options
 

@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from peer.launch import LocalSwarm
-from swarm.config import ConfigValue, SwarmConfig, load_config, parse_overrides
+from swarm.config import ConfigValue, SwarmConfig, parse_overrides
+from swarm.config_toml import load_config
 from swarm.events import Progress, of_kind
 from swarm.model.sizing import StageFootprint, model_parameters
 from swarmtest.bench import read_peers, swarm_summary

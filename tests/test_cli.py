@@ -19,15 +19,8 @@ from peer.launch import progress_line as peer_progress_line
 from peer.local_swarm import LocalSwarm
 from peer.progress import elapsed_and_eta, format_duration
 from swarm.cli_fields import config_argv
-from swarm.config import (
-    OUTER_CHOICES,
-    SwarmConfig,
-    TrainerOptions,
-    class_docs,
-    config_from_dict,
-    dumps_config,
-    load_config,
-)
+from swarm.config import OUTER_CHOICES, SwarmConfig, TrainerOptions, config_from_dict
+from swarm.config_toml import class_docs, dumps_config, load_config
 from swarm.dht.reachability import REACHABILITY_MODES
 from swarm.events import Stamp, TrainerProgress
 from swarm.faults import FaultSchedule
