@@ -19,7 +19,8 @@ import struct
 
 import torch
 
-from compress.codecs import _LOW_BIT, Codec, Packed, _as_checks, from_bytes, largest_value
+from compress.codec_base import Codec, Packed, as_checks, from_bytes, largest_value
+from compress.codecs import _LOW_BIT
 from compress.errors import MalformedFrame, ShapeMismatch
 from compress.wire import CodecId, Frame
 
@@ -104,7 +105,7 @@ class RotatedCodec(Codec):
         steps = (-_STEPS * torch.log2(fit / top)).round_().clamp_(0, _ZERO_ROW - 1)
         steps = torch.where(fit > 0, steps, float(_ZERO_ROW)).to(torch.uint8)
         reach = largest * self.reach(y.shape[1])  # the largest |value| the frame can decode to: finite, or refused
-        return Packed(meta=(top.reshape(1),), body=(steps, self._packed(codes)), source=x, checks=(_as_checks(reach),))
+        return Packed(meta=(top.reshape(1),), body=(steps, self._packed(codes)), source=x, checks=(as_checks(reach),))
 
     def reach(self, d: int) -> float:
         """The largest |decoded value| per unit of ``top``: the largest level, spread back over a block."""
