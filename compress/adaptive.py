@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.codecs import Codec
+from compress.codec_base import Codec
 from compress.errors import UnknownCodec
 from compress.wire import WireLimits, decode_frame, frame_codec_id, header_bytes, receiver_limits
 

@@ -18,7 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from compress.codecs import _LOW_BIT, Codec, IntCodec, Packed, from_bytes
+from compress.codec_base import Codec, Packed, from_bytes
+from compress.codecs import _LOW_BIT, IntCodec
 from compress.errors import MalformedFrame, ShapeMismatch
 from compress.wire import CodecId, Frame
 

@@ -19,7 +19,8 @@ import struct
 
 import torch
 
-from compress.codecs import _LOW_BIT, Codec, Packed, _as_checks, from_bytes, largest_value
+from compress.codec_base import Codec, Packed, as_checks, from_bytes, largest_value
+from compress.codecs import _LOW_BIT
 from compress.errors import MalformedFrame, ShapeMismatch
 from compress.wire import CodecId, Frame
 
@@ -41,9 +42,14 @@ def block_size(d: int) -> int:
     return min(d & -d, MAX_BLOCK) if d > 0 else 1
 
 
-@functools.cache
+# widths whose rotation is kept: the model's one width (a few, across models), never one per width a sender declares
+# (a stage server decodes a request before it checks its width against the model's, so a sender picks d)
+ROTATIONS_KEPT = 8
+
+
+@functools.lru_cache(maxsize=ROTATIONS_KEPT)
 def _rotation(d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(signs (d,), orthonormal Hadamard (B, B)) for width ``d``, on the CPU; made once per width."""
+    """(signs (d,), orthonormal Hadamard (B, B)) for width ``d``, on the CPU; made once per width (of the last few)."""
     signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(ROTATION_SEED + d)).float() * 2 - 1
     h = torch.ones(1, 1)
     while len(h) < block_size(d):
@@ -104,7 +110,7 @@ class RotatedCodec(Codec):
         steps = (-_STEPS * torch.log2(fit / top)).round_().clamp_(0, _ZERO_ROW - 1)
         steps = torch.where(fit > 0, steps, float(_ZERO_ROW)).to(torch.uint8)
         reach = largest * self.reach(y.shape[1])  # the largest |value| the frame can decode to: finite, or refused
-        return Packed(meta=(top.reshape(1),), body=(steps, self._packed(codes)), source=x, checks=(_as_checks(reach),))
+        return Packed(meta=(top.reshape(1),), body=(steps, self._packed(codes)), source=x, checks=(as_checks(reach),))
 
     def reach(self, d: int) -> float:
         """The largest |decoded value| per unit of ``top``: the largest level, spread back over a block."""
@@ -115,7 +121,8 @@ class RotatedCodec(Codec):
         n, d = codes.shape
         codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, -d % self.per_byte))
         shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=codes.device)
-        return (codes.reshape(n, -1, self.per_byte) << shifts).sum(2, dtype=torch.uint8)
+        # every size explicit: with no tokens (n = 0) a -1 could be any size, which torch refuses
+        return (codes.reshape(n, self.row_bytes(d), self.per_byte) << shifts).sum(2, dtype=torch.uint8)
 
     def validate(self, packed: Packed, checks: list[float]) -> bool:
         if not math.isfinite(checks[0]):
@@ -134,7 +141,8 @@ class RotatedCodec(Codec):
         steps = from_bytes(body[:n], torch.uint8, n, f"{self.name} scales")
         packed = from_bytes(body[n:], torch.uint8, n * self.row_bytes(d), f"{self.name} values")
         shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=body.device)
-        codes = ((packed.reshape(n, -1, 1) >> shifts) & (2**self.bits - 1)).reshape(n, -1)[:, :d]
+        width = self.row_bytes(d) * self.per_byte  # d, padded to whole bytes (explicit: n may be 0, see ``_packed``)
+        codes = ((packed.reshape(n, self.row_bytes(d), 1) >> shifts) & (2**self.bits - 1)).reshape(n, width)[:, :d]
         scales = top * torch.exp2(steps.float() / -_STEPS)
         scales = torch.where(steps == _ZERO_ROW, 0.0, scales)
         y = self.levels.to(body.device)[codes.long()] * scales[:, None]

@@ -107,7 +107,7 @@ class WireLimits:
     The defaults bound a receiver that knows nothing of the tensor it expects; every receiver of
     the swarm's own traffic knows more (``expected_shape``, the stage server's limits) and is
     tighter. 64 MiB holds a microbatch of 16 × 1024 tokens of width 1024 in fp32. ``max_abs`` is
-    checked on the decoded tensor (``compress.codecs``; by default only finiteness).
+    checked on the decoded tensor (``compress.codec_base``; by default only finiteness).
     """
 
     max_frame_bytes: int = 64 << 20  # the encoded frame as received
@@ -115,7 +115,7 @@ class WireLimits:
     max_meta_bytes: int = 64 << 10
     max_elements: int = 16 << 20  # elements of the declared tensor shape
     max_ndim: int = 8
-    max_abs: float = math.inf  # of a decoded value (compress/codecs.py, BOUNDARY_MAX_ABS)
+    max_abs: float = math.inf  # of a decoded value (compress/codec_base.py, BOUNDARY_MAX_ABS)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.codecs import Codec, get_codec
+from compress.codec_base import Codec
+from compress.codecs import get_codec
 from compress.errors import MalformedFrame
 from compress.wire import BytesLike
 from optim.inner import fused_kwargs

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from compress.codecs import Codec
+from compress.codec_base import Codec
 from compress.errors import WireError
 from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
 from compress.wire import BytesLike

@@ -16,7 +16,8 @@ from peer import logs
 from peer.data import DataError
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import Tokenizer, TokenizerError, config_and_tokenizer
-from swarm.config import SwarmConfig, load_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import load_config
 from swarm.errors import ConfigError
 from swarm.hardware import DEVICE_HELP
 from swarm.model.sizing import StageDoesNotFit

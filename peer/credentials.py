@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 
-from swarm.config import SwarmConfig, save_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import save_config
 from swarm.dht.identity import identity_peer_id, load_identity_key
 from swarm.rpc.auth import (
     Certificate,

@@ -38,7 +38,8 @@ from peer.data import Shard, load_corpus, resolve_paths
 from peer.local_swarm import LocalSwarm, local_config, peer_roles, stage0_file
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import check_tokenizer, load_tokenizer, tokenizer_for, with_tokenizer
-from swarm.config import SwarmConfig, load_config, save_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import load_config, save_config
 from swarm.events import Event, Progress, Spawned, StageProgress, Stamp, TrainerProgress, Training, of_kind, read_events
 from swarm.hardware import peak_gpu_memory
 from swarm.node.config import PeerConfig

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from compress.codecs import Codec, get_codec
+from compress.codec_base import Codec
+from compress.codecs import get_codec
 from peer.data import Corpus, load_corpus
 from swarm.config import SwarmConfig, derive_config
 from swarm.model.stages import EdgeStage, middle_stages

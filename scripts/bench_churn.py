@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from peer.launch import spawn_peer, stop_processes, wait_for_address
-from swarm.config import TrainerOptions, save_config
+from swarm.config import TrainerOptions
+from swarm.config_toml import save_config
 from swarm.events import Event, Metrics, Progress, of_kind, read_events
 from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config

@@ -33,7 +33,8 @@ import zstandard
 from hivemind.compression import CompressionInfo, Float16Compression, Uniform8BitQuantization
 from hivemind.proto import runtime_pb2
 
-from compress.codecs import get_codec, to_bytes
+from compress.codec_base import to_bytes
+from compress.codecs import get_codec
 from compress.sparseloco import SparseLoCoCodec, SparseLoCoState
 from compress.wire import decode_frame
 from optim.inner import clip_and_step, make_inner_optimizer

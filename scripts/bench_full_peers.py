@@ -36,7 +36,8 @@ from typing import Any
 from peer.data import load_corpus
 from peer.launch import READY_PREFIX, LocalSwarm, local_config
 from swarm.cli_fields import add_field_arguments
-from swarm.config import SwarmConfig, derive_config, load_config
+from swarm.config import SwarmConfig, derive_config
+from swarm.config_toml import load_config
 from swarm.events import Event, OuterRound, Serving, StateDownload
 from swarm.node.config import PeerConfig
 from swarm.sim.simulate import SimulationConfig, simulate

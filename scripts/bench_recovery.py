@@ -41,7 +41,8 @@ from compress.config import CodecConfig
 from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.launch import spawn_peer, stop_processes, wait_for_address
 from swarm.cli_fields import add_field_arguments
-from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, TrainerOptions, save_config
+from swarm.config import SwarmConfig, TimeoutConfig, TrainConfig, TrainerOptions
+from swarm.config_toml import save_config
 from swarm.events import Event, Progress, Recovered, Rollback, of_kind, read_events
 from swarm.faults import FaultSchedule
 from swarm.model.stages import StagesConfig

@@ -137,7 +137,8 @@ def one_start(size: str, *, join: list[str], threads: int, ignore_fit: bool, pro
 
     from peer import launch
     from swarm import node as node_module
-    from swarm.config import SwarmConfig, derive_config, save_config
+    from swarm.config import SwarmConfig, derive_config
+    from swarm.config_toml import save_config
     from swarm.model.sizing import StageFootprint
     from swarm.node.config import PeerConfig
 

@@ -38,7 +38,8 @@ from optim.config import OUTER_METHODS
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config
 from swarm.cli_fields import add_field_arguments, from_arguments
-from swarm.config import SwarmConfig, TrainerOptions, load_config, parse_overrides
+from swarm.config import SwarmConfig, TrainerOptions, parse_overrides
+from swarm.config_toml import load_config
 from swarm.node.config import PeerConfig
 from swarm.sim.centralized import train_centralized
 from swarmtest.bench import bench_config, run_swarm

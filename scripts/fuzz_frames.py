@@ -1,11 +1,17 @@
-"""Mutated frames through every receiver: activation codecs, SparseLoCo frames and the outer step's payloads.
+"""Mutated frames through every receiver: the boundary codecs, SparseLoCo frames and the outer step's payloads.
 
 Each case starts from a valid frame or payload and mutates it (bit flips, byte overwrites with
-extreme values, truncation, extension, splices of two frames, a random header). A receiver may
-refuse it with ``WireError``/``ValueError`` (a clear error, a strike against the sender) or accept
-it when the mutation left it valid; anything else raised is a crash. The outer step is driven
-through ``OuterOptimizer.apply`` with one honest and one mutated payload, as a round would, and
-its weights must stay finite. Peak traced memory is reported against the largest valid frame.
+extreme values, truncation, extension, splices of two frames, a random header). A boundary codec's
+frame is as often corrupted inside and sealed again with a valid checksum (``reseal``: its meta or
+body overwritten with NaN, inf or huge floats, truncated or extended, its shape or dtype changed),
+as a hostile sender would, so the codec's own decoding is reached, not only the frame's checks. A
+boundary codec may refuse a frame with ``WireError`` only (decoding bytes from strangers raises
+nothing else: compress/errors.py); each is decoded in turn as a trainer reads a reply (the shape it
+expects) and as a stage server reads a request (its limits, no shape). The outer receivers may
+refuse with ``WireError``/``ValueError`` (a clear error, a strike against the sender). A receiver
+may accept a frame the mutation left valid; anything else raised is a crash. The outer step is
+driven through ``OuterOptimizer.apply`` with one honest and one mutated payload, as a round would,
+and its weights must stay finite. Peak traced memory is reported against the largest valid frame.
 
     python scripts/fuzz_frames.py --cases 12000 --json docs/data/fuzz.json
 """
@@ -13,6 +19,7 @@ its weights must stay finite. Peak traced memory is reported against the largest
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -21,16 +28,43 @@ import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from compress.codec_base import BOUNDARY_MAX_ABS
 from compress.codecs import get_codec
 from compress.config import CodecConfig
+from compress.errors import WireError
+from compress.wire import DTYPES, WireLimits, decode_frame, encode_frame
 from optim.config import OuterOptimConfig
 from optim.factory import build_outer_optimizer
 
-ACTIVATION_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+# every stateless boundary codec: cast, int, rotated (compress/rotated.py), low-rank (compress/lowrank.py)
+BOUNDARY_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "rot4", "rot2", "rot1", "lowrank16", "lowrank32")
 SHAPE = (4, 32, 64)  # (B, T, d) of the activations a receiver expects
+# a stage server's bounds for a request of at most SHAPE (as swarm/pipeline/inbound.py's boundary_limits sets them)
+SERVER_LIMITS = WireLimits(
+    max_frame_bytes=4 * math.prod(SHAPE) + (64 << 10),
+    max_body_bytes=4 * math.prod(SHAPE) + (64 << 10),
+    max_elements=math.prod(SHAPE),
+    max_ndim=3,
+    max_abs=BOUNDARY_MAX_ABS,
+)
+# floats a hostile sender writes into a scale, a basis or a value: not finite, huge, negative, zero, subnormal
+EXTREME_FLOATS = (math.nan, math.inf, -math.inf, 3.0e38, -1.0, 0.0, 1.0e-45, 65504.0, 1.0e30)
+EXTREME_DIMS = (0, 1, 2, 63, 65, 4096, 1 << 20, 1 << 31, (1 << 32) - 1)
+MAX_FITTED_BODY = 4 << 20  # ``reseal`` fits a body to a changed shape up to this size
+
+
+@dataclass(frozen=True)
+class Receiver:
+    name: str
+    frame: bytes  # a valid frame (or payload) to mutate
+    receive: Callable[[bytes], object]
+    refusals: tuple[type[Exception], ...]  # the clear errors: what a refusal may raise; anything else is a crash
+    # a single frame: mutated inside as often as outside (``reseal``), given the meta + body bytes a shape needs
+    payload_bytes: Callable[[tuple[int, ...]], int] | None = None
 
 
 def mutate(frame: bytes, other: bytes, rng: random.Random) -> bytes:
@@ -56,16 +90,85 @@ def mutate(frame: bytes, other: bytes, rng: random.Random) -> bytes:
     return bytes(data)
 
 
-def activation_receivers() -> list[tuple[str, bytes, Callable[[bytes], object]]]:
+def corrupt(part: bytearray, rng: random.Random) -> bytearray:
+    """One random corruption of a frame's meta or body: bit flips, an extreme float (fp32, fp16 or bf16) at an aligned
+    offset, extreme bytes, truncation or extension."""
+    kind = rng.randrange(5)
+    if kind == 0 and part:
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(len(part))
+            part[i] ^= 1 << rng.randrange(8)
+    elif kind == 1:
+        value = torch.tensor([rng.choice(EXTREME_FLOATS)]).to(
+            rng.choice((torch.float32, torch.float16, torch.bfloat16))
+        )
+        coded = value.view(torch.uint8).numpy().tobytes()  # (beyond fp16's range: inf)
+        i = rng.randrange(0, len(part) + 1, len(coded))
+        part[i : i + len(coded)] = coded
+    elif kind == 2 and part:
+        i = rng.randrange(len(part))
+        part[i : i + rng.randint(1, 8)] = bytes([rng.choice((0x00, 0x7F, 0x80, 0xFF))] * rng.randint(1, 8))
+    elif kind == 3:
+        del part[rng.randrange(len(part) + 1) :]
+    else:
+        part += rng.randbytes(rng.randint(1, 64))
+    return part
+
+
+def reseal(frame: bytes, payload_bytes: Callable[[tuple[int, ...]], int], rng: random.Random) -> bytes:
+    """``frame`` corrupted inside (its meta, body, shape or dtype) and sealed again: checksum and sizes valid, so the
+    frame's checks pass and the codec's own decoding meets the corruption. A changed shape comes as often with the
+    body its codec needs for it (``payload_bytes``: meta + body), where that is at most MAX_FITTED_BODY bytes."""
+    f = decode_frame(frame)
+    meta, body, shape, dtype = bytearray(f.meta), bytearray(f.body), list(f.shape), f.dtype
+    part = rng.randrange(4)
+    if part == 0:
+        meta = corrupt(meta, rng)
+    elif part == 1:
+        body = corrupt(body, rng)
+    elif part == 2:  # a dim changed, added or dropped
+        i, op = rng.randrange(len(shape) + 1), rng.randrange(3)
+        if op == 0 and i < len(shape):
+            shape[i] = rng.choice(EXTREME_DIMS)
+        elif op == 1:
+            shape.insert(i, rng.choice(EXTREME_DIMS))
+        elif shape:
+            del shape[min(i, len(shape) - 1)]
+        needed = payload_bytes(tuple(shape)) - len(meta)
+        if rng.random() < 0.5 and 0 <= needed <= MAX_FITTED_BODY:
+            body = (body + bytearray(needed))[:needed]
+    else:
+        dtype = rng.choice(DTYPES)
+    return encode_frame(f.codec_id, bytes(body), dtype=dtype, shape=tuple(shape), meta=bytes(meta))
+
+
+def boundary_receivers() -> list[Receiver]:
+    """Each boundary codec's decode, as a trainer (its expected shape) and a stage server (its limits) call it, in
+    turn; it may refuse with ``WireError`` only, and what it accepts must be finite and within ``BOUNDARY_MAX_ABS``."""
     x = torch.randn(SHAPE)
     out = []
-    for name in ACTIVATION_CODECS:
+    for name in BOUNDARY_CODECS:
         codec = get_codec(name)
-        out.append((f"activations/{name}", codec.encode(x), lambda f, c=codec: c.decode(f, expected_shape=SHAPE)))
+        sides = itertools.cycle(("trainer", "server"))
+
+        def receive(frame: bytes, codec=codec, sides=sides) -> object:
+            if next(sides) == "trainer":
+                y = codec.decode(frame, expected_shape=SHAPE, limits=WireLimits(max_abs=BOUNDARY_MAX_ABS))
+            else:
+                y = codec.decode(frame, limits=SERVER_LIMITS)
+            if not (y.dtype == torch.float32 and y.numel() <= math.prod(SHAPE) and all_within(y)):
+                raise AssertionError(f"{codec.name} accepted a tensor it should refuse: {y.dtype} {tuple(y.shape)}")
+            return "used"
+
+        out.append(Receiver(f"activations/{name}", codec.encode(x), receive, (WireError,), codec.payload_bytes))
     return out
 
 
-def outer_receivers() -> list[tuple[str, bytes, Callable[[bytes], object]]]:
+def all_within(y: torch.Tensor) -> bool:
+    return y.numel() == 0 or float(y.abs().max()) <= BOUNDARY_MAX_ABS  # (NaN fails too)
+
+
+def outer_receivers() -> list[Receiver]:
     """(name, a valid payload, receive) for DiLoCo, SparseLoCo and NoLoCo rounds of a small stage."""
     torch.manual_seed(0)
     stage = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 64))
@@ -94,7 +197,7 @@ def outer_receivers() -> list[tuple[str, bytes, Callable[[bytes], object]]]:
                 raise AssertionError(f"{method}: a mutated payload made the weights non-finite")
             return "dropped" if 1 in screening.dropped else "used"
 
-        out.append((f"outer/{method}", valid, receive))
+        out.append(Receiver(f"outer/{method}", valid, receive, (ValueError, KeyError)))  # WireError, ConfigError too
     return out
 
 
@@ -106,28 +209,41 @@ def main() -> None:
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # every dropped payload logs a warning; the counts say it
     rng = random.Random(args.seed)
-    receivers = activation_receivers() + outer_receivers()
-    outcomes: dict[str, Counter[str]] = {name: Counter() for name, _, _ in receivers}
+    receivers = boundary_receivers() + outer_receivers()
+    outcomes: dict[str, Counter[str]] = {r.name: Counter() for r in receivers}
     crashes: list[str] = []
     tracemalloc.start()
     started = time.perf_counter()
     for case in range(args.cases):
-        name, frame, receive = receivers[case % len(receivers)]
-        _, other, _ = receivers[rng.randrange(len(receivers))]
+        receiver = receivers[case % len(receivers)]
+        other = receivers[rng.randrange(len(receivers))].frame
+        resealed = receiver.payload_bytes is not None and rng.random() < 0.5
+        if receiver.payload_bytes is not None and resealed:
+            mutated = reseal(receiver.frame, receiver.payload_bytes, rng)
+        else:
+            mutated = mutate(receiver.frame, other, rng)
         try:
-            verdict = receive(mutate(frame, other, rng))  # outer rounds drop a bad payload and go on: "dropped"
-            outcomes[name]["refused: dropped from the round" if verdict == "dropped" else "accepted"] += 1
-        except (ValueError, KeyError) as e:  # WireError and ConfigError are ValueErrors: refused with a reason
-            outcomes[name][f"refused: {type(e).__name__}"] += 1
+            verdict = receiver.receive(mutated)  # outer rounds drop a bad payload and go on: "dropped"
+            outcomes[receiver.name]["refused: dropped from the round" if verdict == "dropped" else "accepted"] += 1
+        except receiver.refusals as e:  # refused with a reason
+            outcomes[receiver.name][f"refused: {type(e).__name__}"] += 1
         except Exception as e:  # noqa: BLE001 — anything else is a crash of the receiver
-            outcomes[name]["CRASH"] += 1
-            crashes.append(f"{name}: {type(e).__name__}: {e}")
+            outcomes[receiver.name]["CRASH"] += 1
+            crashes.append(f"{receiver.name}{' (resealed)' if resealed else ''}: {type(e).__name__}: {e}")
     peak_mb = tracemalloc.get_traced_memory()[1] / 2**20
-    largest = max(len(frame) for _, frame, _ in receivers) / 2**20
-    print(f"{'receiver':<22} {'cases':>6} {'accepted':>8} {'refused':>8} {'crashes':>7}")
+    largest = max(len(r.frame) for r in receivers) / 2**20
+    # past the checksum: refused by the frame's sizes or by the codec (a resealed frame always gets this far)
+    print(f"{'receiver':<22} {'cases':>6} {'accepted':>8} {'refused':>8} {'crashes':>7} {'past checksum':>13}")
     for name, counts in outcomes.items():
         refused = sum(v for k, v in counts.items() if k.startswith("refused"))
-        print(f"{name:<22} {sum(counts.values()):>6} {counts['accepted']:>8} {refused:>8} {counts['CRASH']:>7}")
+        past = (
+            refused
+            - counts["refused: ChecksumMismatch"]
+            - counts["refused: BadMagic"]
+            - counts["refused: TruncatedFrame"]
+        )
+        shown = f"{past:>13}" if name.startswith("activations/") else f"{'—':>13}"  # outer refusals have no type here
+        print(f"{name:<22} {sum(counts.values()):>6} {counts['accepted']:>8} {refused:>8} {counts['CRASH']:>7} {shown}")
     print(
         f"{args.cases} cases in {time.perf_counter() - started:.0f}s; {len(crashes)} crashes; traced peak {peak_mb:.1f} MB (largest valid frame {largest:.2f} MB)"
     )

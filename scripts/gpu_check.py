@@ -50,7 +50,8 @@ from typing import Any
 
 from peer.launch import LocalSwarm
 from swarm.cli_fields import add_field_arguments
-from swarm.config import ConfigValue, SwarmConfig, load_config, parse_overrides
+from swarm.config import ConfigValue, SwarmConfig, parse_overrides
+from swarm.config_toml import load_config
 from swarm.events import Progress, of_kind
 from swarm.model.sizing import StageFootprint, model_parameters
 from swarm.node.config import PeerConfig

@@ -1,34 +1,26 @@
-"""The swarm config: one tree of keyword-only dataclasses, TOML in and out, a stable hash, and its derivation rules.
+"""The swarm config: one tree of keyword-only dataclasses, built from nested dicts, a stable hash, and its derivation rules.
 
 ``SwarmConfig`` composes each component's config (model, stages, codecs, optimizers, paths); its ``hash()`` is
 part of every DHT key, so peers with different configs never mix, and a section's ``ConfigError`` names the full
-dotted path. What the hash leaves out and why: docs/architecture.md, the swarm config.
+dotted path. What the hash leaves out and why: docs/architecture.md, the swarm config. The tree as TOML text (files,
+the DHT's record, `swarmloco config show`): ``swarm/config_toml.py``.
 
-    >>> save_config(cfg := SwarmConfig(), "swarm.toml"); assert load_config("swarm.toml") == cfg  # fields commented
+    >>> derive_config(SwarmConfig(), {"model.preset": "125m"}, outer="diloco").swarm_id  # 'swarmloco-<16 hex digits>'
 """
 
 from __future__ import annotations
 
-import ast
 import base64
 import dataclasses
 import functools
 import hashlib
-import inspect
-import io
 import json
 import re
-import textwrap
-import tokenize
-import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
-
-import tomli_w
+from typing import Any, Literal, TypeVar, get_args
 
 from compress.config import CodecConfig, check_choices, check_positive, choice_problem
 from optim.config import (
@@ -43,9 +35,6 @@ from swarm.errors import ConfigError
 from swarm.hardware import Precision
 from swarm.model.stages import StagesConfig
 from swarm.model.transformer import PRESET_INNER, PRESETS, ModelConfig
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 D = TypeVar("D")  # a config section's dataclass
 ConfigValue = str | int | float | bool  # a leaf of the tree, as TOML and the command line give it
@@ -224,11 +213,6 @@ class TrainerOptions:
             raise ValueError(f"trainer options must be positive (eval_every, max_staleness non-negative), got {self}")
 
 
-# fields a run derives unless the config sets them (``follow_run``): the commented TOML writes them commented out while
-# they hold their default, so a file that `swarmloco config show` printed leaves them to the run (and loads back alike)
-LEFT_TO_THE_RUN = frozenset({"inner.total_steps"})
-
-
 @dataclass(kw_only=True)
 class SwarmConfig:
     name: str = "swarmloco"  # letters, digits, '-' and '_'; the swarm id is <name>-<hash of this config>
@@ -347,21 +331,8 @@ def preset_fields(preset: object) -> dict[str, dict[str, Any]]:
 
 def follow_run(cfg: SwarmConfig, steps: int, *, schedule_set: bool) -> SwarmConfig:
     """``cfg`` for a run of ``steps`` inner steps (``local``, ``train-local``): its cosine schedule as long as the run,
-    unless the config sets ``inner.total_steps`` itself (``schedule_set``; ``sets_field`` reads that in a file)."""
+    unless the config sets ``inner.total_steps`` itself (``schedule_set``; ``config_toml.sets_field`` reads that in a file)."""
     return cfg if schedule_set else derive_config(cfg, {"inner.total_steps": steps})
-
-
-def sets_field(path: str | Path | None, field: str) -> bool:
-    """Whether the config file at ``path`` (None: the built-in config, which sets nothing) gives dotted ``field`` itself,
-    rather than leaving it to its default, its preset or the run."""
-    if path is None:
-        return False
-    table: object = tomllib.loads(Path(path).read_text())
-    for name in field.split("."):
-        if not isinstance(table, dict) or name not in table:
-            return False
-        table = table[name]
-    return True
 
 
 def parse_overrides(pairs: Iterable[str]) -> dict[str, ConfigValue]:
@@ -472,96 +443,3 @@ def _check_scalar(value: object, hint: object, path: str) -> object:
 
 def config_from_dict(data: dict[str, Any]) -> SwarmConfig:
     return from_dict(SwarmConfig, data)
-
-
-def load_config(path: str | Path) -> SwarmConfig:
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError("<file>", f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("<file>", f"{path} is not valid TOML: {e}") from None
-    return config_from_dict(data)
-
-
-def dumps_config(cfg: SwarmConfig, *, commented: bool = False) -> str:
-    """The config as TOML: bare (the DHT's config record), or ``commented``, each section's and field's meaning above it
-    (``class_docs``), a ``Literal`` field's choices too: what swarm.toml holds and ``swarmloco config show`` prints.
-    Either loads back (``load_config``) as ``cfg``."""
-    if not commented:
-        return tomli_w.dumps(cfg.to_dict())
-    lines = _comment(
-        f"swarmloco swarm config. Every peer of swarm {cfg.swarm_id} runs it: the id is the name and a hash of the "
-        "fields below, so a peer with any other value is in another swarm. A field left out takes its default "
-        "(`swarmloco config show` prints them all)."
-    )
-    lines.append("")
-    _commented_table(cfg, (), lines)
-    return "\n".join(lines) + "\n"
-
-
-def save_config(cfg: SwarmConfig, path: str | Path) -> None:
-    """Write ``cfg`` to ``path`` as commented TOML (``dumps_config``)."""
-    Path(path).write_text(dumps_config(cfg, commented=True))
-
-
-@functools.cache
-def class_docs(cls: type) -> tuple[str, dict[str, str]]:
-    """The meaning of config section ``cls`` (its docstring) and of each of its fields: the comment lines right above the
-    field and the comment on its own line(s), read from the source (the one place they are written; Python gives
-    dataclass fields no docstrings). ("", {}) where the source cannot be read."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return "", {}
-    comments: dict[int, tuple[str, bool]] = {}  # line -> (text, whether the comment is all its line holds)
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            alone = not token.line[: token.start[1]].strip()
-            comments[token.start[0]] = (token.string.lstrip("#").strip(), alone)
-    (node,) = ast.parse(source).body
-    assert isinstance(node, ast.ClassDef)
-    docs: dict[str, str] = {}
-    for statement in node.body:
-        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
-            continue
-        above: list[str] = []
-        line = statement.lineno - 1
-        while line in comments and comments[line][1]:
-            above.insert(0, comments[line][0])
-            line -= 1
-        end = statement.end_lineno or statement.lineno
-        beside = [comments[n][0] for n in range(statement.lineno, end + 1) if n in comments]
-        if text := " ".join(above + beside):
-            docs[statement.target.id] = text
-    return " ".join((ast.get_docstring(node) or "").split()), docs
-
-
-def _commented_table(section: DataclassInstance, path: tuple[str, ...], lines: list[str]) -> None:
-    """Append dataclass ``section`` (at ``path`` in the tree) as TOML, each field's meaning above it: its own fields
-    first, then its sections (TOML puts a table's keys before its sub-tables)."""
-    cls = type(section)
-    doc, docs = class_docs(cls)
-    hints = typing.get_type_hints(cls)
-    if path:
-        lines += ["", *_comment(doc), f"[{'.'.join(path)}]"]
-    sections: list[tuple[str, DataclassInstance]] = []
-    for f in dataclasses.fields(cls):
-        value = getattr(section, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            sections.append((f.name, value))
-            continue
-        lines += _comment(docs.get(f.name, ""))
-        if typing.get_origin(hints[f.name]) is Literal:
-            lines += _comment(f"one of: {', '.join(map(str, get_args(hints[f.name])))}")
-        line = tomli_w.dumps({f.name: value}).rstrip("\n")
-        left_to_run = ".".join((*path, f.name)) in LEFT_TO_THE_RUN and value == f.default
-        lines.append(f"# {line}" if left_to_run else line)
-    for name, value in sections:
-        _commented_table(value, (*path, name), lines)
-
-
-def _comment(text: str, width: int = 100) -> list[str]:
-    """``text`` as TOML comment lines (its ``code`` spans in Markdown's single backticks)."""
-    return [f"# {line}" for line in textwrap.wrap(text.replace("``", "`"), width - 2)]

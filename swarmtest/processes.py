@@ -27,7 +27,8 @@ from typing import TypeVar, overload
 import pytest
 
 from peer.launch import REPO_ROOT, spawn_peer, stop_processes, wait_for_address
-from swarm.config import SwarmConfig, save_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import save_config
 from swarm.dht.membership import Membership
 from swarm.dht.process import SwarmDHT
 from swarm.events import E, Event, OuterRound, Progress, StateDownload, StateServed, TrainerProgress

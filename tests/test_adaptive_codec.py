@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from compress.adaptive import Ladder, LinkEstimate, LinkEstimator, choose_codec, frame_bytes
-from compress.codecs import BOUNDARY_MAX_ABS, get_codec
+from compress.codec_base import BOUNDARY_MAX_ABS
+from compress.codecs import get_codec
 from compress.errors import ShapeMismatch, UnknownCodec, WireError
 from swarm.config import SwarmConfig, TrainerOptions
 from swarm.dht.metrics import Meter

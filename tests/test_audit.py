@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from compress.codecs import Codec
+from compress.codec_base import Codec
 from swarm.config import TrainerOptions
 from swarm.dht.records import StageStatus
 from swarm.pipeline.audit import HopAudit

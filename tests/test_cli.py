@@ -20,15 +20,8 @@ from peer.launch import progress_line as peer_progress_line
 from peer.local_swarm import LocalSwarm
 from peer.progress import elapsed_and_eta, format_duration
 from swarm.cli_fields import add_field_arguments, argument_values, cli_paths, config_argv, from_arguments
-from swarm.config import (
-    OUTER_CHOICES,
-    SwarmConfig,
-    TrainerOptions,
-    class_docs,
-    config_from_dict,
-    dumps_config,
-    load_config,
-)
+from swarm.config import OUTER_CHOICES, SwarmConfig, TrainerOptions, config_from_dict
+from swarm.config_toml import class_docs, dumps_config, load_config
 from swarm.dht.reachability import REACHABILITY_MODES
 from swarm.events import Stamp, TrainerProgress
 from swarm.faults import FaultSchedule

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from optim.config import OuterOptimConfig
 from peer.launch import LocalSwarm, local_config
-from swarm.config import SwarmConfig, save_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import save_config
 from swarm.events import OuterRound, Progress, of_kind, read_events
 from swarm.model.transformer import Transformer
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint

@@ -12,7 +12,8 @@ import pytest
 
 from peer.credentials import create_swarm, invite, new_identity, peer_id_of_identity, revoke
 from peer.status import format_status
-from swarm.config import SwarmConfig, TimeoutConfig, save_config
+from swarm.config import SwarmConfig, TimeoutConfig
+from swarm.config_toml import save_config
 from swarm.node.config import PeerConfig
 from swarmtest.configs import DATA, tiny_config
 from swarmtest.processes import Swarm, swarmloco

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compress.adaptive import Ladder
-from compress.codecs import BOUNDARY_MAX_ABS, CODEC_NAMES, Codec, all_finite, get_codec
+from compress.codec_base import BOUNDARY_MAX_ABS, Codec, all_finite
+from compress.codecs import CODEC_NAMES, get_codec
 from compress.errors import LimitExceeded, MalformedFrame, NonFiniteValues, ShapeMismatch, UnknownCodec, WireError
 from compress.sparseloco import SparseLoCoCodec
 from compress.wire import CodecId, WireLimits, decode_frame, encode_frame

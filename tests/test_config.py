@@ -19,17 +19,13 @@ from peer.config_options import ConfigOverrides, config_options
 from swarm.config import (
     OuterChoice,
     SwarmConfig,
-    class_docs,
     config_from_dict,
     derive_config,
-    dumps_config,
     follow_run,
     from_dict,
-    load_config,
     parse_overrides,
-    save_config,
-    sets_field,
 )
+from swarm.config_toml import class_docs, dumps_config, load_config, save_config, sets_field
 from swarm.errors import ConfigError
 from swarm.model.transformer import PRESET_INNER, PRESETS, ModelConfig
 from swarmtest.configs import DEFAULT_SWARM_HASH

@@ -20,7 +20,8 @@ from peer.credentials import (
     peer_id_of_identity,
     revoke,
 )
-from swarm.config import SwarmConfig, load_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import load_config
 from swarm.errors import ConfigError
 from swarm.rpc.auth import AccessDenied, Certificate, CredentialError, RevocationList, decode_public_key
 

@@ -23,7 +23,8 @@ from pydantic.v1 import ValidationError
 from optim.config import OuterOptimConfig
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config, peer_roles
-from swarm.config import SwarmConfig, TrainerOptions, save_config
+from swarm.config import SwarmConfig, TrainerOptions
+from swarm.config_toml import save_config
 from swarm.dht.membership import pipeline_replicas
 from swarm.dht.records import PeerMetrics, StageStatus
 from swarm.errors import ConfigError

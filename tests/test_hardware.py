@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.config import SwarmConfig, config_from_dict, derive_config, load_config, save_config
+from swarm.config import SwarmConfig, config_from_dict, derive_config
+from swarm.config_toml import load_config, save_config
 from swarm.errors import ConfigError
 from swarm.hardware import CPU, compute_precision, resolve_device
 from swarm.model.sizing import (

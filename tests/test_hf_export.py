@@ -15,7 +15,8 @@ import torch
 
 from peer.export import export_checkpoint, export_target
 from peer.tokenizer import file_sha256
-from swarm.config import SwarmConfig, save_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import save_config
 from swarm.errors import ExportError
 from swarm.model.hf import NotLlamaError, llama_config, rope_half_order, to_llama_state_dict
 from swarm.model.transformer import ModelConfig, Transformer

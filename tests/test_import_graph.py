@@ -9,7 +9,7 @@ or top-level module is a unit, layered the same way (``SWARM_LAYERS``, top to bo
     recovery, sim, export         CheckFree and rebalancing, the in-process simulator, the model's export
     pipeline, outer               the microbatch path and the outer step, side by side (neither imports the other)
     dht                           records, membership, the DHT process
-    config                        the swarm config (its sections come from model/, optim/, compress/)
+    config, config_toml           the swarm config (its sections come from model/, optim/, compress/); its TOML text
     model, rpc                    the plain model and its stages; the servicer base, auth, blobs
     errors, hardware, faults, events, cli_fields    leaves
 
@@ -34,7 +34,7 @@ OUTSIDE_PACKAGES = ("scripts", "tests")  # the top: run, never imported by a pac
 SWARM_LAYERS: tuple[tuple[str, ...], ...] = (  # bottom to top
     ("errors", "hardware", "faults", "events", "cli_fields"),
     ("model", "rpc"),
-    ("config",),
+    ("config", "config_toml"),
     ("dht",),
     ("pipeline", "outer"),
     ("recovery", "sim", "export"),

@@ -22,7 +22,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.data import load_corpus
-from swarm.config import SwarmConfig, dumps_config
+from swarm.config import SwarmConfig
+from swarm.config_toml import dumps_config
 from swarm.dht.identity import (
     OwnerBindingValidator,
     identity_peer_id,

@@ -16,11 +16,12 @@ from compress.codecs import CODEC_NAMES, get_codec
 from compress.config import CodecConfig
 from compress.errors import LimitExceeded, MalformedFrame, ShapeMismatch, TruncatedFrame, UnknownCodec, WireError
 from compress.lowrank import LOWRANK_CODECS
-from compress.rotated import ROTATED_CODECS, block_size, rotate, unrotate
+from compress.rotated import ROTATED_CODECS, ROTATIONS_KEPT, _rotation, block_size, rotate, unrotate
 from compress.wire import decode_frame, encode_frame, header_bytes
 
 SHAPE = (8, 1024, 768)  # a 125m microbatch: 8 sequences of 1024 tokens, d_model 768
 NAMES = ("rot4", "rot2", "rot1")
+LOWRANK = ("lowrank16", "lowrank32")
 # Lloyd-Max on a unit Gaussian: relative error sqrt(MSE) = 0.0975, 0.343, 0.603; the scale's 4.4% grid adds a little
 MAX_ERROR = {"rot4": 0.105, "rot2": 0.35, "rot1": 0.61}
 MIN_RATIO = {"rot4": 7.9, "rot2": 15.7, "rot1": 31.5}  # fp32 bytes / frame bytes before zstd, at d = 768
@@ -149,6 +150,33 @@ def test_huge_declared_sizes_are_refused_before_allocating(name: str) -> None:
         codec.decode(reframed(frame, body=body, shape=SHAPE), expected_shape=SHAPE)
 
 
+@pytest.mark.parametrize("name", (*NAMES, *LOWRANK))
+@pytest.mark.parametrize("shape", [(0, 768), (2, 0, 768), (0, 0), (4, 0)])
+def test_frames_without_tokens_or_width_decode_to_empty_tensors(name: str, shape: tuple[int, ...]) -> None:
+    """A frame of no tokens (or width 0), encoded or sealed by hand with the body its shape needs, decodes to an empty
+    tensor of its shape: a packed-code reshape once read n = 0 as ambiguous (a RuntimeError, not a WireError)."""
+    codec = get_codec(name)
+    assert codec.decode(codec.encode(torch.zeros(shape)), expected_shape=shape).shape == shape
+    meta = decode_frame(codec.encode(torch.zeros(shape))).meta
+    sealed = encode_frame(
+        codec.codec_id, bytes(codec.payload_bytes(shape) - len(meta)), dtype=torch.float32, shape=shape, meta=meta
+    )
+    assert codec.decode(sealed).shape == shape
+
+
+def test_the_widths_a_sender_declares_do_not_grow_the_receivers_memory() -> None:
+    """A stage server decodes a request before it checks the width against the model's: each width a sender picks
+    would keep its rotation (d signs and a Hadamard block) for good; only the last few widths are kept."""
+    codec = get_codec("rot1")
+    frame = decode_frame(codec.encode(torch.randn(1, 8)))
+    for d in range(1, 4 * ROTATIONS_KEPT):
+        sealed = encode_frame(
+            codec.codec_id, bytes(1 + codec.row_bytes(d)), dtype=torch.float32, shape=(1, d), meta=frame.meta
+        )
+        assert codec.decode(sealed).shape == (1, d)
+    assert _rotation.cache_info().currsize <= ROTATIONS_KEPT
+
+
 def test_fuzzed_frames_raise_only_wire_errors() -> None:
     g = torch.Generator().manual_seed(1)
     for codec in (ROTATED_CODECS | LOWRANK_CODECS).values():
@@ -186,9 +214,6 @@ def test_names_are_accepted_wherever_codecs_are_chosen() -> None:
         assert used is codec and y.shape == x.shape
     with pytest.raises(ValueError, match="unknown codec"):
         get_codec("rot3")
-
-
-LOWRANK = ("lowrank16", "lowrank32")
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def test_a_link_decodes_onto_its_device(monkeypatch) -> None:
     placed: list[torch.device] = []
     to_device = transfer.to_device
     monkeypatch.setattr(
-        "compress.codecs.to_device", lambda body, device: placed.append(device) or to_device(body, device)
+        "compress.codec_base.to_device", lambda body, device: placed.append(device) or to_device(body, device)
     )
     link = Link(get_codec("int8"), get_codec("bf16"), device=torch.device("cpu"))
     y = link.send("activations", torch.randn(2, 8, 16), torch.zeros(2, 8, dtype=torch.long))

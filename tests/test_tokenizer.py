@@ -22,7 +22,8 @@ from peer.tokenizer import (
     train_bpe,
     with_tokenizer,
 )
-from swarm.config import DataConfig, SwarmConfig, dumps_config, load_config
+from swarm.config import DataConfig, SwarmConfig
+from swarm.config_toml import dumps_config, load_config
 from swarm.errors import ConfigError
 from swarmtest.configs import DEFAULT_SWARM_HASH
 

@@ -201,7 +201,7 @@ def test_fuzz_mutated_frames(data: bytes, edits: list[tuple[int, int, str]]) -> 
 
 
 def test_a_receivers_value_bound_is_positive_and_the_tighter_of_two_wins() -> None:
-    assert DEFAULT_LIMITS.max_abs == math.inf  # by default only finiteness (compress/codecs.py checks values)
+    assert DEFAULT_LIMITS.max_abs == math.inf  # by default only finiteness (compress/codec_base.py checks values)
     assert WireLimits(max_abs=1e19).tightest(DEFAULT_LIMITS).max_abs == 1e19
     assert (
         receiver_limits(WireLimits(max_abs=5.0), WireLimits.for_shape((2,), body_bytes=8, meta_bytes=0)).max_abs == 5.0

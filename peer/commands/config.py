@@ -8,7 +8,7 @@ $ swarmloco config show > swarm.toml         # a starting point to edit: it load
 import typer
 
 from peer.cli_common import ConfigOpt, app, config_or_default, user_errors
-from swarm.config import dumps_config
+from swarm.config_toml import dumps_config
 
 config_app = typer.Typer(help="Swarm configs: what each field means and holds.", no_args_is_help=True)
 app.add_typer(config_app, name="config")

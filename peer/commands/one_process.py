@@ -29,7 +29,8 @@ from peer.config_options import ConfigOption, ConfigOverrides, config_options, f
 from peer.data import decode, encode, load_corpus
 from peer.progress import elapsed_and_eta
 from peer.tokenizer import tokenizer_for
-from swarm.config import OuterChoice, derive_config, follow_run, sets_field
+from swarm.config import OuterChoice, derive_config, follow_run
+from swarm.config_toml import sets_field
 from swarm.hardware import available_memory, describe, resolve_device
 from swarm.model.sizing import StageFootprint, check_fits
 from swarm.recovery.checkpoint import load_checkpoint, save_checkpoint

@@ -19,7 +19,8 @@ import typer
 
 from peer.cli_common import ConfigOpt, app, fail, user_errors
 from peer.config_options import ConfigOption, ConfigOverrides, config_options
-from swarm.config import SwarmConfig, derive_config, load_config
+from swarm.config import SwarmConfig, derive_config
+from swarm.config_toml import load_config
 from swarm.node.config import PeerConfig
 from swarm.plan.model import Compute, Link, Network, Prediction, Swarm, fix, mbit, parse_rate, predict
 from swarm.plan.shapes import REFERENCE_RATES, REFERENCE_SHAPE, codec_frames, reference_compute

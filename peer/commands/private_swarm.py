@@ -13,7 +13,8 @@ from typing import Annotated
 import typer
 
 from peer.cli_common import TokenizerOpt, app, user_errors
-from swarm.config import SwarmConfig, derive_config, load_config
+from swarm.config import SwarmConfig, derive_config
+from swarm.config_toml import load_config
 
 swarm_app = typer.Typer(
     help="Private swarms: an authority key admits peers by signed certificate.", no_args_is_help=True

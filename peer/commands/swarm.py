@@ -28,7 +28,8 @@ from peer.cli_common import (
 from peer.config_options import ConfigOverrides, config_options, field_options, from_options
 from peer.export import ExportFormat
 from peer.local_swarm import LocalSwarm
-from swarm.config import SwarmConfig, sets_field
+from swarm.config import SwarmConfig
+from swarm.config_toml import sets_field
 from swarm.node.config import PeerConfig
 
 CredentialsOpt = Annotated[

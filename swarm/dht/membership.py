@@ -20,7 +20,8 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm.config import SwarmConfig, config_from_dict, dumps_config
+from swarm.config import SwarmConfig, config_from_dict
+from swarm.config_toml import dumps_config
 from swarm.dht.identity import peer_from_subkey
 from swarm.dht.process import SwarmDHT
 from swarm.dht.records import (

@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import torch
 
-from compress.codecs import all_finite
+from compress.codec_base import all_finite
 from swarm.rpc import blobs
 from swarm.rpc.blobs import BlobStream
 

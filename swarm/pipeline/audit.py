@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from compress.codecs import Codec
+from compress.codec_base import Codec
 from swarm.config import TrainerOptions
 from swarm.pipeline.checking import CheckRule, HopChecker
 from swarm.pipeline.frames import Hop, LinkCodecs, Microbatch, Outgoing

@@ -12,7 +12,8 @@ from collections import Counter
 import torch
 
 from compress.adaptive import ADAPTIVE, ADAPTIVE_LADDER, ADAPTIVE_START, Ladder
-from compress.codecs import Codec, Kind, get_codec
+from compress.codec_base import Codec
+from compress.codecs import Kind, get_codec
 from swarm.config import SwarmConfig
 from swarm.hardware import CPU
 from swarm.model.transformer import subspace_basis

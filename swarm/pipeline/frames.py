@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from compress.adaptive import Ladder, LinkEstimator, choose_codec
-from compress.codecs import Codec
+from compress.codec_base import Codec
 from swarm.pipeline.routing import Peer
 
 

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from compress.codecs import BOUNDARY_MAX_ABS, Codec
+from compress.codec_base import BOUNDARY_MAX_ABS, Codec
 from compress.errors import WireError
 from swarm.config import SwarmConfig, TrainerOptions
 from swarm.dht.metrics import Traffic

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from compress.codecs import BOUNDARY_MAX_ABS, Codec
+from compress.codec_base import BOUNDARY_MAX_ABS, Codec
 from compress.wire import WireLimits
 from swarm.config import SwarmConfig
 from swarm.hardware import CPU

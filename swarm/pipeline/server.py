@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from compress.codecs import Codec, all_finite
+from compress.codec_base import Codec, all_finite
 from optim.inner import GradNormScreen
 from swarm.config import SwarmConfig
 from swarm.dht.records import StageStatus

@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -131,11 +131,19 @@ def measure(
         trainer.shutdown()
         net.shutdown()
         torch.set_num_threads(threads_before)
+    return summarised(stage_s, trainer_s, step_s, frames)
+
+
+def summarised(
+    stage_s: list[list[float]], trainer_s: list[float], step_s: list[float], frames: Mapping[str, list[int]]
+) -> Measured:
+    """The measurement from what each timed inner step recorded: per stage and for the trainer, the median over steps
+    of the seconds per microbatch; each frame (``RecordingStages.bytes``' keys), its mean size in bytes."""
 
     def mean(key: str) -> int:
         return round(statistics.mean(frames[key]))
 
-    stages = range(1, num_stages + 1)
+    stages = range(1, len(stage_s) + 1)
     return Measured(
         compute=Compute(stages=tuple(statistics.median(s) for s in stage_s), trainer=statistics.median(trainer_s)),
         frames=Frames(

@@ -307,22 +307,13 @@ def simulate(
         losses, skipped_now = train_tick(cfg, sim, replicas, streams, rng, link=link, full_link=full_link)
         skipped += skipped_now
         if sim.mode == "ddp" and tick % ticks_per_step == 0:
-            for group in replicas.values():
-                link.bytes["gradients"] += ddp_step(group)
+            agree(replicas, link, ddp=True)
         elif with_outer and (tick >= next_round_tick or tick == ticks):
-            for group in replicas.values():
-                link.bytes["pseudo_gradients"] += outer_round(group)
+            agree(replicas, link, ddp=False)
             outer_rounds += 1
             next_round_tick = tick + cfg.outer.horizon(tick // ticks_per_step) * ticks_per_step
         if tick % sim.log_every == 0 or tick == ticks:
-            record = {
-                "tick": tick,
-                "tokens": tick * tokens_per_tick,
-                "train_loss": sum(losses) / len(losses),
-                "val_loss": full_pipeline_loss(replicas, S, val_batches, device=device),
-                "elapsed_s": time.perf_counter() - started,
-                "bytes_per_token": sum(link.bytes.values()) / (tick * tokens_per_tick),
-            }
+            record = tick_record(tick, tick * tokens_per_tick, losses, replicas, S, val_batches, link, started, device)
             log.append(record)
             on_log(record)
     return SimulationResult(
@@ -337,6 +328,39 @@ def simulate(
         log=log,
         replicas=replicas,
     )
+
+
+def agree(replicas: dict[int, list[Replica]], link: Link, *, ddp: bool) -> None:
+    """Every stage's replicas agree once, the bytes that moves counted on ``link``: with ``ddp`` they average their
+    gradients and each takes its inner step (``ddp_step``), otherwise they take an outer step (``outer_round``)."""
+    for group in replicas.values():
+        if ddp:
+            link.bytes["gradients"] += ddp_step(group)
+        else:
+            link.bytes["pseudo_gradients"] += outer_round(group)
+
+
+def tick_record(
+    tick: int,
+    tokens: int,
+    losses: list[float],
+    replicas: dict[int, list[Replica]],
+    num_stages: int,
+    val_batches: list[Batch],
+    link: Link,
+    started: float,
+    device: torch.device,
+) -> dict[str, float]:
+    """The log's record after ``tick`` (``tokens`` trained so far): the tick's mean training loss, replica 0's
+    validation loss through the full pipeline, seconds since ``started`` and the bytes per token sent so far."""
+    return {
+        "tick": tick,
+        "tokens": tokens,
+        "train_loss": sum(losses) / len(losses),
+        "val_loss": full_pipeline_loss(replicas, num_stages, val_batches, device=device),
+        "elapsed_s": time.perf_counter() - started,
+        "bytes_per_token": sum(link.bytes.values()) / tokens,
+    }
 
 
 def full_pipeline_loss(
