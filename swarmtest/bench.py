@@ -7,6 +7,7 @@ peers' JSONL records say: loss, throughput, wire bytes per token, outer rounds, 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -137,11 +138,13 @@ def run_swarm(
     out: Path,
     place: Callable[[str], Placement] = lambda name: LOOPBACK,
     trainer: TrainerOptions | None = None,
+    peer: PeerConfig | None = None,
 ) -> dict[str, Any]:
     """Run the swarm to the end; its loss, throughput and traffic from the peers' metrics (``place``: see ``launch_local``;
-    ``trainer``: the trainers' options, e.g. ``window_options``)."""
+    ``trainer``: the trainers' options, e.g. ``window_options``; ``peer``: the options every peer shares, e.g.
+    ``--pace-as``, its data and trainer options then set from ``data`` and ``trainer``)."""
     started = time.perf_counter()
-    peer = PeerConfig(data=list(data or ()), trainer=trainer or TrainerOptions())
+    peer = dataclasses.replace(peer or PeerConfig(), data=list(data or ()), trainer=trainer or TrainerOptions())
     code = launch_local(layout, out=out, config=cfg, peer=peer, place=place, export=False)
     if code != 0:
         raise SystemExit(f"the swarm failed (exit {code}); logs in {out}")

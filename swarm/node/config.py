@@ -26,6 +26,7 @@ from swarm.errors import ConfigError
 from swarm.faults import FaultSchedule
 from swarm.hardware import DEVICE_HELP, device_spec_problem
 from swarm.model.compiling import COMPILE_HELP, COMPILE_MODES, CompileMode
+from swarm.model.reference import rate_spec_problem
 from swarm.rpc.admission import Credentials
 
 Role = Literal["auto", "trainer", "stage", "full"]
@@ -182,6 +183,24 @@ class PeerConfig:
         default=0,
         metadata=cli("Stage servers: write --stage-checkpoint every N inner steps (0: never write).", min=0),
     )
+    pace_as: str | None = field(
+        default=None,
+        metadata=cli(
+            "Benchmarks: compute nothing, run at a reference device's pace (h200, or one process's tokens/s on the "
+            "whole model): a stage server waits that device's time for each forward and backward and replies with "
+            "recorded real tensors, a trainer the same for its head; frames, codecs, p2p and routing stay real. The "
+            "weights do not train; a paced trainer checks and probes nothing and runs no validation pass. Trainers and "
+            "stage servers (docs/architecture.md, the throughput model)."
+        ),
+    )
+    pace_boundaries: Path | None = field(
+        default=None,
+        metadata=cli(
+            "Benchmarks, with --pace-as: the recorded boundary tensors to replay (scripts/bench_gpu_pace.py writes "
+            "them from real text); default: each peer records one random microbatch at start (the whole model's "
+            "forward and backward once)."
+        ),
+    )
     faults: FaultSchedule = field(
         default_factory=FaultSchedule,
         metadata=cli(
@@ -237,6 +256,12 @@ class PeerConfig:
             raise ConfigError("device", problem)
         if self.compile not in COMPILE_MODES:
             raise ConfigError("compile", f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.pace_as is not None and (problem := rate_spec_problem(self.pace_as)) is not None:
+            raise ConfigError("pace_as", problem)
+        if self.pace_as is not None and self.role == "full":
+            raise ConfigError("pace_as", "a full peer trains on its own: pacing is for trainers and stage servers")
+        if self.pace_boundaries is not None and self.pace_as is None:
+            raise ConfigError("pace_boundaries", "replays boundaries for --pace-as, which is not given")
         if self.checkpoint_every and not self.stage_checkpoint:
             raise ConfigError("checkpoint_every", "needs a stage_checkpoint file to write")
         if any(event.at_s is not None for event in self.faults.events):

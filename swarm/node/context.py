@@ -21,6 +21,7 @@ from swarm.events import EventSink
 from swarm.model.step import Batch
 from swarm.node.config import PeerConfig
 from swarm.outer.service import OuterService
+from swarm.pipeline.pacing import Pace
 from swarm.pipeline.protocol import StageClient
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class NodeContext:
     ready: Callable[[], None]  # the role takes calls now (the node tells its caller once)
     stop: asyncio.Event
     device: torch.device  # where this peer computes (``PeerConfig.device`` resolved)
+    pace: Pace | None = None  # ``--pace-as``: a benchmark's paced peer (swarm/pipeline/pacing.py)
 
     @property
     def me(self) -> str:

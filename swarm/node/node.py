@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -41,6 +42,8 @@ from swarm.node.roles.full import FullRole
 from swarm.node.roles.stage_server import StageRole
 from swarm.node.roles.trainer import TrainerRole
 from swarm.outer.service import OuterService
+from swarm.pipeline.pacing import load_pace
+from swarm.pipeline.protocol import StageClient
 from swarm.pipeline.relay_rpc import RelayClient
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate
 from swarm.rpc.auth import encode_public_key
@@ -92,6 +95,10 @@ class Node:
         self.dht = await self._join()
         try:
             ctx = await self._open_services(self.dht, device)
+            if (spec := self.peer_config.pace_as) is not None:  # recording one takes a while: the loop runs on
+                boundaries = self.peer_config.pace_boundaries
+                pace = await asyncio.to_thread(load_pace, ctx.swarm_config, spec, boundaries, log=logger.info)
+                ctx = dataclasses.replace(ctx, pace=pace)
             self.role = await self._build_role(ctx)
         except BaseException:
             await self._shut_down()
@@ -180,6 +187,8 @@ class Node:
             return StageRole(ctx, held)
         if self.data is None:
             raise ValueError(f"this swarm needs a {role}, and a {role} needs data")
+        if role == "full" and ctx.pace is not None:
+            raise ValueError("--pace-as is for trainers and stage servers: this swarm needs a full peer")
         return FullRole(ctx, self.data) if role == "full" else TrainerRole(ctx, self.data)
 
     async def run(self) -> Progress | None:

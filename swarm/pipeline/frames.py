@@ -7,6 +7,7 @@ encoded once per codec its links ask for (``Outgoing``), and the one place a lin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,19 +39,34 @@ class Hop:
     weights: tuple[int, int] | None = None  # the weights its forward ran on, as the server said: a probe runs on them
 
 
+# (codec, tensor, token ids) → the frame: ``Codec.encode``, or a paced trainer's (``Pace.encode``, pacing.py)
+Encoder = Callable[[Codec, torch.Tensor, torch.Tensor | None], bytes]
+
+
 class Outgoing:
     """A boundary tensor on its way to the next hop: encoded once per codec a link asks for, the frame it arrived in
     relayed as is when the link's codec is that frame's (no second rounding)."""
 
     def __init__(
-        self, value: torch.Tensor, tokens: torch.Tensor | None, frame: bytes | None = None, codec: Codec | None = None
+        self,
+        value: torch.Tensor,
+        tokens: torch.Tensor | None,
+        frame: bytes | None = None,
+        codec: Codec | None = None,
+        *,
+        encode: Encoder | None = None,
     ) -> None:
-        self.value, self.tokens = value, tokens
+        self.value, self.tokens, self._encode = value, tokens, encode
         self._frames: dict[str, bytes] = {} if frame is None or codec is None else {codec.name: frame}
 
     def frame(self, codec: Codec) -> bytes:
         if codec.name not in self._frames:
-            self._frames[codec.name] = codec.encode(self.value, tokens=self.tokens)
+            encoded = (
+                codec.encode(self.value, tokens=self.tokens)
+                if self._encode is None
+                else self._encode(codec, self.value, self.tokens)
+            )
+            self._frames[codec.name] = encoded
         return self._frames[codec.name]
 
 

@@ -28,7 +28,7 @@ from swarm.hardware import CPU
 from swarm.model.stages import EDGE_STAGE
 from swarm.pipeline.audit import HopAudit, LossOf
 from swarm.pipeline.deadlines import DeadlineRule, Deadlines
-from swarm.pipeline.frames import Hop, LinkCodecs, Microbatch, Outgoing
+from swarm.pipeline.frames import Encoder, Hop, LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.protocol import KEEPALIVE_S, Backward, Forward, needs_stream
 from swarm.pipeline.relay import MISSING_INPUT
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router
@@ -79,8 +79,10 @@ class RemoteStages:
         fp32_bytes: Counter[str],
         device: torch.device = CPU,
         loss_of: LossOf | None = None,
+        encode: Encoder | None = None,
     ) -> None:
         self.cfg, self.calls, self.router, self.options = cfg, calls, router, options
+        self.encode = encode  # of the trainer's own tensors (None: each codec's; a paced trainer's: pacing.py)
         # replies are decoded onto the trainer's device (only their coded bytes cross) on a thread of their own: off
         # the event loop, whose wait for the device (the decode's finiteness check) would stall every call in flight
         self.device, self._decoder = device, ThreadPoolExecutor(max_workers=1, thread_name_prefix="replies")
@@ -108,7 +110,7 @@ class RemoteStages:
         self, mb: Microbatch, path: list[int], h0: torch.Tensor, tokens: torch.Tensor
     ) -> tuple[list[Hop], torch.Tensor]:
         """The hops taken and the decoded output of the last one (``h0`` itself if none was)."""
-        hops, prev, outgoing = [], EDGE_STAGE, Outgoing(h0, tokens)
+        hops, prev, outgoing = [], EDGE_STAGE, Outgoing(h0, tokens, encode=self.encode)
         for stage in path:
             try:
                 hop, outgoing = await self.forward_hop(mb, stage, prev, outgoing)

@@ -41,6 +41,7 @@ from swarm.pipeline.cache import STASHED_STEPS, ActivationCache, CacheEntry, Wei
 from swarm.pipeline.graphs import GraphSizer, KeptGraph, build_graph, graph_budget_bytes
 from swarm.pipeline.inbound import InboundFrames
 from swarm.pipeline.metering import BusyTime
+from swarm.pipeline.pacing import Pace
 from swarm.pipeline.protocol import Backward, Forward, Reply
 from swarm.pipeline.timing import RequestTimes, TimeSplit, synchronize, timed_copy
 from swarm.rpc.servicer import RequestError
@@ -76,7 +77,8 @@ class StageServer:
     It builds the stage, its inner step and its compute thread, unless given them (``compute``): then the weights it
     serves are its owner's, and ``start_step`` and ``lr_scale`` are the owner's inner step's business.
     ``keep_graph_mb``: the budget of forward graphs kept for their backwards (``graph_budget_bytes``; None: auto);
-    0 recomputes every forward.
+    0 recomputes every forward. ``pace``: a benchmark's paced server (``swarm/pipeline/pacing.py``): it waits the
+    reference device's time and replies with recorded tensors instead of computing; its weights never move.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class StageServer:
         device: torch.device = CPU,
         compute: StageCompute | None = None,
         keep_graph_mb: int | None = 0,
+        pace: Pace | None = None,
     ) -> None:
         if not 1 <= stage <= cfg.stages.num_stages:
             raise ValueError(f"stage must be in [1, {cfg.stages.num_stages}], got {stage}")
@@ -118,7 +121,9 @@ class StageServer:
         self.from_stage: Counter[int] = Counter()  # training inputs by the stage they came from: the paths seen
         self.weights_epoch = 0  # outer installs and downloads so far (``change_weights``)
         self.stash = WeightStash(keep=STASHED_STEPS)  # the weights pending forwards ran on, across inner steps
-        self.inner.before_step.append(self._stash_weights)
+        self.pace = pace
+        if pace is None:  # a paced server's weights never move: nothing to stash
+            self.inner.before_step.append(self._stash_weights)
 
     async def forward(self, peer: PeerID, request: Forward) -> Reply:
         taken = self.clock()
@@ -184,7 +189,7 @@ class StageServer:
     ) -> Reply:
         """``t`` encoded, with our times (the rest of the trainer's round trip is its link's); into ``time_split``."""
         started = self.clock()
-        frame = codec.encode(t, tokens=tokens)
+        frame = codec.encode(t, tokens=tokens) if self.pace is None else self.pace.encode(codec, t, tokens)
         times.encode_s = self.clock() - started
         self.time_split.add(kind, times)
         compute_s = times.compute_s + times.copy_s  # the compute thread's time, as the busy fraction counts it
@@ -291,6 +296,10 @@ class StageServer:
         change: read back on the event loop, an outer install queued behind this forward would already count, and
         the backward would take the kept graph of weights since moved in place. ``on``: the weights to run on, if not
         the current ones (a backward probe's: the stashed copy, refused once it is gone)."""
+        if self.pace is not None:  # the reference device's forward time, and the recorded output
+            started = self.pace.clock()
+            self.pace.wait(self.pace.forward_s(self.stage), since=started)
+            return self.pace.output(self.stage, x.shape[0]), (self.weights_epoch, self.inner_steps), None
         on_device = timed_copy(x, self.device, times, self.clock)
         at = (self.weights_epoch, self.inner_steps)
         if on is not None and on != at:
@@ -312,6 +321,12 @@ class StageServer:
         self, entry: CacheEntry, grad: torch.Tensor, peer: Hashable, times: RequestTimes | None = None
     ) -> torch.Tensor:
         x = entry.x
+        if self.pace is not None:  # the reference device's backward time, the recorded gradient; the step is counted
+            started = self.pace.clock()
+            self.pace.wait(self.pace.backward_s(self.stage), since=started)
+            self.counters["paced_backward"] += 1
+            self.inner.add(x.shape[0])  # no gradient accumulated: the optimizer steps nothing
+            return self.pace.input_gradient(self.stage, x.shape[0])
         moved_steps = 0 if entry.inner_step is None else self.inner_steps - entry.inner_step  # since its forward
         moved = moved_steps > 0 or entry.weights != self.weights_epoch  # by inner steps or an outer install
         stashed = self.stash.get((entry.weights, entry.inner_step)) if moved and entry.inner_step is not None else None

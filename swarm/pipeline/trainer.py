@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -41,6 +42,7 @@ from swarm.model.transformer import loss_fn
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.hops import HopFailed, RemoteStages, StageCalls
+from swarm.pipeline.pacing import Pace
 from swarm.pipeline.relaying import RelayedHops
 from swarm.pipeline.routing import Peer, Router, path_length
 from swarm.pipeline.window import Departure, Window
@@ -86,7 +88,12 @@ COUNTERS = (
 
 class Trainer:
     """Stage 0 (embedding, head, loss) and its inner step, keeping a window of microbatches going through the
-    middle stages (``RemoteStages``) and landing each one's gradients."""
+    middle stages (``RemoteStages``) and landing each one's gradients.
+
+    ``pace``: a benchmark's paced trainer (``swarm/pipeline/pacing.py``): its embedding and head wait the reference
+    device's time and give recorded tensors, its weights never move, and it checks and probes no server's work (their
+    outputs are replayed: every check would fail) and runs no validation pass (every loss is the recording's).
+    """
 
     def __init__(
         self,
@@ -98,9 +105,13 @@ class Trainer:
         start_step: int = 0,
         traffic: Traffic | None = None,
         device: torch.device = CPU,
+        pace: Pace | None = None,
     ) -> None:
-        self.cfg, self.router = cfg, router
+        self.cfg, self.router, self.pace = cfg, router, pace
         self.options = options or TrainerOptions()
+        if pace is not None:
+            self.options = replace(self.options, check_rate=0.0, probe_rate=0.0)
+            logger.info(f"{pace.describe()}; checks and probes off, no validation pass")
         self.device = device  # the edge stage's; token batches and decoded frames are moved here
         self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE).to(device)
         self.inner = InnerStep(
@@ -123,6 +134,7 @@ class Trainer:
             fp32_bytes=self.fp32_bytes,
             device=device,
             loss_of=self._loss_of,
+            encode=None if pace is None else pace.encode,
         )
         self.relayed = RelayedHops(self.remote, calls) if self.options.relay else None  # type: ignore[arg-type]
         if self.relayed is not None and not hasattr(calls, "fetch"):
@@ -150,6 +162,8 @@ class Trainer:
         losses: list[float] = []
         record = self.progress(started, losses)
         tasks: set[asyncio.Task[float | None]] = set()
+        if self.pace is not None:
+            val_batches = ()  # a paced run's loss is the recording's
         try:
             while self.inner_steps < steps:
                 while len(tasks) < self.window.size and self._may_start(len(tasks), steps):
@@ -229,6 +243,8 @@ class Trainer:
     async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm and back; its loss, or None if it failed (counted)."""
         mb_id, shape = self.remote.new_id(), (*inputs.shape, self.cfg.model.d_model)
+        if self.pace is not None:  # the recorded microbatch's tokens: what its replayed embedding encodes
+            inputs = self.pace.tokens(inputs.shape[0])
         self.counters["started"] += 1
         try:
             path = self.router.draw_path(self.cfg.paths)
@@ -243,7 +259,7 @@ class Trainer:
                 hops, h = await self.remote.forward_path(mb, path, h0.detach(), inputs)
             loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
             self.remote.audit.observe_loss(loss, [hop.peer for hop in hops])  # spikes make a path's servers suspect
-            outgoing = Outgoing(grad, None)
+            outgoing = Outgoing(grad, None, encode=self.remote.encode)
             if self.relayed is not None:
                 outgoing = await self.relayed.backward_path(mb, relayed, outgoing)
             for hop in reversed(hops if self.relayed is None else []):
@@ -298,17 +314,25 @@ class Trainer:
             at=time.perf_counter(),
             delivered=self.window.delivered,
         )
+        if self.pace is not None:  # the embedding is a lookup: no time of its own at the reference pace
+            return self.pace.output(0, inputs.shape[0]), departure
         with self._precision():
             return embed(self.edge, inputs.to(self.device)), departure
 
     @torch.no_grad()
     def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.pace is not None:
+            return self.pace.output(0, inputs.shape[0])
         with self._precision():
             h: torch.Tensor = self.edge.embed(inputs.to(self.device))
         return h
 
     def _head_gradients(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor, Gradients]:
         # held apart until the microbatch lands: an inner step taken meanwhile must not get half of its gradients
+        if self.pace is not None:  # the head's forward and backward at the reference pace, the recorded gradient
+            started = self.pace.clock()
+            self.pace.wait(self.pace.seconds[EDGE_STAGE], since=started)
+            return self.pace.boundaries.loss, self.pace.output_gradient(targets.shape[0]), []
         with self._precision():
             return head_gradients(
                 self.edge, h.to(self.device), targets.to(self.device), inner_batch=self.cfg.train.inner_batch
@@ -316,6 +340,8 @@ class Trainer:
 
     @torch.no_grad()
     def _head_eval(self, h: torch.Tensor, targets: torch.Tensor) -> float:
+        if self.pace is not None:
+            return self.pace.boundaries.loss
         with self._precision():
             return loss_fn(self.edge.head(h.to(self.device)), targets.to(self.device)).item()
 
@@ -330,9 +356,10 @@ class Trainer:
         if staleness > self.options.max_staleness:
             self.counters["stale_dropped"] += 1
             return staleness
-        add_gradients(self.edge, head_grads)
-        with self._precision():
-            embed_backward(h0, grad.to(self.device))
+        if self.pace is None:  # paced: no gradient to accumulate (the optimizer steps nothing)
+            add_gradients(self.edge, head_grads)
+            with self._precision():
+                embed_backward(h0, grad.to(self.device))
         tokens = h0.shape[0] * h0.shape[1]  # (B, T, d)
         self._landed_since_step += 1
         self._held_tokens += tokens

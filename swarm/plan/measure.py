@@ -26,6 +26,7 @@ import torch
 
 from swarm.config import SwarmConfig
 from swarm.node.config import PeerConfig
+from swarm.pipeline.pacing import Pace
 from swarm.pipeline.protocol import Backward, Forward, Reply
 from swarm.pipeline.routing import Peer, Router
 from swarm.pipeline.server import StageServer
@@ -47,9 +48,9 @@ class Measured:
 class RecordingStages:
     """``StageCalls`` straight into one ``StageServer`` per middle stage, recording each call's frames and server time."""
 
-    def __init__(self, cfg: SwarmConfig, *, keep_graph_mb: int | None = None) -> None:
+    def __init__(self, cfg: SwarmConfig, *, keep_graph_mb: int | None = None, pace: Pace | None = None) -> None:
         self.servers = {
-            s: StageServer(cfg, s, keep_graph_mb=keep_graph_mb) for s in range(1, cfg.stages.num_stages + 1)
+            s: StageServer(cfg, s, keep_graph_mb=keep_graph_mb, pace=pace) for s in range(1, cfg.stages.num_stages + 1)
         }
         self.router = Router(cfg.stages.num_stages, random.Random(0))
         for stage in self.servers:
@@ -90,17 +91,19 @@ def measure(
     warmup_steps: int = 1,
     threads: int | None = 1,
     keep_graph_mb: int | None = None,
+    pace: Pace | None = None,
 ) -> Measured:
     """Time ``steps`` inner steps (after ``warmup_steps``) of cfg's pipeline in this process with ``threads`` torch
-    threads (1: as each peer of ``swarmloco local`` and the WAN lab runs; None: torch's default)."""
+    threads (1: as each peer of ``swarmloco local`` and the WAN lab runs; None: torch's default). ``pace``: every
+    peer paced (swarm/pipeline/pacing.py): what is left beyond the reference device's time is this machine's cost."""
     if steps < 1 or warmup_steps < 0:
         raise ValueError(f"steps must be ≥ 1 and warmup_steps ≥ 0, got {steps}, {warmup_steps}")
     threads_before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    net = RecordingStages(cfg, keep_graph_mb=keep_graph_mb)
+    net = RecordingStages(cfg, keep_graph_mb=keep_graph_mb, pace=pace)
     options = replace(PeerConfig().trainer, in_flight=1, check_rate=0.0)  # one at a time, no checking recompute
-    trainer = Trainer(cfg, net, net.router, options=options)
+    trainer = Trainer(cfg, net, net.router, options=options, pace=pace)
     per_step = cfg.train.inner_batch // cfg.train.microbatch_size
     num_stages = cfg.stages.num_stages
     stage_s: list[list[float]] = [[] for _ in range(num_stages)]

@@ -14,17 +14,18 @@ from __future__ import annotations
 from compress.codecs import get_codec
 from compress.wire import header_bytes
 from swarm.config import SwarmConfig
-from swarm.model.stages import split_layers
+from swarm.model.reference import REFERENCE_RATES, REFERENCE_SHAPE, reference_seconds, stage_flops_per_token
 from swarm.model.transformer import ModelConfig, subspace_basis
 from swarm.plan.model import RECOMPUTE_FACTOR, Compute, Frames
 
-# One process training the whole preset (train-local, bf16, microbatches of 8 × 1024, 16 samples an inner step, the
-# validation passes and the first window left out), tokens per second: docs/benchmarks.md, "The GPU check" (H200;
-# the later run of the two, at the presets' own optimizer defaults; the earlier one measured 210,419 and 51,395).
-REFERENCE_RATES: dict[str, dict[str, float]] = {
-    "h200": {"125m": 192_675.0, "1b": 50_722.0},
-}
-REFERENCE_SHAPE = (8, 1024)  # (microbatch, seq_len) those rates were measured at
+__all__ = [
+    "REFERENCE_RATES",
+    "REFERENCE_SHAPE",
+    "codec_frames",
+    "frame_bytes",
+    "reference_compute",
+    "stage_flops_per_token",
+]
 
 
 def frame_bytes(codec_name: str, shape: tuple[int, ...], model: ModelConfig, *, kind: str) -> int:
@@ -52,24 +53,17 @@ def codec_frames(cfg: SwarmConfig) -> Frames:
     )
 
 
-def stage_flops_per_token(model: ModelConfig, num_stages: int, seq_len: int) -> list[float]:
-    """Training FLOPs per token of stage 0 (the LM head; the embedding is a lookup) and stages 1..S: 6 per weight
-    (forward 2, backward 4) and 12 · d · T per block for attention's scores and mixing (the MFU count of
-    docs/benchmarks.md, "The GPU check")."""
-    d, ffn = model.d_model, model.ffn_hidden
-    block = 6 * (4 * d * d + 3 * d * ffn) + 12 * d * seq_len
-    head = 6.0 * model.vocab_size * d
-    return [head, *(float(len(layers) * block) for layers in split_layers(model.n_layers, num_stages))]
-
-
 def reference_compute(cfg: SwarmConfig, *, tokens_per_s: float, keep_graphs: bool = True) -> Compute:
     """Each stage's compute on a device where one process trains cfg's whole model at ``tokens_per_s``: the same
     microbatch's time split by FLOPs, a server's × 4/3 where it recomputes its forward (``keep_graphs`` off). The
     codecs' own time is not in it (on a GPU they are a small part; measure them with ``swarm/plan/measure.py``)."""
-    if tokens_per_s <= 0:
-        raise ValueError(f"tokens_per_s must be positive, got {tokens_per_s}")
-    flops = stage_flops_per_token(cfg.model, cfg.stages.num_stages, cfg.train.seq_len)
-    microbatch_s = cfg.train.microbatch_size * cfg.train.seq_len / tokens_per_s
-    share = [f / sum(flops) * microbatch_s for f in flops]
+    train = cfg.train
+    share = reference_seconds(
+        cfg.model,
+        num_stages=cfg.stages.num_stages,
+        seq_len=train.seq_len,
+        microbatch=train.microbatch_size,
+        tokens_per_s=tokens_per_s,
+    )
     factor = 1.0 if keep_graphs else RECOMPUTE_FACTOR
     return Compute(stages=tuple(factor * s for s in share[1:]), trainer=share[0])

@@ -71,6 +71,7 @@ class ServedStage:
             lr_scale=RECOVERY_LR_SCALE if rebuilt else 1.0,
             device=ctx.device,
             keep_graph_mb=ctx.peer_config.keep_graph_mb,
+            pace=ctx.pace,
         )
         self.compiled = compile_stage(self.server.module, ctx.peer_config.compile, ctx.device)  # in place, by block
         meter = Meter(
@@ -92,7 +93,9 @@ class ServedStage:
             ctx.on_log(
                 Recovered(**self.rebuilt.event(), installed_hash=installed, lr_scale=RECOVERY_LR_SCALE, saved=dump)
             )
-        if self.compiled.enabled:  # its first calls compile: paid here, not in a trainer's first deadlines
+        if (
+            self.compiled.enabled and server.pace is None
+        ):  # its first calls compile: paid here, not in a trainer's first deadlines
             warm_s = await server.exclusive(lambda: warm_up(server))
             logger.info(f"stage {self.stage}: compiled and warmed up in {warm_s:.1f}s before taking requests")
         await self.servicer.add_p2p_handlers(ctx.p2p, namespace=ctx.swarm_config.swarm_id)

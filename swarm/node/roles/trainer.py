@@ -54,6 +54,7 @@ class TrainerRole:
             start_step=state.schedule_step if state else 0,
             traffic=meter.traffic,
             device=ctx.device,
+            pace=ctx.pace,
         )
         (sync,) = await life.hold({EDGE_STAGE: trainer}, {EDGE_STAGE: state} if state else {})
         # reading and tokenizing a corpus takes a while: the loop keeps serving stage 0 and the DHT meanwhile
