@@ -43,7 +43,6 @@ from swarm.node.roles.stage_server import StageRole
 from swarm.node.roles.trainer import TrainerRole
 from swarm.outer.service import OuterService
 from swarm.pipeline.pacing import load_pace
-from swarm.pipeline.protocol import StageClient
 from swarm.pipeline.relay_rpc import RelayClient
 from swarm.rpc.admission import GATE_NAMESPACE, AdmissionGate
 from swarm.rpc.auth import encode_public_key

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from compress.codecs import Codec
+from compress.codec_base import Codec
 from swarm.config import SwarmConfig
 from swarm.model.reference import FORWARD_SHARE, reference_rate, reference_seconds
 from swarm.model.stages import EDGE_STAGE, EdgeStage, MiddleStage, build_stage
