@@ -88,7 +88,7 @@ class HopAudit:
         the true one through forwards checked at the sampled rate. It cannot tell a validation forward from a check's
         recompute (one id sequence), so such a server also fails as a checker. A microbatch with no targets (nothing
         to judge a loss by) is not checked."""
-        return await self.checked(self.check_plan(mb, peer), lambda: self._check(mb, request, codec, peer, y))
+        return await self.checked(self.check_plan(mb, peer), lambda: self.check(mb, request, codec, peer, y))
 
     def check_plan(self, mb: Microbatch, peer: Peer) -> Plan:
         """Whether a forward of ``peer`` is checked: not (None), off the path ("side") or before it lands ("wait").
@@ -117,7 +117,7 @@ class HopAudit:
         land ("passed"), or its probe failed or could not judge it (the backward goes to another replica if there is
         one: a server that dodges its probes never proves itself). Sampled ones are probed off the path once the
         server passed its first probes (then "passed" at once), else before they land."""
-        return await self.probed(self.probe_plan(mb, peer), lambda: self._probe(mb, hop, peer, grad, returned))
+        return await self.probed(self.probe_plan(mb, peer), lambda: self.probe(mb, hop, peer, grad, returned))
 
     def probe_plan(self, mb: Microbatch, peer: Peer) -> Plan:
         """Whether a backward of ``peer`` is probed: not (None), off the path ("side") or before it lands ("wait")."""
@@ -133,16 +133,6 @@ class HopAudit:
             self._side_job(probe())
             return "passed"
         return await probe()
-
-    async def probe(
-        self, mb: Microbatch, hop: Hop, peer: Peer, grad: torch.Tensor, returned: torch.Tensor
-    ) -> ProbeOutcome:
-        """The probe of ``peer``'s backward of ``hop`` (``_probe``), for a caller that took its plan itself."""
-        return await self._probe(mb, hop, peer, grad, returned)
-
-    async def check(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
-        """The check of ``peer``'s forward (``_check``), for a caller that took its plan itself."""
-        return await self._check(mb, request, codec, peer, y)
 
     def observe_loss(self, loss: float, path: list[Peer]) -> None:
         """A training microbatch's loss through ``path``'s servers: spikes make a path's servers suspect."""
@@ -166,8 +156,9 @@ class HopAudit:
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
-    async def _check(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
-        """The hop's forward again, on another replica; outputs apart judged by the loss each gives down the rest of
+    async def check(self, mb: Microbatch, request: Forward, codec: str, peer: Peer, y: Outgoing) -> bool:
+        """The check of ``peer``'s forward (a caller that took ``check_plan`` itself calls it directly): the hop's
+        forward again, on another replica; outputs apart judged by the loss each gives down the rest of
         the path (``HopChecker.by_loss``), the worse one's server failing. False if ``peer``'s failed."""
         stage = request.stage
         try:
@@ -308,8 +299,9 @@ class HopAudit:
         codecs = self.calls.codecs
         return all(codecs.choose(kind, peer, shape).name in PROBED_CODECS for kind in ("activations", "gradients"))
 
-    async def _probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> ProbeOutcome:
-        """Two ordinary forwards of ``peer`` at x ± εg, on the weights its forward of ``hop`` ran on (``Hop.weights``,
+    async def probe(self, mb: Microbatch, hop: Hop, peer: Peer, u: torch.Tensor, g: torch.Tensor) -> ProbeOutcome:
+        """The probe of ``peer``'s backward of ``hop`` (a caller that took ``probe_plan`` itself calls it directly):
+        two ordinary forwards of ``peer`` at x ± εg, on the weights its forward of ``hop`` ran on (``Hop.weights``,
         which its backward differentiated at), judge the gradient g it returned (probing.py)."""
         if hop.weights is None:  # the server did not say which weights its forward ran on (an older release)
             self.counters["probes_unanswered"] += 1
@@ -317,27 +309,9 @@ class HopAudit:
         try:
             _, x, tokens = await self.calls.decode("activations", hop.x, mb.shape)
             eps = probe_steps(x, g, self.probes.step(peer))
-            outputs = []
-            for sign in (1.0, -1.0):
-                probe = Microbatch(self.calls.new_id(), mb.shape, train=True)  # its traffic counted as training's
-                codec = self.calls.codecs.choose("activations", peer, mb.shape)
-                frame = Outgoing(x + sign * eps * g.to(x), tokens).frame(codec)
-                epoch, step = hop.weights
-                # not kept (``train=False``): naming old weights, a probe is known for one anyway, and kept it would
-                # hold a cache entry on the server that no backward ever takes
-                request = Forward(
-                    mb=probe.id,
-                    stage=hop.stage,
-                    prev_stage=hop.prev_stage,
-                    x=frame,
-                    train=False,
-                    on_epoch=epoch,
-                    on_step=step,
-                )
-                if (reply := await self.calls.call(probe, peer, request, codec.name)) is None:
-                    self.counters["probes_unanswered"] += 1  # no answer, or the weights are gone: refused
-                    return "unjudged"
-                outputs.append(reply[0])
+            if (outputs := await probe_outputs(self.calls, mb, hop, peer, Outgoing(x, tokens), eps * g.to(x))) is None:
+                self.counters["probes_unanswered"] += 1  # no answer, or the weights are gone: refused
+                return "unjudged"
             if resolved(*outputs) < self.probes.rule.min_resolved:  # the reply's rounding swallowed the step
                 self.counters["probes_unresolved"] += 1
                 self.probes.unresolved(peer)
@@ -404,3 +378,32 @@ async def losses_down_the_path(
             out, came_from = Outgoing(*reply), s
         losses.append(await loss_of(mb, out.value))
     return losses
+
+
+async def probe_outputs(
+    calls: HopCalls, mb: Microbatch, hop: Hop, peer: Peer, x: Outgoing, step: torch.Tensor
+) -> list[torch.Tensor] | None:
+    """``peer``'s outputs at x + step and x − step, on the weights its forward of ``hop`` ran on: two forwards like
+    any other (ids from the one sequence, their traffic counted as training's); None if either went unanswered."""
+    assert hop.weights is not None
+    epoch, step_at = hop.weights
+    outputs = []
+    for sign in (1.0, -1.0):
+        probe = Microbatch(calls.new_id(), mb.shape, train=True)
+        codec = calls.codecs.choose("activations", peer, mb.shape)
+        frame = Outgoing(x.value + sign * step, x.tokens).frame(codec)
+        # not kept (``train=False``): naming old weights, a probe is known for one anyway, and kept it would hold a
+        # cache entry on the server that no backward ever takes
+        request = Forward(
+            mb=probe.id,
+            stage=hop.stage,
+            prev_stage=hop.prev_stage,
+            x=frame,
+            train=False,
+            on_epoch=epoch,
+            on_step=step_at,
+        )
+        if (reply := await calls.call(probe, peer, request, codec.name)) is None:
+            return None
+        outputs.append(reply[0])
+    return outputs

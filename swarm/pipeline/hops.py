@@ -141,6 +141,12 @@ class RemoteStages:
         """Cancel the audits under way."""
         await self.audit.close()
 
+    async def backward_path(self, mb: Microbatch, hops: list[Hop], grad: Outgoing) -> Outgoing:
+        """The gradient of the first hop's input, back along ``hops`` (``HopFailed`` if a hop's cannot be had)."""
+        for hop in reversed(hops):
+            grad = await self.backward_hop(mb, hop, grad)
+        return grad
+
     async def backward_hop(self, mb: Microbatch, hop: Hop, grad: Outgoing, *, elsewhere: bool = False) -> Outgoing:
         """Gradient w.r.t. the hop's input: from its server, else from any replica given the input again. The one that
         answered may have it probed (``HopAudit.backward``): off the path once it passed its first probes, else before

@@ -176,6 +176,16 @@ class Pace:
         if left > 0:
             self.sleep(left)
 
+    def forward(self, stage: int, samples: int) -> torch.Tensor:
+        """Stage ``stage``'s forward at the reference pace: its time waited, its recorded output."""
+        self.wait(self.forward_s(stage), since=self.clock())
+        return self.output(stage, samples)
+
+    def backward(self, stage: int, samples: int) -> torch.Tensor:
+        """Stage ``stage``'s backward at the reference pace: its time waited, its recorded input gradient."""
+        self.wait(self.backward_s(stage), since=self.clock())
+        return self.input_gradient(stage, samples)
+
     def output(self, stage: int, samples: int) -> torch.Tensor:
         """Stage ``stage``'s output (0: the embedding's) for a microbatch of ``samples``."""
         return self._first(self.boundaries.activations[stage], samples)

@@ -297,9 +297,7 @@ class StageServer:
         the backward would take the kept graph of weights since moved in place. ``on``: the weights to run on, if not
         the current ones (a backward probe's: the stashed copy, refused once it is gone)."""
         if self.pace is not None:  # the reference device's forward time, and the recorded output
-            started = self.pace.clock()
-            self.pace.wait(self.pace.forward_s(self.stage), since=started)
-            return self.pace.output(self.stage, x.shape[0]), (self.weights_epoch, self.inner_steps), None
+            return self.pace.forward(self.stage, x.shape[0]), (self.weights_epoch, self.inner_steps), None
         on_device = timed_copy(x, self.device, times, self.clock)
         at = (self.weights_epoch, self.inner_steps)
         if on is not None and on != at:
@@ -322,11 +320,9 @@ class StageServer:
     ) -> torch.Tensor:
         x = entry.x
         if self.pace is not None:  # the reference device's backward time, the recorded gradient; the step is counted
-            started = self.pace.clock()
-            self.pace.wait(self.pace.backward_s(self.stage), since=started)
             self.counters["paced_backward"] += 1
             self.inner.add(x.shape[0])  # no gradient accumulated: the optimizer steps nothing
-            return self.pace.input_gradient(self.stage, x.shape[0])
+            return self.pace.backward(self.stage, x.shape[0])
         moved_steps = 0 if entry.inner_step is None else self.inner_steps - entry.inner_step  # since its forward
         moved = moved_steps > 0 or entry.weights != self.weights_epoch  # by inner steps or an outer install
         stashed = self.stash.get((entry.weights, entry.inner_step)) if moved and entry.inner_step is not None else None

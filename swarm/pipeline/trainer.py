@@ -11,12 +11,12 @@ The math is ``swarm/model/step.py``'s. Window, staleness and drops: docs/archite
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -27,19 +27,11 @@ from swarm.dht.metrics import Traffic
 from swarm.dht.records import StageStatus, verdicts
 from swarm.events import PipelineCounts, TrainerProgress
 from swarm.events.progress import training_fields
-from swarm.hardware import CPU, compute_precision
+from swarm.hardware import CPU
 from swarm.model.stages import EDGE_STAGE, EdgeStage, build_stage
-from swarm.model.step import (
-    Gradients,
-    InnerStep,
-    WeightChange,
-    add_gradients,
-    embed,
-    embed_backward,
-    head_gradients,
-)
-from swarm.model.transformer import loss_fn
+from swarm.model.step import Gradients, InnerStep, WeightChange
 from swarm.pipeline.boundary import boundary_ladders
+from swarm.pipeline.edge import EdgeCompute, PacedEdge
 from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.hops import HopFailed, RemoteStages, StageCalls
 from swarm.pipeline.pacing import Pace
@@ -114,6 +106,9 @@ class Trainer:
             logger.info(f"{pace.describe()}; checks and probes off, no validation pass")
         self.device = device  # the edge stage's; token batches and decoded frames are moved here
         self.edge = build_stage(cfg.model, cfg.stages.num_stages, EDGE_STAGE).to(device)
+        assert isinstance(self.edge, EdgeStage)
+        kind = EdgeCompute if pace is None else functools.partial(PacedEdge, pace=pace)
+        self.compute = kind(self.edge, device=device, precision=cfg.train.precision, inner_batch=cfg.train.inner_batch)
         self.inner = InnerStep(
             self.edge.parameters(), cfg.inner, inner_batch=cfg.train.inner_batch, start_step=start_step
         )
@@ -242,9 +237,11 @@ class Trainer:
 
     async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm and back; its loss, or None if it failed (counted)."""
-        mb_id, shape = self.remote.new_id(), (*inputs.shape, self.cfg.model.d_model)
-        if self.pace is not None:  # the recorded microbatch's tokens: what its replayed embedding encodes
-            inputs = self.pace.tokens(inputs.shape[0])
+        mb_id, shape, inputs = (
+            self.remote.new_id(),
+            (*inputs.shape, self.cfg.model.d_model),
+            self.compute.inputs(inputs),
+        )
         self.counters["started"] += 1
         try:
             path = self.router.draw_path(self.cfg.paths)
@@ -257,13 +254,13 @@ class Trainer:
                 hops = [r.hop for r in relayed]
             else:
                 hops, h = await self.remote.forward_path(mb, path, h0.detach(), inputs)
-            loss, grad, head_grads = await self._run(self._head_gradients, h, targets)
+            loss, grad, head_grads = await self._run(self.compute.head_gradients, h, targets)
             self.remote.audit.observe_loss(loss, [hop.peer for hop in hops])  # spikes make a path's servers suspect
             outgoing = Outgoing(grad, None, encode=self.remote.encode)
             if self.relayed is not None:
                 outgoing = await self.relayed.backward_path(mb, relayed, outgoing)
-            for hop in reversed(hops if self.relayed is None else []):
-                outgoing = await self.remote.backward_hop(mb, hop, outgoing)
+            else:
+                outgoing = await self.remote.backward_path(mb, hops, outgoing)
             grad = outgoing.value
             staleness = await self._run(self._land, departure, h0, grad, head_grads)
         except asyncio.CancelledError:
@@ -287,24 +284,21 @@ class Trainer:
             path = sorted(self.router.live_stages())
             shape = (*inputs.shape, self.cfg.model.d_model)
             mb = Microbatch(self.remote.new_id(), shape, train=False, path=tuple(path), targets=targets)
-            h0 = await self._run(self._embed_eval, inputs)
+            h0 = await self._run(self.compute.embed_eval, inputs)
             _, h = await self.remote.forward_path(mb, path, h0, inputs)
-            total += await self._run(self._head_eval, h, targets) * inputs.shape[0]
+            total += await self._run(self.compute.head_eval, h, targets) * inputs.shape[0]
             count += inputs.shape[0]
         return total / count
 
     async def _loss_of(self, mb: Microbatch, h: torch.Tensor) -> float:
         """The loss of a microbatch's last boundary output ``h`` (a check's judge: ``HopAudit``)."""
         assert mb.targets is not None
-        return await self._run(self._head_eval, h, mb.targets)
+        return await self._run(self.compute.head_eval, h, mb.targets)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # torch work, on the single edge thread (serialised with the inner step)
-
-    def _precision(self) -> AbstractContextManager[None]:
-        return compute_precision(self.device, self.cfg.train.precision)
 
     def _embed(self, inputs: torch.Tensor) -> tuple[torch.Tensor, Departure]:
         # stamped here, on the edge thread: with the weights epoch and inner step the embedding ran at
@@ -314,36 +308,7 @@ class Trainer:
             at=time.perf_counter(),
             delivered=self.window.delivered,
         )
-        if self.pace is not None:  # the embedding is a lookup: no time of its own at the reference pace
-            return self.pace.output(0, inputs.shape[0]), departure
-        with self._precision():
-            return embed(self.edge, inputs.to(self.device)), departure
-
-    @torch.no_grad()
-    def _embed_eval(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.pace is not None:
-            return self.pace.output(0, inputs.shape[0])
-        with self._precision():
-            h: torch.Tensor = self.edge.embed(inputs.to(self.device))
-        return h
-
-    def _head_gradients(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor, Gradients]:
-        # held apart until the microbatch lands: an inner step taken meanwhile must not get half of its gradients
-        if self.pace is not None:  # the head's forward and backward at the reference pace, the recorded gradient
-            started = self.pace.clock()
-            self.pace.wait(self.pace.seconds[EDGE_STAGE], since=started)
-            return self.pace.boundaries.loss, self.pace.output_gradient(targets.shape[0]), []
-        with self._precision():
-            return head_gradients(
-                self.edge, h.to(self.device), targets.to(self.device), inner_batch=self.cfg.train.inner_batch
-            )
-
-    @torch.no_grad()
-    def _head_eval(self, h: torch.Tensor, targets: torch.Tensor) -> float:
-        if self.pace is not None:
-            return self.pace.boundaries.loss
-        with self._precision():
-            return loss_fn(self.edge.head(h.to(self.device)), targets.to(self.device)).item()
+        return self.compute.embed(inputs), departure
 
     def _land(self, departure: Departure, h0: torch.Tensor, grad: torch.Tensor, head_grads: Gradients) -> int:
         """A microbatch's stage-0 gradients (and its tokens) join the inner step (step 3's held part, 5 and 6), unless
@@ -356,10 +321,7 @@ class Trainer:
         if staleness > self.options.max_staleness:
             self.counters["stale_dropped"] += 1
             return staleness
-        if self.pace is None:  # paced: no gradient to accumulate (the optimizer steps nothing)
-            add_gradients(self.edge, head_grads)
-            with self._precision():
-                embed_backward(h0, grad.to(self.device))
+        self.compute.backward(h0, grad, head_grads)
         tokens = h0.shape[0] * h0.shape[1]  # (B, T, d)
         self._landed_since_step += 1
         self._held_tokens += tokens
