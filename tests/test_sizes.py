@@ -36,7 +36,9 @@ def test_no_module_class_or_function_outgrows_its_limit() -> None:
 def test_the_rule_finds_a_function_a_class_and_a_module_over_their_limits(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     long_function = "def long() -> None:\n" + "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
-    short_methods = "".join(f"    def m{i}(self) -> int:\n        return {i}\n\n" for i in range(MAX_CLASS_LINES // 3 + 1))
+    short_methods = "".join(
+        f"    def m{i}(self) -> int:\n        return {i}\n\n" for i in range(MAX_CLASS_LINES // 3 + 1)
+    )
     (tmp_path / "pkg" / "a.py").write_text(long_function + "\nclass Big:\n" + short_methods)
     (tmp_path / "pkg" / "b.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     (tmp_path / "pkg" / "c.py").write_text("def short() -> None:\n    pass\n")
