@@ -27,7 +27,7 @@ from swarm.pipeline.protocol import Forward, RemoteError, RequestError, StageCli
 from swarm.pipeline.server import StageServer
 from swarm.rpc.blobs import BlobRequest, BlobServicer
 from swarm.rpc.defences import PeerGuard, PeerLimits
-from swarm.rpc.servicer import pack_envelope
+from swarm.rpc.servicer import pack_envelope, receive_reply
 from swarmtest.clock import FakeClock
 from swarmtest.configs import tiny_config
 
@@ -209,9 +209,13 @@ def test_streams_of_empty_chunks_or_stalled_streams_are_cut_off(server: StageSer
         await asyncio.sleep(3600)
 
     async def reply(requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> RemoteError:
-        chunks = [r.metadata async for r in servicer.rpc_forward_stream(requests, context("slowloris"))]
+        replies = servicer.rpc_forward_stream(requests, context("slowloris"))
+        try:
+            data = await receive_reply(replies, max_bytes=1 << 20, idle_s=5)
+        finally:
+            await replies.aclose()
         with pytest.raises(RemoteError) as info:
-            parse_reply(b"".join(chunks))
+            parse_reply(data)
         return info.value
 
     assert "empty chunk" in asyncio.run(reply(empty_chunks())).message

@@ -34,6 +34,7 @@ from swarm.pipeline.protocol import (
 )
 from swarm.pipeline.server import StageServer
 from swarm.pipeline.trainer import Trainer
+from swarm.rpc.servicer import RemoteError, receive_reply, reply_parts
 from swarm.sim.centralized import evaluate, train_centralized
 from swarmtest.configs import RPC_BATCH, RPC_SEQ, RPC_WIDTH, rpc_config
 from swarmtest.fakes import CONTEXT, EchoBackend, InProcessNetwork, request
@@ -193,15 +194,27 @@ def test_streamed_requests_are_reassembled_and_bounded(monkeypatch: pytest.Monke
     async def scenario() -> None:
         servicer = StageServicer(EchoBackend(), stage=1, max_request_bytes=200)
         frame = bytes(range(50))
-        replies = [
-            r.metadata
-            async for r in servicer.rpc_forward_stream(
-                stream(pack(Forward(mb="m", stage=1, prev_stage=0, x=frame))), CONTEXT
-            )
-        ]
-        assert len(replies) > 1 and parse_reply(b"".join(replies)) == frame
-        replies = [r.metadata async for r in servicer.rpc_backward_stream(stream(b"\x00" * 1000), CONTEXT)]
-        assert msgpack.unpackb(b"".join(replies))["error"] == RequestError.INVALID
+
+        async def read(replies: AsyncIterator[runtime_pb2.ExpertResponse]) -> tuple[bytes, int]:
+            messages = 0
+
+            async def counted() -> AsyncIterator[runtime_pb2.ExpertResponse]:
+                nonlocal messages
+                async for message in replies:
+                    messages += 1
+                    yield message
+
+            try:  # read by its length: the server holds the stream open until the caller closes it
+                return await receive_reply(counted(), max_bytes=1000, idle_s=5), messages
+            finally:
+                await replies.aclose()
+
+        reply, messages = await read(
+            servicer.rpc_forward_stream(stream(pack(Forward(mb="m", stage=1, prev_stage=0, x=frame))), CONTEXT)
+        )
+        assert messages > 1 and parse_reply(reply) == frame
+        reply, _ = await read(servicer.rpc_backward_stream(stream(b"\x00" * 1000), CONTEXT))
+        assert msgpack.unpackb(reply)["error"] == RequestError.INVALID
 
     asyncio.run(scenario())
 
@@ -445,3 +458,28 @@ def test_a_flooding_owner_evicts_its_own_inputs_and_a_full_cache_evicts_the_larg
     assert len(cache) == 8 and cache.evicted == 99
     assert cache.pop("flooder", "f98") is None and cache.pop("flooder", "f99") is not None
     assert cache.pop("honest", "h1") is not None
+
+
+def _replies(*messages: bytes) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def gen() -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for m in messages:
+            yield runtime_pb2.ExpertResponse(metadata=m)
+
+    return gen()
+
+
+def test_a_streamed_reply_is_read_by_its_length_and_one_cut_short_is_a_transport_failure() -> None:
+    reply = bytes(range(256)) * 1000  # 256 kB
+    parts = reply_parts(reply, 64 << 10)
+    assert all(len(p) <= 64 << 10 for p in parts) and len(parts) == 4  # 8 + 256,000 bytes
+    # keep-alives (empty messages) before and between parts are skipped; reading stops at the length, not the end
+    stream = _replies(b"", *parts[:2], b"", *parts[2:], b"never read")
+    assert asyncio.run(receive_reply(stream, max_bytes=len(reply), idle_s=5)) == reply
+    with pytest.raises(RemoteError, match="cut short") as cut:  # the stream ended with a part missing
+        asyncio.run(receive_reply(_replies(*parts[:-1]), max_bytes=len(reply), idle_s=5))
+    assert cut.value.code == RequestError.UNREACHABLE  # the link's failure: retried, no fault of the server's
+    with pytest.raises(RemoteError, match="cut short"):  # before even its length arrived
+        asyncio.run(receive_reply(_replies(b"", parts[0][:3]), max_bytes=len(reply), idle_s=5))
+    with pytest.raises(RemoteError, match="over"):  # a length over what the request allows: not read at all
+        asyncio.run(receive_reply(_replies(*parts), max_bytes=len(reply) - 1, idle_s=5))
+    assert asyncio.run(receive_reply(_replies(*reply_parts(b"", 16)), max_bytes=0, idle_s=5)) == b""

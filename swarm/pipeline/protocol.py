@@ -34,10 +34,13 @@ from swarm.rpc.servicer import (  # RemoteError, RequestError: the stage RPC's c
     GuardedServicer,
     RemoteError,
     RequestError,
+    linger,
     open_envelope,
     pack_envelope,
+    receive_reply,
     receive_stream,
     remote_error,
+    reply_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -311,8 +314,9 @@ class StageServicer(GuardedServicer):
                 await asyncio.wait([answer], timeout=KEEPALIVE_S)
                 if not answer.done():
                     yield runtime_pb2.ExpertResponse(metadata=b"")
-            for part in _chunks(answer.result()):
+            for part in reply_parts(answer.result(), MAX_UNARY_PAYLOAD_SIZE):
                 yield runtime_pb2.ExpertResponse(metadata=part)
+            await linger(self.stream_timeout_s)  # until the caller, its reply whole, closes the stream
         finally:
             answer.cancel()  # the caller left: nothing is waiting for the reply
 
@@ -464,20 +468,9 @@ class StageClient:
 
         replies = await getattr(stub, f"rpc_{method}_stream")(requests())
         try:
-            return parse_reply(await _receive_reply(replies, max_bytes=max_reply, idle_s=idle_s))
+            return parse_reply(await receive_reply(replies, max_bytes=max_reply, idle_s=idle_s))
         finally:
             await replies.aclose()
-
-
-async def _receive_reply(replies: AsyncIterator[runtime_pb2.ExpertResponse], *, max_bytes: int, idle_s: float) -> bytes:
-    """A streamed reply, reassembled: keep-alives (empty messages) are skipped, ``idle_s`` of silence is a timeout
-    (``TimeoutError``), and reading stops at ``max_bytes`` (the most this call's reply can take)."""
-    data = bytearray()
-    while (message := await asyncio.wait_for(anext(replies, None), idle_s)) is not None:
-        if len(data) + len(message.metadata) > max_bytes:
-            raise RemoteError(RequestError.INTERNAL, f"streamed reply over the {max_bytes} bytes its request allows")
-        data += message.metadata
-    return bytes(data)
 
 
 def _said_size(message: str) -> int:

@@ -40,9 +40,12 @@ from swarm.rpc.servicer import (
     GuardedServicer,
     RemoteError,
     RequestError,
+    linger,
     pack_envelope,
+    receive_reply,
     receive_stream,
     remote_error,
+    reply_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,12 +88,8 @@ class RelayClient(StageClient):
 
         async def call() -> Any:
             replies = await getattr(stub, method)(requests())
-            data = bytearray()
             try:
-                async for message in replies:
-                    if len(data) + len(message.metadata) > max_reply + ENVELOPE_BYTES:
-                        raise RemoteError(RequestError.INTERNAL, f"{method} reply over {max_reply} bytes")
-                    data += message.metadata
+                data = await receive_reply(replies, max_bytes=max_reply + ENVELOPE_BYTES, idle_s=timeout)
             finally:
                 await replies.aclose()
             try:
@@ -215,13 +214,16 @@ class RelayServicer(GuardedServicer):
     async def rpc_deliver(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        yield runtime_pb2.ExpertResponse(metadata=await self._deliver(requests, context.remote_id))
+        for part in reply_parts(await self._deliver(requests, context.remote_id), CHUNK_BYTES):
+            yield runtime_pb2.ExpertResponse(metadata=part)
+        await linger(self.stream_timeout_s)  # until the caller, its reply whole, closes the stream
 
     async def rpc_fetch(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for part in _chunks(await self._fetch(requests, context.remote_id)):
+        for part in reply_parts(await self._fetch(requests, context.remote_id), CHUNK_BYTES):
             yield runtime_pb2.ExpertResponse(metadata=part)
+        await linger(self.stream_timeout_s)
 
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: PeerID, kind: type[Any]) -> Any:
         self.screen(peer)
