@@ -29,7 +29,7 @@ import json
 import random
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ class Stream:
 
     peer: str
     name: str
-    replies: AsyncIterator[runtime_pb2.ExpertResponse]
+    replies: AsyncGenerator[runtime_pb2.ExpertResponse, None]
     started: float
     size: int = 0
     received: int = 0
@@ -100,8 +100,8 @@ class Holder:
                 stream.credit -= piece
                 self.sent[stream.peer] += piece
             if stream.received >= stream.size:
-                async for _ in stream.replies:  # the trailer
-                    pass
+                await anext(stream.replies)  # the trailer; then the client closes, as ``BlobClient`` does
+                await stream.replies.aclose()
                 self.streams.remove(stream)
                 self.done.append((stream.peer, stream.name, self.clock.now + dt - stream.started))
         self.clock.advance(dt)

@@ -275,7 +275,7 @@ async def provide_blob(name: str) -> bytes:
 
 
 def blob_servicer(clock: FakeClock, limits: PeerLimits) -> BlobServicer:
-    servicer = BlobServicer(limits=limits, clock=clock)
+    servicer = BlobServicer(linger_s=0.0, limits=limits, clock=clock)
     servicer.provide("state", provide_blob)
     return servicer
 

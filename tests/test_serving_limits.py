@@ -46,7 +46,7 @@ async def fetch(servicer: BlobServicer, name: str, peer: str) -> tuple[dict, int
 
 
 def servicer(clock: FakeClock, **limits: object) -> BlobServicer:
-    out = BlobServicer(serving=ServingLimits(**limits), clock=clock)  # type: ignore[arg-type]
+    out = BlobServicer(linger_s=0.0, serving=ServingLimits(**limits), clock=clock)  # type: ignore[arg-type]
 
     async def state(name: str) -> bytes:
         return STATE
@@ -77,7 +77,7 @@ def test_a_peer_gets_its_budget_of_states_then_one_a_minute_and_others_are_still
 
 def test_a_peer_holds_at_most_its_streams_open_and_a_closed_one_frees_its_place() -> None:
     clock, release = FakeClock(1000.0), asyncio.Event()
-    holder = BlobServicer(serving=ServingLimits(streams_per_peer=2), clock=clock)
+    holder = BlobServicer(linger_s=0.0, serving=ServingLimits(streams_per_peer=2), clock=clock)
 
     async def slow(name: str) -> BlobStream:
         async def chunks() -> AsyncIterator[bytes]:
@@ -108,7 +108,7 @@ def test_a_peer_holds_at_most_its_streams_open_and_a_closed_one_frees_its_place(
 
 def test_a_state_the_holder_cut_itself_is_given_back_to_the_peers_budget() -> None:
     clock = FakeClock(1000.0)
-    holder = BlobServicer(serving=ServingLimits(budgets=(("state", 1.0, 60.0),)), clock=clock)
+    holder = BlobServicer(linger_s=0.0, serving=ServingLimits(budgets=(("state", 1.0, 60.0),)), clock=clock)
     cut = [True]
 
     async def changing(name: str) -> BlobStream:
@@ -208,7 +208,9 @@ def test_the_share_is_of_the_upload_the_holder_measures_and_never_below_the_conf
 
 def test_a_peer_holds_at_most_its_state_streams_but_its_outer_streams_are_not_held_back() -> None:
     release = asyncio.Event()
-    holder = BlobServicer(serving=ServingLimits(state_streams_per_peer=2, budgets=()), clock=FakeClock(1000.0))
+    holder = BlobServicer(
+        linger_s=0.0, serving=ServingLimits(state_streams_per_peer=2, budgets=()), clock=FakeClock(1000.0)
+    )
 
     async def slow(name: str) -> BlobStream:
         async def chunks() -> AsyncIterator[bytes]:
@@ -246,6 +248,7 @@ def test_a_peer_that_leaves_part_way_pays_the_bytes_sent_and_a_holder_cut_pays_n
     state's first chunks for free, an honest peer whose stream broke is not charged the rest."""
     clock, big = FakeClock(1000.0), bytes(3 * CHUNK_BYTES)
     holder = BlobServicer(
+        linger_s=0.0,
         serving=ServingLimits(budgets=(), upload_bytes_per_s=1.0, peer_share=1.0, burst_bytes=4.0 * CHUNK_BYTES),
         clock=clock,
     )
@@ -290,7 +293,7 @@ def test_over_p2p_a_drainer_is_told_to_wait_and_a_joiner_is_served() -> None:
         ]
         try:
             limits = ServingLimits(budgets=(), upload_bytes_per_s=100.0, peer_share=1.0, burst_bytes=1000.0)
-            service = BlobServicer(serving=limits)
+            service = BlobServicer(linger_s=0.0, serving=limits)
 
             async def state(name: str) -> bytes:
                 return big
@@ -322,7 +325,7 @@ def test_a_state_served_ahead_of_the_holders_record_costs_the_downloader_no_budg
     group = ReplicaGroup(outer_config(timeouts=FAST_TIMEOUTS), ["a"])
     sync = group.syncs["a"]
     clock = FakeClock(1000.0)
-    holder = BlobServicer(serving=ServingLimits(budgets=(("state", 1.0, 60.0),)), clock=clock)
+    holder = BlobServicer(linger_s=0.0, serving=ServingLimits(budgets=(("state", 1.0, 60.0),)), clock=clock)
     holder.provide("state", group.serving("a").export_state)
     record = StateClaim(round=sync.round, weights_hash=sync.global_hash, holders=("a",))
 

@@ -433,6 +433,9 @@ def test_state_bound_covers_weights_and_a_momentum_buffer() -> None:
 class LyingServicer(BlobServicer):
     """Sends the real size and hash, with a bit flipped in the last byte of the last chunk (a value, not a header)."""
 
+    def __init__(self) -> None:
+        super().__init__(linger_s=0.0)  # it reads its own whole stream before it sends it: no client to close it
+
     async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]  # BlobServicer's stream, its types the base's
         messages = [message async for message in super().rpc_blob(request, context)]
         if len(messages) > 2:
@@ -446,7 +449,7 @@ class CuttingServicer(BlobServicer):
     """Ends its first ``cuts`` streams early, as a stream lost in transit looks: before the header, or after it."""
 
     def __init__(self, cuts: int, *, after_header: bool = False) -> None:
-        super().__init__()
+        super().__init__(linger_s=0.0)  # as LyingServicer
         self.cuts, self.after_header, self.requests = cuts, after_header, 0
 
     async def rpc_blob(self, request: runtime_pb2.ExpertRequest, context: P2PContext):  # type: ignore[override]  # BlobServicer's stream, its types the base's

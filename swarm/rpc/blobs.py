@@ -28,7 +28,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.rpc.auth import CertificateVerifier
 from swarm.rpc.defences import STATE_PREFIXES, PeerGuard, PeerLimits, ServingLimits
-from swarm.rpc.servicer import TRANSPORT_ERRORS, GuardedServicer, RequestError, pack_envelope, remote_error
+from swarm.rpc.servicer import TRANSPORT_ERRORS, GuardedServicer, RequestError, linger, pack_envelope, remote_error
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +144,14 @@ class BlobServicer(GuardedServicer):
         limits: PeerLimits | None = None,
         serving: ServingLimits | None = None,
         wait_s: float = 60.0,
+        linger_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(label="blob service", verifier=verifier, limits=limits, clock=clock)
         self.providers: dict[str, Provider] = {}
-        self.wait_s, self.clock = wait_s, clock
+        # after a blob's trailer, its stream stays open until the client (which stops at the trailer) closes it, at most
+        # this long (``servicer.linger``): closed from here, the daemon may reset it under the trailer still unsent
+        self.wait_s, self.linger_s, self.clock = wait_s, linger_s, clock
         self.served_bytes = 0
         self.serving = serving or ServingLimits()
         self._open: Counter[PeerID] = Counter()  # streams open per peer
@@ -234,6 +237,7 @@ class BlobServicer(GuardedServicer):
             self._measure(ticket.sent, self.clock() - started)
             self.served_bytes += ticket.sent
             blob.on_sent(digest.hexdigest())
+            await linger(self.linger_s)
         finally:  # also when the peer leaves part way (the stream closed or cancelled): it pays the bytes it took
             self._settle(peer, ticket, cut=cut)
 
