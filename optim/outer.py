@@ -58,6 +58,9 @@ class Screening:
     # a pair whose Δs pointed against each other: each one's part along the other was removed (the factor of the
     # other's Δ taken off it); no offence: a pair cannot tell which of two is wrong
     guarded: dict[int, float] = dataclasses.field(default_factory=dict)
+    # left out as pointing against this replica's own Δ (``judged_by_own``): each one's cosine with it; no offence,
+    # as one replica's own Δ is only its own evidence
+    opposed: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,9 @@ class OuterOptimizer(ABC, Generic[Part]):
 
     replicas_agree: ClassVar[bool] = True  # after a round every replica holds the same global weights (not NoLoCo)
     pairwise: ClassVar[bool] = False  # live rounds swap payloads in pairs (pair_round), no all-gather
+    # members judged against this replica's own Δ before the centred clip (``_leave_out_opposed``): where Δs are so
+    # sparse that their coordinate median is ~0 and says nothing of direction
+    judged_by_own: ClassVar[bool] = False
 
     def __init__(
         self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -183,15 +189,22 @@ class OuterOptimizer(ABC, Generic[Part]):
             self.discard_payload()
         round_, self.round = self.round, self.round + 1
         screened = self._screen(members, round_, own)
-        kept, clipped, guarded = screened.kept, dict(screened.clipped), dict[int, float]()
+        kept, clipped, guarded, opposed = screened.kept, dict(screened.clipped), dict[int, float](), dict[int, float]()
+        if self.judged_by_own and len(kept) >= 3 and own is not None:
+            kept, opposed = self._leave_out_opposed(kept, own)
         if len(kept) >= 3:
             kept, centred = self._clip_to_centre(kept)
             clipped |= centred
         if len(kept) == 2:
             kept, guarded = self._guard_pair(kept)
-        if clipped or guarded:
-            logger.info("outer round %d: clipped %s, guarded %s (payload index: factor)", round_, clipped, guarded)
-        screening = Screening(used=len(kept), dropped=dropped | screened.dropped, clipped=clipped, guarded=guarded)
+        if clipped or guarded or opposed:
+            logger.info(
+                "outer round %d: clipped %s, guarded %s (payload index: factor), against this replica's Δ %s (cosine)",
+                *(round_, clipped, guarded, opposed),
+            )
+        screening = Screening(
+            used=len(kept), dropped=dropped | screened.dropped, clipped=clipped, guarded=guarded, opposed=opposed
+        )
         if not kept:
             logger.warning("outer round %d: no usable pseudo-gradient; parameters unchanged", round_)
             self.discard_payload()
@@ -332,6 +345,33 @@ class OuterOptimizer(ABC, Generic[Part]):
                 out[i][1][name] = self._with_delta(members[i][1][name], centre + factor * (stacked[i] - centre))
         return out, {members[i][0]: factor for i, factor in factors.items()}
 
+    def _leave_out_opposed(
+        self, members: list[tuple[int, dict[str, Part]]], own: int
+    ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
+        """Leave out each member whose Δ points against this replica's own (a negative cosine), judged against its own
+        evidence (``_own_evidence``: for SparseLoCo its whole Δ, what it sent and what its error buffer holds back).
+        A flip, or a scaled flip, of any honest Δ points against every honest replica's descent, so every honest
+        replica leaves it out and they stay in agreement; an honest Δ points along it. Sparse Δs barely overlap, so a
+        member is judged against the dense Δ, never against another sparse payload. Per parameter, one at a time."""
+        mine = next((member for index, member in members if index == own), None)
+        if mine is None:
+            return members, {}
+        dots, squares, own_square = [0.0] * len(members), [0.0] * len(members), 0.0
+        for name in self._global:
+            evidence = self._own_evidence(name, mine[name]).double()
+            own_square += float(evidence.square().sum())
+            for i, (_, member) in enumerate(members):
+                dense = self._dense(member[name]).double()
+                dots[i] += float((dense * evidence).sum())
+                squares[i] += float(dense.square().sum())
+        cosines = [d / math.sqrt(sq * own_square) if sq > 0 and own_square > 0 else 0.0 for d, sq in zip(dots, squares)]
+        opposed = {index: cos for (index, _), cos in zip(members, cosines) if index != own and cos < 0}
+        return [(index, member) for index, member in members if index not in opposed], opposed
+
+    def _own_evidence(self, name: str, own_part: Part) -> torch.Tensor:
+        """This replica's own Δ for parameter ``name``, dense: what ``_leave_out_opposed`` judges the others by."""
+        return self._dense(own_part)
+
     def _guard_pair(
         self, members: list[tuple[int, dict[str, Part]]]
     ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
@@ -426,6 +466,9 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
 class SparseLoCo(OuterOptimizer[SparseTensor]):
     """Error feedback + top-k 2-bit Δ, per-index mean over the senders, SGD (default: plain, α = 1; optionally Nesterov).
 
+    Members are judged against this replica's own whole Δ (``judged_by_own``): top-k payloads barely overlap, so their
+    coordinate median is ~0, and the per-index mean weighs a lone sender's value fully where nobody else sent.
+
     The error buffers are this replica's own residual; they are not part of ``state_dict`` and
     start at zero after ``load_state_dict``, as for a newcomer.
     """
@@ -455,8 +498,16 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
     def _scale(self, part: SparseTensor, factor: float) -> SparseTensor:
         return dataclasses.replace(part, values=part.values * factor)
 
+    judged_by_own: ClassVar[bool] = True
+
     def _dense(self, part: SparseTensor) -> torch.Tensor:
         return part.to_dense()
+
+    def _own_evidence(self, name: str, own_part: SparseTensor) -> torch.Tensor:
+        # what it sent and what it held back: its error buffer after encoding is Δ + the old buffer − the part sent
+        held_back = self._error.errors.get(name)
+        sent = own_part.to_dense().to(held_back.device) if held_back is not None else own_part.to_dense()
+        return sent if held_back is None else sent + held_back.view_as(sent)
 
     def _with_delta(self, part: SparseTensor, delta: torch.Tensor) -> SparseTensor:
         # the new Δ's non-zeros are the indices it is sent on: a clipped member counts where the median moved too

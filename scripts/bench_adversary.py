@@ -695,7 +695,8 @@ def drain_run(attack: str | None, seed: int, *, undefended: bool) -> dict[str, A
 
 
 def undefend() -> None:
-    """Issue 42's outer defences off, in this process: no centred clip, no pair guard (the baseline the attacks are
+    """Issue 42's outer defences off, in this process: no centred clip, no pair guard, SparseLoCo members not judged
+    against the replica's own Δ (the baseline the attacks are
     measured against without them; the stage scenarios run without backward probes then)."""
     import math
 
@@ -703,6 +704,7 @@ def undefend() -> None:
 
     optim.outer.CENTRE_RADIUS = math.inf
     optim.outer.OuterOptimizer._guard_pair = lambda self, members: (members, {})  # type: ignore[method-assign]
+    optim.outer.SparseLoCo.judged_by_own = False  # type: ignore[misc]
 
 
 def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -852,7 +854,9 @@ def main() -> None:
         help="the stage scenarios' servers in DiLoCo rounds every H inner steps (0: outer off, their replicas never sync)",
     )
     parser.add_argument(
-        "--undefended", action="store_true", help="issue 42's defences off (centred clip, pair guard, backward probes)"
+        "--undefended",
+        action="store_true",
+        help="issue 42's defences off (centred clip, pair guard, own-Δ judgement, backward probes)",
     )
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a child's seed
     parser.add_argument("--child", nargs=2, metavar=("ATTACK", "VARIANT"), help=argparse.SUPPRESS)
