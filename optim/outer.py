@@ -27,6 +27,7 @@ from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
 from compress.wire import BytesLike
 from optim.inner import fused_kwargs
 from optim.payload import max_payload_bytes, pack_payload, unpack_payload
+from optim.robust import Members, clip_to_centre, guard_pair, leave_out_opposed
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ OWN_NORM_RATIO = 100.0
 # distance from their coordinate-wise median; further, it is pulled in to that radius. Honest replicas' Δ of one round
 # lie within ×2 of each other's distances (tests/test_outer_robust.py), so clean rounds are never clipped.
 CENTRE_RADIUS = 2.0
+# SparseLoCo leaves out a member whose Δ has a cosine under this with the replica's own (``robust.leave_out_opposed``):
+# a flip of a Δ that shares any direction with the others' is far under it; Δs that share none (noise) stay in
+OPPOSED_COSINE = -0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +89,6 @@ def check_names(expected: NamedTensors, tensors: NamedTensors) -> None:
         )
     for name, t in tensors.items():
         check_shape(expected, name, t.shape)
-
-
-def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
-    """(K, *shape) → (*shape): per coordinate, the middle value (the mean of the two middle ones for even K)."""
-    ordered = stacked.sort(dim=0).values
-    k = len(ordered)
-    return ordered[k // 2] if k % 2 else (ordered[k // 2 - 1] + ordered[k // 2]) / 2
 
 
 class OuterOptimizer(ABC, Generic[Part]):
@@ -313,101 +310,25 @@ class OuterOptimizer(ABC, Generic[Part]):
             )
         return _Screened(kept=kept, dropped=dropped, clipped=clipped)
 
-    def _clip_to_centre(
-        self, members: list[tuple[int, dict[str, Part]]]
-    ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
-        """Centred clipping (K ≥ 3): each member's Δ xᵢ is pulled to within τ of the coordinate-wise median m.
+    def _clip_to_centre(self, members: Members[Part]) -> tuple[Members[Part], dict[int, float]]:
+        """Centred clipping (K ≥ 3, ``robust.clip_to_centre``) with this module's ``CENTRE_RADIUS``."""
+        return clip_to_centre(
+            members, self._global, dense=self._dense, with_delta=self._with_delta, radius_factor=CENTRE_RADIUS
+        )
 
-        τ = CENTRE_RADIUS · median ‖xᵢ − m‖; a member further away becomes m + (τ / ‖xᵢ − m‖)(xᵢ − m), the others are
-        used as they are (a clean round's aggregate is exactly the plain one). The bound, for f < K/2 Byzantine members
-        sending anything finite (docs/architecture.md, "The outer aggregate's bound"): m lies, per coordinate, within
-        the honest members' range, and τ ≤ CENTRE_RADIUS · max_honest ‖x_h − m‖, so DiLoCo's mean moves at most
-        (f/K)(τ + ‖m − μ_H‖) from the honest members' mean μ_H, in any direction (a flip or a scaled flip of an honest Δ
-        is clipped like any other far point). Returns the members, clipped, and each clipped one's factor by index.
-        Two passes over the parameters, one at a time, so the extra memory is K dense copies of the largest parameter.
-        """
-        squared = [0.0] * len(members)
-        for name in self._global:
-            stacked = torch.stack([self._dense(member[name]) for _, member in members])  # (K, *shape)
-            offsets = stacked - _coordinate_median(stacked)
-            for i, offset in enumerate(offsets):
-                squared[i] += float(offset.double().square().sum())
-        distances = [math.sqrt(s) for s in squared]
-        radius = CENTRE_RADIUS * statistics.median(distances)
-        factors = {i: radius / d for i, d in enumerate(distances) if d > radius}
-        if not factors:
-            return members, {}
-        out = [(index, dict(member)) for index, member in members]
-        for name in self._global:
-            stacked = torch.stack([self._dense(member[name]) for _, member in members])
-            centre = _coordinate_median(stacked)
-            for i, factor in factors.items():
-                out[i][1][name] = self._with_delta(members[i][1][name], centre + factor * (stacked[i] - centre))
-        return out, {members[i][0]: factor for i, factor in factors.items()}
-
-    def _leave_out_opposed(
-        self, members: list[tuple[int, dict[str, Part]]], own: int
-    ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
-        """Leave out each member whose Δ points against this replica's own (a negative cosine), judged against its own
-        evidence (``_own_evidence``: for SparseLoCo its whole Δ, what it sent and what its error buffer holds back).
-        A flip, or a scaled flip, of any honest Δ points against every honest replica's descent, so every honest
-        replica leaves it out and they stay in agreement; an honest Δ points along it. Sparse Δs barely overlap, so a
-        member is judged against the dense Δ, never against another sparse payload. Per parameter, one at a time."""
-        mine = next((member for index, member in members if index == own), None)
-        if mine is None:
-            return members, {}
-        dots, squares, own_square = [0.0] * len(members), [0.0] * len(members), 0.0
-        for name in self._global:
-            evidence = self._own_evidence(name, mine[name]).double()
-            own_square += float(evidence.square().sum())
-            for i, (_, member) in enumerate(members):
-                dense = self._dense(member[name]).double()
-                dots[i] += float((dense * evidence).sum())
-                squares[i] += float(dense.square().sum())
-        cosines = [d / math.sqrt(sq * own_square) if sq > 0 and own_square > 0 else 0.0 for d, sq in zip(dots, squares)]
-        opposed = {index: cos for (index, _), cos in zip(members, cosines) if index != own and cos < 0}
-        return [(index, member) for index, member in members if index not in opposed], opposed
+    def _leave_out_opposed(self, members: Members[Part], own: int) -> tuple[Members[Part], dict[int, float]]:
+        """Members whose Δ points against this replica's own (``robust.leave_out_opposed``) left out."""
+        return leave_out_opposed(
+            members, own, self._global, dense=self._dense, evidence=self._own_evidence, below=OPPOSED_COSINE
+        )
 
     def _own_evidence(self, name: str, own_part: Part) -> torch.Tensor:
         """This replica's own Δ for parameter ``name``, dense: what ``_leave_out_opposed`` judges the others by."""
         return self._dense(own_part)
 
-    def _guard_pair(
-        self, members: list[tuple[int, dict[str, Part]]]
-    ) -> tuple[list[tuple[int, dict[str, Part]]], dict[int, float]]:
-        """A pair has no majority: neither member's Δ may point against the other's. If ⟨x, y⟩ < 0, each loses its
-        part along the other (x ← x − (⟨x, y⟩/‖y‖²)·y) and what is left of it is clipped to the other's norm, the same
-        on both members (a function of the pair's payloads alone, so the pair stays in agreement). The step, their
-        mean, then keeps ⟨step, x⟩ = ½‖x‖²·sin²(x, y) of each one's progress, and adds at most ¾‖x‖ at right angles
-        to it. Promise to a member a, whatever the other sends: never backwards (⟨step, a⟩ ≥ 0), and a Δ opposed to a
-        moves the step at most ¾‖a‖ off its part along a. Not promised: progress against an exact opposite (a stall),
-        and what a Δ not opposed to a adds at right angles to it, bounded only by ``_screen``'s norm rules. Returns
-        the members and, for each changed one, the factor of the other's Δ taken off it."""
-        (i, x), (j, y) = members
-        dense_x = {name: self._dense(part) for name, part in x.items()}
-        dense_y = {name: self._dense(part) for name, part in y.items()}
-        dot = sum(float((dense_x[n].double() * dense_y[n].double()).sum()) for n in dense_x)
-        xx = sum(float(t.double().square().sum()) for t in dense_x.values())
-        yy = sum(float(t.double().square().sum()) for t in dense_y.values())
-        if dot >= 0 or xx == 0 or yy == 0:
-            return members, {}
-
-        def without(
-            member: dict[str, Part],
-            dense: dict[str, torch.Tensor],
-            other: dict[str, torch.Tensor],
-            sq: float,
-            osq: float,
-        ) -> dict[str, Part]:
-            """``member`` less its part along ``other`` (‖member‖² = sq, ‖other‖² = osq), no longer than ``other``."""
-            along = dot / osq
-            scale = min(1.0, math.sqrt(osq / max(sq - dot * along, 1e-300)))
-            return {n: self._with_delta(part, scale * (dense[n] - along * other[n])) for n, part in member.items()}
-
-        return (
-            [(i, without(x, dense_x, dense_y, xx, yy)), (j, without(y, dense_y, dense_x, yy, xx))],
-            {i: -dot / yy, j: -dot / xx},
-        )
+    def _guard_pair(self, members: Members[Part]) -> tuple[Members[Part], dict[int, float]]:
+        """A pair's guard (``robust.guard_pair``): neither member's Δ may point against the other's."""
+        return guard_pair(members, dense=self._dense, with_delta=self._with_delta)
 
     def _member_norm(self, member: Mapping[str, Part]) -> float:
         return math.sqrt(sum(self._squared_norm(part) for part in member.values()))
