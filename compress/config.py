@@ -1,8 +1,10 @@
-"""Which codecs a swarm uses on the wire (part of the swarm config), and the checks every config section shares.
+"""Which codecs a swarm uses on the wire (part of the swarm config), and what every config section shares: its checks,
+and ``cli``, the metadata a field declares its command-line option with.
 
 Config sections are keyword-only dataclasses whose choice fields are ``Literal`` types;
 ``__post_init__`` validates and raises ``ConfigError`` naming the field relative to the section
-(the enclosing section prefixes its own name).
+(the enclosing section prefixes its own name). ``cli`` lives here, at the bottom of the layers, so that optim/'s and
+compress/'s sections declare their options on their own fields too; ``swarm/cli_fields.py`` reads it (and re-exports it).
 
     >>> CodecConfig(activations="subspace+int8", gradients="subspace").uses_subspace  # True
     >>> CodecConfig(activations="adaptive", gradients="adaptive")  # per link, by measured throughput
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from compress.codecs import CodecName, PseudoGradientCodecName
@@ -27,6 +29,26 @@ BoundaryCodecName = Literal[CodecName, "adaptive"]
 
 FullBoundaries = Literal["none", "compressed"]
 SPARSELOCO_CHUNK = 4096  # the SparseLoCo codec's chunks are 64×64 tiles
+
+
+def cli(
+    help: str,
+    *,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    min: float | None = None,
+    max: float | None = None,
+    as_text: bool = False,
+) -> dict[str, object]:
+    """A config field's command-line option, as the field's metadata: its ``--help`` text, its flag (default
+    ``--field-name``) and other names (e.g. ``-k``), the least and greatest values the command line accepts, and
+    ``as_text`` for a field the command line gives as text that the config parses (its ``str`` is that text). A
+    ``Literal`` field's choices are its type's. Read by ``swarm/cli_fields.py`` and ``peer/config_options.py``.
+
+    >>> steps: int = field(default=100, metadata=cli("Trainers: inner steps of stage 0 to run.", min=1))
+    """
+    limits = {name: value for name, value in (("min", min), ("max", max)) if value is not None}
+    return {"cli": {"help": help, "flag": flag, "aliases": aliases, "limits": limits, "as_text": as_text}}
 
 
 def choice_problem(value: object, choices: object) -> str | None:
@@ -64,14 +86,28 @@ def check_non_negative(section: object, *names: str) -> None:
 
 @dataclass(kw_only=True)
 class CodecConfig:
-    activations: BoundaryCodecName = "int8"  # forward activations between stages
-    gradients: BoundaryCodecName = "int8"  # activation-gradients on the way back
+    # forward activations between stages
+    activations: BoundaryCodecName = field(
+        default="int8",
+        metadata=cli(
+            "Boundary codec of the activations between stages, and of their gradients unless those are given their "
+            "own (adaptive: per link, by its measured throughput).",
+            flag="--act-codec",
+        ),
+    )
+    # activation-gradients on the way back
+    gradients: BoundaryCodecName = field(
+        default="int8",
+        metadata=cli("Boundary codec of the activation gradients (default: the activations').", flag="--grad-codec"),
+    )
     # a full replica's own stage boundaries (``swarm/full.py``): "none", handed over in memory (selective compression:
     # only the pipelined replicas' links are compressed); "compressed", through the two codecs above as if they crossed a
     # wire (every replica compressed alike, what selective compression is compared against)
     full_boundaries: FullBoundaries = "none"
-    pseudo_gradients: PseudoGradientCodecName = (
-        "sparseloco"  # outer-step exchange (sparseloco needs outer.method = sparseloco)
+    # outer-step exchange (sparseloco needs outer.method = sparseloco)
+    pseudo_gradients: PseudoGradientCodecName = field(
+        default="sparseloco",
+        metadata=cli("Codec of the outer step's pseudo-gradients (SparseLoCo sends its own).", flag="--pg-codec"),
     )
     topk: int = 64  # SparseLoCo: values kept per chunk
     chunk_size: int = SPARSELOCO_CHUNK  # SparseLoCo: elements per chunk (2-D tensors as 64×64 tiles)

@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from compress.codecs import PseudoGradientCodecName
-from compress.config import check_choices, check_non_negative, check_positive
+from compress.config import check_choices, check_non_negative, check_positive, cli
 from compress.errors import ConfigError
 
 OuterMethod = Literal["none", "diloco", "sparseloco", "noloco"]  # none: replicas never sync
@@ -53,14 +53,17 @@ class InnerOptimConfig:
     # preset's, from published recipes of comparable models: tiny 3e-3 (tuned on it here); 20m 1e-3 (Pythia-70M);
     # 125m 6e-4 (GPT-3 Small 125M, Pythia-160M); 350m 3e-4 (GPT-3 Medium 350M, Pythia-410M); 1b 2e-4 (GPT-3 XL 1.3B,
     # Pythia-1.4B; TinyLlama 1.1B trains at 4e-4 on 2M-token batches)
-    lr: float = 3e-3
+    lr: float = field(default=3e-3, metadata=cli("Inner AdamW's peak learning rate (default: the preset's)."))
     beta1: float = 0.9  # AdamW β1
     beta2: float = 0.95  # AdamW β2; GPT-3, Pythia and TinyLlama use 0.95 at every size
     weight_decay: float = 0.1  # AdamW's decoupled weight decay (GPT-3 and TinyLlama: 0.1)
     # inner steps of linear warmup to lr. A preset's default: tiny 30 (tuned here), 20m 50, 125m 100, 350m 150, 1b 200:
     # the recipes' warm-ups (GPT-3: 375M tokens; Pythia: 1% of the run; TinyLlama: 2,000 steps) outlast a whole run
     # of a swarm's small inner batches, so these grow from tiny's with the model
-    warmup_steps: int = 30
+    warmup_steps: int = field(
+        default=30,
+        metadata=cli("Inner steps of linear warm-up to the peak lr (default: the preset's).", flag="--warmup", min=0),
+    )
     # length of the cosine schedule in inner steps. `swarmloco local` and `train-local` make it their --steps unless
     # the config sets it (written commented out at its default, so a file `config show` printed leaves it to the run);
     # a peer whose inner steps pass it warns, and trains on at min_lr_ratio · lr
@@ -80,10 +83,19 @@ class InnerOptimConfig:
 class OuterOptimConfig:
     """How replicas of a stage agree every ``inner_steps`` (H) inner steps."""
 
-    method: OuterMethod = "sparseloco"  # the outer step: none (replicas never sync), DiLoCo, SparseLoCo or NoLoCo
+    # the outer step: none (replicas never sync), DiLoCo, SparseLoCo or NoLoCo
+    method: OuterMethod = field(
+        default="sparseloco",
+        metadata=cli(
+            "The outer step: none (replicas never sync), DiLoCo, SparseLoCo or NoLoCo.", flag="--outer-method"
+        ),
+    )
     # H. 10: SparseLoCo's pseudo-gradients stay >1000× below per-step fp32 gradients at K = 2, and the
     # gap to data-parallel training roughly halves against H = 20 (docs/benchmarks.md, "Convergence")
-    inner_steps: int = 10
+    inner_steps: int = field(
+        default=10,
+        metadata=cli("H: inner steps between outer steps.", flag="--inner-steps", aliases=("-H",), min=1),
+    )
     # A plain average (lr 1, no momentum) reaches a 9-12% lower loss than DiLoCo's Nesterov 0.7/0.9 at these model
     # sizes and horizons (docs/benchmarks.md); the paper's values are for 150M+ models and H = 500.
     diloco_lr: float = 1.0
@@ -96,7 +108,14 @@ class OuterOptimConfig:
     # 100: on the default model at 8M tokens (K = 2, 3 seeds) SparseLoCo H10 goes from 3.0% to 1.2% above data-parallel
     # training, every seed lower and the spread 7× smaller, for 1.45× the pseudo-gradient bytes of such a run (still
     # 1,184× below fp32 gradients); the early rounds are where replicas' small batches cost most (docs/benchmarks.md)
-    warm_start_steps: int = 100
+    warm_start_steps: int = field(
+        default=100,
+        metadata=cli(
+            "Warm start: replicas meet after every inner step for this many steps, then every H.",
+            flag="--warm-start",
+            min=0,
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -1,13 +1,15 @@
 """Command-line options that set config fields, each typed from its config tree (``SwarmConfig`` or ``PeerConfig``).
 
 A command lists its ``ConfigOption``s in ``@config_options(...)`` and takes ``overrides``: the decorator puts one typer
-option per entry there, typed (and so its choices, for ``Literal`` fields) from the dataclasses, and hands the command
-``{dotted field: value}`` for the options given. ``field_options(PeerConfig)`` makes one per field with ``cli`` metadata
-(``swarm/cli_fields.py``), so a command's options, their help and defaults are written once, on its config dataclass;
-``from_options`` builds the dataclass back from the overrides the command receives.
+option per entry there, typed (and so its choices, for ``Literal`` fields) from the dataclasses, its help and limits
+from the field's ``cli`` metadata (``compress/config.py``), and hands the command ``{dotted field: value}`` for the
+options given. A command names the field and the flag(s) it gives it, and at most a note of its own (e.g. its own
+default); ``field_options(PeerConfig)`` makes one per field with ``cli`` metadata under the field's own flag, so a
+command's options, their help and defaults are written once, on its config dataclass; ``from_options`` builds the
+dataclass back from the overrides the command receives.
 
     @app.command("simulate")
-    @config_options(ConfigOption(field="codecs.activations", flags=("--act-codec",), help="Activation codec."))
+    @config_options(ConfigOption(field="codecs.activations", flags=("--act-codec",)))
     def simulate_cmd(config: ConfigOpt = None, overrides: ConfigOverrides = None) -> None:
         cfg = derive_config(config_or_default(config), overrides)
 """
@@ -24,7 +26,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from swarm.cli_fields import cli_flag, cli_spec, negated
+from swarm.cli_fields import cli_flag, cli_spec, field_at, negated
 from swarm.config import ConfigValue, SwarmConfig
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -35,30 +37,54 @@ OVERRIDES_PARAM = "overrides"
 
 def field_type(path: str, root: type = SwarmConfig) -> object:
     """The declared type of the leaf at dotted ``path`` in the dataclass tree under ``root``."""
-    section: object = root
-    for name in path.split("."):
-        if not (isinstance(section, type) and dataclasses.is_dataclass(section)) or name not in {
-            f.name for f in dataclasses.fields(section)
-        }:
-            raise ValueError(f"{path!r} names no field of {root.__name__}")
-        section = typing.get_type_hints(section)[name]
-    return section
+    section, f = field_at(root, path)
+    return typing.get_type_hints(section)[f.name]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ConfigOption:
-    """One command-line option that sets the swarm-config field ``field`` (dotted path).
+    """One command-line option that sets the config field ``field`` (dotted path in ``root``'s tree) under ``flags``
+    (none given: the field's own, a boolean's with its ``--no-`` form); its help, least and greatest values and its
+    choices are the field's (its ``cli`` metadata and ``Literal`` type).
 
-    >>> ConfigOption(field="paths.skip_ratio", flags=("--skip",), help="Skip ratio.", limits={"min": 0.0, "max": 0.99}).param  # 'skip'
+    >>> ConfigOption(field="paths.skip_ratio").param  # 'skip' (the field's flag)
+    >>> ConfigOption(field="codecs.activations", flags=("--codec",), note="(default int8)").help  # the field's + note
     """
 
     field: str
-    flags: tuple[str, ...]
-    help: str
+    flags: tuple[str, ...] = ()  # the command's own names for the option; (): the field's
     default: ConfigValue | None = None  # None: the config's own value
     root: type = SwarmConfig  # the config tree ``field`` is a path in
-    kind: object = None  # the option's type where the command line gives text the config parses (None: the field's)
-    limits: Mapping[str, float] = dataclasses.field(default_factory=dict)  # typer's min / max, checked while parsing
+    # the command's own words after the field's help; None: "(default: the config's)" where ``default`` is None
+    note: str | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.spec  # a field without cli metadata is no option: say so where the command declares it
+        if not self.flags:  # the field's own
+            section, f = field_at(self.root, self.field)
+            flag = cli_flag(f) or ""
+            if typing.get_type_hints(section)[f.name] is bool:
+                flag = f"{flag}/{negated(flag)}"
+            object.__setattr__(self, "flags", (flag, *spec["aliases"]))  # frozen: set once, here
+
+    @property
+    def spec(self) -> Mapping[str, typing.Any]:
+        """The field's ``cli`` metadata."""
+        if (spec := cli_spec(field_at(self.root, self.field)[1])) is None:
+            raise ValueError(f"{self.root.__name__}.{self.field} has no command-line option (no cli metadata)")
+        return spec
+
+    @property
+    def help(self) -> str:
+        """The field's help, and the command's note."""
+        note = self.note if self.note is not None else "(default: the config's)" if self.default is None else ""
+        return f"{self.spec['help']} {note}".strip()
+
+    @property
+    def limits(self) -> Mapping[str, float]:
+        """typer's min / max, checked while parsing: the field's."""
+        limits: Mapping[str, float] = self.spec["limits"]
+        return limits
 
     @property
     def param(self) -> str:
@@ -67,7 +93,8 @@ class ConfigOption:
         return long[2:].replace("-", "_").replace(".", "_")
 
     def annotation(self) -> object:
-        kind = self.kind or field_type(self.field, self.root)
+        # text where the command line gives text the config parses, else the field's type
+        kind = (str | None) if self.spec["as_text"] else field_type(self.field, self.root)
         option = typer.Option(*self.flags, help=self.help, min=self.limits.get("min"), max=self.limits.get("max"))
         return Annotated[kind if self.default is not None else typing.Optional[kind], option]  # noqa: UP045 (a value)
 
@@ -82,7 +109,7 @@ def field_options(
     options: list[ConfigOption] = []
     for f in dataclasses.fields(section):
         path, kind = prefix + f.name, typing.get_type_hints(section)[f.name]
-        if (spec := cli_spec(f)) is None or (flag := cli_flag(f)) is None:
+        if cli_flag(f) is None:
             if isinstance(kind, type) and dataclasses.is_dataclass(kind):
                 options += field_options(root, section=kind, prefix=f"{path}.", only=only)
             continue
@@ -91,12 +118,9 @@ def field_options(
         options.append(
             ConfigOption(
                 field=path,
-                flags=(f"{flag}/{negated(flag)}" if kind is bool else flag, *spec["aliases"]),
-                help=spec["help"],
                 default=f.default if isinstance(f.default, str | int | float | bool) else None,
-                limits=spec["limits"],
                 root=root,
-                kind=(str | None) if spec["as_text"] else None,
+                note="",
             )
         )
     return tuple(options)

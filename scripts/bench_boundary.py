@@ -28,6 +28,7 @@ import torch
 from compress.codec_base import Codec
 from compress.codecs import get_codec
 from peer.data import Corpus, load_corpus
+from swarm.cli_fields import add_field_arguments
 from swarm.config import SwarmConfig, derive_config
 from swarm.model.stages import EdgeStage, middle_stages
 from swarm.model.step import InnerStep
@@ -212,15 +213,14 @@ def previous_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="tiny", choices=["tiny", "20m", "125m"])
-    parser.add_argument("--seq-len", type=int, default=128)
+    add_field_arguments(parser, SwarmConfig, "model.preset", "train.seq_len")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (one microbatch, one inner step)")
-    parser.add_argument("--stages", type=int, default=4, help="middle stages: stages + 1 boundaries")
+    add_field_arguments(parser, SwarmConfig, "stages.num_stages")  # stages + 1 boundaries
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, help="inner warm-up steps (default: the preset's)")
+    add_field_arguments(parser, SwarmConfig, "inner.warmup_steps", defaults={"inner.warmup_steps": None})
     parser.add_argument("--pairs", nargs="+", default=["fp32", "int8", "rot4", "rot2", "rot1"])
-    parser.add_argument("--subspace-rank", type=int, default=16)
+    add_field_arguments(parser, SwarmConfig, "model.subspace_rank", defaults={"model.subspace_rank": 16})
     parser.add_argument("--val-sequences", type=int, default=64)
     parser.add_argument("--zstd-every", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")

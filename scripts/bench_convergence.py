@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 from peer.data import Corpus, load_corpus
+from swarm.cli_fields import add_field_arguments
 from swarm.config import ConfigValue, OuterChoice, SwarmConfig, derive_config, parse_overrides
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import Routing, SimulationConfig, simulate
@@ -372,7 +373,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--h", type=int, default=20, help="H for outer rows that do not set their own (0: the config's)"
     )
-    parser.add_argument("--codec", choices=["fp32", "int8"], default="int8", help="activation codec of every row")
+    add_field_arguments(parser, SwarmConfig, "codecs.activations", flags={"codecs.activations": ("--codec",)})
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these rows (exact names)")
     parser.add_argument("--log-points", type=int, default=10, help="val-loss evaluations per run, for the curves")
     parser.add_argument(

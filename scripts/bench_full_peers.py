@@ -217,7 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     add_field_arguments(parser, SimulationConfig, "tokens", defaults={"tokens": 300_000})  # over both replicas
-    parser.add_argument("--h", type=int, default=10, help="inner steps between outer rounds")
+    add_field_arguments(parser, SwarmConfig, "outer.inner_steps", flags={"outer.inner_steps": ("--h",)})
     parser.add_argument("--codecs", nargs="+", default=["int8", "subspace"])
     parser.add_argument("--json", type=Path)
     real = parser.add_argument_group("--real: rows a, b, c as local swarms (one seed)")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from peer.data import Corpus, load_corpus
+from swarm.cli_fields import add_field_arguments
 from swarm.config import SwarmConfig, derive_config, follow_run
 from swarm.model.sizing import model_parameters
 from swarm.sim.centralized import evaluate, train_centralized
@@ -159,9 +160,8 @@ def main() -> None:
     parser.add_argument("--sweep-steps", type=int, default=80)
     parser.add_argument("--sweep-seq-len", type=int, default=128)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="the sweep's seeds (curves: seed 0)")
-    parser.add_argument("--seq-len", type=int, default=256, help="the curves' sequence length unless one names its own")
-    parser.add_argument("--microbatch", type=int, default=8, help="samples per microbatch")
-    parser.add_argument("--inner-batch", type=int, default=8, help="samples per inner step")
+    shape = {"train.seq_len": 256, "train.microbatch_size": 8, "train.inner_batch": 8}  # seq_len: a curve's own first
+    add_field_arguments(parser, SwarmConfig, *shape, defaults=shape)
     parser.add_argument("--log-every", type=int, default=5, help="log train and probe loss every N steps")
     parser.add_argument("--val-sequences", type=int, default=64, help="held-out windows of the final validation loss")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from compress.config import CodecConfig
-from swarm.config import TrainerOptions
+from swarm.cli_fields import add_field_arguments
+from swarm.config import SwarmConfig, TrainerOptions
 from swarm.pipeline.trainer import Trainer
 from swarmtest.configs import tiny_config
 from swarmtest.relay import RelayLab
@@ -78,7 +79,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=3)
-    parser.add_argument("--codec", default="int8")
+    add_field_arguments(parser, SwarmConfig, "codecs.activations", flags={"codecs.activations": ("--codec",)})
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -102,6 +102,15 @@ from swarm.model.sizing import StageDoesNotFit, StageFootprint, check_fits, mode
 from swarm.node.config import PeerConfig
 from swarmtest.bench import Peers, preset_config, read_peers
 
+# the config fields this benchmark's options set (their flags, help and limits the fields'), besides --presets
+CONFIG_FIELDS = (
+    "outer.inner_steps",
+    "outer.warm_start_steps",
+    "train.seq_len",
+    "train.microbatch_size",
+    "train.precision",
+)
+
 # Inner steps per preset when --steps does not say: the default run (20m and 125m at 8 x 1024) takes ~25 min on two
 # quiet cores (module docstring). The joiner is in from about the second step; with H = 2 its first 2-member round
 # comes about the third.
@@ -623,11 +632,18 @@ def main() -> None:
         default=[],
         help=f"inner steps of each run: N for every preset, or PRESET=N ... (default {STEPS}, else {DEFAULT_STEPS})",
     )
-    parser.add_argument("--h", type=int, default=2, help="SparseLoCo: inner steps between outer rounds")
-    parser.add_argument("--warm-start", type=int, default=0, help="outer.warm_start_steps (rounds every step first)")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--microbatch", type=int, default=8, help="samples per microbatch (= per inner step)")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    add_field_arguments(  # SparseLoCo's H and warm start; one microbatch per inner step (preset_config)
+        parser,
+        SwarmConfig,
+        *CONFIG_FIELDS,
+        defaults={
+            "outer.inner_steps": 2,
+            "outer.warm_start_steps": 0,
+            "train.seq_len": 1024,
+            "train.microbatch_size": 8,
+        },
+        flags={"outer.inner_steps": ("--h",)},
+    )
     parser.add_argument(
         "--join-at-step",
         type=int,

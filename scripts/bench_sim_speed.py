@@ -22,6 +22,7 @@ import torch
 
 from peer.data import load_corpus
 from swarm.cli_fields import add_field_arguments, from_arguments
+from swarm.config import SwarmConfig
 from swarm.hardware import resolve_device
 from swarm.sim.centralized import train_centralized
 from swarm.sim.simulate import SimulationConfig, simulate
@@ -67,13 +68,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="20m")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--microbatch", type=int, default=8)
+    shape = {"model.preset": "20m", "train.seq_len": 256, "train.microbatch_size": 8}
+    add_field_arguments(parser, SwarmConfig, *shape, defaults=shape)  # one microbatch per inner step (preset_config)
     parser.add_argument("--steps", type=int, default=8, help="simulator ticks (train-local: K times as many steps)")
     add_field_arguments(parser, SimulationConfig, "replicas")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    add_field_arguments(parser, SwarmConfig, "train.precision")
     add_field_arguments(parser, SimulationConfig, "compile", "wire_zstd", defaults={"wire_zstd": False})
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

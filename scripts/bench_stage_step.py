@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from swarm.cli_fields import add_field_arguments
 from swarm.config import SwarmConfig
 from swarm.hardware import resolve_device
 from swarm.model.sizing import stage_parameters
@@ -121,10 +122,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="20m")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--microbatch", type=int, default=8)
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    shape = {"model.preset": "20m", "train.seq_len": 1024, "train.microbatch_size": 8}
+    add_field_arguments(parser, SwarmConfig, *shape, "train.precision", defaults=shape)  # preset_config's shape
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: what swarmloco local gives a peer)")
     parser.add_argument("--repeats", type=int, default=5)

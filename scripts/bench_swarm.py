@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 
-from compress.codecs import CODEC_NAMES
-from optim.config import OUTER_METHODS
 from peer.data import load_corpus
 from peer.launch import LocalSwarm, local_config
 from swarm.cli_fields import add_field_arguments, from_arguments
@@ -72,15 +70,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_field_arguments(parser, LocalSwarm, *LAYOUT_FIELDS[:3])
     parser.add_argument("--replicas", type=int, default=1, help="stage servers per middle stage")
-    parser.add_argument(
-        "--outer", choices=OUTER_METHODS, help="outer step (default: the config's); diloco exchanges fp32"
-    )
-    parser.add_argument(
-        "-H", "--inner-steps", type=int, help="H: inner steps between outer steps (default: the config's)"
+    # the config's unless given (diloco exchanges fp32); -H/--inner-steps, the field's own names
+    config_fields = {"outer.method": None, "outer.inner_steps": None}
+    add_field_arguments(
+        parser, SwarmConfig, *config_fields, defaults=config_fields, flags={"outer.method": ("--outer",)}
     )
     parser.add_argument("--join", action="store_true", help="start one more peer mid-run with --role auto")
     add_field_arguments(parser, LocalSwarm, LAYOUT_FIELDS[3])
-    parser.add_argument("--codec", choices=CODEC_NAMES, help="activation and gradient codec (default: the config's)")
+    add_field_arguments(  # activations and gradients; the config's unless given
+        parser,
+        SwarmConfig,
+        "codecs.activations",
+        defaults={"codecs.activations": None},
+        flags={"codecs.activations": ("--codec",)},
+    )
     parser.add_argument("--config", type=Path, help="swarm config TOML (default: the built-in model)")
     add_field_arguments(parser, PeerConfig, "data")
     parser.add_argument("--out", type=Path, help="keep the swarm's logs and metrics here")

@@ -26,6 +26,8 @@ import zstandard
 from compress.codecs import get_codec
 from compress.wire import ZSTD_LEVEL, CodecId, encode_frame, raw_frame_bytes
 from peer.data import load_corpus
+from swarm.cli_fields import add_field_arguments
+from swarm.config import SwarmConfig
 from swarm.model.stages import build_stage
 from swarm.model.step import microbatch_loss
 from swarm.model.transformer import PRESETS, ModelConfig
@@ -101,8 +103,9 @@ def measure(name: str, x: torch.Tensor, repeats: int) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps before the measured microbatch")
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--micro", type=int, default=8)
+    shape = {"train.seq_len": 1024, "train.microbatch_size": 8}  # 125m's
+    flags = {"train.seq_len": ("--seq",), "train.microbatch_size": ("--micro",)}
+    add_field_arguments(parser, SwarmConfig, *shape, defaults=shape, flags=flags)
     parser.add_argument("--blocks", type=int, default=1, choices=(1, 2, 3, 4, 6, 12), help="blocks before the boundary")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)

@@ -24,25 +24,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from compress.config import cli as cli  # declared at the bottom of the layers: optim/ and compress/ use it too
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 C = TypeVar("C")  # a config dataclass
-
-
-def cli(
-    help: str,
-    *,
-    flag: str | None = None,
-    aliases: tuple[str, ...] = (),
-    min: float | None = None,
-    as_text: bool = False,
-) -> dict[str, object]:
-    """A config field's command-line option, as the field's metadata: its ``--help`` text, its flag (default
-    ``--field-name``) and other names (e.g. ``-k``), the least value typer accepts, and ``as_text`` for a field the
-    command line gives as text that the config parses (its ``str`` is that text)."""
-    limits = {} if min is None else {"min": min}
-    return {"cli": {"help": help, "flag": flag, "aliases": aliases, "limits": limits, "as_text": as_text}}
 
 
 def cli_spec(f: dataclasses.Field[Any]) -> Mapping[str, Any] | None:
@@ -106,17 +93,21 @@ def add_field_arguments(
     root: type,
     *paths: str,
     defaults: Mapping[str, object] | None = None,
+    flags: Mapping[str, tuple[str, ...]] | None = None,
 ) -> None:
     """One ``argparse`` option per field at dotted ``paths`` in ``root``'s dataclass tree, as its ``cli`` metadata
-    declares it (flag and other names, help, least value): typed from the field (a ``Literal``'s values its choices, a
-    boolean ``--x/--no-x``, a list the flag repeated), its default the field's own (a factory's: None, the config's)
-    unless ``defaults`` gives the script's own (by path; None: left to the config). ``args.<flag's name>`` holds it,
-    as argparse names it (``--join-after``: ``join_after``)."""
-    defaults = defaults or {}
+    declares it (flag and other names, help, least and greatest values): typed from the field (a ``Literal``'s values
+    its choices, a boolean ``--x/--no-x``, a list the flag repeated), its default the field's own (a factory's: None,
+    the config's) unless ``defaults`` gives the script's own (by path; None: left to the config), its names the
+    field's unless ``flags`` gives the script's own (by path: e.g. ``{"outer.inner_steps": ("--h",)}``).
+    ``args.<first long flag's name>`` holds it, as argparse names it (``--join-after``: ``join_after``)."""
+    defaults, flags = defaults or {}, flags or {}
     for path in paths:
-        section, f = _field(root, path)
+        section, f = field_at(root, path)
         if (spec := cli_spec(f)) is None or (flag := cli_flag(f)) is None:
             raise ValueError(f"{root.__name__}.{path} has no command-line option (no cli metadata)")
+        names = flags.get(path, (flag, *spec["aliases"]))
+        flag = next(name for name in names if name.startswith("--"))
         own = f.default if f.default is not dataclasses.MISSING else None
         default = defaults.get(path, own)
         shown = f"{default}" if default is not None else f"the config's, {own}" if own is not None else None
@@ -133,15 +124,19 @@ def add_field_arguments(
             option["choices"] = typing.get_args(kind)
         else:
             option["type"] = _argument_type(kind, spec)
-        parser.add_argument(flag, *spec["aliases"], **option)
+        parser.add_argument(*names, **option)
 
 
-def argument_values(root: type, args: argparse.Namespace, *paths: str) -> dict[str, Any]:
-    """{dotted path: value} of the options ``add_field_arguments`` declared for ``root``'s fields at ``paths``, those
-    left None (the config's) left out; a field given as text (``as_text``) as its text, for the config to parse."""
+def argument_values(
+    root: type, args: argparse.Namespace, *paths: str, flags: Mapping[str, tuple[str, ...]] | None = None
+) -> dict[str, Any]:
+    """{dotted path: value} of the options ``add_field_arguments`` declared for ``root``'s fields at ``paths`` (under
+    ``flags``' names where it gave them), those left None (the config's) left out; a field given as text (``as_text``)
+    as its text, for the config to parse."""
     values = {}
     for path in paths:
-        flag = cli_flag(_field(root, path)[1])
+        names = (flags or {}).get(path)
+        flag = cli_flag(field_at(root, path)[1]) if names is None else next(n for n in names if n.startswith("--"))
         if flag is not None and (value := getattr(args, _dest(flag))) is not None:
             values[path] = value
     return values
@@ -177,7 +172,7 @@ def cli_paths(root: type, prefix: str = "") -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _field(root: object, path: str) -> tuple[type, dataclasses.Field[Any]]:
+def field_at(root: object, path: str) -> tuple[type, dataclasses.Field[Any]]:
     """The dataclass the field at dotted ``path`` under ``root`` is declared in, and the field."""
     section, names = root, path.split(".")
     for i, name in enumerate(names):
@@ -206,16 +201,18 @@ def _unwrap_optional(kind: Any) -> Any:
 
 
 def _argument_type(kind: Any, spec: Mapping[str, Any]) -> Callable[[str], object]:
-    """Parses one value of the option: the field's type (text where the config parses it), at least its least."""
+    """Parses one value of the option: the field's type (text where the config parses it), within its limits."""
     parse: Callable[[str], Any] = str if spec["as_text"] or kind not in (int, float, Path) else kind
-    least = spec["limits"].get("min")
-    if least is None:
+    least, most = spec["limits"].get("min"), spec["limits"].get("max")
+    if least is None and most is None:
         return parse
 
     def value(text: str) -> object:
         parsed = parse(text)
         if least is not None and parsed < least:
             raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
+        if most is not None and parsed > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {text}")
         return parsed
 
     value.__name__ = getattr(parse, "__name__", "value")  # argparse names the type in its error messages

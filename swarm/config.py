@@ -58,8 +58,13 @@ class PathConfig:
     CheckFree+ relies on happen in a fraction ≈ max_swaps·swap_prob/(S−1) of microbatches each.
     """
 
-    skip_ratio: float = 0.0  # r: a path leaves out this fraction of the middle stages
-    max_swaps: int = 0  # swap slots per path: adjacent stages it may visit in swapped order
+    # r: a path leaves out this fraction of the middle stages
+    skip_ratio: float = field(
+        default=0.0,
+        metadata=cli("Skip ratio r: paths visit round((1-r)·S) stages.", flag="--skip", min=0.0, max=0.99),
+    )
+    # swap slots per path: adjacent stages it may visit in swapped order
+    max_swaps: int = field(default=0, metadata=cli("Max adjacent stage swaps per path.", flag="--swaps", min=0))
     swap_prob: float = 0.5  # the chance that each swap slot is used
 
     def __post_init__(self) -> None:
@@ -73,12 +78,17 @@ class PathConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    seq_len: int = 128  # tokens per sample; at most model.max_seq_len
-    microbatch_size: int = 4  # samples per microbatch: several per inner step keep the pipeline full (issue 16)
-    inner_batch: int = 16  # samples accumulated per inner optimizer step
+    # tokens per sample; at most model.max_seq_len
+    seq_len: int = field(default=128, metadata=cli("Tokens per sample (at most the model's max_seq_len).", min=1))
+    # samples per microbatch: several per inner step keep the pipeline full (issue 16)
+    microbatch_size: int = field(default=4, metadata=cli("Samples per microbatch.", flag="--microbatch", min=1))
+    # samples accumulated per inner optimizer step
+    inner_batch: int = field(default=16, metadata=cli("Samples per inner step (a multiple of the microbatch).", min=1))
     seed: int = 0  # seeds the order trainers sample their data in (each offsets it by its --seed)
     # bf16: forward and backward under autocast, fp32 master weights and optimizer states (``swarm/hardware.py``)
-    precision: Precision = "fp32"
+    precision: Precision = field(
+        default="fp32", metadata=cli("fp32, or bf16 autocast over fp32 master weights and optimizer states.")
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)

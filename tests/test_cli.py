@@ -13,19 +13,38 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
+from compress.config import CodecConfig
+from optim.config import InnerOptimConfig, OuterOptimConfig
 from peer.cli import app
 from peer.cli_common import progress_line
-from peer.config_options import field_options
+from peer.config_options import ConfigOption, field_options
 from peer.launch import progress_line as peer_progress_line
 from peer.local_swarm import LocalSwarm
 from peer.progress import elapsed_and_eta, format_duration
-from swarm.cli_fields import add_field_arguments, argument_values, cli_paths, config_argv, from_arguments
-from swarm.config import OUTER_CHOICES, SwarmConfig, TrainerOptions, config_from_dict
+from swarm.cli_fields import (
+    add_field_arguments,
+    argument_values,
+    cli_paths,
+    cli_spec,
+    config_argv,
+    field_at,
+    from_arguments,
+)
+from swarm.config import (
+    OUTER_CHOICES,
+    PathConfig,
+    SwarmConfig,
+    TrainConfig,
+    TrainerOptions,
+    config_from_dict,
+    derive_config,
+)
 from swarm.config_toml import class_docs, dumps_config, load_config
 from swarm.dht.reachability import REACHABILITY_MODES
 from swarm.events import Stamp, TrainerProgress
 from swarm.faults import FaultSchedule
 from swarm.model.compiling import COMPILE_MODES
+from swarm.model.stages import StagesConfig
 from swarm.node.config import ROLES, PeerConfig
 from swarm.sim.centralized import CentralizedRun
 from swarm.sim.simulate import ROUTINGS, SimulationConfig
@@ -345,3 +364,52 @@ def test_a_scripts_own_defaults_and_least_values() -> None:
         field_parser(SimulationConfig).parse_args(["--routing", "nowhere"])
     with pytest.raises(ValueError, match="no command-line option"):
         add_field_arguments(argparse.ArgumentParser(), TrainerOptions, "max_attempts")
+
+
+def test_the_swarm_configs_fields_a_command_takes_declare_their_option_on_the_field() -> None:
+    """SwarmConfig's command-line fields (the compress and optim sections' too) carry ``cli`` metadata: a config off its
+    defaults in them turns into options that a parser built from the fields reads back, limits checked while parsing."""
+    cfg = SwarmConfig(
+        train=TrainConfig(seq_len=64, microbatch_size=2, inner_batch=8, precision="bf16"),
+        codecs=CodecConfig(activations="fp16", gradients="int4", pseudo_gradients="fp32"),
+        inner=InnerOptimConfig(lr=1e-3, warmup_steps=5),
+        outer=OuterOptimConfig(method="diloco", inner_steps=5, warm_start_steps=0),
+        paths=PathConfig(skip_ratio=0.25, max_swaps=1),
+        stages=StagesConfig(num_stages=2),
+    )
+    argv = config_argv(cfg)
+    assert argv[:4] == ["--stages", "2", "--seq-len", "64"] and "-H" not in argv and "--inner-steps" in argv
+    args = field_parser(SwarmConfig).parse_args(argv)
+    assert derive_config(SwarmConfig(), argument_values(SwarmConfig, args, *cli_paths(SwarmConfig))) == cfg
+    for bad, why in ((["--skip", "0.995"], "at most 0.99"), (["-H", "0"], "at least 1"), (["--act-codec", "gzip"], "")):
+        with pytest.raises(argparse.ArgumentError, match=why or "invalid choice"):
+            field_parser(SwarmConfig).parse_args(bad)
+
+
+def test_a_script_keeps_its_own_flag_for_a_field() -> None:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    flags = {"outer.inner_steps": ("--h",)}
+    add_field_arguments(parser, SwarmConfig, "outer.inner_steps", defaults={"outer.inner_steps": 2}, flags=flags)
+    args = parser.parse_args(["--h", "3"])
+    assert args.h == 3 and argument_values(SwarmConfig, args, "outer.inner_steps", flags=flags) == {
+        "outer.inner_steps": 3
+    }
+    assert "H: inner steps between outer steps" in parser.format_help()
+    with pytest.raises(argparse.ArgumentError, match="at least 1"):
+        parser.parse_args(["--h", "0"])
+
+
+def test_plan_and_simulate_options_take_help_limits_and_choices_from_the_fields() -> None:
+    """A command names a SwarmConfig field and its flag for it; the rest is the field's, and a note of its own."""
+    from peer.commands.one_process import SIMULATE_CONFIG_OPTIONS
+    from peer.commands.plan import PLAN_OPTIONS
+
+    for option in (*PLAN_OPTIONS, *SIMULATE_CONFIG_OPTIONS):
+        spec = cli_spec(field_at(SwarmConfig, option.field)[1])
+        assert spec is not None and option.help.startswith(spec["help"]) and option.limits == spec["limits"]
+    plan = " ".join(swarmloco("plan", "--help").output.split())
+    assert "--codec" in plan and "Samples per microbatch. (default 8)" in plan and "[x>=1]" in plan
+    simulate = " ".join(swarmloco("simulate", "--help").output.split())
+    assert "-H" in simulate and "H: inner steps between outer steps. (default: the config's)" in simulate
+    with pytest.raises(ValueError, match="no command-line option"):
+        ConfigOption(field="train.seed")

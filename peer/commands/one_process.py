@@ -148,40 +148,14 @@ def sample(
     typer.echo(decode(out, tok))
 
 
-SIMULATE_CONFIG_OPTIONS = (
-    ConfigOption(
-        field="outer.inner_steps",
-        flags=("--inner-steps", "-H"),
-        help="H: inner steps between outer steps (default: config).",
-        limits={"min": 1},
-    ),
-    ConfigOption(field="codecs.activations", flags=("--act-codec",), help="Activation codec (default: config)."),
-    ConfigOption(
-        field="codecs.gradients",
-        flags=("--grad-codec",),
-        help="Activation-gradient codec (default: the activation codec).",
-    ),
-    ConfigOption(
-        field="codecs.pseudo_gradients",
-        flags=("--pg-codec",),
-        help="DiLoCo pseudo-gradient codec (SparseLoCo sends its own).",
-        default="fp32",
-    ),
-    ConfigOption(
-        field="paths.skip_ratio",
-        flags=("--skip",),
-        help="Skip ratio r: paths visit round((1-r)·S) stages.",
-        limits={"min": 0.0, "max": 0.99},
-    ),
-    ConfigOption(
-        field="paths.max_swaps", flags=("--swaps",), help="Max adjacent stage swaps per path.", limits={"min": 0}
-    ),
-    ConfigOption(
-        field="model.subspace_rank",
-        flags=("--subspace-rank",),
-        help="k of the subspace-constrained model (default d/8 when a subspace codec is chosen).",
-        limits={"min": 0},
-    ),
+SIMULATE_CONFIG_OPTIONS = (  # under the fields' own flags (-H, --act-codec, ...), help, limits and choices
+    ConfigOption(field="outer.inner_steps"),
+    ConfigOption(field="codecs.activations"),
+    ConfigOption(field="codecs.gradients", note=""),  # its help names its default
+    ConfigOption(field="codecs.pseudo_gradients", default="fp32"),
+    ConfigOption(field="paths.skip_ratio"),
+    ConfigOption(field="paths.max_swaps"),
+    ConfigOption(field="model.subspace_rank", note="(default d/8 when a subspace codec is chosen, else the config's)"),
 )
 
 

@@ -34,32 +34,25 @@ PLAN_SHAPE: dict[str, Any] = {
     "train.microbatch_size": REFERENCE_SHAPE[0],
     "train.inner_batch": 16,
 }
-PLAN_OPTIONS = (
-    ConfigOption(field="model.preset", flags=("--preset",), help="Model shape (default 125m)."),
-    ConfigOption(
-        field="stages.num_stages", flags=("--stages",), help="Middle stages S (default 2).", limits={"min": 1}
-    ),
-    ConfigOption(
-        field="train.seq_len", flags=("--seq-len",), help="Tokens per sample (default 1024, or the preset's longest)."
-    ),
-    ConfigOption(
-        field="train.microbatch_size",
-        flags=("--microbatch",),
-        help="Samples per microbatch (default 8).",
-        limits={"min": 1},
-    ),
+PLAN_PRESET = "125m"  # the model a plan takes unless --config or --preset says otherwise
+
+
+def _shape(path: str, more: str = "") -> str:
+    """The note after a field's help: plan's own default of it, from ``PLAN_SHAPE``."""
+    return f"(default {PLAN_SHAPE[path]}{more})"
+
+
+PLAN_OPTIONS = (  # the fields' own flags (--codec: plan's name), help, limits and choices; the notes: plan's defaults
+    ConfigOption(field="model.preset", note=f"(default {PLAN_PRESET})"),
+    ConfigOption(field="stages.num_stages", note=_shape("stages.num_stages")),
+    ConfigOption(field="train.seq_len", note=_shape("train.seq_len", ", or the preset's longest")),
+    ConfigOption(field="train.microbatch_size", note=_shape("train.microbatch_size")),
     ConfigOption(
         field="train.inner_batch",
-        flags=("--inner-batch",),
-        help="Samples per inner step (default 16): with --max-staleness 0 the window drains at each step.",
-        limits={"min": 1},
+        note=_shape("train.inner_batch") + ": with --max-staleness 0 the window drains at each step.",
     ),
-    ConfigOption(
-        field="codecs.activations",
-        flags=("--codec",),
-        help="Boundary codec of activations, and of gradients unless --grad-codec (default int8).",
-    ),
-    ConfigOption(field="codecs.gradients", flags=("--grad-codec",), help="Boundary codec of activation gradients."),
+    ConfigOption(field="codecs.activations", flags=("--codec",), note="(default int8)"),
+    ConfigOption(field="codecs.gradients", note=""),  # its help names its default
 )
 
 
@@ -67,7 +60,7 @@ def plan_config(config: Path | None, overrides: dict[str, Any]) -> SwarmConfig:
     """The config planned: --config's with the options over it, else the preset at ``PLAN_SHAPE`` and the options."""
     if config is not None:
         return derive_config(load_config(config), overrides)
-    preset = derive_config(SwarmConfig(), {"model.preset": overrides.get("model.preset", "125m")})
+    preset = derive_config(SwarmConfig(), {"model.preset": overrides.get("model.preset", PLAN_PRESET)})
     shape = PLAN_SHAPE | {"train.seq_len": min(PLAN_SHAPE["train.seq_len"], preset.model.max_seq_len)}
     return derive_config(preset, shape | overrides)
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal, overload
 
 import torch
 from torch import nn
 
+from swarm.cli_fields import cli
 from swarm.errors import ConfigError
 from swarm.model.transformer import ModelConfig, Transformer, init_std, seeded_init
 
@@ -26,7 +27,10 @@ EDGE_STAGE: Final = 0
 
 @dataclass(kw_only=True)
 class StagesConfig:
-    num_stages: int = 4  # middle stages S; stage 0 (the edge) is extra
+    # middle stages S; stage 0 (the edge) is extra
+    num_stages: int = field(
+        default=4, metadata=cli("Middle stages S (stage 0, the edge, is extra).", flag="--stages", min=1)
+    )
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:

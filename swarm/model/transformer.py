@@ -13,7 +13,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.config import check_choices, check_positive
+from swarm.cli_fields import cli
 from swarm.errors import ConfigError
 
 Preset = Literal["tiny", "20m", "125m", "350m", "1b", "custom"]
@@ -57,7 +58,10 @@ class ModelConfig:
     # the shape's name: a preset fills the fields of PRESETS[preset] that a config leaves out, and the [inner] fields
     # of PRESET_INNER[preset] (its optimizer's defaults, from published recipes); afterwards it is derived from the
     # shape's fields (the preset they match, else "custom"), so it never lies about the shape
-    preset: Preset = "tiny"
+    preset: Preset = field(
+        default="tiny",
+        metadata=cli("Model shape: a preset fills the shape's fields and the inner optimizer's defaults."),
+    )
     vocab_size: int = 256  # token ids: 256 for the byte tokenizer, a BPE tokenizer's own size otherwise
     d_model: int = 128  # width of the residual stream
     n_layers: int = 8  # transformer blocks, split among the middle stages
@@ -66,7 +70,10 @@ class ModelConfig:
     max_seq_len: int = 128  # the longest sequence the model takes (its RoPE table)
     rope_theta: float = 10000.0  # RoPE base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
-    subspace_rank: int = 0  # k; 0 = unconstrained residual stream
+    # k; 0 = unconstrained residual stream
+    subspace_rank: int = field(
+        default=0, metadata=cli("k of the subspace-constrained residual stream (0: unconstrained).", min=0)
+    )
     subspace_seed: int = 1234  # seeds U and T; part of the swarm identity
     init_seed: int = 0  # seeds the initial weights: every replica of a stage starts alike
 
