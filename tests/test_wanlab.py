@@ -37,14 +37,24 @@ def within(measured: float, cap: float, tolerance: float = 0.2) -> bool:
     return abs(measured / cap - 1) <= tolerance
 
 
+def capped_at(lab: WanLab, src: int, dst: int, cap: float, tries: int = 3) -> bool:
+    """Whether ``src`` → ``dst`` runs at ``cap`` Mbit/s: within 20%, at the best of ``tries`` one-second measurements. A
+    cap only bounds from above, and a loaded machine's sender falls short of it (15 of 20 Mbit/s with two benchmarks
+    beside the suite); never over it, whatever the load."""
+    measured = [measure_mbit(lab, src, dst, seconds=1.0)]
+    while not within(max(measured), cap) and len(measured) < tries and max(measured) < cap:
+        measured.append(measure_mbit(lab, src, dst, seconds=1.0))
+    return within(max(measured), cap)
+
+
 def test_caps_hold_in_both_directions_and_change_mid_run() -> None:
     with WanLab(caps_mbit=[20, 50, None], prefix="slabtest-caps-") as lab:
         assert [h.address for h in lab.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
-        assert within(measure_mbit(lab, 0, 2, seconds=1.0), 20)  # host 0's upload cap
-        assert within(measure_mbit(lab, 2, 1, seconds=1.0), 50)  # host 1's download cap
-        assert within(measure_mbit(lab, 1, 0, seconds=1.0), 20)  # the slower end wins
+        assert capped_at(lab, 0, 2, 20)  # host 0's upload cap
+        assert capped_at(lab, 2, 1, 50)  # host 1's download cap
+        assert capped_at(lab, 1, 0, 20)  # the slower end wins
         lab.set_cap(0, 40)
-        assert within(measure_mbit(lab, 0, 2, seconds=1.0), 40)
+        assert capped_at(lab, 0, 2, 40)
 
 
 def test_ping_reflects_each_hosts_delay() -> None:
@@ -60,8 +70,8 @@ def test_ping_reflects_each_hosts_delay() -> None:
 def test_caps_hold_with_delay() -> None:
     """The delay line forwards at the cap (behind the tbf both ways), and TCP fills the longer path."""
     with WanLab(caps_mbit=[20, None], rtts_ms=[100, 0], prefix="slabtest-rttcap-") as lab:
-        assert within(measure_mbit(lab, 0, 1, seconds=1.0), 20)  # upload: the tbf, then the delay
-        assert within(measure_mbit(lab, 1, 0, seconds=1.0), 20)  # download: the delay, then the tbf
+        assert capped_at(lab, 0, 1, 20)  # upload: the tbf, then the delay
+        assert capped_at(lab, 1, 0, 20)  # download: the delay, then the tbf
 
 
 @pytest.mark.parametrize(
