@@ -426,9 +426,8 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
 
     def _own_evidence(self, name: str, own_part: SparseTensor) -> torch.Tensor:
         # what it sent and what it held back: its error buffer after encoding is Δ + the old buffer − the part sent
-        held_back = self._error.errors.get(name)
-        sent = own_part.to_dense().to(held_back.device) if held_back is not None else own_part.to_dense()
-        return sent if held_back is None else sent + held_back.view_as(sent)
+        sent, held_back = own_part.to_dense(), self._error.errors.get(name)
+        return sent if held_back is None else sent.to(held_back.device) + held_back.view_as(sent)
 
     def _with_delta(self, part: SparseTensor, delta: torch.Tensor) -> SparseTensor:
         # the new Δ's non-zeros are the indices it is sent on: a clipped member counts where the median moved too

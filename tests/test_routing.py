@@ -301,3 +301,16 @@ def test_router_routes_around_dead_stages():
     clock.now = 15.0
     assert router.choose(3) == "a3" and router.live_stages() == [1, 3]
     assert router.choose(1, exclude={"a1"}) == "b1"
+
+
+def test_asking_which_replicas_are_live_charges_none_of_them() -> None:
+    """A relayed hop asks whether a check could find another replica (``RemoteStages.has_other_replica``) on every
+    forward: asking must not charge the load a choice charges, or the replica asked about is routed around."""
+    asked, untouched = (Router(num_stages=1, rng=random.Random(3)) for _ in range(2))
+    for router in (asked, untouched):
+        router.update(1, ["a", "b", "c"])
+    for _ in range(50):
+        assert sorted(asked.live_peers(1)) == ["a", "b", "c"]
+    assert [asked.choose(1) for _ in range(30)] == [untouched.choose(1) for _ in range(30)]
+    asked.ban(1, "b", 60.0, reason="test")
+    assert sorted(asked.live_peers(1)) == ["a", "c"]

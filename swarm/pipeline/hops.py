@@ -192,6 +192,11 @@ class RemoteStages:
         except HopFailed:
             return None
 
+    def has_other_replica(self, stage: int, tried: list[Peer]) -> bool:
+        """Whether ``choose`` would find a replica of ``stage`` not in ``tried``, asked without choosing it."""
+        exclude = set(tried) | self.audit.excluded_now()
+        return any(peer not in exclude for peer in self.router.live_peers(stage))
+
     def choose(self, stage: int, tried: list[Peer]) -> Peer:
         """A replica of ``stage`` not in ``tried``, not condemned (its router ban may have ended with a DHT re-listing,
         which forgets bans) and not resting as unfit (``HopAudit.excluded_now``)."""

@@ -34,10 +34,11 @@ from swarm.rpc.servicer import (  # RemoteError, RequestError: the stage RPC's c
     GuardedServicer,
     RemoteError,
     RequestError,
+    call_stream,
+    chunked,
     linger,
     open_envelope,
     pack_envelope,
-    receive_reply,
     receive_stream,
     remote_error,
     reply_parts,
@@ -212,7 +213,7 @@ def _seconds(value: object) -> float | None:
 
 
 def _chunks(data: bytes) -> list[bytes]:
-    return [data[i : i + MAX_UNARY_PAYLOAD_SIZE] for i in range(0, len(data), MAX_UNARY_PAYLOAD_SIZE)] or [b""]
+    return chunked(data, MAX_UNARY_PAYLOAD_SIZE)
 
 
 class StageBackend(Protocol):
@@ -326,18 +327,12 @@ class StageServicer(GuardedServicer):
         try:
             self._admit(peer)  # a stream holds its slot while it arrives: slow streams cannot pile up
             try:
-                data = await asyncio.wait_for(
-                    receive_stream(requests, max_bytes=self.max_request_bytes), self.stream_timeout_s
-                )
+                data = await receive_stream(requests, max_bytes=self.max_request_bytes, timeout_s=self.stream_timeout_s)
                 return await self._handle(kind, data, peer)
             finally:
                 self._release(peer)
         except RequestError as e:
             return self.refuse(e, peer)
-        except TimeoutError:
-            return self.refuse(
-                RequestError(RequestError.INVALID, f"streamed request took over {self.stream_timeout_s:.0f} s"), peer
-            )
 
     async def _serve(self, kind: type[Forward] | type[Backward], data: bytes, peer: PeerID) -> bytes:
         try:
@@ -462,15 +457,9 @@ class StageClient:
 
     @staticmethod
     async def _call_stream(stub: Any, method: str, payload: bytes, max_reply: int, idle_s: float) -> Reply:
-        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            for part in _chunks(payload):
-                yield runtime_pb2.ExpertRequest(metadata=part)
-
-        replies = await getattr(stub, f"rpc_{method}_stream")(requests())
-        try:
-            return parse_reply(await receive_reply(replies, max_bytes=max_reply, idle_s=idle_s))
-        finally:
-            await replies.aclose()
+        call = getattr(stub, f"rpc_{method}_stream")
+        reply = await call_stream(call, payload, chunk_bytes=MAX_UNARY_PAYLOAD_SIZE, max_bytes=max_reply, idle_s=idle_s)
+        return parse_reply(reply)
 
 
 def _said_size(message: str) -> int:

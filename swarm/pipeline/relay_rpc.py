@@ -40,9 +40,9 @@ from swarm.rpc.servicer import (
     GuardedServicer,
     RemoteError,
     RequestError,
+    call_stream,
     linger,
     pack_envelope,
-    receive_reply,
     receive_stream,
     remote_error,
     reply_parts,
@@ -58,10 +58,6 @@ def relay_limits(cfg: SwarmConfig) -> RelayLimits:
     """A stage server's relay limits: one frame within its wire limits, waits within the rpc timeout."""
     rpc_s = cfg.timeouts.rpc_s
     return RelayLimits(max_frame_bytes=boundary_limits(cfg).max_frame_bytes, ttl_s=rpc_s, keep_s=4 * rpc_s)
-
-
-def _chunks(data: bytes) -> list[bytes]:
-    return [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
 
 
 class RelayClient(StageClient):
@@ -82,16 +78,14 @@ class RelayClient(StageClient):
         peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(str(peer))
         stub = RelayServicer.get_stub(self.p2p, peer_id, namespace=self.namespace)
 
-        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            for part in _chunks(payload):
-                yield runtime_pb2.ExpertRequest(metadata=part)
-
         async def call() -> Any:
-            replies = await getattr(stub, method)(requests())
-            try:
-                data = await receive_reply(replies, max_bytes=max_reply + ENVELOPE_BYTES, idle_s=timeout)
-            finally:
-                await replies.aclose()
+            data = await call_stream(
+                getattr(stub, method),
+                payload,
+                chunk_bytes=CHUNK_BYTES,
+                max_bytes=max_reply + ENVELOPE_BYTES,
+                idle_s=timeout,
+            )
             try:
                 body = msgpack.unpackb(bytes(data), raw=False)
             except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
@@ -227,14 +221,7 @@ class RelayServicer(GuardedServicer):
 
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: PeerID, kind: type[Any]) -> Any:
         self.screen(peer)
-        try:
-            data = await asyncio.wait_for(
-                receive_stream(requests, max_bytes=self.max_request_bytes), self.stream_timeout_s
-            )
-        except TimeoutError:
-            raise RequestError(
-                RequestError.INVALID, f"streamed request took over {self.stream_timeout_s:.0f} s"
-            ) from None
+        data = await receive_stream(requests, max_bytes=self.max_request_bytes, timeout_s=self.stream_timeout_s)
         request = self.open_request(peer, data, kind, max_bytes=self.max_request_bytes)
         if not MICROBATCH_ID.fullmatch(request.mb):
             raise RequestError(RequestError.INVALID, f"microbatch id {request.mb[:40]!r} is malformed")

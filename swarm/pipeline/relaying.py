@@ -212,7 +212,7 @@ class RelayedHops:
         replica to recompute it the check could only leave it unchecked (``HopAudit``'s compare finds none), so no
         frame is fetched for it: in the WAN lab, one server a stage, every forward of a server not yet proven was
         fetched whole for a check that never ran (2.2 frames a microbatch over the trainer's link)."""
-        if self.stages.other_replica(request.stage, [peer]) is None:
+        if not self.stages.has_other_replica(request.stage, [peer]):
             return True
         plan = self.stages.audit.check_plan(mb, peer)
 

@@ -310,6 +310,10 @@ class Router:
     def ban(self, stage: int, peer: Peer, seconds: float, reason: str) -> None:
         self.balancers[stage].ban(peer, seconds, reason)
 
+    def live_peers(self, stage: int) -> list[Peer]:
+        """The replicas of ``stage`` not banned now (asked without choosing one: a choice charges its load)."""
+        return self.balancers[stage].live_peers()
+
     def live_stages(self) -> list[int]:
         """Middle stages with at least one replica that is not banned."""
         return [stage for stage, balancer in self.balancers.items() if balancer.live_peers()]

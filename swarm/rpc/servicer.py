@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 import types
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar, get_args, get_type_hints
 
 import msgpack
@@ -138,9 +138,17 @@ def open_envelope(data: bytes, kind: type[Request], *, max_bytes: int) -> tuple[
         raise RequestError(RequestError.INVALID, f"{kind.__name__} request: {e}") from None
 
 
-async def receive_stream(requests: AsyncIterator[runtime_pb2.ExpertRequest], *, max_bytes: int) -> bytes:
+async def receive_stream(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], *, max_bytes: int, timeout_s: float | None = None
+) -> bytes:
     """A streamed request, reassembled; stops reading at the size limit. Every chunk must carry bytes, so a
-    stream ends within that many chunks, and one buffer holds them (no per-chunk overhead)."""
+    stream ends within that many chunks, and one buffer holds them (no per-chunk overhead). ``timeout_s``: the
+    whole stream's bound, beyond which it is an invalid request (a stalled sender holds a slot)."""
+    if timeout_s is not None:
+        try:
+            return await asyncio.wait_for(receive_stream(requests, max_bytes=max_bytes), timeout_s)
+        except TimeoutError:
+            raise RequestError(RequestError.INVALID, f"streamed request took over {timeout_s:.0f} s") from None
     data = bytearray()
     async for chunk in requests:
         if not chunk.metadata:
@@ -154,10 +162,36 @@ async def receive_stream(requests: AsyncIterator[runtime_pb2.ExpertRequest], *, 
 REPLY_LENGTH_BYTES = 8  # a streamed reply's first bytes: its length, so a stream cut short is told from one ended
 
 
+def chunked(data: bytes, chunk_bytes: int) -> list[bytes]:
+    """``data`` as a stream's messages of at most ``chunk_bytes`` (one empty message for no data)."""
+    return [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
+
+
 def reply_parts(reply: bytes, chunk_bytes: int) -> list[bytes]:
     """A streamed reply's messages (``receive_reply`` reads them): its length, then its bytes, ≤ ``chunk_bytes`` each."""
-    data = len(reply).to_bytes(REPLY_LENGTH_BYTES, "big") + reply
-    return [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)]
+    return chunked(len(reply).to_bytes(REPLY_LENGTH_BYTES, "big") + reply, chunk_bytes)
+
+
+async def call_stream(
+    method: Callable[[AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[AsyncIterator[runtime_pb2.ExpertResponse]]],
+    payload: bytes,
+    *,
+    chunk_bytes: int,
+    max_bytes: int,
+    idle_s: float,
+) -> bytes:
+    """A streamed call of a stub's ``method``: ``payload`` sent in chunks, the reply read by its length
+    (``receive_reply``), then the stream closed (which ends the server's ``linger``)."""
+
+    async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        for part in chunked(payload, chunk_bytes):
+            yield runtime_pb2.ExpertRequest(metadata=part)
+
+    replies = await method(requests())
+    try:
+        return await receive_reply(replies, max_bytes=max_bytes, idle_s=idle_s)
+    finally:
+        await replies.aclose()  # type: ignore[attr-defined]  # hivemind's reply stream is an async generator
 
 
 async def linger(seconds: float) -> None:
