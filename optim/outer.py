@@ -27,7 +27,7 @@ from compress.sparseloco import SparseLoCoCodec, SparseTensor, aggregate_mean
 from compress.wire import BytesLike
 from optim.inner import fused_kwargs
 from optim.payload import max_payload_bytes, pack_payload, unpack_payload
-from optim.robust import Members, clip_to_centre, guard_pair, leave_out_opposed
+from optim.robust import Members, bound_to_median_norm, clip_to_centre, guard_pair
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,6 @@ OWN_NORM_RATIO = 100.0
 # distance from their coordinate-wise median; further, it is pulled in to that radius. Honest replicas' Δ of one round
 # lie within ×2 of each other's distances (tests/test_outer_robust.py), so clean rounds are never clipped.
 CENTRE_RADIUS = 2.0
-# SparseLoCo leaves out a member whose Δ has a cosine under this with the replica's own (``robust.leave_out_opposed``):
-# a flip of a Δ that shares any direction with the others' is far under it; Δs that share none (noise) stay in
-OPPOSED_COSINE = -0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +59,8 @@ class Screening:
     # a pair whose Δs pointed against each other: each one's part along the other was removed (the factor of the
     # other's Δ taken off it); no offence: a pair cannot tell which of two is wrong
     guarded: dict[int, float] = dataclasses.field(default_factory=dict)
-    # left out as pointing against this replica's own Δ (``judged_by_own``): each one's cosine with it; no offence,
-    # as one replica's own Δ is only its own evidence
-    opposed: dict[int, float] = dataclasses.field(default_factory=dict)
+    # scaled down to the median member's norm (``bounded_by_median``, K ≥ 3 SparseLoCo): the factor; no offence
+    bounded: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +95,10 @@ class OuterOptimizer(ABC, Generic[Part]):
 
     replicas_agree: ClassVar[bool] = True  # after a round every replica holds the same global weights (not NoLoCo)
     pairwise: ClassVar[bool] = False  # live rounds swap payloads in pairs (pair_round), no all-gather
-    # members judged against this replica's own Δ before the centred clip (``_leave_out_opposed``): where Δs are so
-    # sparse that their coordinate median is ~0 and says nothing of direction
-    judged_by_own: ClassVar[bool] = False
+    # K ≥ 3: every member's Δ scaled down to at most the median member's norm (``robust.bound_to_median_norm``): where
+    # the centred clip has no centre (sparse payloads: the coordinate median is ~0), the bound that holds whatever a
+    # minority sends. No offence: honest Δs above the median lose a few percent of their length.
+    bounded_by_median: ClassVar[bool] = False
 
     def __init__(
         self, params: NamedTensors, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -186,21 +183,27 @@ class OuterOptimizer(ABC, Generic[Part]):
             self.discard_payload()
         round_, self.round = self.round, self.round + 1
         screened = self._screen(members, round_, own)
-        kept, clipped, guarded, opposed = screened.kept, dict(screened.clipped), dict[int, float](), dict[int, float]()
-        if self.judged_by_own and len(kept) >= 3 and own is not None:
-            kept, opposed = self._leave_out_opposed(kept, own)
+        kept, clipped, guarded, bounded = screened.kept, dict(screened.clipped), dict[int, float](), dict[int, float]()
         if len(kept) >= 3:
             kept, centred = self._clip_to_centre(kept)
             clipped |= centred
+            if self.bounded_by_median:
+                kept, bounded = bound_to_median_norm(
+                    kept, self._global, norm=lambda part: math.sqrt(self._squared_norm(part)), scale=self._scale
+                )
         if len(kept) == 2:
             kept, guarded = self._guard_pair(kept)
-        if clipped or guarded or opposed:
+        if clipped or guarded or bounded:
             logger.info(
-                "outer round %d: clipped %s, guarded %s (payload index: factor), against this replica's Δ %s (cosine)",
-                *(round_, clipped, guarded, opposed),
+                "outer round %d: clipped %s, guarded %s, bounded %s (payload index: factor)",
+                *(round_, clipped, guarded, bounded),
             )
         screening = Screening(
-            used=len(kept), dropped=dropped | screened.dropped, clipped=clipped, guarded=guarded, opposed=opposed
+            used=len(kept),
+            dropped=dropped | screened.dropped,
+            clipped=clipped,
+            guarded=guarded,
+            bounded=bounded,
         )
         if not kept:
             logger.warning("outer round %d: no usable pseudo-gradient; parameters unchanged", round_)
@@ -316,16 +319,6 @@ class OuterOptimizer(ABC, Generic[Part]):
             members, self._global, dense=self._dense, with_delta=self._with_delta, radius_factor=CENTRE_RADIUS
         )
 
-    def _leave_out_opposed(self, members: Members[Part], own: int) -> tuple[Members[Part], dict[int, float]]:
-        """Members whose Δ points against this replica's own (``robust.leave_out_opposed``) left out."""
-        return leave_out_opposed(
-            members, own, self._global, dense=self._dense, evidence=self._own_evidence, below=OPPOSED_COSINE
-        )
-
-    def _own_evidence(self, name: str, own_part: Part) -> torch.Tensor:
-        """This replica's own Δ for parameter ``name``, dense: what ``_leave_out_opposed`` judges the others by."""
-        return self._dense(own_part)
-
     def _guard_pair(self, members: Members[Part]) -> tuple[Members[Part], dict[int, float]]:
         """A pair's guard (``robust.guard_pair``): neither member's Δ may point against the other's."""
         return guard_pair(members, dense=self._dense, with_delta=self._with_delta)
@@ -387,8 +380,9 @@ class DiLoCo(OuterOptimizer[torch.Tensor]):
 class SparseLoCo(OuterOptimizer[SparseTensor]):
     """Error feedback + top-k 2-bit Δ, per-index mean over the senders, SGD (default: plain, α = 1; optionally Nesterov).
 
-    Members are judged against this replica's own whole Δ (``judged_by_own``): top-k payloads barely overlap, so their
-    coordinate median is ~0, and the per-index mean weighs a lone sender's value fully where nobody else sent.
+    With three or more members each is bounded to the median member's norm, per parameter (``bounded_by_median``):
+    top-k payloads barely overlap, so their coordinate median is ~0, and the per-index mean weighs a lone sender's
+    value fully where nobody else sent.
 
     The error buffers are this replica's own residual; they are not part of ``state_dict`` and
     start at zero after ``load_state_dict``, as for a newcomer.
@@ -419,15 +413,10 @@ class SparseLoCo(OuterOptimizer[SparseTensor]):
     def _scale(self, part: SparseTensor, factor: float) -> SparseTensor:
         return dataclasses.replace(part, values=part.values * factor)
 
-    judged_by_own: ClassVar[bool] = True
+    bounded_by_median: ClassVar[bool] = True
 
     def _dense(self, part: SparseTensor) -> torch.Tensor:
         return part.to_dense()
-
-    def _own_evidence(self, name: str, own_part: SparseTensor) -> torch.Tensor:
-        # what it sent and what it held back: its error buffer after encoding is Δ + the old buffer − the part sent
-        sent, held_back = own_part.to_dense(), self._error.errors.get(name)
-        return sent if held_back is None else sent.to(held_back.device) + held_back.view_as(sent)
 
     def _with_delta(self, part: SparseTensor, delta: torch.Tensor) -> SparseTensor:
         # the new Δ's non-zeros are the indices it is sent on: a clipped member counts where the median moved too

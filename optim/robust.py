@@ -1,5 +1,5 @@
 """The outer aggregate's robust rules, over members' Δs of any part type (a dense tensor, a sparse one): centred
-clipping for three or more, a pair's guard for two, and SparseLoCo's judgement of each member by the replica's own Δ.
+clipping for three or more (and, for SparseLoCo, a bound to the median member's norm), a pair's guard for two.
 ``OuterOptimizer.apply`` (outer.py) runs them on the same payloads in the same order on every replica; the bounds they
 give are in docs/architecture.md, "The outer aggregate's bound".
 
@@ -64,36 +64,34 @@ def clip_to_centre(
     return out, {members[i][0]: factor for i, factor in factors.items()}
 
 
-def leave_out_opposed(
+def bound_to_median_norm(
     members: Members[Part],
-    own: int,
     names: Iterable[str],
     *,
-    dense: Callable[[Part], torch.Tensor],
-    evidence: Callable[[str, Part], torch.Tensor],
-    below: float,
+    norm: Callable[[Part], float],
+    scale: Callable[[Part, float], Part],
 ) -> tuple[Members[Part], dict[int, float]]:
-    """Leave out each member whose Δ points against this replica's own (a cosine under ``below``, < 0), judged against its own
-    evidence (``evidence``, ``OuterOptimizer._own_evidence``: for SparseLoCo its whole Δ, what it sent and what its error buffer holds back).
-    A flip, or a scaled flip, of any honest Δ points against every honest replica's descent, so every honest
-    replica leaves it out and they stay in agreement; an honest Δ points along it. Sparse Δs barely overlap, so a
-    member is judged against the dense Δ, never against another sparse payload. ``below`` leaves room for Δs that
-    share no direction at all (noise: cosines within a few 1/√n of 0), so they stay in, the same on every replica.
-    Per parameter, one at a time."""
-    mine = next((member for index, member in members if index == own), None)
-    if mine is None:
-        return members, {}
-    dots, squares, own_square = [0.0] * len(members), [0.0] * len(members), 0.0
+    """K ≥ 3: per parameter, each member's part scaled down to at most the median member's norm of that parameter.
+
+    With f < K/2 Byzantine members each median lies within the honest members' norms, so whatever a minority sends,
+    each of its members adds to each parameter at most what one honest member does: the aggregate moves at most
+    f · max_honest ‖x_h,p‖ from what the honest members alone give, per parameter p, in any direction (per parameter,
+    so that a minority cannot pour a whole Δ's length into one small tensor, a norm's gain, say). SparseLoCo needs
+    it: its per-index mean counts a lone sender's value in full and its payloads barely overlap, so the centred
+    clip's centre (the coordinate median) is ~0 and lets a Δ of twice the median norm through (measured: a −9× flip
+    clipped to 2× there took the honest replicas' validation loss from 2.8 to 3.5 and 6.9; docs/benchmarks.md).
+    Every member computes it from the payloads alone, so honest members stay in agreement. Returns the members and,
+    for each scaled one, the smallest factor it got."""
+    out = [(index, dict(member)) for index, member in members]
+    factors: dict[int, float] = {}
     for name in names:
-        own_delta = evidence(name, mine[name]).double()
-        own_square += float(own_delta.square().sum())
-        for i, (_, member) in enumerate(members):
-            delta = dense(member[name]).double()
-            dots[i] += float((delta * own_delta).sum())
-            squares[i] += float(delta.square().sum())
-    cosines = [d / math.sqrt(sq * own_square) if sq > 0 and own_square > 0 else 0.0 for d, sq in zip(dots, squares)]
-    opposed = {index: cos for (index, _), cos in zip(members, cosines) if index != own and cos < below}
-    return [(index, member) for index, member in members if index not in opposed], opposed
+        norms = [norm(member[name]) for _, member in members]
+        limit = statistics.median(norms)
+        for (index, member), n in zip(out, norms):
+            if n > limit > 0:
+                member[name] = scale(member[name], limit / n)
+                factors[index] = min(factors.get(index, 1.0), limit / n)
+    return (out if factors else members), factors
 
 
 def guard_pair(

@@ -60,6 +60,7 @@ import sys
 import threading
 import time
 import tracemalloc
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -576,6 +577,8 @@ def outer_run(
                     outcome["adopted"] = bool(took) or any(r.sync.round >= 1000 for r in honest)
                 ratios = [largest_norm_ratio(r.weights(), seeded) for r in honest]
                 losses = [r.holder.val_loss() for r in honest]
+                if TRACE is not None:
+                    write_trace(TRACE, (a, b, *more))
                 return {
                     **outcome,
                     "metric": "val loss",
@@ -649,6 +652,15 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     import logging
 
     logging.disable(logging.WARNING)  # the attacks make the honest peers warn a lot; the numbers are the point
+    global TRACE
+    if args.trace is not None:  # this run's outer rounds and its optimizers' screening, for reading after
+        TRACE = args.trace.with_name(f"{args.trace.name}-{attack}-{variant}-s{args.seed}")
+        handler = logging.FileHandler(TRACE.with_suffix(".log"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(message)s"))
+        for name in ("optim.outer", "swarm.outer"):
+            logging.getLogger(name).setLevel(logging.INFO)
+            logging.getLogger(name).addHandler(handler)
+        logging.disable(logging.NOTSET)
     if args.undefended:
         undefend()
     name = attack if variant == "attack" else None
@@ -694,9 +706,32 @@ def drain_run(attack: str | None, seed: int, *, undefended: bool) -> dict[str, A
     return {"metric": "joiner_download_s", "value": result["joiner_download_s"], "rounds": None} | result
 
 
+TRACE: Path | None = None  # --trace: where a child writes its replicas' events (``write_trace``)
+
+
+def write_trace(path: Path, replicas: Iterable[Any]) -> None:
+    """Every replica's outer events to ``path``.events, one JSON line each, peers named a, b, c, … in start order."""
+    replicas = list(replicas)
+    names = {r.peer.id: name for name, r in zip("abcdefghij", replicas)}
+
+    def named(value: Any) -> Any:
+        if isinstance(value, str):
+            return names.get(value, value)
+        return [named(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+    with path.with_suffix(".events").open("w") as out:
+        for r in replicas:
+            for event in r.events:
+                fields = {key: named(value) for key, value in vars(event).items()}
+                print(
+                    json.dumps({"replica": names[r.peer.id], "kind": type(event).__name__, **fields}, default=str),
+                    file=out,
+                )
+
+
 def undefend() -> None:
-    """Issue 42's outer defences off, in this process: no centred clip, no pair guard, SparseLoCo members not judged
-    against the replica's own Δ (the baseline the attacks are
+    """Issue 42's outer defences off, in this process: no centred clip, no pair guard, SparseLoCo members not bounded
+    to the median member's norm (the baseline the attacks are
     measured against without them; the stage scenarios run without backward probes then)."""
     import math
 
@@ -704,7 +739,7 @@ def undefend() -> None:
 
     optim.outer.CENTRE_RADIUS = math.inf
     optim.outer.OuterOptimizer._guard_pair = lambda self, members: (members, {})  # type: ignore[method-assign]
-    optim.outer.SparseLoCo.judged_by_own = False  # type: ignore[misc]
+    optim.outer.SparseLoCo.bounded_by_median = False  # type: ignore[misc]
 
 
 def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -713,6 +748,7 @@ def spawn(attack: str, variant: str, args: argparse.Namespace, seed: int) -> dic
     command += ["--stage-outer-h", str(args.stage_outer_h)]
     command += ["--undefended"] if args.undefended else []
     command += ["--relay"] if args.relay else []
+    command += ["--trace", str(args.trace)] if args.trace else []
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -856,7 +892,13 @@ def main() -> None:
     parser.add_argument(
         "--undefended",
         action="store_true",
-        help="issue 42's defences off (centred clip, pair guard, own-Δ judgement, backward probes)",
+        help="issue 42's defences off (centred clip, pair guard, SparseLoCo's median-norm bound, backward probes)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="outer scenarios: write each run's events (PREFIX-ATTACK-VARIANT-sSEED.events, JSON lines, replicas named a, "
+        "b, c… in start order) and its optimizers' screening log (.log) next to PREFIX",
     )
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a child's seed
     parser.add_argument("--child", nargs=2, metavar=("ATTACK", "VARIANT"), help=argparse.SUPPRESS)

@@ -296,6 +296,23 @@ def test_a_replica_follows_a_claim_two_replicas_vouch_for_and_never_one_peer_aga
     assert follows(liar, "c", (5, H5)) == [(1000, LIE, ("liar",))]
 
 
+def test_other_weights_at_the_own_round_wait_until_the_last_rounds_members_have_announced_it() -> None:
+    """b and c applied round 4's set (a, b, c) alike; a, an attacker applying its own set, announced round 5 with other
+    weights first. While c's record still shows round 4, a's lone claim tied b's own and won on the smaller peer id
+    (the bench's −9× flip: the honest replica adopted the attacker's state). Once c's record is in, b's claim is two."""
+    follow = lambda others: [  # noqa: E731
+        (c.round, c.weights_hash, c.holders)
+        for c in claims_to_follow(others, me="b", round_=5, weights_hash=H5, last_group=(), settling=("a", "b", "c"))
+    ]
+    attacker = {"a": StageStatus(outer_round=5, global_hash=LIE)}
+    behind = StageStatus(outer_round=4, global_hash=H6)
+    assert follow({**attacker, "d": behind}) == [(5, LIE, ("a",))]  # d was not in the last round: a tie, as before
+    assert follow({**attacker, "c": behind}) == []  # c was: wait for its record
+    assert follow({**attacker, "c": StageStatus(outer_round=5, global_hash=H5)}) == []  # settled: two against one
+    # a later round is followed at once: nothing at the own round is being judged
+    assert follow({"a": StageStatus(outer_round=6, global_hash=LIE), "c": behind}) == [(6, LIE, ("a",))]
+
+
 def test_only_peers_of_the_recent_rounds_vouch_and_a_claim_beyond_reach_is_not_followed() -> None:
     statuses = {
         "x": StageStatus(outer_round=1000, global_hash=LIE),  # two fresh identities, one claim: free to make

@@ -154,6 +154,7 @@ def claims_to_follow(
     known: Collection[str] | None = None,
     reach: int | None = None,
     leader: str | None = None,
+    settling: Collection[str] = (),
 ) -> list[StateClaim]:
     """The claims a replica at ``round_`` holding ``weights_hash`` catches up to, best first (``catch_up_claims``),
     from the records of its stage's other replicas (``others``). Only ``known`` peers vouch (None: all), and a claim
@@ -165,6 +166,12 @@ def claims_to_follow(
     doing (its screening differed, or it lies), not a split group to converge with, so that record is left out.
     Where replicas never agree (NoLoCo: ``replicas_agree`` False), other weights at its round are normal: only
     later rounds are followed.
+
+    Other weights at its own round are judged only once the records have settled: while a live member of its last
+    round (``settling``) still announces an earlier round, its holders of this round are not all counted, and a
+    minority whose record came first (an attacker that applies its own set, one record per identity) could outnumber
+    or tie the part of the honest majority shown so far (measured: the −9× flip's replica won a 1-to-1 tie on its peer
+    id and the honest replica adopted its state; docs/benchmarks.md, "The records settle first").
     """
     disowned = {
         p for p, s in others.items() if p in last_group and s.outer_round == round_ and s.global_hash != weights_hash
@@ -172,7 +179,8 @@ def claims_to_follow(
     within = {p: s for p, s in others.items() if p not in disowned and (reach is None or s.outer_round <= reach)}
     claims = stage_claims(within, me=(me, round_, weights_hash), known=known)
     follow = catch_up_claims(claims, round_=round_, weights_hash=weights_hash, me=me, leader=leader)
-    return follow if replicas_agree else [claim for claim in follow if claim.round > round_]
+    settled = all(others[p].outer_round >= round_ for p in settling if p in others and p != me)
+    return follow if replicas_agree and settled else [claim for claim in follow if claim.round > round_]
 
 
 def round_to_meet(

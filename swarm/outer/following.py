@@ -60,6 +60,7 @@ def catch_up_plan(
         # the lone leader of the round this replica came late to: its state, on its own word if it is one of the
         # peers whose word vouches (a Sybil that closes every round alone never becomes one)
         leader=state.lone_leader if known is None or state.lone_leader in known else None,
+        settling=state.last_group,
     )
     if (
         not replicas_agree and known is not None
