@@ -18,8 +18,10 @@ from swarm.dht.metrics import Traffic
 from swarm.pipeline.boundary import boundary_ladders
 from swarm.pipeline.deadlines import MIN_SAMPLES, NEW_PEER_SLACK, DeadlineRule, Deadlines
 from swarm.pipeline.frames import LinkCodecs, Microbatch, Outgoing
-from swarm.pipeline.hops import RemoteStages
-from swarm.pipeline.routing import BAN_S, Router
+from swarm.pipeline.hops import HopFailed, RemoteStages
+from swarm.pipeline.protocol import Forward
+from swarm.pipeline.routing import BAN_S, Peer, Router
+from swarm.rpc.servicer import DIAL_BACKOFF_S, RemoteError, RequestError
 from swarmtest.attacks import INT8
 from swarmtest.clock import FakeClock
 from swarmtest.configs import BATCH, SEQ, tiny_config
@@ -148,3 +150,51 @@ def test_a_reply_is_decoded_onto_the_trainers_device_off_the_event_loop(monkeypa
     remote.shutdown()
     assert reply.value.device == device and reply.value.shape == (BATCH, SEQ, cfg.model.d_model)
     assert decodes and all(name.startswith("replies") and on is device for name, on in decodes), decodes
+
+
+class DialBackedOff(EchoStages):
+    """``EchoStages`` whose calls to ``peer`` fail as a trainer's daemon fails them while a dial backoff lasts."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__()
+        self.peer = peer
+
+    async def forward(self, peer: Peer, request: Forward, *, timeout: float) -> bytes:
+        if peer == self.peer:
+            message = f"P2PDaemonError: failed to dial {peer}: dial backoff"
+            raise RemoteError(RequestError.UNREACHABLE, message)
+        return await super().forward(peer, request, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_a_dial_backoff_keeps_the_server_out_only_until_it_ends_and_counts_no_failure() -> None:
+    """A WAN-lab trainer's first call to a stage met its own daemon's dial backoff (an earlier dial, before the server
+    listened, had failed): the server was banned for BAN_S and 10 hops went around its stage. The backoff says nothing
+    of the server now: it is routed around for DIAL_BACKOFF_S, and its next real failure is its first."""
+    cfg = tiny_config(stages=1, steps=10, timeouts={"rpc_s": RPC_S})
+    clock = FakeClock(0.0)
+    router = Router(1, random.Random(0), clock)
+    router.update(1, ["new"])
+    activations, gradients = boundary_ladders(cfg)
+    counters = Counter[str]()
+    remote = RemoteStages(
+        cfg,
+        DialBackedOff("new"),
+        router,
+        TrainerOptions(check_rate=0.0),
+        codecs=LinkCodecs({"activations": activations, "gradients": gradients}),
+        counters=counters,
+        traffic=Traffic(),
+        fp32_bytes=Counter(),
+    )
+    x = Outgoing(torch.randn(BATCH, SEQ, cfg.model.d_model), None, INT8.encode(torch.randn(BATCH, SEQ, 64)), INT8)
+    with pytest.raises(HopFailed):
+        asyncio.run(remote.forward_hop(Microbatch("mb0", (BATCH, SEQ, cfg.model.d_model), train=True), 1, 0, x))
+    remote.shutdown()
+    assert counters["hop_dial_backoff"] == 1 and counters["hop_failures"] == 0
+    assert router.live_peers(1) == []
+    clock.advance(DIAL_BACKOFF_S + 0.1)
+    assert router.live_peers(1) == ["new"]
+    router.report_failure(1, "new", "unreachable")  # its first failure: BAN_S, not twice that
+    clock.advance(BAN_S + 0.1)
+    assert router.live_peers(1) == ["new"]

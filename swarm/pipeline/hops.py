@@ -32,7 +32,7 @@ from swarm.pipeline.frames import Encoder, Hop, LinkCodecs, Microbatch, Outgoing
 from swarm.pipeline.protocol import KEEPALIVE_S, Backward, Forward, needs_stream
 from swarm.pipeline.relay import MISSING_INPUT
 from swarm.pipeline.routing import NoLiveReplica, Peer, Router
-from swarm.rpc.servicer import RemoteError, RequestError
+from swarm.rpc.servicer import DIAL_BACKOFF_S, RemoteError, RequestError, dial_backed_off
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +249,14 @@ class RemoteStages:
                 raise MissingInput(str(e)) from None
             if e.code == RequestError.GONE:  # a probe's weights are gone: no one's fault, no failed hop (audit.py)
                 self.counters["probes_weights_gone"] += 1
+                return None
+            if dial_backed_off(e):
+                # this trainer's daemon would not dial yet (an earlier dial failed, one before the server listened,
+                # say): around it until the backoff ends, no failure counted (a first call that met it banned the
+                # server for 15 s and 10 hops of a WAN-lab run went around its stage, docs/benchmarks.md)
+                self.counters["hop_dial_backoff"] += 1
+                self.router.ban(stage, peer, DIAL_BACKOFF_S, reason=str(e))
+                logger.info(f"stage {stage} peer {peer}: {e}")
                 return None
             self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
             # busy: alive but loaded; invalid: it refused what this trainer sent (a gradient its screen would not

@@ -41,6 +41,16 @@ TRANSPORT_ERRORS = (
     asyncio.IncompleteReadError,
 )
 
+# libp2p refuses to dial an address again for a few seconds after a dial to it failed (go-libp2p's swarm backoff: 5 s
+# at first), whatever the peer does now: the call never left this peer, and the peer may well be up by now
+DIAL_BACKOFF = "dial backoff"
+DIAL_BACKOFF_S = 5.0
+
+
+def dial_backed_off(error: Exception) -> bool:
+    """Whether ``error`` is this peer's own libp2p daemon refusing to dial (``DIAL_BACKOFF``), not the peer failing."""
+    return DIAL_BACKOFF in str(error)
+
 
 class RequestError(Exception):
     """A request the server refuses; ``code`` tells the client what to do about it."""
