@@ -83,7 +83,10 @@ def shape_config(shape: str) -> SwarmConfig:
     overrides = {
         "stages.num_stages": LAYOUT.stages,
         "codecs.activations": "int8",
-        "outer.inner_steps": 10_000,  # no outer round within a run: the model is of the pipeline
+        # no outer round within a run: the model is of the pipeline (the warm start too: a round after every inner
+        # step of the first 100, which no lab run outlasts)
+        "outer.inner_steps": 10_000,
+        "outer.warm_start_steps": 0,
         **SHAPES[shape],
     }
     return derive_config(SwarmConfig(), overrides)
