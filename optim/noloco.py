@@ -78,6 +78,7 @@ class NoLoCo(OuterOptimizer[PairPart]):
             dropped={mine[i]: why for i, why in screening.dropped.items()},
             clipped={mine[i]: factor for i, factor in screening.clipped.items()},
             guarded={mine[i]: factor for i, factor in screening.guarded.items()},
+            bounded={mine[i]: factor for i, factor in screening.bounded.items()},
         )
 
     def my_group(self, payloads: list[bytes]) -> list[int]:

@@ -64,6 +64,30 @@ def clip_to_centre(
     return out, {members[i][0]: factor for i, factor in factors.items()}
 
 
+def bound_norms(
+    members: Members[Part],
+    names: Iterable[str],
+    *,
+    norm: Callable[[Part], float],
+    scale: Callable[[Part, float], Part],
+    limit: Callable[[list[float]], float],
+) -> tuple[Members[Part], dict[int, float]]:
+    """Per parameter, each member's part scaled down to at most ``limit`` of the members' norms of that parameter
+    (the others as they are). Per parameter, so that nobody can pour a whole Δ's length into one small tensor (a
+    norm's gain, say). A function of the payloads alone: every member computes the same. Returns the members and,
+    for each scaled one, the smallest factor it got, by payload index."""
+    out = [(index, dict(member)) for index, member in members]
+    factors: dict[int, float] = {}
+    for name in names:
+        norms = [norm(member[name]) for _, member in members]
+        bound = limit(norms)
+        for (index, member), n in zip(out, norms):
+            if n > bound > 0:
+                member[name] = scale(member[name], bound / n)
+                factors[index] = min(factors.get(index, 1.0), bound / n)
+    return (out if factors else members), factors
+
+
 def bound_to_median_norm(
     members: Members[Part],
     names: Iterable[str],
@@ -71,27 +95,29 @@ def bound_to_median_norm(
     norm: Callable[[Part], float],
     scale: Callable[[Part, float], Part],
 ) -> tuple[Members[Part], dict[int, float]]:
-    """K ≥ 3: per parameter, each member's part scaled down to at most the median member's norm of that parameter.
+    """K ≥ 3: per parameter, each member's part scaled down to at most the median member's norm (``bound_norms``).
 
     With f < K/2 Byzantine members each median lies within the honest members' norms, so whatever a minority sends,
     each of its members adds to each parameter at most what one honest member does: the aggregate moves at most
-    f · max_honest ‖x_h,p‖ from what the honest members alone give, per parameter p, in any direction (per parameter,
-    so that a minority cannot pour a whole Δ's length into one small tensor, a norm's gain, say). SparseLoCo needs
-    it: its per-index mean counts a lone sender's value in full and its payloads barely overlap, so the centred
+    f · max_honest ‖x_h,p‖ from what the honest members alone give, per parameter p, in any direction. SparseLoCo
+    needs it: its per-index mean counts a lone sender's value in full and its payloads barely overlap, so the centred
     clip's centre (the coordinate median) is ~0 and lets a Δ of twice the median norm through (measured: a −9× flip
-    clipped to 2× there took the honest replicas' validation loss from 2.8 to 3.5 and 6.9; docs/benchmarks.md).
-    Every member computes it from the payloads alone, so honest members stay in agreement. Returns the members and,
-    for each scaled one, the smallest factor it got."""
-    out = [(index, dict(member)) for index, member in members]
-    factors: dict[int, float] = {}
-    for name in names:
-        norms = [norm(member[name]) for _, member in members]
-        limit = statistics.median(norms)
-        for (index, member), n in zip(out, norms):
-            if n > limit > 0:
-                member[name] = scale(member[name], limit / n)
-                factors[index] = min(factors.get(index, 1.0), limit / n)
-    return (out if factors else members), factors
+    clipped to 2× there took the honest replicas' validation loss from 2.8 to 3.5 and 6.9; docs/benchmarks.md)."""
+    return bound_norms(members, names, norm=norm, scale=scale, limit=statistics.median)
+
+
+def bound_pair(
+    members: Members[Part],
+    names: Iterable[str],
+    *,
+    norm: Callable[[Part], float],
+    scale: Callable[[Part, float], Part],
+    ratio: float,
+) -> tuple[Members[Part], dict[int, float]]:
+    """K = 2: per parameter, the larger part scaled down to at most ``ratio`` × the smaller's norm (``bound_norms``).
+    A pair has no majority, but neither member may push more than ``ratio`` × what the other moved, in any direction:
+    a push at right angles (which ``guard_pair`` leaves) costs at most ``ratio``² of its length's harm at 1×."""
+    return bound_norms(members, names, norm=norm, scale=scale, limit=lambda norms: ratio * min(norms))
 
 
 def guard_pair(

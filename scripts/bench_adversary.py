@@ -730,14 +730,15 @@ def write_trace(path: Path, replicas: Iterable[Any]) -> None:
 
 
 def undefend() -> None:
-    """Issue 42's outer defences off, in this process: no centred clip, no pair guard, SparseLoCo members not bounded
-    to the median member's norm (the baseline the attacks are
+    """Issue 42's outer defences off, in this process: no centred clip, no pair guard or bound, SparseLoCo members not
+    bounded to the median member's norm (the baseline the attacks are
     measured against without them; the stage scenarios run without backward probes then)."""
     import math
 
     import optim.outer
 
     optim.outer.CENTRE_RADIUS = math.inf
+    optim.outer.PAIR_BOUND_RATIO = math.inf
     optim.outer.OuterOptimizer._guard_pair = lambda self, members: (members, {})  # type: ignore[method-assign]
     optim.outer.SparseLoCo.bounded_by_median = False  # type: ignore[misc]
 

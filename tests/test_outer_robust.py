@@ -225,3 +225,34 @@ def test_an_opposed_pair_keeps_agreeing_and_neither_member_goes_backwards(cosine
     assert all(torch.equal(step_a[n], step_b[n]) for n in step_a)
     assert dot(step_a, a) == pytest.approx(0.5 * dot(a, a) * (1 - cosine**2), rel=1e-3)  # ½‖a‖²·sin²
     assert dot(step_b, b) >= 0
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_in_a_pair_a_push_at_right_angles_moves_each_parameter_at_most_the_bound(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pg-orthogonal-pair: 9× the attacker's Δ rolled by one coordinate passes the guard (not opposed) and the ×10 norm
+    screen, and cost a pair 5-9%. Per parameter neither member moves more than PAIR_BOUND_RATIO × the other."""
+    own, attackers_own = honest_deltas(2, seed=7, noise=1.0)
+    rolled = {n: torch.roll(t, 1, dims=-1) for n, t in attackers_own.items()}
+    # at right angles to own, and a little along it: not opposed, so the guard leaves it whole
+    across = plus(rolled, own, -dot(rolled, own) / dot(own, own))
+    push = plus({n: 9.0 * norm(own) / norm(across) * t for n, t in across.items()}, own, 0.01)
+    steps = applied_steps(method, [own, push], appliers=[0, 1])
+    assert all(torch.equal(steps[0][n], steps[1][n]) for n in steps[0])  # the pair stays in agreement
+    sent = sent_norms([own]) if method == "sparseloco" else [{n: float(t.double().norm()) for n, t in own.items()}]
+
+    # DiLoCo's step, a mean of two, holds at most (1 + ratio)/2 × the honest part; SparseLoCo's per-index mean, where
+    # the two sent other indices, each in full: 1 + ratio
+    most = (1 + optim.outer.PAIR_BOUND_RATIO) / (2 if method == "diloco" else 1)
+
+    def within(step: Named) -> bool:
+        return all(float(step[n].double().norm()) <= most * sent[0][n] * 1.0001 for n in step)
+
+    assert within(steps[0]) and dot(steps[0], own) > 0
+    # the bound holds it alone (top-k payloads' few shared indices can make the guard act too) ...
+    monkeypatch.setattr(OuterOptimizer, "_guard_pair", lambda self, members: (members, {}))
+    assert within(applied_steps(method, [own, push], appliers=[0])[0])
+    # ... and without it the push breaks it
+    monkeypatch.setattr(optim.outer, "PAIR_BOUND_RATIO", math.inf)
+    assert not within(applied_steps(method, [own, push], appliers=[0])[0])

@@ -242,31 +242,7 @@ class RemoteStages:
             self._missed(stage, peer, timeout)
             return None
         except RemoteError as e:
-            if e.code == RequestError.CACHE_MISS:
-                raise CacheMiss(str(e)) from None
-            if e.code == MISSING_INPUT:
-                self.counters["relay_missing_input"] += 1
-                raise MissingInput(str(e)) from None
-            if e.code == RequestError.GONE:  # a probe's weights are gone: no one's fault, no failed hop (audit.py)
-                self.counters["probes_weights_gone"] += 1
-                return None
-            if dial_backed_off(e):
-                # this trainer's daemon would not dial yet (an earlier dial failed, one before the server listened,
-                # say): around it until the backoff ends, no failure counted (a first call that met it banned the
-                # server for 15 s and 10 hops of a WAN-lab run went around its stage, docs/benchmarks.md)
-                self.counters["hop_dial_backoff"] += 1
-                self.router.ban(stage, peer, DIAL_BACKOFF_S, reason=str(e))
-                logger.info(f"stage {stage} peer {peer}: {e}")
-                return None
-            self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
-            # busy: alive but loaded; invalid: it refused what this trainer sent (a gradient its screen would not
-            # take, a frame it could not read): this trainer's fault, not the server's. Either way charge it the
-            # time (a server refusing everything falls behind in the routing) but do not ban it.
-            if e.code in (RequestError.BUSY, RequestError.INVALID):
-                self.router.report_timeout(stage, peer, time.perf_counter() - started, reason=str(e))
-            else:
-                self.router.report_failure(stage, peer, reason=str(e))
-            logger.info(f"stage {stage} peer {peer}: {e}")
+            self._refused(stage, peer, e, time.perf_counter() - started)
             return None
         except WireError as e:  # the reply does not decode
             self.counters["hop_failures"] += 1
@@ -278,6 +254,35 @@ class RemoteStages:
         self.deadlines.observe(stage, peer, elapsed)
         self.codecs.observe(peer, out, nbytes=sent + received, elapsed_s=wire_and_server_s)
         return out, decoded
+
+    def _refused(self, stage: int, peer: Peer, e: RemoteError, seconds: float) -> None:
+        """A call that came back refused (or never got through) after ``seconds``: told to the router and counted;
+        ``CacheMiss`` and ``MissingInput`` for the caller to act on."""
+        if e.code == RequestError.CACHE_MISS:
+            raise CacheMiss(str(e)) from None
+        if e.code == MISSING_INPUT:
+            self.counters["relay_missing_input"] += 1
+            raise MissingInput(str(e)) from None
+        if e.code == RequestError.GONE:  # a probe's weights are gone: no one's fault, no failed hop (audit.py)
+            self.counters["probes_weights_gone"] += 1
+            return
+        if dial_backed_off(e):
+            # this trainer's daemon would not dial yet (an earlier dial failed, one before the server listened,
+            # say): around it until the backoff ends, no failure counted (a first call that met it banned the
+            # server for 15 s and 10 hops of a WAN-lab run went around its stage, docs/benchmarks.md)
+            self.counters["hop_dial_backoff"] += 1
+            self.router.ban(stage, peer, DIAL_BACKOFF_S, reason=str(e))
+            logger.info(f"stage {stage} peer {peer}: {e}")
+            return
+        self.counters["hop_failures" if e.code == RequestError.UNREACHABLE else f"hop_refused_{e.code}"] += 1
+        # busy: alive but loaded; invalid: it refused what this trainer sent (a gradient its screen would not
+        # take, a frame it could not read): this trainer's fault, not the server's. Either way charge it the
+        # time (a server refusing everything falls behind in the routing) but do not ban it.
+        if e.code in (RequestError.BUSY, RequestError.INVALID):
+            self.router.report_timeout(stage, peer, seconds, reason=str(e))
+        else:
+            self.router.report_failure(stage, peer, reason=str(e))
+        logger.info(f"stage {stage} peer {peer}: {e}")
 
     async def decode(
         self, kind: str, frame: bytes, shape: tuple[int, ...]
