@@ -82,12 +82,13 @@ def test_diloco_golden_two_replicas_two_rounds() -> None:
         torch.testing.assert_close(opt.global_params["w"], torch.tensor([0.335, 2.665]))
         assert torch.equal(local["w"], opt.global_params["w"])
 
-    # Round 2: Δ_A = [0.2, 0.4], Δ_B = [0.2, 0] → g = [0.2, 0.2]; buf = 0.9·[0.5, -0.5] + g = [0.65, -0.25];
-    # update = g + 0.9·buf = [0.785, -0.025]; θ = [0.335, 2.665] − 0.7·update = [-0.2145, 2.6825].
-    locals_ = [minus(locals_[0], params(w=[0.2, 0.4])), minus(locals_[1], params(w=[0.2, 0.0]))]
+    # Round 2: Δ_A = [0.2, 0.3], Δ_B = [0.2, 0] (within the pair's ×2 bound) → g = [0.2, 0.15];
+    # buf = 0.9·[0.5, -0.5] + g = [0.65, -0.3]; update = g + 0.9·buf = [0.785, -0.12];
+    # θ = [0.335, 2.665] − 0.7·update = [-0.2145, 2.749].
+    locals_ = [minus(locals_[0], params(w=[0.2, 0.3])), minus(locals_[1], params(w=[0.2, 0.0]))]
     run_round(opts, locals_)
     for opt in opts:
-        torch.testing.assert_close(opt.global_params["w"], torch.tensor([-0.2145, 2.6825]))
+        torch.testing.assert_close(opt.global_params["w"], torch.tensor([-0.2145, 2.749]))
         assert opt.round == 2
 
 
@@ -160,11 +161,12 @@ def test_sparseloco_golden_per_index_mean() -> None:
     start = params(w=[1.0, 1.0, 1.0, 1.0])
     codec = RegistryCodec()
     opts = [SparseLoCo(start, lr=1.0, codec=codec) for _ in range(2)]
-    # Index 0 sent by both (mean 2), index 1 by B only (4), index 2 by A only (2), index 3 by nobody.
-    locals_ = [minus(start, params(w=[1.0, 0.0, 2.0, 0.0])), minus(start, params(w=[3.0, 4.0, 0.0, 0.0]))]
+    # Index 0 sent by both (mean 2), index 1 by B only (2), index 2 by A only (2), index 3 by nobody (norms √5 and
+    # √13: within the pair's ×2 bound).
+    locals_ = [minus(start, params(w=[1.0, 0.0, 2.0, 0.0])), minus(start, params(w=[3.0, 2.0, 0.0, 0.0]))]
     assert run_round(opts, locals_) == [2, 2]
     for opt in opts:
-        torch.testing.assert_close(opt.global_params["w"], torch.tensor([-1.0, -3.0, -1.0, 1.0]))
+        torch.testing.assert_close(opt.global_params["w"], torch.tensor([-1.0, -1.0, -1.0, 1.0]))
 
 
 def test_sparseloco_real_codec_matches_manual_mean() -> None:
