@@ -221,6 +221,7 @@ SAMPLES: list[tuple[Event, dict[str, Any]]] = [
             received_bytes=1024,
             dropped=(),
             clipped=("b",),
+            bounded=("a",),
         ),
         {
             "event": "outer_round",
@@ -238,6 +239,7 @@ SAMPLES: list[tuple[Event, dict[str, Any]]] = [
             "received_bytes": 1024,
             "dropped": [],
             "clipped": ["b"],
+            "bounded": ["a"],
         },
     ),
     (

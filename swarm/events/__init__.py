@@ -208,6 +208,8 @@ class OuterRound(Event):
     received_bytes: int = _field()
     dropped: tuple[str, ...] = _field()  # whose Δ the screening left out
     clipped: tuple[str, ...] = _field()  # whose Δ it clipped
+    # whose Δ it scaled to the bound (the median member's norm, or a pair's ×2; no offence); None in older records
+    bounded: tuple[str, ...] | None = _field(optional=True)
 
 
 @dataclass(frozen=True, kw_only=True)

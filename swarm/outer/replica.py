@@ -380,6 +380,7 @@ def round_event(
         # whose Δ the screening left out or clipped (their senders got a strike unless relayed)
         dropped=tuple(sorted(contributors[i] for i in screening.dropped)) if screening else (),
         clipped=tuple(sorted(contributors[i] for i in screening.clipped)) if screening else (),
+        bounded=tuple(sorted(contributors[i] for i in screening.bounded)) if screening else (),
     )
 
 
