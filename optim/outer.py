@@ -48,7 +48,9 @@ OWN_NORM_RATIO = 100.0
 CENTRE_RADIUS = 2.0
 # K = 2, after the pair's guard: per parameter, neither member may move more than this many times what the other did
 # (``robust.bound_pair``; no offence). A push at right angles of 9× the honest Δ passed every other rule and cost a
-# pair 5% (DiLoCo) and 9% (SparseLoCo); honest pairs' Δs are within a few percent of each other's norm.
+# pair 5% (DiLoCo) and 9% (SparseLoCo); with it, within 1.5% (docs/benchmarks.md). Honest replicas that trained alike
+# are within a few percent of each other's norm (no measurable cost in clean pairs); ones that trained at very
+# different speeds (warm-up, uneven routing) lose the faster one's excess for that round.
 PAIR_BOUND_RATIO = 2.0
 
 
