@@ -306,6 +306,7 @@ class ReplicaSync:
         screening = await self._install(None if alone else result.payloads, snapshot, keep_own=keep_own)
         if screening is not None:
             self.accountability.hold_to_account(result, screening, round_, me=self.me)
+            self.counters["outer_bounded"] += len(screening.bounded)  # no offence: what the bound held back, counted
         self.accountability.acquit(result, round_, me=self.me)
         return screening
 
