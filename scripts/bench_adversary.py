@@ -498,7 +498,14 @@ def adaptive_payload(outer: Any, how: float | str) -> None:
 
 
 def outer_run(
-    attack: str | None, steps: int, timeout_s: float, seed: int, *, replicas: int = 2, method: str = "diloco"
+    attack: str | None,
+    steps: int,
+    timeout_s: float,
+    seed: int,
+    *,
+    replicas: int = 2,
+    method: str = "diloco",
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     import torch
 
@@ -577,8 +584,8 @@ def outer_run(
                     outcome["adopted"] = bool(took) or any(r.sync.round >= 1000 for r in honest)
                 ratios = [largest_norm_ratio(r.weights(), seeded) for r in honest]
                 losses = [r.holder.val_loss() for r in honest]
-                if TRACE is not None:
-                    write_trace(TRACE, (a, b, *more))
+                if trace is not None:
+                    write_trace(trace, (a, b, *more))
                 return {
                     **outcome,
                     "metric": "val loss",
@@ -652,10 +659,10 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     import logging
 
     logging.disable(logging.WARNING)  # the attacks make the honest peers warn a lot; the numbers are the point
-    global TRACE
+    trace = None
     if args.trace is not None:  # this run's outer rounds and its optimizers' screening, for reading after
-        TRACE = args.trace.with_name(f"{args.trace.name}-{attack}-{variant}-s{args.seed}")
-        handler = logging.FileHandler(TRACE.with_suffix(".log"))
+        trace = args.trace.with_name(f"{args.trace.name}-{attack}-{variant}-s{args.seed}")
+        handler = logging.FileHandler(trace.with_suffix(".log"))
         handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(message)s"))
         for name in ("optim.outer", "swarm.outer"):
             logging.getLogger(name).setLevel(logging.INFO)
@@ -686,7 +693,9 @@ def child(attack: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         )
     elif attack in OUTER | OUTER3 | OUTER5:
         replicas = 3 if attack in OUTER3 else 5 if attack in OUTER5 else 2
-        result = outer_run(name, args.steps, args.timeout - 30, args.seed, replicas=replicas, method=args.outer)
+        result = outer_run(
+            name, args.steps, args.timeout - 30, args.seed, replicas=replicas, method=args.outer, trace=trace
+        )
     elif attack in DRAIN:
         result = drain_run(name, args.seed, undefended=args.undefended)
     else:
@@ -704,9 +713,6 @@ def drain_run(attack: str | None, seed: int, *, undefended: bool) -> dict[str, A
     limits = LIMITS["count" if undefended else "bytes"]
     result = asyncio.run(run(attack is not None, limits, seed=seed, duration_s=600.0, round_s=120.0))
     return {"metric": "joiner_download_s", "value": result["joiner_download_s"], "rounds": None} | result
-
-
-TRACE: Path | None = None  # --trace: where a child writes its replicas' events (``write_trace``)
 
 
 def write_trace(path: Path, replicas: Iterable[Any]) -> None:

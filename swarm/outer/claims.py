@@ -171,7 +171,7 @@ def claims_to_follow(
     round (``settling``) still announces an earlier round, its holders of this round are not all counted, and a
     minority whose record came first (an attacker that applies its own set, one record per identity) could outnumber
     or tie the part of the honest majority shown so far (measured: the −9× flip's replica won a 1-to-1 tie on its peer
-    id and the honest replica adopted its state; docs/benchmarks.md, "The records settle first").
+    id and the honest replica adopted its state; docs/benchmarks.md, "SparseLoCo bounded to the median member's norm").
     """
     disowned = {
         p for p, s in others.items() if p in last_group and s.outer_round == round_ and s.global_hash != weights_hash
